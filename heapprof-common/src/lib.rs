@@ -1,0 +1,250 @@
+//! Data layouts shared by heapprofd's BPF programs and its user-space daemon.
+//!
+//! This crate is the single source of truth for every key and value that crosses
+//! the kernel/user boundary: map names, map value layouts, allocator kinds and
+//! drop-counter indices. It is `no_std` so that the BPF programs can use it; the
+//! `user` feature adds the `aya::Pod` implementations the daemon needs to read maps.
+#![no_std]
+
+/// Maximum number of user-space frames recorded per stack.
+pub const MAX_STACK_DEPTH: u32 = 127;
+
+/// `StackKey::stack_id` of an allocation whose stack could not be stored
+/// (stack map full, hash-bucket collision or unreadable stack). Its counts are
+/// still exact; only the call stack is unknown.
+pub const STACK_ID_UNKNOWN: u32 = u32::MAX;
+
+/// The allocator entry points heapprofd traces, in a fixed order.
+///
+/// The discriminant is stored in maps and used as an index into [`AllocKind::ALL`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum AllocKind {
+    /// `malloc(size)`
+    Malloc = 0,
+    /// `calloc(nmemb, size)`
+    Calloc = 1,
+    /// `realloc(ptr, size)`
+    Realloc = 2,
+    /// `reallocarray(ptr, nmemb, size)`
+    Reallocarray = 3,
+    /// `posix_memalign(&ptr, alignment, size)`
+    PosixMemalign = 4,
+    /// `aligned_alloc(alignment, size)`
+    AlignedAlloc = 5,
+    /// `memalign(alignment, size)`
+    Memalign = 6,
+    /// `valloc(size)`
+    Valloc = 7,
+    /// `pvalloc(size)`: the size is rounded up to whole pages.
+    Pvalloc = 8,
+}
+
+impl AllocKind {
+    /// Every kind, indexed by discriminant.
+    pub const ALL: [AllocKind; 9] = [
+        AllocKind::Malloc,
+        AllocKind::Calloc,
+        AllocKind::Realloc,
+        AllocKind::Reallocarray,
+        AllocKind::PosixMemalign,
+        AllocKind::AlignedAlloc,
+        AllocKind::Memalign,
+        AllocKind::Valloc,
+        AllocKind::Pvalloc,
+    ];
+
+    /// The C symbol name of this entry point.
+    pub const fn symbol(self) -> &'static str {
+        match self {
+            AllocKind::Malloc => "malloc",
+            AllocKind::Calloc => "calloc",
+            AllocKind::Realloc => "realloc",
+            AllocKind::Reallocarray => "reallocarray",
+            AllocKind::PosixMemalign => "posix_memalign",
+            AllocKind::AlignedAlloc => "aligned_alloc",
+            AllocKind::Memalign => "memalign",
+            AllocKind::Valloc => "valloc",
+            AllocKind::Pvalloc => "pvalloc",
+        }
+    }
+
+    /// Converts a discriminant read from a map back into a kind.
+    pub const fn from_u32(value: u32) -> Option<AllocKind> {
+        if (value as usize) < Self::ALL.len() {
+            Some(Self::ALL[value as usize])
+        } else {
+            None
+        }
+    }
+}
+
+/// Per-thread state of an allocator call in progress, keyed by `pid_tgid`.
+///
+/// Written at the outermost allocator entry and consumed at its return, so that
+/// allocator functions calling each other (`realloc(NULL, n)` runs malloc's
+/// code) are counted once, as the user's call.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct InFlight {
+    /// Requested size in bytes (already multiplied for calloc/reallocarray).
+    pub size: u64,
+    /// The block being resized by realloc/reallocarray, or 0.
+    pub old_ptr: u64,
+    /// posix_memalign's out-pointer, or 0.
+    pub out_ptr: u64,
+    /// Allocator calls of this thread currently on the stack (1 = outermost only).
+    pub depth: u32,
+    /// The outermost call's [`AllocKind`].
+    pub kind: u32,
+}
+
+/// Identifies one allocation site: a process, a call stack and the entry point.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StackKey {
+    /// Process (thread-group) id.
+    pub tgid: u32,
+    /// Id in the stack-trace map, or [`STACK_ID_UNKNOWN`].
+    pub stack_id: u32,
+    /// The [`AllocKind`] the user called.
+    pub kind: u32,
+    /// Explicit padding, always zero (keys are compared bytewise).
+    pub _pad: u32,
+}
+
+/// Cumulative counters of one allocation site. In-use = allocated - freed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SiteCounters {
+    /// Blocks allocated at this site since tracing began.
+    pub alloc_objects: u64,
+    /// Bytes allocated at this site since tracing began.
+    pub alloc_bytes: u64,
+    /// Blocks from this site freed since tracing began.
+    pub free_objects: u64,
+    /// Bytes from this site freed since tracing began.
+    pub free_bytes: u64,
+}
+
+/// Key of the live-block table: a block is identified by its process and address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LiveKey {
+    /// The block's address in the process.
+    pub ptr: u64,
+    /// Process (thread-group) id.
+    pub tgid: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+}
+
+/// A block allocated while tracing and not yet freed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LiveBlock {
+    /// Size the user asked for, in bytes.
+    pub size: u64,
+    /// The site that allocated it; its counters are decremented on free.
+    pub site: StackKey,
+}
+
+/// Reasons an event could not be fully recorded, the indices of the per-CPU
+/// `DROPS` array. Every one of them is reported to the user.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DropReason {
+    /// The live-block table was full: the block's allocation is counted, its free will not be.
+    LiveTableFull = 0,
+    /// The per-site counter map was full: the allocation is not counted at all.
+    SiteTableFull = 1,
+    /// The stack-trace map bucket held a different stack (hash collision): counted with an unknown stack.
+    StackCollision = 2,
+    /// The stack-trace map was full or the stack unreadable: counted with an unknown stack.
+    StackLost = 3,
+    /// The per-thread in-flight table was full: the call is not counted.
+    InFlightFull = 4,
+    /// posix_memalign's result could not be read from user memory: the call is not counted.
+    OutPtrUnreadable = 5,
+}
+
+impl DropReason {
+    /// Number of reasons (size of the `DROPS` array).
+    pub const COUNT: u32 = 6;
+
+    /// Every reason, indexed by discriminant.
+    pub const ALL: [DropReason; 6] = [
+        DropReason::LiveTableFull,
+        DropReason::SiteTableFull,
+        DropReason::StackCollision,
+        DropReason::StackLost,
+        DropReason::InFlightFull,
+        DropReason::OutPtrUnreadable,
+    ];
+
+    /// A short description for logs and profile comments.
+    pub const fn describe(self) -> &'static str {
+        match self {
+            DropReason::LiveTableFull => "live-block table full (frees of these blocks not seen)",
+            DropReason::SiteTableFull => "site table full (allocations not counted)",
+            DropReason::StackCollision => "stack-map hash collisions (counted, stack unknown)",
+            DropReason::StackLost => "stacks not stored (counted, stack unknown)",
+            DropReason::InFlightFull => "in-flight table full (calls not counted)",
+            DropReason::OutPtrUnreadable => "posix_memalign result unreadable (not counted)",
+        }
+    }
+}
+
+/// Settings written by the daemon into the BPF programs' read-only data before loading.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Config {
+    /// Page size of the traced system, for pvalloc's rounding.
+    pub page_size: u64,
+}
+
+/// Names of the maps and programs, shared so that a rename cannot desynchronize the two sides.
+pub mod names {
+    /// Per-thread allocator calls in progress (`HashMap<u64, InFlight>`).
+    pub const IN_FLIGHT: &str = "IN_FLIGHT";
+    /// Live blocks (`HashMap<LiveKey, LiveBlock>`).
+    pub const LIVE: &str = "LIVE";
+    /// Per-site counters (`PerCpuHashMap<StackKey, SiteCounters>`).
+    pub const SITES: &str = "SITES";
+    /// User stacks (`StackTrace`).
+    pub const STACKS: &str = "STACKS";
+    /// Drop counters (`PerCpuArray<u64>`, indexed by [`crate::DropReason`]).
+    pub const DROPS: &str = "DROPS";
+    /// The `Config` global.
+    pub const CONFIG: &str = "CONFIG";
+    /// Uretprobe shared by every allocating entry point.
+    pub const PROG_ALLOC_RETURN: &str = "alloc_return";
+    /// Uprobe on free.
+    pub const PROG_FREE: &str = "free_enter";
+
+    /// The entry uprobe program of an allocator kind.
+    pub const fn entry_program(kind: crate::AllocKind) -> &'static str {
+        match kind {
+            crate::AllocKind::Malloc => "malloc_enter",
+            crate::AllocKind::Calloc => "calloc_enter",
+            crate::AllocKind::Realloc => "realloc_enter",
+            crate::AllocKind::Reallocarray => "reallocarray_enter",
+            crate::AllocKind::PosixMemalign => "posix_memalign_enter",
+            crate::AllocKind::AlignedAlloc => "aligned_alloc_enter",
+            crate::AllocKind::Memalign => "memalign_enter",
+            crate::AllocKind::Valloc => "valloc_enter",
+            crate::AllocKind::Pvalloc => "pvalloc_enter",
+        }
+    }
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all of these are repr(C), Copy, made only of integers, with explicit padding.
+    unsafe impl aya::Pod for super::InFlight {}
+    unsafe impl aya::Pod for super::StackKey {}
+    unsafe impl aya::Pod for super::SiteCounters {}
+    unsafe impl aya::Pod for super::LiveKey {}
+    unsafe impl aya::Pod for super::LiveBlock {}
+    unsafe impl aya::Pod for super::Config {}
+}
