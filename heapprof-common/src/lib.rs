@@ -201,6 +201,11 @@ impl DropReason {
 pub struct Config {
     /// Page size of the traced system, for pvalloc's rounding.
     pub page_size: u64,
+    /// A process whose calls are ignored: the daemon itself, whose own
+    /// allocations would otherwise feed back into the profile in `--all` mode.
+    pub ignore_tgid: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Names of the maps and programs, shared so that a rename cannot desynchronize the two sides.

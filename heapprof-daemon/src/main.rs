@@ -1,3 +1,236 @@
-//! heapprofd
-static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
-fn main() { println!("{}", BPF_OBJECT.len()); }
+//! heapprofd: an eBPF heap profiler writing Go-pprof heap profiles.
+//!
+//! Uprobes on the C library's allocator feed BPF maps with per-stack live and
+//! cumulative counts; this daemon reads them on an interval and at exit, symbolizes
+//! the stacks and writes gzip'd `profile.proto` heap profiles.
+
+mod aggregate;
+mod cli;
+mod launch;
+mod pprof;
+mod preflight;
+mod probes;
+mod procmaps;
+mod session;
+mod symbolize;
+
+use std::{
+    os::fd::{FromRawFd as _, OwnedFd},
+    process::ExitCode,
+    time::Duration,
+};
+
+use anyhow::{Context as _, Result};
+use clap::Parser as _;
+use tokio::{
+    io::unix::AsyncFd,
+    signal::unix::{SignalKind, signal},
+    time::Instant,
+};
+
+use crate::{
+    cli::{Cli, Target},
+    launch::{ChildEvent, PausedChild},
+    session::{Session, SessionConfig},
+};
+
+/// Exit status for bad input and unmet requirements.
+const EXIT_USAGE: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let target = match cli.target() {
+        Ok(target) => target,
+        Err(message) => return usage_error(anyhow::anyhow!(message)),
+    };
+    // Fork before any thread exists (the runtime, the tracer).
+    let child = match &target {
+        Target::Launch(command) => match launch::fork_paused(command) {
+            Ok(child) => Some(child),
+            Err(err) => return usage_error(err),
+        },
+        _ => None,
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(err) => return usage_error(anyhow::Error::new(err).context("starting the runtime")),
+    };
+    runtime.block_on(async {
+        let (session, child) = match start(&cli, &target, child) {
+            Ok(started) => started,
+            Err(err) => return usage_error(err),
+        };
+        match run(&cli, &target, session, child).await {
+            Ok(code) => code,
+            Err(err) => {
+                eprintln!("heapprofd: error: {err:#}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
+fn usage_error(err: anyhow::Error) -> ExitCode {
+    eprintln!("heapprofd: error: {err:#}");
+    ExitCode::from(EXIT_USAGE)
+}
+
+fn init_logging() {
+    use std::io::Write as _;
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format(|buf, record| match record.level() {
+            log::Level::Info => writeln!(buf, "heapprofd: {}", record.args()),
+            level => writeln!(buf, "heapprofd: {}: {}", level.as_str().to_lowercase(), record.args()),
+        })
+        .init();
+}
+
+/// Everything that can fail on bad input or a missing requirement: checks, libc, load, attach.
+fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<(Session, Option<PausedChild>)> {
+    preflight::check_privileges()?;
+    preflight::check_uprobes()?;
+    if let Target::Pid(pid) = target {
+        preflight::check_pid(*pid)?;
+    }
+    pprof::writer::prepare_output_dir(&cli.output)?;
+
+    let (libc_path, libc_maps_path) = match (&cli.libc, target) {
+        (Some(path), _) => (path.clone(), path.display().to_string()),
+        (None, Target::Pid(pid)) => {
+            let path = probes::libc::find_in_process(*pid)?;
+            let maps_path = path
+                .to_string_lossy()
+                .trim_start_matches(&format!("/proc/{pid}/root"))
+                .to_owned();
+            (path, maps_path)
+        }
+        // A launched command and other processes use the system's C library, the one heapprofd runs on.
+        (None, _) => {
+            let own = probes::libc::find_in_process(std::process::id())?;
+            let own = own
+                .to_string_lossy()
+                .trim_start_matches(&format!("/proc/{}/root", std::process::id()))
+                .to_owned();
+            (own.clone().into(), own)
+        }
+    };
+    let libc = probes::libc::resolve(&libc_path, &libc_maps_path)?;
+
+    let capacities = probes::Capacities {
+        live_blocks: cli.max_live_blocks,
+        sites: cli.max_sites,
+        stacks: cli.max_stacks,
+        threads: cli.max_threads,
+    };
+    let mut ebpf = probes::load(capacities)?;
+    let pid = match (target, &child) {
+        (Target::Pid(pid), _) => Some(*pid),
+        (Target::Launch(_), Some(child)) => Some(child.pid),
+        _ => None,
+    };
+    let probes = probes::attach(&mut ebpf, &libc, pid)?;
+    log::info!(
+        "{probes} probes on {} ({}), profiles every {:?} in {}",
+        libc.display,
+        match target {
+            Target::Pid(pid) => format!("pid {pid}"),
+            Target::Launch(command) => format!("`{}`, pid {}", command.join(" "), pid.unwrap_or(0)),
+            Target::All => "all processes".to_owned(),
+        },
+        cli.interval,
+        cli.output.display()
+    );
+    let config = SessionConfig {
+        target: target.clone(),
+        output: cli.output.clone(),
+        libc,
+        libc_maps_path,
+    };
+    Ok((Session::new(config, ebpf)?, child))
+}
+
+/// A pidfd that becomes readable when `pid` exits.
+fn pidfd(pid: u32) -> Result<AsyncFd<OwnedFd>> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("pidfd_open");
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // SAFETY: the AsyncFd owns the OwnedFd, which stays open and unchanged until it is dropped.
+    unsafe { AsyncFd::register(fd) }.map_err(|err| anyhow::anyhow!("registering the pidfd: {err}"))
+}
+
+async fn run(cli: &Cli, target: &Target, mut session: Session, child: Option<PausedChild>) -> Result<ExitCode> {
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let child_pid = child.as_ref().map(|c| c.pid);
+    let mut child_events = child.map(PausedChild::release);
+    let target_exit = match target {
+        Target::Pid(pid) => Some(pidfd(*pid)?),
+        _ => None,
+    };
+    let mut ticks = tokio::time::interval_at(Instant::now() + cli.interval, cli.interval);
+    let deadline = cli.duration.map(|d| Instant::now() + d);
+    let far_future = Instant::now() + Duration::from_secs(100 * 365 * 86400);
+    let mut exit_code = ExitCode::SUCCESS;
+    let mut stop_requested = false;
+
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {
+                if let Err(err) = session.dump() {
+                    log::error!("cannot write a profile: {err:#}");
+                }
+                if matches!(target, Target::All) {
+                    if let Err(err) = session.retire_exited() {
+                        log::warn!("cannot clear exited processes: {err:#}");
+                    }
+                }
+            }
+            signal = async { tokio::select! { _ = sigint.recv() => libc::SIGINT, _ = sigterm.recv() => libc::SIGTERM } } => {
+                match child_pid {
+                    // Launch mode: pass the signal on and write the final profile when the command ends.
+                    Some(pid) if !stop_requested => {
+                        log::info!("passing signal {signal} to pid {pid}; a second one stops heapprofd at once");
+                        // SAFETY: plain kill(2).
+                        unsafe { libc::kill(pid as libc::pid_t, signal) };
+                        stop_requested = true;
+                    }
+                    _ => break,
+                }
+            }
+            _ = tokio::time::sleep_until(deadline.unwrap_or(far_future)), if deadline.is_some() => {
+                log::info!("--duration reached");
+                break;
+            }
+            event = async { match child_events.as_mut() { Some(events) => events.recv().await, None => std::future::pending().await } } => {
+                match event {
+                    Some(ChildEvent::Exiting { resume }) => {
+                        // The process still has its address space: read its mappings now.
+                        if let Err(err) = session.refresh_unmapped() {
+                            log::warn!("cannot read the exiting process's mappings: {err:#}");
+                        }
+                        drop(resume);
+                    }
+                    Some(ChildEvent::Exited(code)) => {
+                        log::info!("the command exited with status {code}");
+                        exit_code = ExitCode::from(u8::try_from(code).unwrap_or(1));
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            _ = async { match &target_exit { Some(fd) => { let _ = fd.readable().await; }, None => std::future::pending().await } } => {
+                log::info!("the target process exited");
+                break;
+            }
+        }
+    }
+    let written = session.dump();
+    drop(session); // detaches every probe
+    written.context("writing the final profile")?;
+    Ok(exit_code)
+}

@@ -26,7 +26,11 @@ static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT
 
 /// Written by the daemon before loading (read-only data).
 #[unsafe(no_mangle)]
-static CONFIG: Config = Config { page_size: 4096 };
+static CONFIG: Config = Config {
+    page_size: 4096,
+    ignore_tgid: 0,
+    _pad: 0,
+};
 
 const EEXIST: i32 = 17;
 
@@ -42,6 +46,9 @@ fn count_drop(reason: DropReason) {
 #[inline(always)]
 fn enter(kind: AllocKind, size: u64, old_ptr: u64, out_ptr: u64) {
     let tid = bpf_get_current_pid_tgid();
+    if ignored(tid) {
+        return;
+    }
     if let Some(state) = IN_FLIGHT.get_ptr_mut(&tid) {
         // SAFETY: the entry belongs to this thread; nothing else writes it.
         unsafe {
@@ -97,6 +104,14 @@ fn release(tgid: u32, ptr: u64) {
     };
     let _ = LIVE.remove(&key);
     add_to_site(&block.site, 0, 0, 1, block.size);
+}
+
+/// Whether the calling process is the one the daemon asked to ignore (itself).
+#[inline(always)]
+fn ignored(pid_tgid: u64) -> bool {
+    // SAFETY: CONFIG is a plain global; volatile so the loader's value is read, not the default.
+    let ignore = unsafe { core::ptr::read_volatile(&CONFIG.ignore_tgid) };
+    ignore != 0 && (pid_tgid >> 32) as u32 == ignore
 }
 
 #[inline(always)]
@@ -245,6 +260,9 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
 #[uprobe]
 pub fn free_enter(ctx: ProbeContext) -> u32 {
     let pid_tgid = bpf_get_current_pid_tgid();
+    if ignored(pid_tgid) {
+        return 0;
+    }
     // SAFETY: read-only look at this thread's own entry.
     if let Some(state) = unsafe { IN_FLIGHT.get(&pid_tgid) } {
         if state.depth > 0 {

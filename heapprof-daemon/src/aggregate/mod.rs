@@ -1,0 +1,160 @@
+//! Reading the BPF maps into per-site counts.
+//!
+//! The BPF side keeps cumulative counters per site (process x stack x function);
+//! in-use is allocated minus freed. Reading is a walk over the site table plus the
+//! stacks not seen before, so a dump costs in proportion to the number of sites,
+//! never to the number of allocations.
+
+use std::collections::{HashMap, HashSet};
+
+use anyhow::{Context as _, Result};
+use aya::{
+    Ebpf,
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, StackTraceMap},
+};
+use heapprof_common::{
+    DropReason, LiveBlock, LiveKey, STACK_ID_UNKNOWN, SiteCounters, StackKey, names,
+};
+
+/// Counts of one site, summed over CPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Site {
+    /// Process, stack and function.
+    pub key: StackKey,
+    /// Cumulative counters.
+    pub counters: SiteCounters,
+}
+
+impl Site {
+    /// Blocks allocated here and not freed.
+    pub fn inuse_objects(&self) -> u64 {
+        self.counters.alloc_objects.saturating_sub(self.counters.free_objects)
+    }
+    /// Bytes allocated here and not freed.
+    pub fn inuse_bytes(&self) -> u64 {
+        self.counters.alloc_bytes.saturating_sub(self.counters.free_bytes)
+    }
+}
+
+/// Owns the maps the daemon reads.
+pub struct Maps {
+    sites: PerCpuHashMap<MapData, StackKey, SiteCounters>,
+    stacks: StackTraceMap<MapData>,
+    live: BpfHashMap<MapData, LiveKey, LiveBlock>,
+    drops: PerCpuArray<MapData, u64>,
+    /// Stacks already read; stack ids are stable because entries are never replaced.
+    stack_cache: HashMap<u32, std::sync::Arc<[u64]>>,
+    /// Sites of processes that have exited: allocations kept, in-use cleared.
+    retired: HashMap<StackKey, SiteCounters>,
+}
+
+fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &str) -> Result<T>
+where
+    T::Error: std::error::Error + Send + Sync + 'static,
+{
+    let map = ebpf
+        .take_map(name)
+        .with_context(|| format!("BPF map {name} missing from the object"))?;
+    T::try_from(map).with_context(|| format!("BPF map {name} has an unexpected type"))
+}
+
+impl Maps {
+    /// Takes the maps out of a loaded object.
+    pub fn new(ebpf: &mut Ebpf) -> Result<Self> {
+        Ok(Self {
+            sites: take(ebpf, names::SITES)?,
+            stacks: take(ebpf, names::STACKS)?,
+            live: take(ebpf, names::LIVE)?,
+            drops: take(ebpf, names::DROPS)?,
+            stack_cache: HashMap::new(),
+            retired: HashMap::new(),
+        })
+    }
+
+    /// Every site with its counters summed over CPUs, including retired ones.
+    pub fn read_sites(&self) -> Result<Vec<Site>> {
+        let mut sites: HashMap<StackKey, SiteCounters> = self.retired.clone();
+        for entry in self.sites.iter() {
+            let (key, per_cpu) = entry.context("reading the site table")?;
+            let total = sites.entry(key).or_default();
+            for counters in per_cpu.iter() {
+                total.alloc_objects += counters.alloc_objects;
+                total.alloc_bytes += counters.alloc_bytes;
+                total.free_objects += counters.free_objects;
+                total.free_bytes += counters.free_bytes;
+            }
+        }
+        let mut sites: Vec<Site> = sites
+            .into_iter()
+            .map(|(key, counters)| Site { key, counters })
+            .collect();
+        sites.sort_by_key(|s| s.key);
+        Ok(sites)
+    }
+
+    /// The user stack (return addresses, innermost first) of `stack_id`; empty when unknown.
+    pub fn stack(&mut self, stack_id: u32) -> std::sync::Arc<[u64]> {
+        if stack_id == STACK_ID_UNKNOWN {
+            return std::sync::Arc::from(Vec::new());
+        }
+        if let Some(stack) = self.stack_cache.get(&stack_id) {
+            return std::sync::Arc::clone(stack);
+        }
+        let frames: std::sync::Arc<[u64]> = match self.stacks.get(&stack_id, 0) {
+            Ok(trace) => trace.frames().iter().map(|f| f.ip).collect(),
+            Err(err) => {
+                log::warn!("stack {stack_id} unreadable: {err}");
+                return std::sync::Arc::from(Vec::new());
+            }
+        };
+        self.stack_cache.insert(stack_id, std::sync::Arc::clone(&frames));
+        frames
+    }
+
+    /// Drop counters summed over CPUs, indexed by [`DropReason`].
+    pub fn read_drops(&self) -> Result<[u64; DropReason::COUNT as usize]> {
+        let mut drops = [0u64; DropReason::COUNT as usize];
+        for reason in DropReason::ALL {
+            let per_cpu = self
+                .drops
+                .get(&(reason as u32), 0)
+                .context("reading the drop counters")?;
+            drops[reason as usize] = per_cpu.iter().sum();
+        }
+        Ok(drops)
+    }
+
+    /// Removes every trace of processes that have exited from the BPF maps: their
+    /// allocations are kept (retired, in-use zero since the process's memory is gone),
+    /// their live blocks and counters leave the tables.
+    pub fn retire_processes(&mut self, dead: &HashSet<u32>) -> Result<()> {
+        if dead.is_empty() {
+            return Ok(());
+        }
+        for site in self.read_sites()? {
+            if dead.contains(&site.key.tgid) && self.sites.get(&site.key, 0).is_ok() {
+                let mut counters = site.counters;
+                counters.free_objects = counters.alloc_objects;
+                counters.free_bytes = counters.alloc_bytes;
+                self.retired.insert(site.key, counters);
+                // A concurrent writer cannot exist: the process is gone.
+                let _ = self.sites.remove(&site.key);
+            }
+        }
+        let stale: Vec<LiveKey> = self
+            .live
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| dead.contains(&k.tgid))
+            .collect();
+        for key in &stale {
+            let _ = self.live.remove(key);
+        }
+        log::debug!(
+            "retired {} exited process(es), {} live blocks removed",
+            dead.len(),
+            stale.len()
+        );
+        Ok(())
+    }
+}

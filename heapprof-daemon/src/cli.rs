@@ -1,0 +1,166 @@
+//! Command-line interface: flags, their validation and the traced target.
+
+use std::{path::PathBuf, time::Duration};
+
+use clap::Parser;
+
+/// eBPF heap profiler: live and cumulative heap usage per call stack, written as Go-pprof heap profiles.
+#[derive(Debug, Parser)]
+#[command(
+    name = "heapprofd",
+    version,
+    after_help = "Exactly one target: --pid N, --all, or -- COMMAND [ARGS...].\n\
+                  Open a profile with: go tool pprof -http=: FILE"
+)]
+pub struct Cli {
+    /// Attach to the running process PID (all of its threads).
+    #[arg(short, long, value_name = "PID", conflicts_with = "all")]
+    pub pid: Option<u32>,
+
+    /// Trace every process on the machine that uses the C library (samples carry pid/comm labels).
+    #[arg(long)]
+    pub all: bool,
+
+    /// Directory for the profiles (created with mode 0700 if missing).
+    #[arg(short, long, value_name = "DIR", default_value = "heapprofd-profiles")]
+    pub output: PathBuf,
+
+    /// Time between profiles, e.g. 10s, 500ms, 2m (100ms to 24h).
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_interval)]
+    pub interval: Duration,
+
+    /// Stop after this long, writing a final profile (default: until the target exits or SIGINT/SIGTERM).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub duration: Option<Duration>,
+
+    /// The C library to probe, when it cannot be found from the target's mappings.
+    #[arg(long, value_name = "PATH")]
+    pub libc: Option<PathBuf>,
+
+    /// Capacity of the live-block table (blocks allocated while tracing and not yet freed).
+    #[arg(long, value_name = "N", default_value_t = 1 << 20, value_parser = parse_capacity)]
+    pub max_live_blocks: u32,
+
+    /// Capacity of the per-site counter table (distinct process x stack x function).
+    #[arg(long, value_name = "N", default_value_t = 65536, value_parser = parse_capacity)]
+    pub max_sites: u32,
+
+    /// Capacity of the stack-trace map (distinct user stacks).
+    #[arg(long, value_name = "N", default_value_t = 32768, value_parser = parse_capacity)]
+    pub max_stacks: u32,
+
+    /// Capacity of the table of allocator calls in progress (threads inside malloc at once).
+    #[arg(long, value_name = "N", default_value_t = 16384, value_parser = parse_capacity)]
+    pub max_threads: u32,
+
+    /// Command to launch and trace from its first allocation; heapprofd exits with its status.
+    #[arg(last = true, value_name = "COMMAND")]
+    pub command: Vec<String>,
+}
+
+/// What to trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// A running process.
+    Pid(u32),
+    /// A command heapprofd starts.
+    Launch(Vec<String>),
+    /// Every process using the C library.
+    All,
+}
+
+impl Cli {
+    /// The single target the flags name, or a message saying how to name one.
+    pub fn target(&self) -> Result<Target, String> {
+        match (self.pid, self.all, self.command.is_empty()) {
+            (Some(pid), false, true) => Ok(Target::Pid(pid)),
+            (None, true, true) => Ok(Target::All),
+            (None, false, false) => Ok(Target::Launch(self.command.clone())),
+            (None, false, true) => Err(
+                "no target: give --pid PID, --all, or a command after `--` (heapprofd -- ./prog args)"
+                    .into(),
+            ),
+            _ => Err("give only one target: --pid PID, --all, or `-- COMMAND`".into()),
+        }
+    }
+}
+
+/// Parses `10s`, `500ms`, `2m`, `1h` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration; write e.g. 10s, 500ms or 2m"))?;
+    let seconds = match unit {
+        "" | "s" => value,
+        "ms" => value / 1000.0,
+        "m" | "min" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => return Err(format!("unknown unit `{unit}` in `{text}`; use ms, s, m or h")),
+    };
+    if !seconds.is_finite() || seconds <= 0.0 {
+        return Err(format!("duration `{text}` must be greater than zero"));
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    let interval = parse_duration(text)?;
+    if interval < Duration::from_millis(100) || interval > Duration::from_secs(24 * 3600) {
+        return Err(format!(
+            "interval `{text}` is out of range; choose between 100ms and 24h"
+        ));
+    }
+    Ok(interval)
+}
+
+fn parse_capacity(text: &str) -> Result<u32, String> {
+    let value: u32 = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a whole number"))?;
+    if !(16..=1 << 26).contains(&value) {
+        return Err(format!("capacity {value} is out of range; choose between 16 and 67108864"));
+    }
+    Ok(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("ten").is_err());
+        assert!(parse_duration("5y").is_err());
+    }
+
+    #[test]
+    fn interval_bounds_are_enforced() {
+        assert!(parse_interval("50ms").is_err());
+        assert!(parse_interval("25h").is_err());
+        assert!(parse_interval("1s").is_ok());
+    }
+
+    #[test]
+    fn exactly_one_target_is_required() {
+        let cli = |args: &[&str]| Cli::try_parse_from(args).map(|c| c.target());
+        assert_eq!(cli(&["heapprofd", "--pid", "7"]).ok(), Some(Ok(Target::Pid(7))));
+        assert_eq!(cli(&["heapprofd", "--all"]).ok(), Some(Ok(Target::All)));
+        assert_eq!(
+            cli(&["heapprofd", "--", "ls", "-l"]).ok(),
+            Some(Ok(Target::Launch(vec!["ls".into(), "-l".into()])))
+        );
+        assert!(matches!(cli(&["heapprofd"]), Ok(Err(_))));
+        assert!(matches!(cli(&["heapprofd", "--all", "--", "ls"]), Ok(Err(_))));
+        assert!(cli(&["heapprofd", "--pid", "1", "--all"]).is_err());
+    }
+}

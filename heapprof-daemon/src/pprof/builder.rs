@@ -1,0 +1,356 @@
+//! Building a heap profile with interned strings, functions, mappings and locations.
+
+use std::collections::{HashMap, HashSet};
+
+use thiserror::Error;
+
+use super::proto::{
+    Function, Label, Line, Location, Mapping, Profile, Sample, ValueType,
+};
+use crate::symbolize::Frame;
+
+/// The sample types of a Go heap profile, in Go's order.
+pub const SAMPLE_TYPES: [(&str, &str); 4] = [
+    ("alloc_objects", "count"),
+    ("alloc_space", "bytes"),
+    ("inuse_objects", "count"),
+    ("inuse_space", "bytes"),
+];
+
+/// A label value of a sample.
+#[derive(Debug, Clone)]
+pub enum LabelValue {
+    /// A string label (e.g. `comm`).
+    Str(String),
+    /// A numeric label (e.g. `pid`).
+    Num(i64),
+}
+
+/// Identity of a mapping in the profile: one region of one process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MappingKey {
+    /// Process id.
+    pub pid: u32,
+    /// Region start address.
+    pub start: u64,
+}
+
+/// Accumulates a profile. Ids are assigned densely from 1.
+#[derive(Debug)]
+pub struct ProfileBuilder {
+    profile: Profile,
+    strings: HashMap<String, i64>,
+    functions: HashMap<(String, Option<String>), u64>,
+    mappings: HashMap<MappingKey, usize>,
+    locations: HashMap<(u32, u64, u16), u64>,
+}
+
+impl ProfileBuilder {
+    /// Starts a heap profile taken at `time_nanos` covering `duration_nanos`.
+    pub fn new(time_nanos: i64, duration_nanos: i64) -> Self {
+        let mut builder = Self {
+            profile: Profile {
+                string_table: vec![String::new()],
+                time_nanos,
+                duration_nanos,
+                period: 1,
+                ..Default::default()
+            },
+            strings: HashMap::from([(String::new(), 0)]),
+            functions: HashMap::new(),
+            mappings: HashMap::new(),
+            locations: HashMap::new(),
+        };
+        for (kind, unit) in SAMPLE_TYPES {
+            let value_type = ValueType {
+                r#type: builder.string(kind),
+                unit: builder.string(unit),
+            };
+            builder.profile.sample_type.push(value_type);
+        }
+        builder.profile.period_type = Some(ValueType {
+            r#type: builder.string("space"),
+            unit: builder.string("bytes"),
+        });
+        builder.profile.default_sample_type = builder.string("inuse_space");
+        builder
+    }
+
+    /// Interns a string.
+    pub fn string(&mut self, text: &str) -> i64 {
+        if let Some(&index) = self.strings.get(text) {
+            return index;
+        }
+        let index = self.profile.string_table.len() as i64;
+        self.profile.string_table.push(text.to_owned());
+        self.strings.insert(text.to_owned(), index);
+        index
+    }
+
+    /// Adds a comment line.
+    pub fn comment(&mut self, text: &str) {
+        let index = self.string(text);
+        self.profile.comment.push(index);
+    }
+
+    /// The id of a mapping, adding it on first use. Add the main binary first.
+    pub fn mapping(
+        &mut self,
+        key: MappingKey,
+        limit: u64,
+        file_offset: u64,
+        path: &str,
+        build_id: Option<&str>,
+    ) -> u64 {
+        if let Some(&index) = self.mappings.get(&key) {
+            return self.profile.mapping[index].id;
+        }
+        let id = self.profile.mapping.len() as u64 + 1;
+        let mapping = Mapping {
+            id,
+            memory_start: key.start,
+            memory_limit: limit,
+            file_offset,
+            filename: self.string(path),
+            build_id: build_id.map_or(0, |b| self.string(b)),
+            ..Default::default()
+        };
+        self.mappings.insert(key, self.profile.mapping.len());
+        self.profile.mapping.push(mapping);
+        id
+    }
+
+    fn function(&mut self, frame: &Frame) -> u64 {
+        let key = (frame.function.clone(), frame.file.clone());
+        if let Some(&id) = self.functions.get(&key) {
+            return id;
+        }
+        let id = self.profile.function.len() as u64 + 1;
+        let name = self.string(&frame.function);
+        let function = Function {
+            id,
+            name,
+            system_name: name,
+            filename: frame.file.as_deref().map_or(0, |f| self.string(f)),
+            start_line: 0,
+        };
+        self.profile.function.push(function);
+        self.functions.insert(key, id);
+        id
+    }
+
+    /// The id of the location at `address` of process `pid`, adding it on first use.
+    /// `frames` are innermost first; `mapping` is `None` for addresses outside any
+    /// known mapping. `tag` tells apart locations that share an address but are
+    /// not the same frame (0 for real frames; the caller's own values for synthetic ones).
+    pub fn location(
+        &mut self,
+        pid: u32,
+        address: u64,
+        tag: u16,
+        mapping: Option<MappingKey>,
+        frames: &[Frame],
+    ) -> u64 {
+        if let Some(&id) = self.locations.get(&(pid, address, tag)) {
+            return id;
+        }
+        let id = self.profile.location.len() as u64 + 1;
+        let lines: Vec<Line> = frames
+            .iter()
+            .map(|frame| Line {
+                function_id: self.function(frame),
+                line: i64::from(frame.line),
+                column: 0,
+            })
+            .collect();
+        let mapping_id = match mapping.and_then(|key| self.mappings.get(&key).copied()) {
+            Some(index) => {
+                let mapping = &mut self.profile.mapping[index];
+                if !lines.is_empty() {
+                    // Only now: pprof never re-symbolizes a mapping marked as symbolized.
+                    mapping.has_functions = true;
+                    mapping.has_filenames |= frames.iter().any(|f| f.file.is_some());
+                    mapping.has_line_numbers |= frames.iter().any(|f| f.line != 0);
+                    mapping.has_inline_frames |= frames.len() > 1;
+                }
+                mapping.id
+            }
+            None => 0,
+        };
+        self.profile.location.push(Location {
+            id,
+            mapping_id,
+            address,
+            line: lines,
+            is_folded: false,
+        });
+        self.locations.insert((pid, address, tag), id);
+        id
+    }
+
+    /// Adds a sample: locations leaf first, values in [`SAMPLE_TYPES`] order.
+    pub fn sample(&mut self, location_id: Vec<u64>, values: [u64; 4], labels: &[(&str, LabelValue)]) {
+        let label = labels
+            .iter()
+            .map(|(key, value)| {
+                let key = self.string(key);
+                match value {
+                    LabelValue::Str(text) => Label {
+                        key,
+                        str: self.string(text),
+                        ..Default::default()
+                    },
+                    LabelValue::Num(num) => Label {
+                        key,
+                        num: *num,
+                        ..Default::default()
+                    },
+                }
+            })
+            .collect();
+        self.profile.sample.push(Sample {
+            location_id,
+            value: values.iter().map(|v| i64::try_from(*v).unwrap_or(i64::MAX)).collect(),
+            label,
+        });
+    }
+
+    /// The finished profile, checked against the format's rules.
+    pub fn finish(self) -> Result<Profile, ValidationError> {
+        validate(&self.profile)?;
+        Ok(self.profile)
+    }
+}
+
+/// A rule of the profile format that a profile breaks.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("invalid profile: {0}")]
+pub struct ValidationError(pub String);
+
+/// Checks the rules pprof readers rely on (see profile.proto).
+pub fn validate(profile: &Profile) -> Result<(), ValidationError> {
+    let fail = |msg: String| Err(ValidationError(msg));
+    if profile.string_table.first().map(String::as_str) != Some("") {
+        return fail("string_table[0] must be the empty string".into());
+    }
+    let strings = profile.string_table.len() as i64;
+    let string_ok = |index: i64| (0..strings).contains(&index);
+    let mut indices = vec![profile.default_sample_type, profile.drop_frames, profile.keep_frames];
+    indices.extend(profile.comment.iter().copied());
+    for vt in profile.sample_type.iter().chain(profile.period_type.iter()) {
+        indices.extend([vt.r#type, vt.unit]);
+    }
+    for mapping in &profile.mapping {
+        indices.extend([mapping.filename, mapping.build_id]);
+    }
+    for function in &profile.function {
+        indices.extend([function.name, function.system_name, function.filename]);
+    }
+    for sample in &profile.sample {
+        for label in &sample.label {
+            indices.extend([label.key, label.str, label.num_unit]);
+        }
+    }
+    if let Some(bad) = indices.iter().find(|i| !string_ok(**i)) {
+        return fail(format!("string index {bad} out of range ({strings} strings)"));
+    }
+
+    fn unique_ids(kind: &str, ids: impl Iterator<Item = u64>) -> Result<HashSet<u64>, ValidationError> {
+        let mut seen = HashSet::new();
+        for id in ids {
+            if id == 0 || !seen.insert(id) {
+                return Err(ValidationError(format!("{kind} id {id} is zero or repeated")));
+            }
+        }
+        Ok(seen)
+    }
+    let mappings = unique_ids("mapping", profile.mapping.iter().map(|m| m.id))?;
+    let locations = unique_ids("location", profile.location.iter().map(|l| l.id))?;
+    let functions = unique_ids("function", profile.function.iter().map(|f| f.id))?;
+    for mapping in &profile.mapping {
+        if mapping.memory_start >= mapping.memory_limit {
+            return fail(format!("mapping {} has an empty address range", mapping.id));
+        }
+    }
+    for location in &profile.location {
+        if location.mapping_id != 0 && !mappings.contains(&location.mapping_id) {
+            return fail(format!("location {} names missing mapping {}", location.id, location.mapping_id));
+        }
+        if let Some(line) = location.line.iter().find(|l| !functions.contains(&l.function_id)) {
+            return fail(format!("location {} names missing function {}", location.id, line.function_id));
+        }
+    }
+    for sample in &profile.sample {
+        if sample.value.len() != profile.sample_type.len() {
+            return fail(format!(
+                "a sample has {} values for {} sample types",
+                sample.value.len(),
+                profile.sample_type.len()
+            ));
+        }
+        if sample.location_id.is_empty() {
+            return fail("a sample has no locations".into());
+        }
+        if let Some(id) = sample.location_id.iter().find(|id| !locations.contains(id)) {
+            return fail(format!("a sample names missing location {id}"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(name: &str) -> Frame {
+        Frame {
+            function: name.into(),
+            file: Some("x.c".into()),
+            line: 3,
+        }
+    }
+
+    #[test]
+    fn builds_a_valid_profile() {
+        let mut b = ProfileBuilder::new(1, 2);
+        let key = MappingKey { pid: 1, start: 0x1000 };
+        b.mapping(key, 0x2000, 0, "/bin/x", Some("abcd"));
+        let leaf = b.location(1, 0x1100, 1, Some(key), &[frame("malloc")]);
+        let caller = b.location(1, 0x1200, 0, Some(key), &[frame("inlined"), frame("main")]);
+        assert_eq!(b.location(1, 0x1200, 0, Some(key), &[]), caller, "locations are interned");
+        b.sample(vec![leaf, caller], [1, 16, 1, 16], &[("pid", LabelValue::Num(1))]);
+        b.comment("hello");
+        let profile = b.finish().expect("valid");
+        assert_eq!(profile.string_table[0], "");
+        assert_eq!(profile.sample_type.len(), 4);
+        assert!(profile.mapping[0].has_functions && profile.mapping[0].has_inline_frames);
+        assert_eq!(profile.function.len(), 3);
+    }
+
+    #[test]
+    fn rejects_broken_profiles() {
+        let mut b = ProfileBuilder::new(1, 2);
+        let loc = b.location(1, 0x10, 0, None, &[]);
+        b.sample(vec![loc], [1, 1, 1, 1], &[]);
+        let good = b.finish().expect("valid");
+
+        let mut p = good.clone();
+        p.string_table[0] = "x".into();
+        assert!(validate(&p).is_err());
+        let mut p = good.clone();
+        p.sample[0].value.pop();
+        assert!(validate(&p).is_err());
+        let mut p = good.clone();
+        p.sample[0].location_id = vec![99];
+        assert!(validate(&p).is_err());
+        let mut p = good.clone();
+        p.location[0].id = 0;
+        assert!(validate(&p).is_err());
+        let mut p = good.clone();
+        p.location[0].mapping_id = 5;
+        assert!(validate(&p).is_err());
+        let mut p = good;
+        p.comment.push(1000);
+        assert!(validate(&p).is_err());
+    }
+}

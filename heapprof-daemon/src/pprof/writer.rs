@@ -1,0 +1,156 @@
+//! Writing profiles: gzip'd protobuf, through a temp file renamed into place, mode 0600.
+//!
+//! A reader never sees a partial file and an earlier profile is never damaged:
+//! the temp file is created exclusively (never through a symlink) in the output
+//! directory, synced, then renamed.
+
+use std::{
+    fs::{File, OpenOptions},
+    io::Write as _,
+    os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _},
+    path::{Path, PathBuf},
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context as _, Result, bail};
+use flate2::{Compression, write::GzEncoder};
+use prost::Message as _;
+
+use super::proto::Profile;
+
+/// Creates the output directory (mode 0700) if it is missing and checks it is writable.
+pub fn prepare_output_dir(dir: &Path) -> Result<()> {
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .with_context(|| format!("cannot create output directory {}; choose another with -o DIR", dir.display()))?;
+    }
+    if !dir.is_dir() {
+        bail!("output path {} is not a directory; choose a directory with -o DIR", dir.display());
+    }
+    let probe = dir.join(format!(".heapprofd-probe-{}", std::process::id()));
+    let created = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&probe);
+    match created {
+        Ok(_) => {
+            let _ = std::fs::remove_file(&probe);
+            Ok(())
+        }
+        Err(err) => bail!(
+            "output directory {} is not writable ({err}); choose another with -o DIR",
+            dir.display()
+        ),
+    }
+}
+
+/// Names profiles so that lexical order is chronological order: UTC time, then a sequence number.
+pub fn profile_file_name(time: SystemTime, sequence: u32) -> String {
+    let since_epoch = time.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = since_epoch.as_secs();
+    let (days, rem) = (secs / 86400, secs % 86400);
+    let (year, month, day) = civil_from_days(days as i64);
+    format!(
+        "heap-{year:04}{month:02}{day:02}T{:02}{:02}{:02}.{:03}Z-{sequence:04}.pb.gz",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60,
+        since_epoch.subsec_millis()
+    )
+}
+
+/// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar.
+fn civil_from_days(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+/// Encodes, compresses and atomically writes `profile` as `dir/name`.
+pub fn write_profile(dir: &Path, name: &str, profile: &Profile) -> Result<PathBuf> {
+    let mut gz = GzEncoder::new(Vec::new(), Compression::default());
+    gz.write_all(&profile.encode_to_vec())?;
+    let bytes = gz.finish()?;
+
+    let final_path = dir.join(name);
+    let temp_path = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let write = || -> Result<()> {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&temp_path)
+            .with_context(|| format!("creating {}", temp_path.display()))?;
+        file.write_all(&bytes)
+            .and_then(|()| file.sync_all())
+            .with_context(|| format!("writing {}", temp_path.display()))?;
+        std::fs::rename(&temp_path, &final_path)
+            .with_context(|| format!("renaming to {}", final_path.display()))?;
+        if let Ok(dir) = File::open(dir) {
+            let _ = dir.sync_all();
+        }
+        Ok(())
+    };
+    let result = write();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&temp_path);
+    }
+    result.map(|()| final_path)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{os::unix::fs::PermissionsExt as _, time::Duration};
+
+    use super::*;
+
+    #[test]
+    fn file_names_sort_chronologically() {
+        let t = UNIX_EPOCH + Duration::from_millis(1_795_000_000_123);
+        assert_eq!(profile_file_name(t, 7), "heap-20261118T110640.123Z-0007.pb.gz");
+        let later = profile_file_name(t + Duration::from_secs(1), 8);
+        assert!(profile_file_name(t, 7) < later);
+        assert_eq!(civil_from_days(0), (1970, 1, 1));
+        assert_eq!(civil_from_days(11016), (2000, 2, 29));
+    }
+
+    #[test]
+    fn writes_private_files_and_creates_private_dirs() {
+        let base = tempfile::tempdir().expect("tempdir");
+        let dir = base.path().join("new/profiles");
+        prepare_output_dir(&dir).expect("created");
+        let mode = std::fs::metadata(&dir).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        let path = write_profile(&dir, "p.pb.gz", &Profile::default()).expect("written");
+        let mode = std::fs::metadata(&path).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+            .expect("readdir")
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .collect();
+        assert!(leftovers.is_empty());
+    }
+
+    #[test]
+    fn rejects_a_file_as_output_dir() {
+        let base = tempfile::tempdir().expect("tempdir");
+        let file = base.path().join("f");
+        std::fs::write(&file, "x").expect("write");
+        let err = prepare_output_dir(&file).expect_err("not a dir").to_string();
+        assert!(err.contains("not a directory"), "{err}");
+    }
+}

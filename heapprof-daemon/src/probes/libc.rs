@@ -1,0 +1,148 @@
+//! Finding the C library a target uses and its allocator entry points.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result, bail};
+use blazesym::inspect::{Inspector, source::Elf, source::Source};
+use heapprof_common::AllocKind;
+
+use crate::procmaps::parse_maps_line;
+
+/// A C library and where its allocator functions are.
+#[derive(Debug, Clone)]
+pub struct Libc {
+    /// Path this process can open (through `/proc/PID/root` for another process's library).
+    pub path: PathBuf,
+    /// The path as the target names it, for messages.
+    pub display: String,
+    /// One entry per distinct address: the first kind found there and its file offset.
+    /// Aliases (glibc's aligned_alloc = memalign) are attached once, under the first name.
+    pub allocators: Vec<(AllocKind, u64)>,
+    /// Kinds sharing an address with an earlier one, and that one.
+    pub aliases: Vec<(AllocKind, AllocKind)>,
+    /// File offset of `free`.
+    pub free_offset: u64,
+}
+
+/// Whether a file name looks like a C library (glibc's libc.so.6 / libc-2.x.so, musl's loader).
+fn is_libc_name(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    name.starts_with("libc.so") || (name.starts_with("libc-") && name.ends_with(".so")) || name.starts_with("ld-musl-")
+}
+
+/// The libc mapped by `pid`, opened through the process's own root.
+pub fn find_in_process(pid: u32) -> Result<PathBuf> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .with_context(|| format!("reading /proc/{pid}/maps"))?;
+    for line in maps.lines().filter_map(|l| parse_maps_line(l).ok()) {
+        if line.executable && is_libc_name(&line.path) && !line.path.ends_with(" (deleted)") {
+            return Ok(PathBuf::from(format!("/proc/{pid}/root{}", line.path)));
+        }
+    }
+    bail!(
+        "process {pid} maps no C library (statically linked?); name the allocator's library with --libc PATH"
+    )
+}
+
+/// Resolves the allocator symbols of the library at `path`.
+pub fn resolve(path: &Path, display: &str) -> Result<Libc> {
+    let mut magic = [0u8; 4];
+    let read_magic = std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic));
+    if let Err(err) = read_magic {
+        if err.kind() != std::io::ErrorKind::UnexpectedEof {
+            bail!("cannot read C library {display}: {err}; pass an existing library to --libc");
+        }
+    }
+    if &magic != b"\x7fELF" {
+        bail!(
+            "{display} is not an ELF file; point --libc at the shared C library (e.g. /lib/x86_64-linux-gnu/libc.so.6)"
+        );
+    }
+    let mut names: Vec<&str> = AllocKind::ALL.iter().map(|k| k.symbol()).collect();
+    names.push("free");
+    let inspector = Inspector::new();
+    let mut elf = Elf::new(path);
+    // Exported symbols are what we need; blazesym's DWARF path does not fall back to them.
+    elf.debug_syms = false;
+    let src = Source::Elf(elf);
+    let found = inspector
+        .lookup(&src, &names)
+        .with_context(|| format!("reading the symbols of {display}"))?;
+    let offset_of = |index: usize| -> Option<u64> {
+        found.get(index)?.iter().find_map(|sym| sym.file_offset)
+    };
+
+    let free_offset = offset_of(names.len() - 1);
+    let malloc_offset = offset_of(0);
+    let (Some(free_offset), Some(_)) = (free_offset, malloc_offset) else {
+        bail!("{display} has no malloc/free symbols; point --libc at the library that provides the program's allocator");
+    };
+    let mut by_offset: HashMap<u64, AllocKind> = HashMap::new();
+    let mut allocators = Vec::new();
+    let mut aliases = Vec::new();
+    for (index, kind) in AllocKind::ALL.iter().enumerate() {
+        let Some(offset) = offset_of(index) else {
+            log::debug!("{display} does not export {}", kind.symbol());
+            continue;
+        };
+        match by_offset.get(&offset) {
+            Some(first) => aliases.push((*kind, *first)),
+            None => {
+                by_offset.insert(offset, *kind);
+                allocators.push((*kind, offset));
+            }
+        }
+    }
+    Ok(Libc {
+        path: path.to_owned(),
+        display: display.to_owned(),
+        allocators,
+        aliases,
+        free_offset,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn recognizes_libc_names() {
+        assert!(is_libc_name("/usr/lib/x86_64-linux-gnu/libc.so.6"));
+        assert!(is_libc_name("/lib/libc-2.31.so"));
+        assert!(is_libc_name("/lib/ld-musl-aarch64.so.1"));
+        assert!(!is_libc_name("/usr/lib/libcrypto.so.3"));
+        assert!(!is_libc_name("/usr/lib/libcap.so.2"));
+    }
+
+    #[test]
+    fn resolves_own_libc_with_aliases_attached_once() {
+        let path = find_in_process(std::process::id()).expect("the test binary maps a libc");
+        let libc = resolve(&path, "own libc").expect("libc resolves");
+        let kinds: Vec<_> = libc.allocators.iter().map(|(k, _)| *k).collect();
+        assert!(kinds.contains(&AllocKind::Malloc));
+        assert!(kinds.contains(&AllocKind::Calloc));
+        assert!(kinds.contains(&AllocKind::Realloc));
+        let mut offsets: Vec<_> = libc.allocators.iter().map(|(_, o)| *o).collect();
+        offsets.sort_unstable();
+        offsets.dedup();
+        assert_eq!(offsets.len(), libc.allocators.len(), "one probe per distinct address");
+        assert!(libc.free_offset > 0);
+    }
+
+    #[test]
+    fn rejects_non_elf_and_symbol_less_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let text = dir.path().join("notes.txt");
+        std::fs::write(&text, "hello").expect("write");
+        let err = resolve(&text, "notes.txt").expect_err("text is not a libc").to_string();
+        assert!(err.contains("not an ELF"), "{err}");
+        let exe = std::env::current_exe().expect("test exe");
+        // The test binary is ELF but does not define malloc/free itself.
+        let err = resolve(&exe, "test binary").expect_err("no malloc").to_string();
+        assert!(err.contains("no malloc/free"), "{err}");
+    }
+}

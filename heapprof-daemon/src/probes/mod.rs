@@ -1,0 +1,99 @@
+//! Loading the BPF programs and attaching them to the allocator functions.
+
+pub mod libc;
+
+use std::num::NonZeroU32;
+
+use anyhow::{Context as _, Result};
+use aya::{
+    Ebpf, EbpfLoader,
+    programs::{UProbe, uprobe::UProbeScope},
+};
+use heapprof_common::{Config, names};
+
+pub use self::libc::Libc;
+
+/// The BPF object built by aya-build from heapprof-ebpf.
+static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
+
+/// Capacities of the BPF maps (from the command line).
+#[derive(Debug, Clone, Copy)]
+pub struct Capacities {
+    /// Live-block table entries.
+    pub live_blocks: u32,
+    /// Per-site counter entries.
+    pub sites: u32,
+    /// Stack-trace map entries.
+    pub stacks: u32,
+    /// Concurrent allocator calls (threads).
+    pub threads: u32,
+}
+
+/// Loads the BPF object with the given capacities. Nothing is attached yet.
+pub fn load(capacities: Capacities) -> Result<Ebpf> {
+    let config = Config {
+        page_size: page_size(),
+        ignore_tgid: std::process::id(),
+        _pad: 0,
+    };
+    EbpfLoader::new()
+        .override_global(names::CONFIG, &config, true)
+        .map_max_entries(names::LIVE, capacities.live_blocks)
+        .map_max_entries(names::SITES, capacities.sites)
+        .map_max_entries(names::STACKS, capacities.stacks)
+        .map_max_entries(names::IN_FLIGHT, capacities.threads)
+        .load(BPF_OBJECT)
+        .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { ::libc::sysconf(::libc::_SC_PAGESIZE) };
+    u64::try_from(size).unwrap_or(4096)
+}
+
+fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
+    let program: &mut UProbe = ebpf
+        .program_mut(name)
+        .with_context(|| format!("BPF program {name} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("BPF program {name} is not a uprobe"))?;
+    if program.fd().is_err() {
+        program.load().with_context(|| format!("verifying BPF program {name}"))?;
+    }
+    Ok(program)
+}
+
+/// Attaches entry probes on every allocator function of `libc`, the shared return
+/// probe at the same addresses and the probe on free. `pid` limits them to one process.
+pub fn attach(ebpf: &mut Ebpf, libc: &Libc, pid: Option<u32>) -> Result<usize> {
+    let scope = || match pid.and_then(NonZeroU32::new) {
+        Some(pid) => UProbeScope::OneProcess(pid),
+        None => UProbeScope::AllProcesses,
+    };
+    let attach_err = |what: &str| format!("attaching a uprobe to {what} in {}", libc.display);
+    let mut count = 0;
+    for &(kind, offset) in &libc.allocators {
+        uprobe(ebpf, names::entry_program(kind))?
+            .attach([offset], &libc.path, scope())
+            .with_context(|| attach_err(kind.symbol()))?;
+        uprobe(ebpf, names::PROG_ALLOC_RETURN)?
+            .attach([offset], &libc.path, scope())
+            .with_context(|| attach_err(&format!("the return of {}", kind.symbol())))?;
+        count += 2;
+    }
+    uprobe(ebpf, names::PROG_FREE)?
+        .attach([libc.free_offset], &libc.path, scope())
+        .with_context(|| attach_err("free"))?;
+    count += 1;
+    for (alias, first) in &libc.aliases {
+        log::debug!(
+            "{} is the same function as {} in {}: traced once, reported as {}",
+            alias.symbol(),
+            first.symbol(),
+            libc.display,
+            first.symbol()
+        );
+    }
+    Ok(count)
+}

@@ -1,0 +1,222 @@
+//! `/proc/PID/maps`: parsing, and the file-backed regions of a process.
+//!
+//! Paths in a maps file are chosen by the process (it can name its mappings), so
+//! they are only labels here: the object itself is opened through
+//! `/proc/PID/map_files/START-END`, which is the mapped file whatever its name and
+//! whichever mount namespace it lives in. The open descriptor keeps the file
+//! usable for symbolization after the process has exited.
+
+use std::{
+    collections::HashMap,
+    fs::File,
+    io,
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use thiserror::Error;
+
+/// One line of a maps file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapsLine {
+    /// First address of the region.
+    pub start: u64,
+    /// One past the last address.
+    pub end: u64,
+    /// Whether the region is executable.
+    pub executable: bool,
+    /// Offset in the file of `start`.
+    pub offset: u64,
+    /// Device and inode of the file (0 for anonymous memory).
+    pub inode: u64,
+    /// The path as the kernel prints it (may be empty, `[heap]`, or end in ` (deleted)`).
+    pub path: String,
+}
+
+/// A maps line that could not be parsed.
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("malformed /proc maps line: {0:?}")]
+pub struct MapsParseError(pub String);
+
+/// Parses one maps line: `start-end perms offset dev inode   path`.
+pub fn parse_maps_line(line: &str) -> Result<MapsLine, MapsParseError> {
+    let bad = || MapsParseError(line.to_owned());
+    let mut fields = line.splitn(6, ' ');
+    let range = fields.next().ok_or_else(bad)?;
+    let perms = fields.next().ok_or_else(bad)?;
+    let offset = fields.next().ok_or_else(bad)?;
+    let _dev = fields.next().ok_or_else(bad)?;
+    let inode = fields.next().ok_or_else(bad)?;
+    let path = fields.next().unwrap_or("").trim_start().to_owned();
+    let (start, end) = range.split_once('-').ok_or_else(bad)?;
+    let hex = |s: &str| u64::from_str_radix(s, 16).map_err(|_| bad());
+    let (start, end) = (hex(start)?, hex(end)?);
+    if end < start || perms.len() != 4 {
+        return Err(bad());
+    }
+    Ok(MapsLine {
+        start,
+        end,
+        executable: perms.as_bytes()[2] == b'x',
+        offset: hex(offset)?,
+        inode: inode.parse().map_err(|_| bad())?,
+        path,
+    })
+}
+
+/// An object file mapped by a traced process, held open.
+#[derive(Debug)]
+pub struct ObjectFile {
+    /// The path the process gave it (a label for the profile, not for opening).
+    pub path: String,
+    /// GNU build-id as lowercase hex, if the file has one.
+    pub build_id: Option<String>,
+    /// A path to the open descriptor, valid while this value lives.
+    pub open_path: PathBuf,
+    _file: File,
+}
+
+/// An executable file-backed region of a process.
+#[derive(Debug, Clone)]
+pub struct Region {
+    /// First address.
+    pub start: u64,
+    /// One past the last address.
+    pub end: u64,
+    /// File offset of `start`.
+    pub offset: u64,
+    /// The mapped object.
+    pub object: Arc<ObjectFile>,
+}
+
+impl Region {
+    /// The file offset of `addr`, which must lie in the region.
+    pub fn file_offset(&self, addr: u64) -> u64 {
+        addr - self.start + self.offset
+    }
+}
+
+/// The executable regions of one process, sorted by address.
+#[derive(Debug, Default, Clone)]
+pub struct ProcessMaps {
+    /// Sorted, non-overlapping.
+    pub regions: Vec<Region>,
+}
+
+impl ProcessMaps {
+    /// The region holding `addr`.
+    pub fn find(&self, addr: u64) -> Option<&Region> {
+        let index = self.regions.partition_point(|r| r.start <= addr);
+        let region = self.regions.get(index.checked_sub(1)?)?;
+        (addr < region.end).then_some(region)
+    }
+}
+
+/// Opens the objects of processes, sharing one descriptor per (device, inode).
+#[derive(Debug, Default)]
+pub struct ObjectCache {
+    objects: HashMap<(u64, u64), Arc<ObjectFile>>,
+}
+
+impl ObjectCache {
+    /// Reads the executable file-backed regions of `pid`.
+    pub fn read_process(&mut self, pid: u32) -> io::Result<ProcessMaps> {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+        let mut regions = Vec::new();
+        for line in text.lines() {
+            let Ok(line) = parse_maps_line(line) else {
+                log::debug!("pid {pid}: skipping unparsable maps line {line:?}");
+                continue;
+            };
+            if !line.executable || line.inode == 0 || line.path.starts_with('[') {
+                continue;
+            }
+            let map_file = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
+            match self.open(Path::new(&map_file), &line.path) {
+                Ok(object) => regions.push(Region {
+                    start: line.start,
+                    end: line.end,
+                    offset: line.offset,
+                    object,
+                }),
+                Err(err) => log::debug!("pid {pid}: cannot open {map_file}: {err}"),
+            }
+        }
+        regions.sort_by_key(|r| r.start);
+        Ok(ProcessMaps { regions })
+    }
+
+    fn open(&mut self, map_file: &Path, label: &str) -> io::Result<Arc<ObjectFile>> {
+        let file = File::open(map_file)?;
+        let meta = file.metadata()?;
+        let key = (meta.dev(), meta.ino());
+        if let Some(object) = self.objects.get(&key) {
+            return Ok(Arc::clone(object));
+        }
+        let open_path = PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file)));
+        let build_id = blazesym::helper::read_elf_build_id(&open_path)
+            .ok()
+            .flatten()
+            .map(|id| id.iter().map(|b| format!("{b:02x}")).collect());
+        let object = Arc::new(ObjectFile {
+            path: label.trim_end_matches(" (deleted)").to_owned(),
+            build_id,
+            open_path,
+            _file: file,
+        });
+        self.objects.insert(key, Arc::clone(&object));
+        Ok(object)
+    }
+}
+
+/// Reads `/proc/PID/comm` (the process name), or `?` when it is gone.
+pub fn process_name(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|s| s.trim_end().to_owned())
+        .unwrap_or_else(|_| "?".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_file_backed_and_anonymous_lines() {
+        let line = parse_maps_line(
+            "7f1c2a428000-7f1c2a5bd000 r-xp 00028000 fe:01 1843213                    /usr/lib/x86_64-linux-gnu/libc.so.6",
+        )
+        .expect("valid line");
+        assert_eq!(line.start, 0x7f1c2a428000);
+        assert_eq!(line.end, 0x7f1c2a5bd000);
+        assert!(line.executable);
+        assert_eq!(line.offset, 0x28000);
+        assert_eq!(line.inode, 1843213);
+        assert_eq!(line.path, "/usr/lib/x86_64-linux-gnu/libc.so.6");
+
+        let anon = parse_maps_line("7ffd1000-7ffd2000 rw-p 00000000 00:00 0").expect("anon line");
+        assert!(!anon.executable);
+        assert_eq!(anon.path, "");
+
+        let spaces = parse_maps_line("1000-2000 r-xp 0 08:01 12 /tmp/a b (deleted)").expect("spaces");
+        assert_eq!(spaces.path, "/tmp/a b (deleted)");
+    }
+
+    #[test]
+    fn rejects_malformed_lines() {
+        for bad in ["", "zz-10 r-xp 0 0 0", "10-5 r-xp 0 00:00 0", "10-20 rx 0 00:00 0", "10-20 r-xp 0 00:00 x"] {
+            assert!(parse_maps_line(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn reads_own_regions_and_finds_addresses() {
+        let maps = ObjectCache::default()
+            .read_process(std::process::id())
+            .expect("own maps");
+        let here = reads_own_regions_and_finds_addresses as usize as u64;
+        let region = maps.find(here).expect("own code is in an executable region");
+        assert!(region.object.build_id.is_some(), "test binary has a build-id");
+        assert!(maps.find(0).is_none());
+    }
+}

@@ -1,0 +1,310 @@
+//! A tracing session: from attached probes to profiles on disk.
+
+use std::{
+    collections::{HashMap, HashSet},
+    path::PathBuf,
+    sync::Arc,
+    time::{Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context as _, Result};
+use aya::Ebpf;
+use heapprof_common::{AllocKind, DropReason, STACK_ID_UNKNOWN};
+
+use crate::{
+    aggregate::{Maps, Site},
+    cli::Target,
+    pprof::{LabelValue, MappingKey, ProfileBuilder, writer},
+    probes::Libc,
+    procmaps::{ObjectCache, ProcessMaps, process_name},
+    symbolize::{Frame, Symbolizer},
+};
+
+/// What the session knows of a traced process; kept after it exits so its
+/// allocations stay symbolized in later profiles.
+#[derive(Debug, Default)]
+struct ProcessInfo {
+    maps: ProcessMaps,
+    comm: String,
+    exe: Option<String>,
+    alive: bool,
+}
+
+/// Location tags: real frames, the allocator entry point of each kind, an unknown stack.
+const TAG_FRAME: u16 = 0;
+const TAG_UNKNOWN_STACK: u16 = u16::MAX;
+
+/// Settings of a session.
+pub struct SessionConfig {
+    /// What is traced.
+    pub target: Target,
+    /// Where profiles go.
+    pub output: PathBuf,
+    /// The C library probed.
+    pub libc: Libc,
+    /// The path of that library as the traced processes' maps name it.
+    pub libc_maps_path: String,
+}
+
+/// A running session. Dropping it detaches every probe.
+pub struct Session {
+    config: SessionConfig,
+    _ebpf: Ebpf,
+    maps: Maps,
+    objects: ObjectCache,
+    processes: HashMap<u32, ProcessInfo>,
+    symbolizer: Symbolizer,
+    started: SystemTime,
+    started_at: Instant,
+    sequence: u32,
+    reported_drops: [u64; DropReason::COUNT as usize],
+}
+
+impl Session {
+    /// Wraps loaded, attached BPF programs.
+    pub fn new(config: SessionConfig, mut ebpf: Ebpf) -> Result<Self> {
+        let maps = Maps::new(&mut ebpf)?;
+        Ok(Self {
+            config,
+            _ebpf: ebpf,
+            maps,
+            objects: ObjectCache::default(),
+            processes: HashMap::new(),
+            symbolizer: Symbolizer::new(),
+            started: SystemTime::now(),
+            started_at: Instant::now(),
+            sequence: 0,
+            reported_drops: [0; DropReason::COUNT as usize],
+        })
+    }
+
+    /// Re-reads the mappings of `pid` while it is alive (the cached ones are kept otherwise).
+    pub fn refresh_process(&mut self, pid: u32) {
+        let info = self.processes.entry(pid).or_default();
+        match self.objects.read_process(pid) {
+            Ok(maps) => {
+                info.maps = maps;
+                info.comm = process_name(pid);
+                info.exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+                    .ok()
+                    .map(|p| p.display().to_string());
+                info.alive = true;
+            }
+            Err(err) => {
+                log::debug!("pid {pid}: mappings not readable ({err}); keeping the cached ones");
+                info.alive = false;
+            }
+        }
+    }
+
+    /// Reads the mappings of every process with sites whose stacks are not all mapped.
+    /// Called on each dump and when a process is about to exit.
+    pub fn refresh_unmapped(&mut self) -> Result<()> {
+        let sites = self.maps.read_sites()?;
+        let mut checked = HashSet::new();
+        for site in &sites {
+            let pid = site.key.tgid;
+            if checked.contains(&pid) {
+                continue;
+            }
+            let stack = self.maps.stack(site.key.stack_id);
+            let needs_refresh = match self.processes.get(&pid) {
+                None => true,
+                Some(info) => info.alive && stack.iter().any(|&ret| info.maps.find(ret.wrapping_sub(1)).is_none()),
+            };
+            if needs_refresh {
+                self.refresh_process(pid);
+                checked.insert(pid);
+            }
+        }
+        // Symbolize now, while the files are certainly reachable.
+        for site in &sites {
+            let stack = self.maps.stack(site.key.stack_id);
+            if let Some(info) = self.processes.get(&site.key.tgid) {
+                for &ret in stack.iter() {
+                    let addr = ret.wrapping_sub(1);
+                    if let Some(region) = info.maps.find(addr) {
+                        self.symbolizer.frames(region, region.file_offset(addr));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks processes that no longer exist as exited and clears their live blocks from the maps.
+    pub fn retire_exited(&mut self) -> Result<()> {
+        let sites = self.maps.read_sites()?;
+        let dead: HashSet<u32> = sites
+            .iter()
+            .map(|s| s.key.tgid)
+            .filter(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
+            .collect();
+        for pid in &dead {
+            if let Some(info) = self.processes.get_mut(pid) {
+                info.alive = false;
+            }
+        }
+        self.maps.retire_processes(&dead)
+    }
+
+    /// Writes one profile of everything counted so far; returns its path.
+    pub fn dump(&mut self) -> Result<PathBuf> {
+        self.refresh_unmapped()?;
+        let sites = self.maps.read_sites()?;
+        let drops = self.maps.read_drops()?;
+        self.report_drops(&drops);
+        let profile = self.build_profile(&sites, &drops)?;
+        self.sequence += 1;
+        let name = writer::profile_file_name(SystemTime::now(), self.sequence);
+        let path = writer::write_profile(&self.config.output, &name, &profile)?;
+        let (objects, bytes) = sites
+            .iter()
+            .fold((0, 0), |(o, b), s| (o + s.inuse_objects(), b + s.inuse_bytes()));
+        log::info!(
+            "wrote {} ({} sites, {objects} blocks / {bytes} bytes in use)",
+            path.display(),
+            sites.len()
+        );
+        Ok(path)
+    }
+
+    fn report_drops(&mut self, drops: &[u64; DropReason::COUNT as usize]) {
+        for reason in DropReason::ALL {
+            let (now, before) = (drops[reason as usize], self.reported_drops[reason as usize]);
+            if now > before {
+                log::warn!(
+                    "{} events: {} (see the --max-* flags)",
+                    now - before,
+                    reason.describe()
+                );
+            }
+        }
+        self.reported_drops = *drops;
+    }
+
+    fn build_profile(&mut self, sites: &[Site], drops: &[u64; DropReason::COUNT as usize]) -> Result<crate::pprof::proto::Profile> {
+        let now = SystemTime::now();
+        let nanos = |t: SystemTime| t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
+        let mut builder = ProfileBuilder::new(nanos(now), self.started_at.elapsed().as_nanos() as i64);
+        builder.comment(&format!("heapprofd {}", env!("CARGO_PKG_VERSION")));
+        builder.comment(&match &self.config.target {
+            Target::Pid(pid) => format!("target: pid {pid}"),
+            Target::Launch(cmd) => format!("target: {}", cmd.join(" ")),
+            Target::All => "target: all processes".to_owned(),
+        });
+        builder.comment(&format!("libc: {}", self.config.libc.display));
+        builder.comment(&format!(
+            "traced since {} ns after the epoch",
+            nanos(self.started)
+        ));
+        for reason in DropReason::ALL {
+            builder.comment(&format!("dropped: {} = {}", reason.describe(), drops[reason as usize]));
+        }
+
+        // The main binary of each process first: pprof takes the first mapping as the program.
+        let pids: Vec<u32> = sites.iter().map(|s| s.key.tgid).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        for pid in &pids {
+            if let Some(info) = self.processes.get(pid) {
+                for region in &info.maps.regions {
+                    if Some(&region.object.path) == info.exe.as_ref() {
+                        add_mapping(&mut builder, *pid, region);
+                    }
+                }
+            }
+        }
+
+        for site in sites {
+            if site.counters.alloc_objects == 0 {
+                continue;
+            }
+            let pid = site.key.tgid;
+            let stack = self.maps.stack(site.key.stack_id);
+            let empty = ProcessInfo::default();
+            let info = self.processes.get(&pid).unwrap_or(&empty);
+            let mut locations = Vec::with_capacity(stack.len() + 1);
+            locations.push(self.allocator_location(&mut builder, pid, info, site.key.kind));
+            // Frame-pointer walks end in code without frame pointers (libc's start
+            // code); frames below the last mapped one are noise.
+            let mapped_len = stack
+                .iter()
+                .rposition(|&ret| info.maps.find(ret.wrapping_sub(1)).is_some())
+                .map_or(0, |i| i + 1);
+            for &ret in &stack[..mapped_len] {
+                // Return addresses point after the call; the call instruction is one byte back.
+                let addr = ret.wrapping_sub(1);
+                let id = match info.maps.find(addr) {
+                    Some(region) => {
+                        let frames = self.symbolizer.frames(region, region.file_offset(addr));
+                        let key = add_mapping(&mut builder, pid, region);
+                        builder.location(pid, addr, TAG_FRAME, Some(key), &frames)
+                    }
+                    None => builder.location(pid, addr, TAG_FRAME, None, &[]),
+                };
+                locations.push(id);
+            }
+            if site.key.stack_id == STACK_ID_UNKNOWN {
+                let frame = Frame {
+                    function: "[stack not recorded]".into(),
+                    file: None,
+                    line: 0,
+                };
+                locations.push(builder.location(pid, 0, TAG_UNKNOWN_STACK, None, &[frame]));
+            }
+            let labels = [
+                ("pid", LabelValue::Num(i64::from(pid))),
+                ("comm", LabelValue::Str(info.comm.clone())),
+            ];
+            builder.sample(
+                locations,
+                [
+                    site.counters.alloc_objects,
+                    site.counters.alloc_bytes,
+                    site.inuse_objects(),
+                    site.inuse_bytes(),
+                ],
+                &labels,
+            );
+        }
+        builder.finish().context("building the profile")
+    }
+
+    /// The leaf location of a sample: the allocator function the program called,
+    /// at its exact entry address in the process.
+    fn allocator_location(&self, builder: &mut ProfileBuilder, pid: u32, info: &ProcessInfo, kind: u32) -> u64 {
+        let kind = AllocKind::from_u32(kind).unwrap_or(AllocKind::Malloc);
+        let frame = Frame {
+            function: kind.symbol().to_owned(),
+            file: None,
+            line: 0,
+        };
+        let file_offset = self
+            .config
+            .libc
+            .allocators
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, offset)| *offset);
+        let region = file_offset.and_then(|offset| {
+            info.maps.regions.iter().find(|r| {
+                r.object.path == self.config.libc_maps_path
+                    && (r.offset..r.offset + (r.end - r.start)).contains(&offset)
+            }).map(|r| (r, r.start + offset - r.offset))
+        });
+        let tag = 1 + kind as u16;
+        match region {
+            Some((region, address)) => {
+                let key = add_mapping(builder, pid, region);
+                builder.location(pid, address, tag, Some(key), &[frame])
+            }
+            None => builder.location(pid, 0, tag, None, &[frame]),
+        }
+    }
+}
+
+fn add_mapping(builder: &mut ProfileBuilder, pid: u32, region: &crate::procmaps::Region) -> MappingKey {
+    let key = MappingKey { pid, start: region.start };
+    let object: &Arc<_> = &region.object;
+    builder.mapping(key, region.end, region.offset, &object.path, object.build_id.as_deref());
+    key
+}

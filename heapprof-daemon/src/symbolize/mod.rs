@@ -1,0 +1,159 @@
+//! Addresses of traced processes to functions, files and lines (blazesym).
+//!
+//! An address is first normalized to (object file, file offset) with the process's
+//! cached mappings; symbolization works on the object file, so its results are
+//! cached across dumps and shared between processes mapping the same file, and it
+//! keeps working after the process has exited.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+};
+
+use blazesym::symbolize::{
+    Symbolizer as Blazesym,
+    source::{Elf, Source},
+    Input, Symbolized,
+};
+
+use crate::procmaps::{ObjectFile, Region};
+
+/// One source-level frame; an address yields several when functions were inlined.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Frame {
+    /// Function name (demangled).
+    pub function: String,
+    /// Source file, when debug information has it.
+    pub file: Option<String>,
+    /// Line number, or 0.
+    pub line: u32,
+}
+
+/// Frames of one address, innermost inlined function first, the containing function last.
+pub type Frames = Arc<[Frame]>;
+
+/// Caches symbolization per (object, file offset).
+pub struct Symbolizer {
+    blazesym: Blazesym,
+    cache: HashMap<(usize, u64), Frames>,
+}
+
+impl Default for Symbolizer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Symbolizer {
+    /// A symbolizer with code info and inlined functions enabled.
+    pub fn new() -> Self {
+        let blazesym = Blazesym::builder()
+            .enable_code_info(true)
+            .enable_inlined_fns(true)
+            // blazesym would demangle every name, and short C names are valid
+            // Itanium type codes (`a` -> "signed char"); see `demangle`.
+            .enable_demangling(false)
+            .build();
+        Self {
+            blazesym,
+            cache: HashMap::new(),
+        }
+    }
+
+    /// Symbolizes the given file offsets of one object, filling the cache.
+    pub fn prefetch(&mut self, object: &Arc<ObjectFile>, offsets: &[u64]) {
+        let id = Arc::as_ptr(object) as usize;
+        let missing: Vec<u64> = offsets
+            .iter()
+            .copied()
+            .filter(|o| !self.cache.contains_key(&(id, *o)))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        if missing.is_empty() {
+            return;
+        }
+        let source = Source::Elf(Elf::new(&object.open_path));
+        let results = match self.blazesym.symbolize(&source, Input::FileOffset(&missing)) {
+            Ok(results) => results,
+            Err(err) => {
+                log::debug!("cannot symbolize {}: {err:#}", object.path);
+                Vec::new()
+            }
+        };
+        for (index, offset) in missing.iter().enumerate() {
+            let frames: Frames = match results.get(index) {
+                Some(Symbolized::Sym(sym)) => {
+                    let mut frames = Vec::with_capacity(1 + sym.inlined.len());
+                    for inlined in sym.inlined.iter().rev() {
+                        frames.push(frame(&inlined.name, inlined.code_info.as_ref()));
+                    }
+                    frames.push(frame(&sym.name, sym.code_info.as_deref()));
+                    frames.into()
+                }
+                _ => Arc::from(Vec::new()),
+            };
+            self.cache.insert((id, *offset), frames);
+        }
+    }
+
+    /// Frames for a file offset in `region`'s object (empty when unknown).
+    pub fn frames(&mut self, region: &Region, file_offset: u64) -> Frames {
+        let id = Arc::as_ptr(&region.object) as usize;
+        if let Some(frames) = self.cache.get(&(id, file_offset)) {
+            return Arc::clone(frames);
+        }
+        self.prefetch(&region.object, &[file_offset]);
+        self.cache
+            .get(&(id, file_offset))
+            .cloned()
+            .unwrap_or_else(|| Arc::from(Vec::new()))
+    }
+}
+
+fn frame(name: &str, code_info: Option<&blazesym::symbolize::CodeInfo<'_>>) -> Frame {
+    let (file, line) = match code_info {
+        Some(info) => {
+            let path = info.to_path();
+            (Some(path.display().to_string()), info.line.unwrap_or(0))
+        }
+        None => (None, 0),
+    };
+    Frame {
+        function: demangle(name),
+        file,
+        line,
+    }
+}
+
+/// Demangles Rust and C++ symbol names; anything else (C) is kept as it is.
+pub fn demangle(name: &str) -> String {
+    if name.starts_with("_R") || name.starts_with("_ZN") {
+        if let Ok(demangled) = rustc_demangle::try_demangle(name) {
+            return format!("{demangled:#}");
+        }
+    }
+    if name.starts_with("_Z") {
+        if let Ok(symbol) = cpp_demangle::Symbol::new(name) {
+            if let Ok(demangled) = symbol.demangle(&cpp_demangle::DemangleOptions::default()) {
+                return demangled;
+            }
+        }
+    }
+    name.to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::demangle;
+
+    #[test]
+    fn demangles_only_mangled_names() {
+        assert_eq!(demangle("a"), "a");
+        assert_eq!(demangle("b"), "b");
+        assert_eq!(demangle("main"), "main");
+        assert_eq!(demangle("_ZN3foo3barE"), "foo::bar");
+        assert_eq!(demangle("_Z3fooi"), "foo(int)");
+        assert_eq!(demangle("_ZN4core3fmt5write17h0123456789abcdefE"), "core::fmt::write");
+    }
+}
