@@ -53,6 +53,10 @@ pub struct Cli {
     #[arg(long, value_name = "N", default_value_t = 16384, value_parser = parse_capacity)]
     pub max_threads: u32,
 
+    /// After the final profile, print the N allocation sites holding the most memory.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub top: usize,
+
     /// Command to launch and trace from its first allocation; heapprofd exits with its status.
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<String>,

@@ -150,6 +150,17 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<(Sess
     Ok((Session::new(config, ebpf)?, child))
 }
 
+fn print_top(top: &[session::TopSite]) {
+    println!("\nTop allocation sites (in use at the end / allocated in total):");
+    println!("{:>12} {:>9} {:>13} {:>10}  SITE", "LIVE BYTES", "LIVE", "TOTAL BYTES", "TOTAL");
+    for site in top {
+        println!(
+            "{:>12} {:>9} {:>13} {:>10}  {}",
+            site.inuse_bytes, site.inuse_objects, site.alloc_bytes, site.alloc_objects, site.description
+        );
+    }
+}
+
 /// A pidfd that becomes readable when `pid` exits.
 fn pidfd(pid: u32) -> Result<AsyncFd<OwnedFd>> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
@@ -230,6 +241,12 @@ async fn run(cli: &Cli, target: &Target, mut session: Session, child: Option<Pau
         }
     }
     let written = session.dump();
+    if cli.top > 0 {
+        match session.top_sites(cli.top) {
+            Ok(top) => print_top(&top),
+            Err(err) => log::warn!("cannot summarize the sites: {err:#}"),
+        }
+    }
     drop(session); // detaches every probe
     written.context("writing the final profile")?;
     Ok(exit_code)

@@ -302,6 +302,80 @@ impl Session {
     }
 }
 
+/// One line of the `--top` summary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopSite {
+    /// `function (file:line) <- caller <- caller`.
+    pub description: String,
+    /// Bytes in use.
+    pub inuse_bytes: u64,
+    /// Blocks in use.
+    pub inuse_objects: u64,
+    /// Bytes allocated in total.
+    pub alloc_bytes: u64,
+    /// Blocks allocated in total.
+    pub alloc_objects: u64,
+}
+
+impl Session {
+    /// The `limit` call sites holding the most memory (then allocating the most),
+    /// sites with the same description merged.
+    pub fn top_sites(&mut self, limit: usize) -> Result<Vec<TopSite>> {
+        let mut merged: HashMap<String, TopSite> = HashMap::new();
+        for site in self.maps.read_sites()? {
+            let stack = self.maps.stack(site.key.stack_id);
+            let kind = AllocKind::from_u32(site.key.kind).map_or("?", AllocKind::symbol);
+            let mut names = Vec::new();
+            if let Some(info) = self.processes.get(&site.key.tgid) {
+                // Innermost first, inlined functions included: the first one made the call.
+                'frames: for &ret in stack.iter() {
+                    let addr = ret.wrapping_sub(1);
+                    let Some(region) = info.maps.find(addr) else { break };
+                    let frames = self.symbolizer.frames(region, region.file_offset(addr));
+                    if frames.is_empty() {
+                        names.push(format!("{addr:#x}"));
+                    }
+                    for frame in frames.iter() {
+                        if names.is_empty() {
+                            let file = frame.file.as_deref().map(|f| f.rsplit('/').next().unwrap_or(f));
+                            names.push(match file {
+                                Some(file) => format!("{} ({file}:{})", frame.function, frame.line),
+                                None => frame.function.clone(),
+                            });
+                        } else {
+                            names.push(frame.function.clone());
+                        }
+                        if names.len() == 4 {
+                            break 'frames;
+                        }
+                    }
+                }
+            }
+            if names.is_empty() {
+                names.push("[unknown]".into());
+            }
+            let description = format!("{kind} in {}", names.join(" <- "));
+            let entry = merged.entry(description.clone()).or_insert(TopSite {
+                description,
+                inuse_bytes: 0,
+                inuse_objects: 0,
+                alloc_bytes: 0,
+                alloc_objects: 0,
+            });
+            entry.inuse_bytes += site.inuse_bytes();
+            entry.inuse_objects += site.inuse_objects();
+            entry.alloc_bytes += site.counters.alloc_bytes;
+            entry.alloc_objects += site.counters.alloc_objects;
+        }
+        let mut top: Vec<TopSite> = merged.into_values().collect();
+        top.sort_by(|a, b| {
+            (b.inuse_bytes, b.alloc_bytes, &a.description).cmp(&(a.inuse_bytes, a.alloc_bytes, &b.description))
+        });
+        top.truncate(limit);
+        Ok(top)
+    }
+}
+
 fn add_mapping(builder: &mut ProfileBuilder, pid: u32, region: &crate::procmaps::Region) -> MappingKey {
     let key = MappingKey { pid, start: region.start };
     let object: &Arc<_> = &region.object;

@@ -1,1 +1,203 @@
-fn main(){}
+//! heapprofd's developer commands: `cargo xtask setup | build | run | test`.
+//!
+//! Every command first installs what it needs (see `setup`), so the README's two
+//! commands work on a fresh machine with only rustup.
+
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+use clap::{Parser, Subcommand};
+
+/// Toolchain for the host crates (daemon, common, xtask's children).
+pub const STABLE: &str = "1.99.1";
+/// Toolchain for the BPF crate; bpf-linker is built against its LLVM.
+/// Keep in sync with `BPF_TOOLCHAIN` in heapprof-daemon/build.rs.
+pub const NIGHTLY: &str = "nightly-2026-10-30";
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Build, demo and test heapprofd")]
+struct Args {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install toolchains, bpf-linker and Debian packages (idempotent).
+    Setup,
+    /// Build heapprofd (release) into target/release/heapprofd.
+    Build,
+    /// Without arguments: profile a bundled leaky program and show the result.
+    /// With arguments after `--`: run heapprofd with them (through sudo -E when not root).
+    Run {
+        /// Arguments for heapprofd.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Run the whole test suite: formatting, clippy, unit and BPF integration tests.
+    Test,
+}
+
+fn main() {
+    if let Err(err) = run(Args::parse()) {
+        eprintln!("xtask: error: {err:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> Result<()> {
+    match args.command {
+        Cmd::Setup => setup::ensure(setup::Needs::Test),
+        Cmd::Build => {
+            setup::ensure(setup::Needs::Build)?;
+            build_release().map(|_| ())
+        }
+        Cmd::Run { args } => {
+            setup::ensure(setup::Needs::Build)?;
+            let heapprofd = build_release()?;
+            if args.is_empty() { demo(&heapprofd) } else { run_heapprofd(&heapprofd, &args).map(|_| ()) }
+        }
+        Cmd::Test => {
+            setup::ensure(setup::Needs::Test)?;
+            test()
+        }
+    }
+}
+
+/// Prints a progress line.
+pub fn step(message: &str) {
+    eprintln!("xtask: {message}");
+}
+
+/// Whether we run as root.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// `$CARGO_HOME`, defaulting as cargo does.
+pub fn cargo_home() -> PathBuf {
+    std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| home().join(".cargo"))
+}
+
+fn home() -> PathBuf {
+    std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from)
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
+}
+
+/// Runs commands, failing with the command line when they fail.
+pub trait CmdExt {
+    /// Runs to completion; an error names the command and its status.
+    fn run(&mut self) -> Result<()>;
+}
+
+impl CmdExt for Command {
+    fn run(&mut self) -> Result<()> {
+        let status = self
+            .status()
+            .with_context(|| format!("cannot start {:?}", self.get_program()))?;
+        if !status.success() {
+            bail!("{self:?} failed ({status})");
+        }
+        Ok(())
+    }
+}
+
+/// `cargo` of the pinned stable toolchain, with bpf-linker on PATH for aya-build.
+fn cargo() -> Command {
+    let mut cmd = Command::new("rustup");
+    cmd.args(["run", STABLE, "cargo"]);
+    // Variables that `cargo xtask` itself set for this process would leak into the child build.
+    for var in ["RUSTUP_TOOLCHAIN", "CARGO", "RUSTC", "RUSTDOC", "CARGO_MANIFEST_DIR", "CARGO_PKG_NAME"] {
+        cmd.env_remove(var);
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut paths = vec![cargo_home().join("bin")];
+    paths.extend(std::env::split_paths(&path));
+    if let Ok(joined) = std::env::join_paths(paths) {
+        cmd.env("PATH", joined);
+    }
+    cmd.current_dir(workspace_root());
+    cmd
+}
+
+fn build_release() -> Result<PathBuf> {
+    step("building heapprofd (release)");
+    cargo().args(["build", "--release", "-p", "heapprof-daemon"]).run()?;
+    Ok(workspace_root().join("target/release/heapprofd"))
+}
+
+fn run_heapprofd(heapprofd: &Path, args: &[String]) -> Result<std::process::ExitStatus> {
+    let mut cmd = if is_root() {
+        Command::new(heapprofd)
+    } else {
+        let mut sudo = Command::new("sudo");
+        sudo.arg("-E").arg(heapprofd);
+        sudo
+    };
+    cmd.args(args);
+    cmd.status().with_context(|| format!("cannot start {}", heapprofd.display()))
+}
+
+/// Builds the bundled leaky workload, profiles it and prints the top sites.
+fn demo(heapprofd: &Path) -> Result<()> {
+    let root = workspace_root();
+    let out = root.join("target/demo");
+    std::fs::create_dir_all(&out)?;
+    let workload = out.join("leaky");
+    step("compiling the demo workload xtask/workloads/leaky.c");
+    Command::new("gcc")
+        .args(["-O1", "-g", "-fno-omit-frame-pointer", "-pthread", "-o"])
+        .arg(&workload)
+        .arg(root.join("xtask/workloads/leaky.c"))
+        .run()?;
+    let profiles = out.join("profiles");
+    let _ = std::fs::remove_dir_all(&profiles);
+    step("profiling it: heapprofd --top 8 -o target/demo/profiles -- target/demo/leaky");
+    let args: Vec<String> = vec![
+        "--top".into(),
+        "8".into(),
+        "-o".into(),
+        profiles.display().to_string(),
+        "--".into(),
+        workload.display().to_string(),
+    ];
+    let status = run_heapprofd(heapprofd, &args)?;
+    if !status.success() {
+        bail!("heapprofd failed ({status})");
+    }
+    let mut written: Vec<PathBuf> = std::fs::read_dir(&profiles)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "gz"))
+        .collect();
+    written.sort();
+    let last = written.last().context("heapprofd wrote no profile")?;
+    println!();
+    println!("Profile: {}", last.display());
+    println!("Open it with:  go tool pprof -http=: {}", last.display());
+    println!("Or in text:    go tool pprof -top -sample_index=inuse_space {}", last.display());
+    Ok(())
+}
+
+fn test() -> Result<()> {
+    step("checking formatting");
+    cargo().args(["fmt", "--all", "--", "--check"]).run()?;
+    step("running clippy");
+    cargo()
+        .args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])
+        .run()?;
+    step("running the tests (the BPF integration tests need root)");
+    cargo().args(["test", "--workspace"]).env("RUST_BACKTRACE", "1").run()
+}

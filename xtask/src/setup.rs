@@ -1,0 +1,185 @@
+//! Installs what building and testing heapprofd needs, and nothing that is already there.
+//!
+//! - the pinned stable toolchain (host crates) and the pinned nightly with rust-src (BPF crate);
+//! - bpf-linker built against the nightly's own libLLVM (their LLVM majors must match);
+//! - Debian packages: a C compiler, and for the tests golang-go (pprof) and valgrind.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{CmdExt as _, NIGHTLY, STABLE, cargo_home, step};
+
+const BPF_LINKER_VERSION: &str = "0.13.0";
+
+/// What to install.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Needs {
+    /// Toolchains, bpf-linker, a C compiler: enough to build and run.
+    Build,
+    /// Also what the tests use.
+    Test,
+}
+
+/// Runs every install step that is needed.
+pub fn ensure(needs: Needs) -> Result<()> {
+    ensure_toolchain(STABLE, &["clippy", "rustfmt"])?;
+    ensure_toolchain(NIGHTLY, &["rust-src"])?;
+    ensure_bpf_linker()?;
+    let mut packages = vec!["gcc", "libc6-dev"];
+    if needs == Needs::Test {
+        packages.extend(["golang-go", "valgrind"]);
+    }
+    ensure_debian_packages(&packages)
+}
+
+fn rustup() -> Command {
+    let mut cmd = Command::new("rustup");
+    cmd.env_remove("RUSTUP_TOOLCHAIN");
+    cmd
+}
+
+fn ensure_toolchain(toolchain: &str, components: &[&str]) -> Result<()> {
+    let installed = rustup()
+        .args(["run", toolchain, "rustc", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let listed = |kind: &str| -> Result<String> {
+        let out = rustup()
+            .args(["component", "list", "--installed", "--toolchain", toolchain])
+            .output()
+            .with_context(|| format!("listing {kind} of {toolchain}"))?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    if installed {
+        let have = listed("components")?;
+        let missing: Vec<&&str> = components
+            .iter()
+            .filter(|c| !have.lines().any(|l| l.starts_with(&format!("{c}-")) || l == **c))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        step(&format!("adding {missing:?} to toolchain {toolchain}"));
+        let mut cmd = rustup();
+        cmd.args(["component", "add", "--toolchain", toolchain]);
+        cmd.args(missing.iter().map(|c| **c));
+        return cmd.run();
+    }
+    step(&format!("installing Rust toolchain {toolchain} (with {components:?})"));
+    let mut cmd = rustup();
+    cmd.args(["toolchain", "install", toolchain, "--profile", "minimal", "--no-self-update"]);
+    for component in components {
+        cmd.args(["-c", component]);
+    }
+    cmd.run()
+}
+
+fn sysroot(toolchain: &str) -> Result<PathBuf> {
+    let out = rustup()
+        .args(["run", toolchain, "rustc", "--print", "sysroot"])
+        .output()
+        .context("asking rustc for its sysroot")?;
+    if !out.status.success() {
+        bail!("rustc {toolchain} has no sysroot");
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// The nightly's libLLVM file (its SONAME) and LLVM major version.
+fn nightly_llvm() -> Result<(PathBuf, String)> {
+    let lib = sysroot(NIGHTLY)?.join("lib");
+    let file = std::fs::read_dir(&lib)
+        .with_context(|| format!("reading {}", lib.display()))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libLLVM.so."))
+        })
+        .with_context(|| format!("{NIGHTLY} ships no libLLVM.so.* in {}", lib.display()))?;
+    let out = rustup().args(["run", NIGHTLY, "rustc", "-vV"]).output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let major = text
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next())
+        .context("rustc -vV did not report its LLVM version")?
+        .to_owned();
+    Ok((file, major))
+}
+
+fn ensure_bpf_linker() -> Result<()> {
+    let (llvm_lib, major) = nightly_llvm()?;
+    let soname = llvm_lib
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("libLLVM file name")?
+        .to_owned();
+    let linker = cargo_home().join("bin/bpf-linker");
+    let works = Command::new("ldd")
+        .arg(&linker)
+        .output()
+        .is_ok_and(|o| {
+            let text = String::from_utf8_lossy(&o.stdout);
+            o.status.success() && text.contains(&soname) && !text.contains("not found")
+        });
+    if works {
+        return Ok(());
+    }
+    step(&format!(
+        "building bpf-linker {BPF_LINKER_VERSION} against {NIGHTLY}'s LLVM {major} (about a minute)"
+    ));
+    // bpf-linker links libLLVM.so at build time and finds it at run time through its
+    // RUNPATH: give it a stable prefix whose lib/ holds both names of the nightly's library.
+    let prefix = cargo_home().join(format!("heapprofd-llvm/{NIGHTLY}"));
+    let prefix_lib = prefix.join("lib");
+    std::fs::create_dir_all(&prefix_lib).with_context(|| format!("creating {}", prefix_lib.display()))?;
+    for name in ["libLLVM.so", soname.as_str()] {
+        let link = prefix_lib.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&llvm_lib, &link)
+            .with_context(|| format!("linking {}", link.display()))?;
+    }
+    rustup()
+        .args(["run", STABLE, "cargo", "install", "bpf-linker", "--force", "--locked"])
+        .args(["--version", BPF_LINKER_VERSION, "--no-default-features"])
+        .args(["--features", &format!("llvm-{major}")])
+        .env("LLVM_PREFIX", &prefix)
+        .run()
+}
+
+fn has_package(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", package])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+}
+
+fn ensure_debian_packages(packages: &[&str]) -> Result<()> {
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !has_package(p)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !Path::new("/usr/bin/apt-get").exists() {
+        bail!("missing packages {missing:?} and no apt-get to install them: install them by hand");
+    }
+    step(&format!("installing Debian packages {missing:?}"));
+    let root = crate::is_root();
+    let apt = |args: &[&str]| {
+        let mut cmd = if root { Command::new("apt-get") } else { Command::new("sudo") };
+        if !root {
+            cmd.arg("apt-get");
+        }
+        cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
+        cmd
+    };
+    apt(&["update", "-qq"]).run()?;
+    let mut install = apt(&["install", "-y", "-qq", "--no-install-recommends"]);
+    install.args(&missing);
+    install.run()
+}
