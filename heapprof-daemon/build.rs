@@ -12,7 +12,9 @@ fn main() -> anyhow::Result<()> {
         .parent()
         .context("daemon crate has no parent directory")?
         .join("heapprof-ebpf");
-    let ebpf_dir = ebpf_dir.to_str().context("non-UTF-8 path to heapprof-ebpf")?;
+    let ebpf_dir = ebpf_dir
+        .to_str()
+        .context("non-UTF-8 path to heapprof-ebpf")?;
     aya_build::build_ebpf(
         [Package {
             name: "heapprof-ebpf",

@@ -104,7 +104,11 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "ms" => value / 1000.0,
         "m" | "min" => value * 60.0,
         "h" => value * 3600.0,
-        _ => return Err(format!("unknown unit `{unit}` in `{text}`; use ms, s, m or h")),
+        _ => {
+            return Err(format!(
+                "unknown unit `{unit}` in `{text}`; use ms, s, m or h"
+            ));
+        }
     };
     if !seconds.is_finite() || seconds <= 0.0 {
         return Err(format!("duration `{text}` must be greater than zero"));
@@ -127,7 +131,9 @@ fn parse_capacity(text: &str) -> Result<u32, String> {
         .parse()
         .map_err(|_| format!("`{text}` is not a whole number"))?;
     if !(16..=1 << 26).contains(&value) {
-        return Err(format!("capacity {value} is out of range; choose between 16 and 67108864"));
+        return Err(format!(
+            "capacity {value} is out of range; choose between 16 and 67108864"
+        ));
     }
     Ok(value)
 }
@@ -157,14 +163,20 @@ mod tests {
     #[test]
     fn exactly_one_target_is_required() {
         let cli = |args: &[&str]| Cli::try_parse_from(args).map(|c| c.target());
-        assert_eq!(cli(&["heapprofd", "--pid", "7"]).ok(), Some(Ok(Target::Pid(7))));
+        assert_eq!(
+            cli(&["heapprofd", "--pid", "7"]).ok(),
+            Some(Ok(Target::Pid(7)))
+        );
         assert_eq!(cli(&["heapprofd", "--all"]).ok(), Some(Ok(Target::All)));
         assert_eq!(
             cli(&["heapprofd", "--", "ls", "-l"]).ok(),
             Some(Ok(Target::Launch(vec!["ls".into(), "-l".into()])))
         );
         assert!(matches!(cli(&["heapprofd"]), Ok(Err(_))));
-        assert!(matches!(cli(&["heapprofd", "--all", "--", "ls"]), Ok(Err(_))));
+        assert!(matches!(
+            cli(&["heapprofd", "--all", "--", "ls"]),
+            Ok(Err(_))
+        ));
         assert!(cli(&["heapprofd", "--pid", "1", "--all"]).is_err());
     }
 }

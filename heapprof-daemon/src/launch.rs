@@ -41,7 +41,9 @@ pub struct PausedChild {
 /// Finds `program` the way execvp would, so that a typo is reported before anything starts.
 pub fn resolve_program(program: &str) -> Result<PathBuf> {
     let is_executable = |path: &Path| {
-        std::fs::metadata(path).is_ok_and(|m| m.is_file() && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0)
+        std::fs::metadata(path).is_ok_and(|m| {
+            m.is_file() && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o111 != 0
+        })
     };
     if program.contains('/') {
         let path = PathBuf::from(program);
@@ -54,7 +56,9 @@ pub fn resolve_program(program: &str) -> Result<PathBuf> {
     std::env::split_paths(&search)
         .map(|dir| dir.join(program))
         .find(|p| is_executable(p))
-        .with_context(|| format!("cannot run `{program}`: not found in PATH; check the command after `--`"))
+        .with_context(|| {
+            format!("cannot run `{program}`: not found in PATH; check the command after `--`")
+        })
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -101,7 +105,11 @@ pub fn fork_paused(command: &[String]) -> Result<PausedChild> {
             }
             libc::execv(program.as_ptr(), argv.as_ptr());
             let errno = *libc::__errno_location();
-            libc::write(err_write.as_raw_fd(), (&raw const errno).cast(), size_of::<i32>());
+            libc::write(
+                err_write.as_raw_fd(),
+                (&raw const errno).cast(),
+                size_of::<i32>(),
+            );
             libc::_exit(127);
         }
     }
@@ -128,11 +136,20 @@ impl PausedChild {
     }
 
     fn trace(self, events: mpsc::UnboundedSender<ChildEvent>) {
-        let Self { pid, go, exec_error } = self;
+        let Self {
+            pid,
+            go,
+            exec_error,
+        } = self;
         let pid = pid as libc::pid_t;
         // SAFETY: plain ptrace request on our own child.
         let seized = unsafe {
-            libc::ptrace(libc::PTRACE_SEIZE, pid, 0, libc::PTRACE_O_TRACEEXIT as libc::c_long)
+            libc::ptrace(
+                libc::PTRACE_SEIZE,
+                pid,
+                0,
+                libc::PTRACE_O_TRACEEXIT as libc::c_long,
+            )
         } == 0;
         if !seized {
             log::warn!(
@@ -193,12 +210,19 @@ impl PausedChild {
 }
 
 fn report_exec_error(exec_error: &OwnedFd) {
-        let mut errno = 0i32;
-        // SAFETY: reading at most 4 bytes into errno; the write end is closed, so this does not block.
-        let n = unsafe {
-            libc::read(exec_error.as_raw_fd(), (&raw mut errno).cast(), size_of::<i32>())
-        };
-        if n == size_of::<i32>() as isize {
-            log::error!("cannot execute the command: {}", io::Error::from_raw_os_error(errno));
-        }
+    let mut errno = 0i32;
+    // SAFETY: reading at most 4 bytes into errno; the write end is closed, so this does not block.
+    let n = unsafe {
+        libc::read(
+            exec_error.as_raw_fd(),
+            (&raw mut errno).cast(),
+            size_of::<i32>(),
+        )
+    };
+    if n == size_of::<i32>() as isize {
+        log::error!(
+            "cannot execute the command: {}",
+            io::Error::from_raw_os_error(errno)
+        );
     }
+}

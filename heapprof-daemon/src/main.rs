@@ -4,16 +4,6 @@
 //! cumulative counts; this daemon reads them on an interval and at exit, symbolizes
 //! the stacks and writes gzip'd `profile.proto` heap profiles.
 
-mod aggregate;
-mod cli;
-mod launch;
-mod pprof;
-mod preflight;
-mod probes;
-mod procmaps;
-mod session;
-mod symbolize;
-
 use std::{
     os::fd::{FromRawFd as _, OwnedFd},
     process::ExitCode,
@@ -28,10 +18,11 @@ use tokio::{
     time::Instant,
 };
 
-use crate::{
+use heapprof_daemon::{
     cli::{Cli, Target},
-    launch::{ChildEvent, PausedChild},
-    session::{Session, SessionConfig},
+    launch::{self, ChildEvent, PausedChild},
+    pprof, preflight, probes,
+    session::{self, Session, SessionConfig},
 };
 
 /// Exit status for bad input and unmet requirements.
@@ -52,7 +43,10 @@ fn main() -> ExitCode {
         },
         _ => None,
     };
-    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(err) => return usage_error(anyhow::Error::new(err).context("starting the runtime")),
     };
@@ -81,13 +75,22 @@ fn init_logging() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
         .format(|buf, record| match record.level() {
             log::Level::Info => writeln!(buf, "heapprofd: {}", record.args()),
-            level => writeln!(buf, "heapprofd: {}: {}", level.as_str().to_lowercase(), record.args()),
+            level => writeln!(
+                buf,
+                "heapprofd: {}: {}",
+                level.as_str().to_lowercase(),
+                record.args()
+            ),
         })
         .init();
 }
 
 /// Everything that can fail on bad input or a missing requirement: checks, libc, load, attach.
-fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<(Session, Option<PausedChild>)> {
+fn start(
+    cli: &Cli,
+    target: &Target,
+    child: Option<PausedChild>,
+) -> Result<(Session, Option<PausedChild>)> {
     preflight::check_privileges()?;
     preflight::check_uprobes()?;
     if let Target::Pid(pid) = target {
@@ -130,9 +133,18 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<(Sess
         _ => None,
     };
     let probes = probes::attach(&mut ebpf, &libc, pid)?;
+    let config = SessionConfig {
+        target: target.clone(),
+        output: cli.output.clone(),
+        libc,
+        libc_maps_path,
+    };
+    let mut session = Session::new(config, ebpf)?;
+    session.prime_processes();
+    // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).
     log::info!(
         "{probes} probes on {} ({}), profiles every {:?} in {}",
-        libc.display,
+        session.libc_display(),
         match target {
             Target::Pid(pid) => format!("pid {pid}"),
             Target::Launch(command) => format!("`{}`, pid {}", command.join(" "), pid.unwrap_or(0)),
@@ -141,22 +153,23 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<(Sess
         cli.interval,
         cli.output.display()
     );
-    let config = SessionConfig {
-        target: target.clone(),
-        output: cli.output.clone(),
-        libc,
-        libc_maps_path,
-    };
-    Ok((Session::new(config, ebpf)?, child))
+    Ok((session, child))
 }
 
 fn print_top(top: &[session::TopSite]) {
     println!("\nTop allocation sites (in use at the end / allocated in total):");
-    println!("{:>12} {:>9} {:>13} {:>10}  SITE", "LIVE BYTES", "LIVE", "TOTAL BYTES", "TOTAL");
+    println!(
+        "{:>12} {:>9} {:>13} {:>10}  SITE",
+        "LIVE BYTES", "LIVE", "TOTAL BYTES", "TOTAL"
+    );
     for site in top {
         println!(
             "{:>12} {:>9} {:>13} {:>10}  {}",
-            site.inuse_bytes, site.inuse_objects, site.alloc_bytes, site.alloc_objects, site.description
+            site.inuse_bytes,
+            site.inuse_objects,
+            site.alloc_bytes,
+            site.alloc_objects,
+            site.description
         );
     }
 }
@@ -174,7 +187,12 @@ fn pidfd(pid: u32) -> Result<AsyncFd<OwnedFd>> {
     unsafe { AsyncFd::register(fd) }.map_err(|err| anyhow::anyhow!("registering the pidfd: {err}"))
 }
 
-async fn run(cli: &Cli, target: &Target, mut session: Session, child: Option<PausedChild>) -> Result<ExitCode> {
+async fn run(
+    cli: &Cli,
+    target: &Target,
+    mut session: Session,
+    child: Option<PausedChild>,
+) -> Result<ExitCode> {
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let child_pid = child.as_ref().map(|c| c.pid);

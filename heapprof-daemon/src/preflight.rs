@@ -42,7 +42,9 @@ pub fn check_uprobes() -> Result<()> {
     if std::path::Path::new("/sys/bus/event_source/devices/uprobe/type").exists() {
         return Ok(());
     }
-    bail!("this kernel has no uprobe support (CONFIG_UPROBE_EVENTS); heapprofd needs a kernel built with uprobes")
+    bail!(
+        "this kernel has no uprobe support (CONFIG_UPROBE_EVENTS); heapprofd needs a kernel built with uprobes"
+    )
 }
 
 /// The pid must name a live user-space process.
@@ -55,7 +57,9 @@ pub fn check_pid(pid: u32) -> Result<()> {
         Err(err) => bail!("cannot read /proc/{pid}/maps ({err}); run heapprofd as root"),
     };
     if maps.trim().is_empty() {
-        bail!("pid {pid} is a kernel thread (it has no user memory); give the pid of a user-space process")
+        bail!(
+            "pid {pid} is a kernel thread (it has no user memory); give the pid of a user-space process"
+        )
     }
     Ok(())
 }

@@ -154,7 +154,10 @@ impl ObjectCache {
         if let Some(object) = self.objects.get(&key) {
             return Ok(Arc::clone(object));
         }
-        let open_path = PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file)));
+        let open_path = PathBuf::from(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&file)
+        ));
         let build_id = blazesym::helper::read_elf_build_id(&open_path)
             .ok()
             .flatten()
@@ -198,13 +201,20 @@ mod tests {
         assert!(!anon.executable);
         assert_eq!(anon.path, "");
 
-        let spaces = parse_maps_line("1000-2000 r-xp 0 08:01 12 /tmp/a b (deleted)").expect("spaces");
+        let spaces =
+            parse_maps_line("1000-2000 r-xp 0 08:01 12 /tmp/a b (deleted)").expect("spaces");
         assert_eq!(spaces.path, "/tmp/a b (deleted)");
     }
 
     #[test]
     fn rejects_malformed_lines() {
-        for bad in ["", "zz-10 r-xp 0 0 0", "10-5 r-xp 0 00:00 0", "10-20 rx 0 00:00 0", "10-20 r-xp 0 00:00 x"] {
+        for bad in [
+            "",
+            "zz-10 r-xp 0 0 0",
+            "10-5 r-xp 0 00:00 0",
+            "10-20 rx 0 00:00 0",
+            "10-20 r-xp 0 00:00 x",
+        ] {
             assert!(parse_maps_line(bad).is_err(), "{bad:?} accepted");
         }
     }
@@ -214,9 +224,14 @@ mod tests {
         let maps = ObjectCache::default()
             .read_process(std::process::id())
             .expect("own maps");
-        let here = reads_own_regions_and_finds_addresses as usize as u64;
-        let region = maps.find(here).expect("own code is in an executable region");
-        assert!(region.object.build_id.is_some(), "test binary has a build-id");
+        let here = reads_own_regions_and_finds_addresses as *const () as u64;
+        let region = maps
+            .find(here)
+            .expect("own code is in an executable region");
+        assert!(
+            region.object.build_id.is_some(),
+            "test binary has a build-id"
+        );
         assert!(maps.find(0).is_none());
     }
 }

@@ -78,6 +78,41 @@ impl Session {
         })
     }
 
+    /// The probed C library, for messages.
+    pub fn libc_display(&self) -> &str {
+        &self.config.libc.display
+    }
+
+    /// Reads the mappings of the processes that exist at attach time, so that
+    /// their stacks can be symbolized even if they exit before the first interval.
+    pub fn prime_processes(&mut self) {
+        match self.config.target {
+            Target::Pid(pid) => self.refresh_process(pid),
+            Target::All => {
+                let own = std::process::id();
+                let pids: Vec<u32> = std::fs::read_dir("/proc")
+                    .map(|dir| {
+                        dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                            .filter(|pid| *pid != own)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                for pid in pids {
+                    self.refresh_process(pid);
+                    if self
+                        .processes
+                        .get(&pid)
+                        .is_some_and(|p| p.maps.regions.is_empty())
+                    {
+                        self.processes.remove(&pid); // kernel threads
+                    }
+                }
+            }
+            // A launched command is read when it is held at its exit.
+            Target::Launch(_) => {}
+        }
+    }
+
     /// Re-reads the mappings of `pid` while it is alive (the cached ones are kept otherwise).
     pub fn refresh_process(&mut self, pid: u32) {
         let info = self.processes.entry(pid).or_default();
@@ -110,7 +145,12 @@ impl Session {
             let stack = self.maps.stack(site.key.stack_id);
             let needs_refresh = match self.processes.get(&pid) {
                 None => true,
-                Some(info) => info.alive && stack.iter().any(|&ret| info.maps.find(ret.wrapping_sub(1)).is_none()),
+                Some(info) => {
+                    info.alive
+                        && stack
+                            .iter()
+                            .any(|&ret| info.maps.find(ret.wrapping_sub(1)).is_none())
+                }
             };
             if needs_refresh {
                 self.refresh_process(pid);
@@ -158,9 +198,9 @@ impl Session {
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
         let path = writer::write_profile(&self.config.output, &name, &profile)?;
-        let (objects, bytes) = sites
-            .iter()
-            .fold((0, 0), |(o, b), s| (o + s.inuse_objects(), b + s.inuse_bytes()));
+        let (objects, bytes) = sites.iter().fold((0, 0), |(o, b), s| {
+            (o + s.inuse_objects(), b + s.inuse_bytes())
+        });
         log::info!(
             "wrote {} ({} sites, {objects} blocks / {bytes} bytes in use)",
             path.display(),
@@ -183,10 +223,18 @@ impl Session {
         self.reported_drops = *drops;
     }
 
-    fn build_profile(&mut self, sites: &[Site], drops: &[u64; DropReason::COUNT as usize]) -> Result<crate::pprof::proto::Profile> {
+    fn build_profile(
+        &mut self,
+        sites: &[Site],
+        drops: &[u64; DropReason::COUNT as usize],
+    ) -> Result<crate::pprof::proto::Profile> {
         let now = SystemTime::now();
-        let nanos = |t: SystemTime| t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i64);
-        let mut builder = ProfileBuilder::new(nanos(now), self.started_at.elapsed().as_nanos() as i64);
+        let nanos = |t: SystemTime| {
+            t.duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as i64)
+        };
+        let mut builder =
+            ProfileBuilder::new(nanos(now), self.started_at.elapsed().as_nanos() as i64);
         builder.comment(&format!("heapprofd {}", env!("CARGO_PKG_VERSION")));
         builder.comment(&match &self.config.target {
             Target::Pid(pid) => format!("target: pid {pid}"),
@@ -199,11 +247,20 @@ impl Session {
             nanos(self.started)
         ));
         for reason in DropReason::ALL {
-            builder.comment(&format!("dropped: {} = {}", reason.describe(), drops[reason as usize]));
+            builder.comment(&format!(
+                "dropped: {} = {}",
+                reason.describe(),
+                drops[reason as usize]
+            ));
         }
 
         // The main binary of each process first: pprof takes the first mapping as the program.
-        let pids: Vec<u32> = sites.iter().map(|s| s.key.tgid).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+        let pids: Vec<u32> = sites
+            .iter()
+            .map(|s| s.key.tgid)
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
         for pid in &pids {
             if let Some(info) = self.processes.get(pid) {
                 for region in &info.maps.regions {
@@ -271,7 +328,13 @@ impl Session {
 
     /// The leaf location of a sample: the allocator function the program called,
     /// at its exact entry address in the process.
-    fn allocator_location(&self, builder: &mut ProfileBuilder, pid: u32, info: &ProcessInfo, kind: u32) -> u64 {
+    fn allocator_location(
+        &self,
+        builder: &mut ProfileBuilder,
+        pid: u32,
+        info: &ProcessInfo,
+        kind: u32,
+    ) -> u64 {
         let kind = AllocKind::from_u32(kind).unwrap_or(AllocKind::Malloc);
         let frame = Frame {
             function: kind.symbol().to_owned(),
@@ -286,10 +349,14 @@ impl Session {
             .find(|(k, _)| *k == kind)
             .map(|(_, offset)| *offset);
         let region = file_offset.and_then(|offset| {
-            info.maps.regions.iter().find(|r| {
-                r.object.path == self.config.libc_maps_path
-                    && (r.offset..r.offset + (r.end - r.start)).contains(&offset)
-            }).map(|r| (r, r.start + offset - r.offset))
+            info.maps
+                .regions
+                .iter()
+                .find(|r| {
+                    r.object.path == self.config.libc_maps_path
+                        && (r.offset..r.offset + (r.end - r.start)).contains(&offset)
+                })
+                .map(|r| (r, r.start + offset - r.offset))
         });
         let tag = 1 + kind as u16;
         match region {
@@ -330,14 +397,19 @@ impl Session {
                 // Innermost first, inlined functions included: the first one made the call.
                 'frames: for &ret in stack.iter() {
                     let addr = ret.wrapping_sub(1);
-                    let Some(region) = info.maps.find(addr) else { break };
+                    let Some(region) = info.maps.find(addr) else {
+                        break;
+                    };
                     let frames = self.symbolizer.frames(region, region.file_offset(addr));
                     if frames.is_empty() {
                         names.push(format!("{addr:#x}"));
                     }
                     for frame in frames.iter() {
                         if names.is_empty() {
-                            let file = frame.file.as_deref().map(|f| f.rsplit('/').next().unwrap_or(f));
+                            let file = frame
+                                .file
+                                .as_deref()
+                                .map(|f| f.rsplit('/').next().unwrap_or(f));
                             names.push(match file {
                                 Some(file) => format!("{} ({file}:{})", frame.function, frame.line),
                                 None => frame.function.clone(),
@@ -369,16 +441,33 @@ impl Session {
         }
         let mut top: Vec<TopSite> = merged.into_values().collect();
         top.sort_by(|a, b| {
-            (b.inuse_bytes, b.alloc_bytes, &a.description).cmp(&(a.inuse_bytes, a.alloc_bytes, &b.description))
+            (b.inuse_bytes, b.alloc_bytes, &a.description).cmp(&(
+                a.inuse_bytes,
+                a.alloc_bytes,
+                &b.description,
+            ))
         });
         top.truncate(limit);
         Ok(top)
     }
 }
 
-fn add_mapping(builder: &mut ProfileBuilder, pid: u32, region: &crate::procmaps::Region) -> MappingKey {
-    let key = MappingKey { pid, start: region.start };
+fn add_mapping(
+    builder: &mut ProfileBuilder,
+    pid: u32,
+    region: &crate::procmaps::Region,
+) -> MappingKey {
+    let key = MappingKey {
+        pid,
+        start: region.start,
+    };
     let object: &Arc<_> = &region.object;
-    builder.mapping(key, region.end, region.offset, &object.path, object.build_id.as_deref());
+    builder.mapping(
+        key,
+        region.end,
+        region.offset,
+        &object.path,
+        object.build_id.as_deref(),
+    );
     key
 }

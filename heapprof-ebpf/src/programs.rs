@@ -5,11 +5,11 @@ use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
     macros::{map, uprobe, uretprobe},
     maps::{HashMap, PerCpuArray, PerCpuHashMap, StackTrace},
-    programs::{tracing::StackIdContext as _, ProbeContext, RetProbeContext},
+    programs::{ProbeContext, RetProbeContext, tracing::StackIdContext as _},
 };
 use heapprof_common::{
-    AllocKind, Config, DropReason, InFlight, LiveBlock, LiveKey, SiteCounters, StackKey,
-    STACK_ID_UNKNOWN,
+    AllocKind, Config, DropReason, InFlight, LiveBlock, LiveKey, STACK_ID_UNKNOWN, SiteCounters,
+    StackKey,
 };
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
@@ -59,7 +59,13 @@ fn enter(kind: AllocKind, size: u64, old_ptr: u64, out_ptr: u64) {
             }
         }
     }
-    let state = InFlight { size, old_ptr, out_ptr, depth: 1, kind: kind as u32 };
+    let state = InFlight {
+        size,
+        old_ptr,
+        out_ptr,
+        depth: 1,
+        kind: kind as u32,
+    };
     if IN_FLIGHT.insert(&tid, &state, 0).is_err() {
         count_drop(DropReason::InFlightFull);
     }
@@ -67,7 +73,13 @@ fn enter(kind: AllocKind, size: u64, old_ptr: u64, out_ptr: u64) {
 
 /// Adds `delta` to the counters of `site`, creating them on first use.
 #[inline(always)]
-fn add_to_site(site: &StackKey, alloc_objects: u64, alloc_bytes: u64, free_objects: u64, free_bytes: u64) -> bool {
+fn add_to_site(
+    site: &StackKey,
+    alloc_objects: u64,
+    alloc_bytes: u64,
+    free_objects: u64,
+    free_bytes: u64,
+) -> bool {
     let mut counters = SITES.get_ptr_mut(site);
     if counters.is_none() {
         let zero = SiteCounters::default();
@@ -134,7 +146,12 @@ pub fn malloc_enter(ctx: ProbeContext) -> u32 {
 
 #[uprobe]
 pub fn calloc_enter(ctx: ProbeContext) -> u32 {
-    enter(AllocKind::Calloc, arg(&ctx, 0).wrapping_mul(arg(&ctx, 1)), 0, 0);
+    enter(
+        AllocKind::Calloc,
+        arg(&ctx, 0).wrapping_mul(arg(&ctx, 1)),
+        0,
+        0,
+    );
     0
 }
 
@@ -180,7 +197,11 @@ pub fn pvalloc_enter(ctx: ProbeContext) -> u32 {
     // glibc hands out whole pages (and one page for a request of 0).
     let page = page_size();
     let mut size = arg(&ctx, 0);
-    size = if size == 0 { page } else { (size + page - 1) / page * page };
+    size = if size == 0 {
+        page
+    } else {
+        (size + page - 1) / page * page
+    };
     enter(AllocKind::Pvalloc, size, 0, 0);
     0
 }
@@ -204,7 +225,9 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     let tgid = (pid_tgid >> 32) as u32;
     let returned: u64 = ctx.ret();
 
-    let Some(kind) = AllocKind::from_u32(state.kind) else { return 0 };
+    let Some(kind) = AllocKind::from_u32(state.kind) else {
+        return 0;
+    };
     let ptr = match kind {
         AllocKind::PosixMemalign => {
             if returned != 0 {
@@ -237,11 +260,20 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     let stack_id = match ctx.get_stackid(&STACKS, BPF_F_USER_STACK as u64) {
         Ok(id) => id as u32,
         Err(err) => {
-            count_drop(if err == -EEXIST { DropReason::StackCollision } else { DropReason::StackLost });
+            count_drop(if err == -EEXIST {
+                DropReason::StackCollision
+            } else {
+                DropReason::StackLost
+            });
             STACK_ID_UNKNOWN
         }
     };
-    let site = StackKey { tgid, stack_id, kind: kind as u32, _pad: 0 };
+    let site = StackKey {
+        tgid,
+        stack_id,
+        kind: kind as u32,
+        _pad: 0,
+    };
     if !add_to_site(&site, 1, state.size, 0, 0) {
         count_drop(DropReason::SiteTableFull);
         return 0;
@@ -250,7 +282,10 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     // (the allocator reused it): close it first so its site's in-use stays right.
     release(tgid, ptr);
     let key = LiveKey { ptr, tgid, _pad: 0 };
-    let block = LiveBlock { size: state.size, site };
+    let block = LiveBlock {
+        size: state.size,
+        site,
+    };
     if LIVE.insert(&key, &block, 0).is_err() {
         count_drop(DropReason::LiveTableFull);
     }

@@ -60,7 +60,11 @@ fn run(args: Args) -> Result<()> {
         Cmd::Run { args } => {
             setup::ensure(setup::Needs::Build)?;
             let heapprofd = build_release()?;
-            if args.is_empty() { demo(&heapprofd) } else { run_heapprofd(&heapprofd, &args).map(|_| ()) }
+            if args.is_empty() {
+                demo(&heapprofd)
+            } else {
+                run_heapprofd(&heapprofd, &args).map(|_| ())
+            }
         }
         Cmd::Test => {
             setup::ensure(setup::Needs::Test)?;
@@ -120,7 +124,14 @@ fn cargo() -> Command {
     let mut cmd = Command::new("rustup");
     cmd.args(["run", STABLE, "cargo"]);
     // Variables that `cargo xtask` itself set for this process would leak into the child build.
-    for var in ["RUSTUP_TOOLCHAIN", "CARGO", "RUSTC", "RUSTDOC", "CARGO_MANIFEST_DIR", "CARGO_PKG_NAME"] {
+    for var in [
+        "RUSTUP_TOOLCHAIN",
+        "CARGO",
+        "RUSTC",
+        "RUSTDOC",
+        "CARGO_MANIFEST_DIR",
+        "CARGO_PKG_NAME",
+    ] {
         cmd.env_remove(var);
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
@@ -135,7 +146,9 @@ fn cargo() -> Command {
 
 fn build_release() -> Result<PathBuf> {
     step("building heapprofd (release)");
-    cargo().args(["build", "--release", "-p", "heapprof-daemon"]).run()?;
+    cargo()
+        .args(["build", "--release", "-p", "heapprof-daemon"])
+        .run()?;
     Ok(workspace_root().join("target/release/heapprofd"))
 }
 
@@ -148,7 +161,8 @@ fn run_heapprofd(heapprofd: &Path, args: &[String]) -> Result<std::process::Exit
         sudo
     };
     cmd.args(args);
-    cmd.status().with_context(|| format!("cannot start {}", heapprofd.display()))
+    cmd.status()
+        .with_context(|| format!("cannot start {}", heapprofd.display()))
 }
 
 /// Builds the bundled leaky workload, profiles it and prints the top sites.
@@ -187,7 +201,10 @@ fn demo(heapprofd: &Path) -> Result<()> {
     println!();
     println!("Profile: {}", last.display());
     println!("Open it with:  go tool pprof -http=: {}", last.display());
-    println!("Or in text:    go tool pprof -top -sample_index=inuse_space {}", last.display());
+    println!(
+        "Or in text:    go tool pprof -top -sample_index=inuse_space {}",
+        last.display()
+    );
     Ok(())
 }
 
@@ -196,8 +213,18 @@ fn test() -> Result<()> {
     cargo().args(["fmt", "--all", "--", "--check"]).run()?;
     step("running clippy");
     cargo()
-        .args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])
+        .args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ])
         .run()?;
     step("running the tests (the BPF integration tests need root)");
-    cargo().args(["test", "--workspace"]).env("RUST_BACKTRACE", "1").run()
+    cargo()
+        .args(["test", "--workspace"])
+        .env("RUST_BACKTRACE", "1")
+        .run()
 }

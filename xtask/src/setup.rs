@@ -58,7 +58,11 @@ fn ensure_toolchain(toolchain: &str, components: &[&str]) -> Result<()> {
         let have = listed("components")?;
         let missing: Vec<&&str> = components
             .iter()
-            .filter(|c| !have.lines().any(|l| l.starts_with(&format!("{c}-")) || l == **c))
+            .filter(|c| {
+                !have
+                    .lines()
+                    .any(|l| l.starts_with(&format!("{c}-")) || l == **c)
+            })
             .collect();
         if missing.is_empty() {
             return Ok(());
@@ -69,9 +73,18 @@ fn ensure_toolchain(toolchain: &str, components: &[&str]) -> Result<()> {
         cmd.args(missing.iter().map(|c| **c));
         return cmd.run();
     }
-    step(&format!("installing Rust toolchain {toolchain} (with {components:?})"));
+    step(&format!(
+        "installing Rust toolchain {toolchain} (with {components:?})"
+    ));
     let mut cmd = rustup();
-    cmd.args(["toolchain", "install", toolchain, "--profile", "minimal", "--no-self-update"]);
+    cmd.args([
+        "toolchain",
+        "install",
+        toolchain,
+        "--profile",
+        "minimal",
+        "--no-self-update",
+    ]);
     for component in components {
         cmd.args(["-c", component]);
     }
@@ -121,13 +134,10 @@ fn ensure_bpf_linker() -> Result<()> {
         .context("libLLVM file name")?
         .to_owned();
     let linker = cargo_home().join("bin/bpf-linker");
-    let works = Command::new("ldd")
-        .arg(&linker)
-        .output()
-        .is_ok_and(|o| {
-            let text = String::from_utf8_lossy(&o.stdout);
-            o.status.success() && text.contains(&soname) && !text.contains("not found")
-        });
+    let works = Command::new("ldd").arg(&linker).output().is_ok_and(|o| {
+        let text = String::from_utf8_lossy(&o.stdout);
+        o.status.success() && text.contains(&soname) && !text.contains("not found")
+    });
     if works {
         return Ok(());
     }
@@ -138,7 +148,8 @@ fn ensure_bpf_linker() -> Result<()> {
     // RUNPATH: give it a stable prefix whose lib/ holds both names of the nightly's library.
     let prefix = cargo_home().join(format!("heapprofd-llvm/{NIGHTLY}"));
     let prefix_lib = prefix.join("lib");
-    std::fs::create_dir_all(&prefix_lib).with_context(|| format!("creating {}", prefix_lib.display()))?;
+    std::fs::create_dir_all(&prefix_lib)
+        .with_context(|| format!("creating {}", prefix_lib.display()))?;
     for name in ["libLLVM.so", soname.as_str()] {
         let link = prefix_lib.join(name);
         let _ = std::fs::remove_file(&link);
@@ -146,7 +157,15 @@ fn ensure_bpf_linker() -> Result<()> {
             .with_context(|| format!("linking {}", link.display()))?;
     }
     rustup()
-        .args(["run", STABLE, "cargo", "install", "bpf-linker", "--force", "--locked"])
+        .args([
+            "run",
+            STABLE,
+            "cargo",
+            "install",
+            "bpf-linker",
+            "--force",
+            "--locked",
+        ])
         .args(["--version", BPF_LINKER_VERSION, "--no-default-features"])
         .args(["--features", &format!("llvm-{major}")])
         .env("LLVM_PREFIX", &prefix)
@@ -161,7 +180,11 @@ fn has_package(package: &str) -> bool {
 }
 
 fn ensure_debian_packages(packages: &[&str]) -> Result<()> {
-    let missing: Vec<&str> = packages.iter().copied().filter(|p| !has_package(p)).collect();
+    let missing: Vec<&str> = packages
+        .iter()
+        .copied()
+        .filter(|p| !has_package(p))
+        .collect();
     if missing.is_empty() {
         return Ok(());
     }
@@ -171,7 +194,11 @@ fn ensure_debian_packages(packages: &[&str]) -> Result<()> {
     step(&format!("installing Debian packages {missing:?}"));
     let root = crate::is_root();
     let apt = |args: &[&str]| {
-        let mut cmd = if root { Command::new("apt-get") } else { Command::new("sudo") };
+        let mut cmd = if root {
+            Command::new("apt-get")
+        } else {
+            Command::new("sudo")
+        };
         if !root {
             cmd.arg("apt-get");
         }

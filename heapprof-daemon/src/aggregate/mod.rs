@@ -28,11 +28,15 @@ pub struct Site {
 impl Site {
     /// Blocks allocated here and not freed.
     pub fn inuse_objects(&self) -> u64 {
-        self.counters.alloc_objects.saturating_sub(self.counters.free_objects)
+        self.counters
+            .alloc_objects
+            .saturating_sub(self.counters.free_objects)
     }
     /// Bytes allocated here and not freed.
     pub fn inuse_bytes(&self) -> u64 {
-        self.counters.alloc_bytes.saturating_sub(self.counters.free_bytes)
+        self.counters
+            .alloc_bytes
+            .saturating_sub(self.counters.free_bytes)
     }
 }
 
@@ -107,7 +111,8 @@ impl Maps {
                 return std::sync::Arc::from(Vec::new());
             }
         };
-        self.stack_cache.insert(stack_id, std::sync::Arc::clone(&frames));
+        self.stack_cache
+            .insert(stack_id, std::sync::Arc::clone(&frames));
         frames
     }
 

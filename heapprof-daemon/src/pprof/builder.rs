@@ -4,9 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use thiserror::Error;
 
-use super::proto::{
-    Function, Label, Line, Location, Mapping, Profile, Sample, ValueType,
-};
+use super::proto::{Function, Label, Line, Location, Mapping, Profile, Sample, ValueType};
 use crate::symbolize::Frame;
 
 /// The sample types of a Go heap profile, in Go's order.
@@ -189,7 +187,12 @@ impl ProfileBuilder {
     }
 
     /// Adds a sample: locations leaf first, values in [`SAMPLE_TYPES`] order.
-    pub fn sample(&mut self, location_id: Vec<u64>, values: [u64; 4], labels: &[(&str, LabelValue)]) {
+    pub fn sample(
+        &mut self,
+        location_id: Vec<u64>,
+        values: [u64; 4],
+        labels: &[(&str, LabelValue)],
+    ) {
         let label = labels
             .iter()
             .map(|(key, value)| {
@@ -210,7 +213,10 @@ impl ProfileBuilder {
             .collect();
         self.profile.sample.push(Sample {
             location_id,
-            value: values.iter().map(|v| i64::try_from(*v).unwrap_or(i64::MAX)).collect(),
+            value: values
+                .iter()
+                .map(|v| i64::try_from(*v).unwrap_or(i64::MAX))
+                .collect(),
             label,
         });
     }
@@ -235,7 +241,11 @@ pub fn validate(profile: &Profile) -> Result<(), ValidationError> {
     }
     let strings = profile.string_table.len() as i64;
     let string_ok = |index: i64| (0..strings).contains(&index);
-    let mut indices = vec![profile.default_sample_type, profile.drop_frames, profile.keep_frames];
+    let mut indices = vec![
+        profile.default_sample_type,
+        profile.drop_frames,
+        profile.keep_frames,
+    ];
     indices.extend(profile.comment.iter().copied());
     for vt in profile.sample_type.iter().chain(profile.period_type.iter()) {
         indices.extend([vt.r#type, vt.unit]);
@@ -252,14 +262,21 @@ pub fn validate(profile: &Profile) -> Result<(), ValidationError> {
         }
     }
     if let Some(bad) = indices.iter().find(|i| !string_ok(**i)) {
-        return fail(format!("string index {bad} out of range ({strings} strings)"));
+        return fail(format!(
+            "string index {bad} out of range ({strings} strings)"
+        ));
     }
 
-    fn unique_ids(kind: &str, ids: impl Iterator<Item = u64>) -> Result<HashSet<u64>, ValidationError> {
+    fn unique_ids(
+        kind: &str,
+        ids: impl Iterator<Item = u64>,
+    ) -> Result<HashSet<u64>, ValidationError> {
         let mut seen = HashSet::new();
         for id in ids {
             if id == 0 || !seen.insert(id) {
-                return Err(ValidationError(format!("{kind} id {id} is zero or repeated")));
+                return Err(ValidationError(format!(
+                    "{kind} id {id} is zero or repeated"
+                )));
             }
         }
         Ok(seen)
@@ -274,10 +291,20 @@ pub fn validate(profile: &Profile) -> Result<(), ValidationError> {
     }
     for location in &profile.location {
         if location.mapping_id != 0 && !mappings.contains(&location.mapping_id) {
-            return fail(format!("location {} names missing mapping {}", location.id, location.mapping_id));
+            return fail(format!(
+                "location {} names missing mapping {}",
+                location.id, location.mapping_id
+            ));
         }
-        if let Some(line) = location.line.iter().find(|l| !functions.contains(&l.function_id)) {
-            return fail(format!("location {} names missing function {}", location.id, line.function_id));
+        if let Some(line) = location
+            .line
+            .iter()
+            .find(|l| !functions.contains(&l.function_id))
+        {
+            return fail(format!(
+                "location {} names missing function {}",
+                location.id, line.function_id
+            ));
         }
     }
     for sample in &profile.sample {
@@ -313,12 +340,23 @@ mod tests {
     #[test]
     fn builds_a_valid_profile() {
         let mut b = ProfileBuilder::new(1, 2);
-        let key = MappingKey { pid: 1, start: 0x1000 };
+        let key = MappingKey {
+            pid: 1,
+            start: 0x1000,
+        };
         b.mapping(key, 0x2000, 0, "/bin/x", Some("abcd"));
         let leaf = b.location(1, 0x1100, 1, Some(key), &[frame("malloc")]);
         let caller = b.location(1, 0x1200, 0, Some(key), &[frame("inlined"), frame("main")]);
-        assert_eq!(b.location(1, 0x1200, 0, Some(key), &[]), caller, "locations are interned");
-        b.sample(vec![leaf, caller], [1, 16, 1, 16], &[("pid", LabelValue::Num(1))]);
+        assert_eq!(
+            b.location(1, 0x1200, 0, Some(key), &[]),
+            caller,
+            "locations are interned"
+        );
+        b.sample(
+            vec![leaf, caller],
+            [1, 16, 1, 16],
+            &[("pid", LabelValue::Num(1))],
+        );
         b.comment("hello");
         let profile = b.finish().expect("valid");
         assert_eq!(profile.string_table[0], "");

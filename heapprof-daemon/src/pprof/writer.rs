@@ -25,10 +25,18 @@ pub fn prepare_output_dir(dir: &Path) -> Result<()> {
             .recursive(true)
             .mode(0o700)
             .create(dir)
-            .with_context(|| format!("cannot create output directory {}; choose another with -o DIR", dir.display()))?;
+            .with_context(|| {
+                format!(
+                    "cannot create output directory {}; choose another with -o DIR",
+                    dir.display()
+                )
+            })?;
     }
     if !dir.is_dir() {
-        bail!("output path {} is not a directory; choose a directory with -o DIR", dir.display());
+        bail!(
+            "output path {} is not a directory; choose a directory with -o DIR",
+            dir.display()
+        );
     }
     let probe = dir.join(format!(".heapprofd-probe-{}", std::process::id()));
     let created = OpenOptions::new()
@@ -120,7 +128,10 @@ mod tests {
     #[test]
     fn file_names_sort_chronologically() {
         let t = UNIX_EPOCH + Duration::from_millis(1_795_000_000_123);
-        assert_eq!(profile_file_name(t, 7), "heap-20261118T110640.123Z-0007.pb.gz");
+        assert_eq!(
+            profile_file_name(t, 7),
+            "heap-20261118T110640.123Z-0007.pb.gz"
+        );
         let later = profile_file_name(t + Duration::from_secs(1), 8);
         assert!(profile_file_name(t, 7) < later);
         assert_eq!(civil_from_days(0), (1970, 1, 1));
@@ -150,7 +161,9 @@ mod tests {
         let base = tempfile::tempdir().expect("tempdir");
         let file = base.path().join("f");
         std::fs::write(&file, "x").expect("write");
-        let err = prepare_output_dir(&file).expect_err("not a dir").to_string();
+        let err = prepare_output_dir(&file)
+            .expect_err("not a dir")
+            .to_string();
         assert!(err.contains("not a directory"), "{err}");
     }
 }

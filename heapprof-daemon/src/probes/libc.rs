@@ -30,7 +30,9 @@ pub struct Libc {
 /// Whether a file name looks like a C library (glibc's libc.so.6 / libc-2.x.so, musl's loader).
 fn is_libc_name(path: &str) -> bool {
     let name = path.rsplit('/').next().unwrap_or(path);
-    name.starts_with("libc.so") || (name.starts_with("libc-") && name.ends_with(".so")) || name.starts_with("ld-musl-")
+    name.starts_with("libc.so")
+        || (name.starts_with("libc-") && name.ends_with(".so"))
+        || name.starts_with("ld-musl-")
 }
 
 /// The libc mapped by `pid`, opened through the process's own root.
@@ -50,11 +52,12 @@ pub fn find_in_process(pid: u32) -> Result<PathBuf> {
 /// Resolves the allocator symbols of the library at `path`.
 pub fn resolve(path: &Path, display: &str) -> Result<Libc> {
     let mut magic = [0u8; 4];
-    let read_magic = std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic));
-    if let Err(err) = read_magic {
-        if err.kind() != std::io::ErrorKind::UnexpectedEof {
-            bail!("cannot read C library {display}: {err}; pass an existing library to --libc");
-        }
+    let read_magic =
+        std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic));
+    if let Err(err) = read_magic
+        && err.kind() != std::io::ErrorKind::UnexpectedEof
+    {
+        bail!("cannot read C library {display}: {err}; pass an existing library to --libc");
     }
     if &magic != b"\x7fELF" {
         bail!(
@@ -71,14 +74,15 @@ pub fn resolve(path: &Path, display: &str) -> Result<Libc> {
     let found = inspector
         .lookup(&src, &names)
         .with_context(|| format!("reading the symbols of {display}"))?;
-    let offset_of = |index: usize| -> Option<u64> {
-        found.get(index)?.iter().find_map(|sym| sym.file_offset)
-    };
+    let offset_of =
+        |index: usize| -> Option<u64> { found.get(index)?.iter().find_map(|sym| sym.file_offset) };
 
     let free_offset = offset_of(names.len() - 1);
     let malloc_offset = offset_of(0);
     let (Some(free_offset), Some(_)) = (free_offset, malloc_offset) else {
-        bail!("{display} has no malloc/free symbols; point --libc at the library that provides the program's allocator");
+        bail!(
+            "{display} has no malloc/free symbols; point --libc at the library that provides the program's allocator"
+        );
     };
     let mut by_offset: HashMap<u64, AllocKind> = HashMap::new();
     let mut allocators = Vec::new();
@@ -129,7 +133,11 @@ mod tests {
         let mut offsets: Vec<_> = libc.allocators.iter().map(|(_, o)| *o).collect();
         offsets.sort_unstable();
         offsets.dedup();
-        assert_eq!(offsets.len(), libc.allocators.len(), "one probe per distinct address");
+        assert_eq!(
+            offsets.len(),
+            libc.allocators.len(),
+            "one probe per distinct address"
+        );
         assert!(libc.free_offset > 0);
     }
 
@@ -138,11 +146,15 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let text = dir.path().join("notes.txt");
         std::fs::write(&text, "hello").expect("write");
-        let err = resolve(&text, "notes.txt").expect_err("text is not a libc").to_string();
+        let err = resolve(&text, "notes.txt")
+            .expect_err("text is not a libc")
+            .to_string();
         assert!(err.contains("not an ELF"), "{err}");
         let exe = std::env::current_exe().expect("test exe");
         // The test binary is ELF but does not define malloc/free itself.
-        let err = resolve(&exe, "test binary").expect_err("no malloc").to_string();
+        let err = resolve(&exe, "test binary")
+            .expect_err("no malloc")
+            .to_string();
         assert!(err.contains("no malloc/free"), "{err}");
     }
 }

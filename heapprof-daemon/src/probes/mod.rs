@@ -59,7 +59,9 @@ fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
         .try_into()
         .with_context(|| format!("BPF program {name} is not a uprobe"))?;
     if program.fd().is_err() {
-        program.load().with_context(|| format!("verifying BPF program {name}"))?;
+        program
+            .load()
+            .with_context(|| format!("verifying BPF program {name}"))?;
     }
     Ok(program)
 }

@@ -5,15 +5,11 @@
 //! cached across dumps and shared between processes mapping the same file, and it
 //! keeps working after the process has exited.
 
-use std::{
-    collections::HashMap,
-    sync::Arc,
-};
+use std::{collections::HashMap, sync::Arc};
 
 use blazesym::symbolize::{
-    Symbolizer as Blazesym,
+    Input, Symbolized, Symbolizer as Blazesym,
     source::{Elf, Source},
-    Input, Symbolized,
 };
 
 use crate::procmaps::{ObjectFile, Region};
@@ -74,7 +70,10 @@ impl Symbolizer {
             return;
         }
         let source = Source::Elf(Elf::new(&object.open_path));
-        let results = match self.blazesym.symbolize(&source, Input::FileOffset(&missing)) {
+        let results = match self
+            .blazesym
+            .symbolize(&source, Input::FileOffset(&missing))
+        {
             Ok(results) => results,
             Err(err) => {
                 log::debug!("cannot symbolize {}: {err:#}", object.path);
@@ -128,17 +127,16 @@ fn frame(name: &str, code_info: Option<&blazesym::symbolize::CodeInfo<'_>>) -> F
 
 /// Demangles Rust and C++ symbol names; anything else (C) is kept as it is.
 pub fn demangle(name: &str) -> String {
-    if name.starts_with("_R") || name.starts_with("_ZN") {
-        if let Ok(demangled) = rustc_demangle::try_demangle(name) {
-            return format!("{demangled:#}");
-        }
+    if (name.starts_with("_R") || name.starts_with("_ZN"))
+        && let Ok(demangled) = rustc_demangle::try_demangle(name)
+    {
+        return format!("{demangled:#}");
     }
-    if name.starts_with("_Z") {
-        if let Ok(symbol) = cpp_demangle::Symbol::new(name) {
-            if let Ok(demangled) = symbol.demangle(&cpp_demangle::DemangleOptions::default()) {
-                return demangled;
-            }
-        }
+    if name.starts_with("_Z")
+        && let Ok(symbol) = cpp_demangle::Symbol::new(name)
+        && let Ok(demangled) = symbol.demangle(&cpp_demangle::DemangleOptions::default())
+    {
+        return demangled;
     }
     name.to_owned()
 }
@@ -154,6 +152,9 @@ mod tests {
         assert_eq!(demangle("main"), "main");
         assert_eq!(demangle("_ZN3foo3barE"), "foo::bar");
         assert_eq!(demangle("_Z3fooi"), "foo(int)");
-        assert_eq!(demangle("_ZN4core3fmt5write17h0123456789abcdefE"), "core::fmt::write");
+        assert_eq!(
+            demangle("_ZN4core3fmt5write17h0123456789abcdefE"),
+            "core::fmt::write"
+        );
     }
 }

@@ -1,0 +1,12 @@
+//! heapprofd's daemon as a library: the binary (`main.rs`) wires these modules
+//! together; the integration tests use them to decode and check profiles.
+
+pub mod aggregate;
+pub mod cli;
+pub mod launch;
+pub mod pprof;
+pub mod preflight;
+pub mod probes;
+pub mod procmaps;
+pub mod session;
+pub mod symbolize;

@@ -1,0 +1,191 @@
+//! Helpers shared by the integration tests: building the C test programs,
+//! running heapprofd, decoding and checking its profiles.
+#![allow(dead_code)] // Each test binary uses a different subset.
+
+use std::{
+    collections::HashMap,
+    io::Read as _,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+};
+
+use heapprof_daemon::pprof::{builder::validate, proto::Profile};
+use prost::Message as _;
+
+/// The BPF tests need root (or CAP_BPF+CAP_PERFMON). They never skip: without it they fail.
+pub fn require_root() {
+    // SAFETY: geteuid cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    assert_eq!(
+        euid, 0,
+        "this test loads BPF programs and must run as root: use `sudo -E cargo xtask test` (CI runs as root)"
+    );
+}
+
+/// A scratch directory for one test, removed when dropped.
+pub fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("heapprofd-test-")
+        .tempdir()
+        .expect("creating a scratch directory")
+}
+
+/// Compiles `tests/programs/NAME.c` into `dir` with the given flags; returns the binary.
+pub fn compile(dir: &Path, name: &str, output_name: &str, flags: &[&str]) -> PathBuf {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/programs/{name}.c"));
+    let binary = dir.join(output_name);
+    // -fno-builtin: keep every allocator call as written (gcc folds realloc(NULL, n) into malloc).
+    let status = Command::new("gcc")
+        .args(["-g", "-fno-builtin", "-fno-omit-frame-pointer", "-pthread"])
+        .args(flags)
+        .arg("-o")
+        .arg(&binary)
+        .arg(&source)
+        .status()
+        .expect("running gcc (install it: cargo xtask setup)");
+    assert!(status.success(), "gcc failed on {}", source.display());
+    binary
+}
+
+/// A heapprofd command writing into `out`.
+pub fn heapprofd(out: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_heapprofd"));
+    cmd.arg("-o").arg(out).env("RUST_LOG", "info");
+    cmd
+}
+
+/// Runs heapprofd to completion and checks it succeeded.
+pub fn run_ok(cmd: &mut Command) -> Output {
+    let output = cmd.output().expect("starting heapprofd");
+    assert!(
+        output.status.success(),
+        "{cmd:?} failed ({}):\nstdout: {}\nstderr: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// Every profile in `dir`, in name (= chronological) order, decoded and validated.
+pub fn read_profiles(dir: &Path) -> Vec<(PathBuf, Profile)> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", dir.display()))
+        .map(|e| e.expect("dir entry").path())
+        .filter(|p| p.to_string_lossy().ends_with(".pb.gz"))
+        .collect();
+    paths.sort();
+    paths
+        .into_iter()
+        .map(|path| {
+            let profile = decode(&path);
+            (path, profile)
+        })
+        .collect()
+}
+
+/// Decodes one gzip'd profile and checks the format's rules.
+pub fn decode(path: &Path) -> Profile {
+    let file =
+        std::fs::File::open(path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display()));
+    let mut bytes = Vec::new();
+    flate2::read::GzDecoder::new(file)
+        .read_to_end(&mut bytes)
+        .unwrap_or_else(|e| panic!("{} is not gzip: {e}", path.display()));
+    let profile = Profile::decode(bytes.as_slice())
+        .unwrap_or_else(|e| panic!("{} is not a profile: {e}", path.display()));
+    validate(&profile).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    profile
+}
+
+/// The last profile written in `dir`.
+pub fn last_profile(dir: &Path) -> Profile {
+    read_profiles(dir)
+        .pop()
+        .unwrap_or_else(|| panic!("no profile in {}", dir.display()))
+        .1
+}
+
+/// A sample in readable form.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    /// Function names, leaf (the allocator) first, inlined frames expanded.
+    pub stack: Vec<String>,
+    /// alloc_objects, alloc_space, inuse_objects, inuse_space.
+    pub values: [i64; 4],
+    /// String labels and numeric labels (as decimal strings).
+    pub labels: HashMap<String, String>,
+}
+
+impl Sample {
+    /// The stack from the allocator's caller up to and including `main` (or the whole stack).
+    pub fn up_to_main(&self) -> Vec<&str> {
+        let mut frames: Vec<&str> = self.stack.iter().skip(1).map(String::as_str).collect();
+        if let Some(main) = frames.iter().position(|f| *f == "main") {
+            frames.truncate(main + 1);
+        }
+        frames
+    }
+}
+
+/// Every sample of a profile.
+pub fn samples(profile: &Profile) -> Vec<Sample> {
+    let string = |i: i64| profile.string_table[i as usize].clone();
+    let functions: HashMap<u64, String> = profile
+        .function
+        .iter()
+        .map(|f| (f.id, string(f.name)))
+        .collect();
+    let locations: HashMap<u64, Vec<String>> = profile
+        .location
+        .iter()
+        .map(|l| {
+            (
+                l.id,
+                l.line
+                    .iter()
+                    .map(|line| functions[&line.function_id].clone())
+                    .collect(),
+            )
+        })
+        .collect();
+    profile
+        .sample
+        .iter()
+        .map(|s| Sample {
+            stack: s
+                .location_id
+                .iter()
+                .flat_map(|id| locations[id].clone())
+                .collect(),
+            values: [s.value[0], s.value[1], s.value[2], s.value[3]],
+            labels: s
+                .label
+                .iter()
+                .map(|l| {
+                    (
+                        string(l.key),
+                        if l.str != 0 {
+                            string(l.str)
+                        } else {
+                            l.num.to_string()
+                        },
+                    )
+                })
+                .collect(),
+        })
+        .collect()
+}
+
+/// Sum of each value over the samples that pass `filter`.
+pub fn totals(samples: &[Sample], filter: impl Fn(&Sample) -> bool) -> [i64; 4] {
+    samples
+        .iter()
+        .filter(|s| filter(s))
+        .fold([0; 4], |mut acc, s| {
+            for (a, v) in acc.iter_mut().zip(s.values) {
+                *a += v;
+            }
+            acc
+        })
+}

@@ -1,0 +1,141 @@
+//! Exactness: heapprofd's counts equal what a program did, and what valgrind counts.
+
+mod common;
+
+use std::{collections::BTreeMap, process::Command};
+
+use common::*;
+
+fn page_size() -> i64 {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_PAGESIZE) as i64 }
+}
+
+#[test]
+fn every_family_function_is_counted_exactly_across_threads() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "family", "family", &["-O0"]);
+    let out = dir.path().join("profiles");
+    let (threads, iterations): (i64, i64) = (4, 250);
+    run_ok(
+        heapprofd(&out)
+            .arg("--")
+            .arg(&program)
+            .args([threads.to_string(), iterations.to_string()]),
+    );
+
+    let samples = samples(&last_profile(&out));
+    let ours = |s: &Sample| s.stack.iter().any(|f| f == "exercise");
+    let calls = threads * iterations;
+    let page = page_size();
+    // Bytes of one thread, as family.c allocates them (see its header).
+    let bytes_per_thread: i64 = (0..iterations)
+        .map(|i| (16 + i) + 4 * (8 + i) + 32 + (64 + i) + 30 + 100 + 128 + 48 + 200 + page)
+        .sum();
+    let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes] = totals(&samples, ours);
+    assert_eq!(alloc_objects, 10 * calls, "allocations");
+    assert_eq!(alloc_bytes, threads * bytes_per_thread, "bytes allocated");
+    assert_eq!(
+        inuse_objects,
+        2 * calls,
+        "blocks in use at exit (valloc + pvalloc)"
+    );
+    assert_eq!(inuse_bytes, calls * (200 + page), "bytes in use at exit");
+
+    let mut per_function: BTreeMap<String, i64> = BTreeMap::new();
+    for sample in samples.iter().filter(|s| ours(s)) {
+        *per_function.entry(sample.stack[0].clone()).or_default() += sample.values[0];
+    }
+    // glibc's aligned_alloc and memalign are one function: one probe, reported under one name.
+    let aligned = per_function.remove("aligned_alloc").unwrap_or(0)
+        + per_function.remove("memalign").unwrap_or(0);
+    assert_eq!(aligned, 2 * calls, "aligned_alloc + memalign");
+    let expected: BTreeMap<String, i64> = [
+        ("calloc", calls),
+        ("malloc", calls),
+        ("posix_memalign", calls),
+        ("pvalloc", calls),
+        ("realloc", 2 * calls), // realloc(NULL, n) is the user's realloc, not the malloc inside it
+        ("reallocarray", calls),
+        ("valloc", calls),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    assert_eq!(per_function, expected, "allocations per function");
+}
+
+/// Parses valgrind's "in use at exit: B bytes in N blocks" and
+/// "total heap usage: A allocs, F frees, T bytes allocated".
+fn valgrind_summary(stderr: &str) -> (i64, i64, i64, i64, i64) {
+    let number = |s: &str| {
+        s.replace(',', "")
+            .parse::<i64>()
+            .unwrap_or_else(|_| panic!("not a number: {s:?}"))
+    };
+    let in_use = stderr
+        .lines()
+        .find_map(|l| l.split("in use at exit: ").nth(1))
+        .unwrap_or_else(|| panic!("no 'in use at exit' in valgrind output:\n{stderr}"));
+    let w: Vec<&str> = in_use.split_whitespace().collect();
+    let (inuse_bytes, inuse_blocks) = (number(w[0]), number(w[3]));
+    let usage = stderr
+        .lines()
+        .find_map(|l| l.split("total heap usage: ").nth(1))
+        .unwrap_or_else(|| panic!("no 'total heap usage' in valgrind output:\n{stderr}"));
+    let w: Vec<&str> = usage.split_whitespace().collect();
+    (
+        number(w[0]),
+        number(w[2]),
+        number(w[4]),
+        inuse_bytes,
+        inuse_blocks,
+    )
+}
+
+#[test]
+fn totals_agree_with_valgrind() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "family", "family", &["-O2"]);
+    // valgrind 3.19 aborts on pvalloc: the last argument swaps it for valloc.
+    let args = ["3", "40", "0"];
+    // --run-libc-freeres=no: by default valgrind makes glibc free its internal caches at
+    // exit, frees the program itself never makes and heapprofd (rightly) does not see.
+    let valgrind = Command::new("valgrind")
+        .arg("--run-libc-freeres=no")
+        .arg(&program)
+        .args(args)
+        .output()
+        .expect("running valgrind (install it: cargo xtask setup)");
+    assert!(
+        valgrind.status.success(),
+        "valgrind run failed: {valgrind:?}"
+    );
+    let (allocs, frees, bytes, inuse_bytes, inuse_blocks) =
+        valgrind_summary(&String::from_utf8_lossy(&valgrind.stderr));
+
+    let out = dir.path().join("profiles");
+    run_ok(heapprofd(&out).arg("--").arg(&program).args(args));
+    let samples = samples(&last_profile(&out));
+    let [alloc_objects, alloc_bytes, inuse_objects, inuse_space] = totals(&samples, |_| true);
+    assert_eq!(
+        alloc_objects, allocs,
+        "allocations (valgrind: total heap usage allocs)"
+    );
+    assert_eq!(
+        alloc_bytes, bytes,
+        "bytes allocated (valgrind: total heap usage bytes)"
+    );
+    assert_eq!(
+        alloc_objects - inuse_objects,
+        frees,
+        "frees (valgrind: total heap usage frees)"
+    );
+    assert_eq!(
+        inuse_objects, inuse_blocks,
+        "blocks in use at exit (valgrind)"
+    );
+    assert_eq!(inuse_space, inuse_bytes, "bytes in use at exit (valgrind)");
+}

@@ -1,0 +1,228 @@
+//! Targets: attaching to a running process, launching, and tracing every process.
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    io::{BufRead as _, BufReader, Write as _},
+    path::Path,
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+use common::*;
+
+/// A started waiter program (tests/programs/waiter.c).
+struct Waiter {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Waiter {
+    fn start(binary: &Path, count: u32, size: u32) -> Self {
+        let mut child = Command::new(binary)
+            .args([count.to_string(), size.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the waiter");
+        let stdin = child.stdin.take();
+        let lines = forward_lines(child.stdout.take().expect("stdout"));
+        let waiter = Self {
+            child,
+            stdin,
+            lines,
+        };
+        waiter.expect_line("ready");
+        waiter
+    }
+
+    fn expect_line(&self, wanted: &str) {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("waiter did not print {wanted:?}: {e}"));
+        assert_eq!(line, wanted);
+    }
+
+    /// Lets it allocate, waits until it has, then lets it exit.
+    fn work_and_exit(&mut self) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        stdin.write_all(b"go\n").expect("writing to the waiter");
+        stdin.flush().expect("flush");
+        self.expect_line("done");
+        self.stdin = None;
+        let status = self.child.wait().expect("waiting for the waiter");
+        assert!(status.success());
+    }
+}
+
+fn forward_lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (send, receive) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if send.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    receive
+}
+
+/// Starts heapprofd and waits until its probes are attached.
+fn start_heapprofd(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
+    let mut child = cmd
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting heapprofd");
+    let lines = forward_lines(child.stderr.take().expect("stderr"));
+    let failure = loop {
+        match lines.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) if line.contains("error") => break format!("heapprofd failed: {line}"),
+            Ok(line) if line.contains("probes on") => return (child, lines),
+            Ok(_) => {}
+            Err(err) => break format!("heapprofd did not report attaching: {err}"),
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("{failure}");
+}
+
+fn wait_success(child: &mut Child, what: &str) {
+    let status = child.wait().expect("waiting for heapprofd");
+    assert!(status.success(), "heapprofd ({what}) exited with {status}");
+}
+
+#[test]
+fn attaches_to_a_running_process_and_ends_with_it() {
+    require_root();
+    let dir = scratch();
+    let binary = compile(dir.path(), "waiter", "waiter", &["-O0"]);
+    let out = dir.path().join("profiles");
+    let mut waiter = Waiter::start(&binary, 1000, 48);
+    let (mut heapprofd, _log) = start_heapprofd(
+        heapprofd(&out)
+            .args(["--interval", "200ms", "--pid"])
+            .arg(waiter.child.id().to_string()),
+    );
+    waiter.work_and_exit();
+    // The target's exit ends --pid mode with a final profile.
+    wait_success(&mut heapprofd, "--pid");
+
+    let profiles = read_profiles(&out);
+    assert!(!profiles.is_empty());
+    let samples = samples(&profiles.last().expect("a profile").1);
+    let work = totals(&samples, |s| s.stack.get(1).is_some_and(|f| f == "work"));
+    assert_eq!(
+        work,
+        [1000, 48_000, 500, 24_000],
+        "work(): allocated, in use at exit"
+    );
+    // Interval profiles: each valid (checked on decoding), counts never go backwards.
+    let allocated: Vec<i64> = profiles
+        .iter()
+        .map(|(_, p)| totals(&samples_of(p), |_| true)[0])
+        .collect();
+    assert!(
+        allocated.windows(2).all(|w| w[0] <= w[1]),
+        "alloc counts are cumulative: {allocated:?}"
+    );
+}
+
+fn samples_of(profile: &heapprof_daemon::pprof::proto::Profile) -> Vec<Sample> {
+    samples(profile)
+}
+
+#[test]
+fn launch_mode_returns_the_command_status() {
+    require_root();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let output = heapprofd(&out)
+        .args(["--", "sh", "-c", "exit 7"])
+        .output()
+        .expect("starting heapprofd");
+    assert_eq!(output.status.code(), Some(7), "{output:?}");
+    assert!(
+        !read_profiles(&out).is_empty(),
+        "a final profile is written"
+    );
+}
+
+#[test]
+fn all_mode_tells_processes_apart_by_labels() {
+    require_root();
+    let dir = scratch();
+    let one = compile(dir.path(), "waiter", "proc_one", &["-O0"]);
+    let two = compile(dir.path(), "waiter", "proc_two", &["-O0"]);
+    let out = dir.path().join("profiles");
+    let mut first = Waiter::start(&one, 300, 32);
+    let mut second = Waiter::start(&two, 700, 16);
+    let pids = [first.child.id().to_string(), second.child.id().to_string()];
+    let (mut heapprofd, _log) =
+        start_heapprofd(heapprofd(&out).args(["--interval", "300ms", "--all"]));
+    first.work_and_exit();
+    second.work_and_exit();
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(heapprofd.id() as i32, libc::SIGINT) };
+    wait_success(&mut heapprofd, "--all");
+
+    let samples = samples(&last_profile(&out));
+    let mut by_process: BTreeMap<(String, String), [i64; 2]> = BTreeMap::new();
+    for sample in samples
+        .iter()
+        .filter(|s| s.stack.get(1).is_some_and(|f| f == "work"))
+    {
+        let key = (sample.labels["comm"].clone(), sample.labels["pid"].clone());
+        let entry = by_process.entry(key).or_default();
+        entry[0] += sample.values[0];
+        entry[1] += sample.values[1];
+    }
+    let expected: BTreeMap<(String, String), [i64; 2]> = [
+        (("proc_one".to_owned(), pids[0].clone()), [300, 300 * 32]),
+        (("proc_two".to_owned(), pids[1].clone()), [700, 700 * 16]),
+    ]
+    .into_iter()
+    .collect();
+    assert_eq!(
+        by_process, expected,
+        "allocations of work() per (comm, pid)"
+    );
+}
+
+#[test]
+fn bad_targets_get_one_clear_line_and_status_2() {
+    require_root();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let cases: [(&[&str], &str); 4] = [
+        (&["--pid", "999999999"], "no process with pid 999999999"),
+        (&[], "no target"),
+        (
+            &["--", "/nonexistent/program"],
+            "cannot run `/nonexistent/program`",
+        ),
+        (&["--libc", "/etc/hostname", "--all"], "is not an ELF file"),
+    ];
+    for (args, message) in cases {
+        let output = heapprofd(&out)
+            .args(args)
+            .output()
+            .expect("starting heapprofd");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(message),
+            "{args:?}: expected {message:?} in {stderr:?}"
+        );
+        assert_eq!(
+            stderr.trim().lines().count(),
+            1,
+            "{args:?}: one line, got {stderr:?}"
+        );
+    }
+}
