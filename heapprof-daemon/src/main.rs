@@ -213,10 +213,10 @@ async fn run(
                 if let Err(err) = session.dump() {
                     log::error!("cannot write a profile: {err:#}");
                 }
-                if matches!(target, Target::All) {
-                    if let Err(err) = session.retire_exited() {
-                        log::warn!("cannot clear exited processes: {err:#}");
-                    }
+                if matches!(target, Target::All)
+                    && let Err(err) = session.retire_exited()
+                {
+                    log::warn!("cannot clear exited processes: {err:#}");
                 }
             }
             signal = async { tokio::select! { _ = sigint.recv() => libc::SIGINT, _ = sigterm.recv() => libc::SIGTERM } } => {
