@@ -136,8 +136,13 @@ impl Session {
     /// Called on each dump and when a process is about to exit.
     pub fn refresh_unmapped(&mut self) -> Result<()> {
         let sites = self.maps.read_sites()?;
+        self.refresh_unmapped_sites(&sites);
+        Ok(())
+    }
+
+    fn refresh_unmapped_sites(&mut self, sites: &[Site]) {
         let mut checked = HashSet::new();
-        for site in &sites {
+        for site in sites {
             let pid = site.key.tgid;
             if checked.contains(&pid) {
                 continue;
@@ -158,7 +163,7 @@ impl Session {
             }
         }
         // Symbolize now, while the files are certainly reachable.
-        for site in &sites {
+        for site in sites {
             let stack = self.maps.stack(site.key.stack_id);
             if let Some(info) = self.processes.get(&site.key.tgid) {
                 for &ret in stack.iter() {
@@ -169,7 +174,6 @@ impl Session {
                 }
             }
         }
-        Ok(())
     }
 
     /// Marks processes that no longer exist as exited and clears their live blocks from the maps.
@@ -190,8 +194,8 @@ impl Session {
 
     /// Writes one profile of everything counted so far; returns its path.
     pub fn dump(&mut self) -> Result<PathBuf> {
-        self.refresh_unmapped()?;
         let sites = self.maps.read_sites()?;
+        self.refresh_unmapped_sites(&sites);
         let drops = self.maps.read_drops()?;
         self.report_drops(&drops);
         let profile = self.build_profile(&sites, &drops)?;

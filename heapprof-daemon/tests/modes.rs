@@ -124,16 +124,12 @@ fn attaches_to_a_running_process_and_ends_with_it() {
     // Interval profiles: each valid (checked on decoding), counts never go backwards.
     let allocated: Vec<i64> = profiles
         .iter()
-        .map(|(_, p)| totals(&samples_of(p), |_| true)[0])
+        .map(|(_, p)| totals(&common::samples(p), |_| true)[0])
         .collect();
     assert!(
         allocated.windows(2).all(|w| w[0] <= w[1]),
         "alloc counts are cumulative: {allocated:?}"
     );
-}
-
-fn samples_of(profile: &heapprof_daemon::pprof::proto::Profile) -> Vec<Sample> {
-    samples(profile)
 }
 
 #[test]
