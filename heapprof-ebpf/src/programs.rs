@@ -278,15 +278,20 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
         count_drop(DropReason::SiteTableFull);
         return 0;
     }
-    // A block still recorded at this address was freed by a path we did not see
-    // (the allocator reused it): close it first so its site's in-use stays right.
-    release(tgid, ptr);
     let key = LiveKey { ptr, tgid, _pad: 0 };
     let block = LiveBlock {
         size: state.size,
         site,
     };
-    if LIVE.insert(&key, &block, 0).is_err() {
+    let mut inserted = LIVE.insert(&key, &block, BPF_NOEXIST as u64);
+    if inserted == Err(-EEXIST) {
+        // Still recorded at this address: it was freed by a path we did not see (the
+        // allocator reused it). Close it so its site's in-use stays right. Checked only
+        // on this rare failure, so the common path costs one map operation.
+        release(tgid, ptr);
+        inserted = LIVE.insert(&key, &block, BPF_NOEXIST as u64);
+    }
+    if inserted.is_err() {
         count_drop(DropReason::LiveTableFull);
     }
     0
