@@ -169,10 +169,12 @@ fn all_mode_tells_processes_apart_by_labels() {
 
     let samples = samples(&last_profile(&out));
     let mut by_process: BTreeMap<(String, String), [i64; 2]> = BTreeMap::new();
-    for sample in samples
-        .iter()
-        .filter(|s| s.stack.get(1).is_some_and(|f| f == "work"))
-    {
+    // --all sees every process, including other tests' waiters running in parallel:
+    // only our two pids are checked.
+    for sample in samples.iter().filter(|s| {
+        s.stack.get(1).is_some_and(|f| f == "work")
+            && s.labels.get("pid").is_some_and(|pid| pids.contains(pid))
+    }) {
         let key = (sample.labels["comm"].clone(), sample.labels["pid"].clone());
         let entry = by_process.entry(key).or_default();
         entry[0] += sample.values[0];
