@@ -4,6 +4,8 @@ use std::{path::PathBuf, time::Duration};
 
 use clap::Parser;
 
+use crate::probes::placement::PlacementMode;
+
 /// eBPF heap profiler: live and cumulative heap usage per call stack, written as Go-pprof heap profiles.
 #[derive(Debug, Parser)]
 #[command(
@@ -52,6 +54,11 @@ pub struct Cli {
     /// Capacity of the table of allocator calls in progress (threads inside malloc at once).
     #[arg(long, value_name = "N", default_value_t = 16384, value_parser = parse_capacity)]
     pub max_threads: u32,
+
+    /// Where probes sit in each function: `auto` moves them past instructions the kernel
+    /// would single-step (about 10x cheaper) when provably equivalent; `entry` never moves them.
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = PlacementMode::Auto)]
+    pub probe_placement: PlacementMode,
 
     /// After the final profile, print the N allocation sites holding the most memory.
     #[arg(long, value_name = "N", default_value_t = 0)]

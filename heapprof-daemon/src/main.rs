@@ -118,7 +118,7 @@ fn start(
             (own.clone().into(), own)
         }
     };
-    let libc = probes::libc::resolve(&libc_path, &libc_maps_path)?;
+    let libc = probes::libc::resolve(&libc_path, &libc_maps_path, cli.probe_placement)?;
 
     let capacities = probes::Capacities {
         live_blocks: cli.max_live_blocks,

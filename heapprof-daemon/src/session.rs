@@ -345,13 +345,7 @@ impl Session {
             file: None,
             line: 0,
         };
-        let file_offset = self
-            .config
-            .libc
-            .allocators
-            .iter()
-            .find(|(k, _)| *k == kind)
-            .map(|(_, offset)| *offset);
+        let file_offset = self.config.libc.offset_of(kind);
         let region = file_offset.and_then(|offset| {
             info.maps
                 .regions

@@ -12,7 +12,16 @@ fn page_size() -> i64 {
 }
 
 #[test]
-fn every_family_function_is_counted_exactly_across_threads() {
+fn every_family_function_is_counted_exactly_with_auto_placement() {
+    every_family_function_is_counted_exactly_across_threads("auto");
+}
+
+#[test]
+fn every_family_function_is_counted_exactly_with_entry_placement() {
+    every_family_function_is_counted_exactly_across_threads("entry");
+}
+
+fn every_family_function_is_counted_exactly_across_threads(placement: &str) {
     require_root();
     let dir = scratch();
     let program = compile(dir.path(), "family", "family", &["-O0"]);
@@ -20,7 +29,7 @@ fn every_family_function_is_counted_exactly_across_threads() {
     let (threads, iterations): (i64, i64) = (4, 250);
     run_ok(
         heapprofd(&out)
-            .arg("--")
+            .args(["--probe-placement", placement, "--"])
             .arg(&program)
             .args([threads.to_string(), iterations.to_string()]),
     );
@@ -95,7 +104,16 @@ fn valgrind_summary(stderr: &str) -> (i64, i64, i64, i64, i64) {
 }
 
 #[test]
-fn totals_agree_with_valgrind() {
+fn totals_agree_with_valgrind_with_auto_placement() {
+    totals_agree_with_valgrind("auto");
+}
+
+#[test]
+fn totals_agree_with_valgrind_with_entry_placement() {
+    totals_agree_with_valgrind("entry");
+}
+
+fn totals_agree_with_valgrind(placement: &str) {
     require_root();
     let dir = scratch();
     let program = compile(dir.path(), "family", "family", &["-O2"]);
@@ -117,7 +135,12 @@ fn totals_agree_with_valgrind() {
         valgrind_summary(&String::from_utf8_lossy(&valgrind.stderr));
 
     let out = dir.path().join("profiles");
-    run_ok(heapprofd(&out).arg("--").arg(&program).args(args));
+    run_ok(
+        heapprofd(&out)
+            .args(["--probe-placement", placement, "--"])
+            .arg(&program)
+            .args(args),
+    );
     let samples = samples(&last_profile(&out));
     let [alloc_objects, alloc_bytes, inuse_objects, inuse_space] = totals(&samples, |_| true);
     assert_eq!(

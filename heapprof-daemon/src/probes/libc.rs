@@ -9,7 +9,24 @@ use anyhow::{Context as _, Result, bail};
 use blazesym::inspect::{Inspector, source::Elf, source::Source};
 use heapprof_common::AllocKind;
 
+use super::placement::{self, Arch, Placement, PlacementMode};
 use crate::procmaps::parse_maps_line;
+
+/// One probed function of the library.
+#[derive(Debug, Clone)]
+pub struct Function {
+    /// File offset of the function's first instruction (the address profiles show).
+    pub offset: u64,
+    /// Where its probes go, relative to `offset`.
+    pub placement: Placement,
+}
+
+impl Function {
+    /// File offset the probes are attached at.
+    pub fn probe_offset(&self) -> u64 {
+        self.offset + self.placement.offset
+    }
+}
 
 /// A C library and where its allocator functions are.
 #[derive(Debug, Clone)]
@@ -18,13 +35,62 @@ pub struct Libc {
     pub path: PathBuf,
     /// The path as the target names it, for messages.
     pub display: String,
-    /// One entry per distinct address: the first kind found there and its file offset.
+    /// One entry per distinct address: the first kind found there and its function.
     /// Aliases (glibc's aligned_alloc = memalign) are attached once, under the first name.
-    pub allocators: Vec<(AllocKind, u64)>,
+    pub allocators: Vec<(AllocKind, Function)>,
     /// Kinds sharing an address with an earlier one, and that one.
     pub aliases: Vec<(AllocKind, AllocKind)>,
-    /// File offset of `free`.
-    pub free_offset: u64,
+    /// `free`.
+    pub free: Function,
+}
+
+impl Libc {
+    /// File offset of the function of `kind` (aliases resolve to their first name).
+    pub fn offset_of(&self, kind: AllocKind) -> Option<u64> {
+        let kind = self
+            .aliases
+            .iter()
+            .find(|(alias, _)| *alias == kind)
+            .map_or(kind, |(_, first)| *first);
+        self.allocators
+            .iter()
+            .find(|(k, _)| *k == kind)
+            .map(|(_, f)| f.offset)
+    }
+}
+
+/// Longest function body read for probe placement; longer ones are read this far and
+/// placed at their entry, since branches beyond it could not be checked.
+const MAX_FUNCTION_BYTES: usize = 64 * 1024;
+
+/// Places the probes of the function at file offset `offset` with symbol size `size`.
+fn place_probes(
+    file: &[u8],
+    arch: Option<Arch>,
+    offset: u64,
+    size: Option<usize>,
+    return_probe: bool,
+    mode: PlacementMode,
+) -> Placement {
+    let entry = |reason: &str| Placement {
+        offset: 0,
+        reason: reason.to_owned(),
+    };
+    if mode == PlacementMode::Entry {
+        return entry("entry: --probe-placement=entry");
+    }
+    let Some(arch) = arch else {
+        return entry("entry: instruction set not decoded");
+    };
+    let size = match size {
+        Some(size) if size > 0 && size <= MAX_FUNCTION_BYTES => size,
+        _ => return entry("entry: the function's size is unknown or too large"),
+    };
+    let start = usize::try_from(offset).unwrap_or(usize::MAX);
+    match file.get(start..start.saturating_add(size)) {
+        Some(code) => placement::place(arch, code, return_probe),
+        None => entry("entry: the function lies outside the file"),
+    }
 }
 
 /// Whether a file name looks like a C library (glibc's libc.so.6 / libc-2.x.so, musl's loader).
@@ -49,8 +115,8 @@ pub fn find_in_process(pid: u32) -> Result<PathBuf> {
     )
 }
 
-/// Resolves the allocator symbols of the library at `path`.
-pub fn resolve(path: &Path, display: &str) -> Result<Libc> {
+/// Resolves the allocator symbols of the library at `path` and places their probes.
+pub fn resolve(path: &Path, display: &str, mode: PlacementMode) -> Result<Libc> {
     let mut magic = [0u8; 4];
     let read_magic =
         std::fs::File::open(path).and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic));
@@ -74,21 +140,31 @@ pub fn resolve(path: &Path, display: &str) -> Result<Libc> {
     let found = inspector
         .lookup(&src, &names)
         .with_context(|| format!("reading the symbols of {display}"))?;
-    let offset_of =
-        |index: usize| -> Option<u64> { found.get(index)?.iter().find_map(|sym| sym.file_offset) };
+    let symbol = |index: usize| -> Option<(u64, Option<usize>)> {
+        found
+            .get(index)?
+            .iter()
+            .find_map(|sym| Some((sym.file_offset?, sym.size)))
+    };
 
-    let free_offset = offset_of(names.len() - 1);
-    let malloc_offset = offset_of(0);
-    let (Some(free_offset), Some(_)) = (free_offset, malloc_offset) else {
+    let free_symbol = symbol(names.len() - 1);
+    let malloc_symbol = symbol(0);
+    let (Some((free_offset, free_size)), Some(_)) = (free_symbol, malloc_symbol) else {
         bail!(
             "{display} has no malloc/free symbols; point --libc at the library that provides the program's allocator"
         );
+    };
+    let file = std::fs::read(path).with_context(|| format!("reading {display}"))?;
+    let arch = Arch::of_elf_header(&file);
+    let free = Function {
+        offset: free_offset,
+        placement: place_probes(&file, arch, free_offset, free_size, false, mode),
     };
     let mut by_offset: HashMap<u64, AllocKind> = HashMap::new();
     let mut allocators = Vec::new();
     let mut aliases = Vec::new();
     for (index, kind) in AllocKind::ALL.iter().enumerate() {
-        let Some(offset) = offset_of(index) else {
+        let Some((offset, size)) = symbol(index) else {
             log::debug!("{display} does not export {}", kind.symbol());
             continue;
         };
@@ -96,7 +172,8 @@ pub fn resolve(path: &Path, display: &str) -> Result<Libc> {
             Some(first) => aliases.push((*kind, *first)),
             None => {
                 by_offset.insert(offset, *kind);
-                allocators.push((*kind, offset));
+                let placement = place_probes(&file, arch, offset, size, true, mode);
+                allocators.push((*kind, Function { offset, placement }));
             }
         }
     }
@@ -105,7 +182,7 @@ pub fn resolve(path: &Path, display: &str) -> Result<Libc> {
         display: display.to_owned(),
         allocators,
         aliases,
-        free_offset,
+        free,
     })
 }
 
@@ -125,12 +202,12 @@ mod tests {
     #[test]
     fn resolves_own_libc_with_aliases_attached_once() {
         let path = find_in_process(std::process::id()).expect("the test binary maps a libc");
-        let libc = resolve(&path, "own libc").expect("libc resolves");
+        let libc = resolve(&path, "own libc", PlacementMode::Auto).expect("libc resolves");
         let kinds: Vec<_> = libc.allocators.iter().map(|(k, _)| *k).collect();
         assert!(kinds.contains(&AllocKind::Malloc));
         assert!(kinds.contains(&AllocKind::Calloc));
         assert!(kinds.contains(&AllocKind::Realloc));
-        let mut offsets: Vec<_> = libc.allocators.iter().map(|(_, o)| *o).collect();
+        let mut offsets: Vec<_> = libc.allocators.iter().map(|(_, f)| f.offset).collect();
         offsets.sort_unstable();
         offsets.dedup();
         assert_eq!(
@@ -138,7 +215,24 @@ mod tests {
             libc.allocators.len(),
             "one probe per distinct address"
         );
-        assert!(libc.free_offset > 0);
+        assert!(libc.free.offset > 0);
+    }
+
+    #[test]
+    fn places_probes_within_the_functions_or_at_entry_when_asked() {
+        let path = find_in_process(std::process::id()).expect("the test binary maps a libc");
+        let auto = resolve(&path, "own libc", PlacementMode::Auto).expect("libc resolves");
+        let entry = resolve(&path, "own libc", PlacementMode::Entry).expect("libc resolves");
+        for (kind, function) in &auto.allocators {
+            assert!(function.placement.offset < 64, "{kind:?}: {}", function.placement);
+        }
+        assert!(
+            entry
+                .allocators
+                .iter()
+                .chain([(AllocKind::Malloc, entry.free.clone())].iter())
+                .all(|(_, f)| f.placement.offset == 0 && f.probe_offset() == f.offset)
+        );
     }
 
     #[test]
@@ -146,13 +240,13 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let text = dir.path().join("notes.txt");
         std::fs::write(&text, "hello").expect("write");
-        let err = resolve(&text, "notes.txt")
+        let err = resolve(&text, "notes.txt", PlacementMode::Auto)
             .expect_err("text is not a libc")
             .to_string();
         assert!(err.contains("not an ELF"), "{err}");
         let exe = std::env::current_exe().expect("test exe");
         // The test binary is ELF but does not define malloc/free itself.
-        let err = resolve(&exe, "test binary")
+        let err = resolve(&exe, "test binary", PlacementMode::Auto)
             .expect_err("no malloc")
             .to_string();
         assert!(err.contains("no malloc/free"), "{err}");

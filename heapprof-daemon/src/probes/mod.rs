@@ -1,6 +1,7 @@
 //! Loading the BPF programs and attaching them to the allocator functions.
 
 pub mod libc;
+pub mod placement;
 
 use std::num::NonZeroU32;
 
@@ -75,8 +76,11 @@ pub fn attach(ebpf: &mut Ebpf, libc: &Libc, pid: Option<u32>) -> Result<usize> {
     };
     let attach_err = |what: &str| format!("attaching a uprobe to {what} in {}", libc.display);
     let mut count = 0;
-    for &(kind, offset) in &libc.allocators {
-        uprobe(ebpf, names::entry_program(kind))?
+    for (kind, function) in &libc.allocators {
+        // Entry and return probes share one spot, so one trap serves both.
+        let offset = function.probe_offset();
+        log::debug!("{}: probes at {}", kind.symbol(), function.placement);
+        uprobe(ebpf, names::entry_program(*kind))?
             .attach([offset], &libc.path, scope())
             .with_context(|| attach_err(kind.symbol()))?;
         uprobe(ebpf, names::PROG_ALLOC_RETURN)?
@@ -84,8 +88,9 @@ pub fn attach(ebpf: &mut Ebpf, libc: &Libc, pid: Option<u32>) -> Result<usize> {
             .with_context(|| attach_err(&format!("the return of {}", kind.symbol())))?;
         count += 2;
     }
+    log::debug!("free: probe at {}", libc.free.placement);
     uprobe(ebpf, names::PROG_FREE)?
-        .attach([libc.free_offset], &libc.path, scope())
+        .attach([libc.free.probe_offset()], &libc.path, scope())
         .with_context(|| attach_err("free"))?;
     count += 1;
     for (alias, first) in &libc.aliases {
