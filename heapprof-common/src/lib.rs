@@ -9,10 +9,23 @@
 /// Maximum number of user-space frames recorded per stack.
 pub const MAX_STACK_DEPTH: u32 = 127;
 
-/// `StackKey::stack_id` of an allocation whose stack could not be stored
-/// (stack map full, hash-bucket collision or unreadable stack). Its counts are
-/// still exact; only the call stack is unknown.
-pub const STACK_ID_UNKNOWN: u32 = u32::MAX;
+/// A user call stack as the BPF side records it: return addresses, innermost first.
+/// Stored once per distinct (process, stack) in `STACKS`, keyed by its hash.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct UserStack {
+    /// Frames in use.
+    pub len: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+    /// Return addresses; `frames[0]` is the allocator's return address in its caller.
+    pub frames: [u64; MAX_STACK_DEPTH as usize],
+}
+
+/// Largest distance above the stack pointer at which a frame pointer is followed.
+/// A frame-pointer chain that leaves the stack ends in code built without frame
+/// pointers; reading such garbage can fault, and a fault costs more than the walk.
+pub const MAX_STACK_SPAN: u64 = 32 << 20;
 
 /// The allocator entry points heapprofd traces, in a fixed order.
 ///
@@ -97,6 +110,10 @@ pub struct InFlight {
     pub depth: u32,
     /// The outermost call's [`AllocKind`].
     pub kind: u32,
+    /// Whether the outermost call's new block is recorded (always, unless sampling).
+    pub sampled: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Identifies one allocation site: a process, a call stack and the entry point.
@@ -105,12 +122,11 @@ pub struct InFlight {
 pub struct StackKey {
     /// Process (thread-group) id.
     pub tgid: u32,
-    /// Id in the stack-trace map, or [`STACK_ID_UNKNOWN`].
-    pub stack_id: u32,
     /// The [`AllocKind`] the user called.
     pub kind: u32,
-    /// Explicit padding, always zero (keys are compared bytewise).
-    pub _pad: u32,
+    /// Hash of the process id and the stack's frames: the key of its [`UserStack`] in
+    /// `STACKS` (absent there if the stack table was full).
+    pub stack: u64,
 }
 
 /// Cumulative counters of one allocation site. In-use = allocated - freed.
@@ -158,10 +174,10 @@ pub enum DropReason {
     LiveTableFull = 0,
     /// The per-site counter map was full: the allocation is not counted at all.
     SiteTableFull = 1,
-    /// The stack-trace map bucket held a different stack (hash collision): counted with an unknown stack.
-    StackCollision = 2,
-    /// The stack-trace map was full or the stack unreadable: counted with an unknown stack.
-    StackLost = 3,
+    /// The stack table was full: counted, with an unknown stack.
+    StackTableFull = 2,
+    /// The stack was deeper than [`MAX_STACK_DEPTH`]: counted, outermost frames cut.
+    StackTruncated = 3,
     /// The per-thread in-flight table was full: the call is not counted.
     InFlightFull = 4,
     /// posix_memalign's result could not be read from user memory: the call is not counted.
@@ -176,8 +192,8 @@ impl DropReason {
     pub const ALL: [DropReason; 6] = [
         DropReason::LiveTableFull,
         DropReason::SiteTableFull,
-        DropReason::StackCollision,
-        DropReason::StackLost,
+        DropReason::StackTableFull,
+        DropReason::StackTruncated,
         DropReason::InFlightFull,
         DropReason::OutPtrUnreadable,
     ];
@@ -187,8 +203,8 @@ impl DropReason {
         match self {
             DropReason::LiveTableFull => "live-block table full (frees of these blocks not seen)",
             DropReason::SiteTableFull => "site table full (allocations not counted)",
-            DropReason::StackCollision => "stack-map hash collisions (counted, stack unknown)",
-            DropReason::StackLost => "stacks not stored (counted, stack unknown)",
+            DropReason::StackTableFull => "stack table full (counted, stack unknown)",
+            DropReason::StackTruncated => "stacks deeper than 127 frames (counted, outer frames cut)",
             DropReason::InFlightFull => "in-flight table full (calls not counted)",
             DropReason::OutPtrUnreadable => "posix_memalign result unreadable (not counted)",
         }
@@ -206,22 +222,32 @@ pub struct Config {
     pub ignore_tgid: u32,
     /// Explicit padding, always zero.
     pub _pad: u32,
+    /// Mean bytes between recorded allocations (Poisson sampling by bytes, as Go's and
+    /// tcmalloc's heap profilers); 0 records every allocation.
+    pub sample_rate: u64,
 }
+
+/// Largest `--sample-rate`: keeps the BPF side's fixed-point arithmetic in range.
+pub const MAX_SAMPLE_RATE: u64 = 1 << 40;
 
 /// Names of the maps and programs, shared so that a rename cannot desynchronize the two sides.
 pub mod names {
-    /// Per-thread allocator calls in progress (`HashMap<u64, InFlight>`).
+    /// Per-thread allocator call state (`HashMap<u64, InFlight>`, keyed by pid_tgid). An
+    /// entry lives as long as its thread: updating it in place costs less than an insert
+    /// and a delete per call. The daemon removes the entries of exited threads.
     pub const IN_FLIGHT: &str = "IN_FLIGHT";
     /// Live blocks (`HashMap<LiveKey, LiveBlock>`).
     pub const LIVE: &str = "LIVE";
     /// Per-site counters (`PerCpuHashMap<StackKey, SiteCounters>`).
     pub const SITES: &str = "SITES";
-    /// User stacks (`StackTrace`).
+    /// User stacks (`HashMap<u64, UserStack>`, keyed by the hash in `StackKey::stack`).
     pub const STACKS: &str = "STACKS";
     /// Drop counters (`PerCpuArray<u64>`, indexed by [`crate::DropReason`]).
     pub const DROPS: &str = "DROPS";
     /// The `Config` global.
     pub const CONFIG: &str = "CONFIG";
+    /// Per-CPU bytes left until the next sampled allocation (`PerCpuArray<u64>`, one slot).
+    pub const SAMPLER: &str = "SAMPLER";
     /// Uretprobe shared by every allocating entry point.
     pub const PROG_ALLOC_RETURN: &str = "alloc_return";
     /// Uprobe on free.
@@ -252,4 +278,5 @@ mod pod {
     unsafe impl aya::Pod for super::LiveKey {}
     unsafe impl aya::Pod for super::LiveBlock {}
     unsafe impl aya::Pod for super::Config {}
+    unsafe impl aya::Pod for super::UserStack {}
 }

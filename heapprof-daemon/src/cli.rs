@@ -60,6 +60,16 @@ pub struct Cli {
     #[arg(long, value_name = "MODE", value_enum, default_value_t = PlacementMode::Auto)]
     pub probe_placement: PlacementMode,
 
+    /// Record a sample of allocations instead of every one: on average one per BYTES
+    /// allocated (Poisson by bytes, as Go's heap profiler; e.g. 512KiB). Values are scaled
+    /// back to estimates. Default: every allocation, exact.
+    #[arg(long, value_name = "BYTES", value_parser = parse_sample_rate)]
+    pub sample_rate: Option<u64>,
+
+    /// Log the run time of heapprofd's BPF programs (kernel BPF statistics) with each profile.
+    #[arg(long)]
+    pub bpf_stats: bool,
+
     /// After the final profile, print the N allocation sites holding the most memory.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub top: usize,
@@ -133,6 +143,33 @@ fn parse_interval(text: &str) -> Result<Duration, String> {
     Ok(interval)
 }
 
+/// Parses a byte count: `4096`, `64KiB`, `1MiB`, `2GiB` (also k/K/KB, M/MB, G/GB, as
+/// binary units).
+pub fn parse_sample_rate(text: &str) -> Result<u64, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: u64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a byte count; write e.g. 512KiB or 4096"))?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        _ => return Err(format!("unknown unit in `{text}`; use KiB, MiB or GiB")),
+    };
+    let bytes = value
+        .checked_mul(1 << shift)
+        .filter(|b| (1..=heapprof_common::MAX_SAMPLE_RATE).contains(b))
+        .ok_or_else(|| {
+            format!("sample rate `{text}` is out of range; choose between 1 byte and 1TiB")
+        })?;
+    Ok(bytes)
+}
+
 fn parse_capacity(text: &str) -> Result<u32, String> {
     let value: u32 = text
         .parse()
@@ -158,6 +195,18 @@ mod tests {
         assert!(parse_duration("0s").is_err());
         assert!(parse_duration("ten").is_err());
         assert!(parse_duration("5y").is_err());
+    }
+
+    #[test]
+    fn sample_rates_parse_with_binary_units() {
+        assert_eq!(parse_sample_rate("4096"), Ok(4096));
+        assert_eq!(parse_sample_rate("512KiB"), Ok(512 * 1024));
+        assert_eq!(parse_sample_rate("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_sample_rate("2k"), Ok(2048));
+        assert!(parse_sample_rate("0").is_err());
+        assert!(parse_sample_rate("2TiB").is_err());
+        assert!(parse_sample_rate("lots").is_err());
+        assert!(parse_sample_rate("5 parsecs").is_err());
     }
 
     #[test]

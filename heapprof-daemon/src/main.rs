@@ -126,7 +126,8 @@ fn start(
         stacks: cli.max_stacks,
         threads: cli.max_threads,
     };
-    let mut ebpf = probes::load(capacities)?;
+    let sample_rate = cli.sample_rate.unwrap_or(0);
+    let mut ebpf = probes::load(capacities, sample_rate)?;
     let pid = match (target, &child) {
         (Target::Pid(pid), _) => Some(*pid),
         (Target::Launch(_), Some(child)) => Some(child.pid),
@@ -138,6 +139,8 @@ fn start(
         output: cli.output.clone(),
         libc,
         libc_maps_path,
+        sample_rate,
+        bpf_stats: cli.bpf_stats,
     };
     let mut session = Session::new(config, ebpf)?;
     session.prime_processes();
@@ -213,6 +216,7 @@ async fn run(
                 if let Err(err) = session.dump() {
                     log::error!("cannot write a profile: {err:#}");
                 }
+                session.remove_exited_threads();
                 if matches!(target, Target::All)
                     && let Err(err) = session.retire_exited()
                 {

@@ -4,18 +4,21 @@ use std::{
     collections::{HashMap, HashSet},
     path::PathBuf,
     sync::Arc,
-    time::{Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{Context as _, Result};
 use aya::Ebpf;
-use heapprof_common::{AllocKind, DropReason, STACK_ID_UNKNOWN};
+use heapprof_common::{AllocKind, DropReason};
 
 use crate::{
     aggregate::{Maps, Site},
     cli::Target,
     pprof::{LabelValue, MappingKey, ProfileBuilder, writer},
-    probes::Libc,
+    probes::{
+        Libc,
+        stats::{self, RunTimeStats},
+    },
     procmaps::{ObjectCache, ProcessMaps, process_name},
     symbolize::{Frame, Symbolizer},
 };
@@ -44,12 +47,17 @@ pub struct SessionConfig {
     pub libc: Libc,
     /// The path of that library as the traced processes' maps name it.
     pub libc_maps_path: String,
+    /// Mean bytes between sampled allocations; 0 when every allocation is recorded.
+    pub sample_rate: u64,
+    /// Log the BPF programs' run time with every profile.
+    pub bpf_stats: bool,
 }
 
 /// A running session. Dropping it detaches every probe.
 pub struct Session {
     config: SessionConfig,
-    _ebpf: Ebpf,
+    ebpf: Ebpf,
+    run_time_stats: Option<RunTimeStats>,
     maps: Maps,
     objects: ObjectCache,
     processes: HashMap<u32, ProcessInfo>,
@@ -64,9 +72,15 @@ impl Session {
     /// Wraps loaded, attached BPF programs.
     pub fn new(config: SessionConfig, mut ebpf: Ebpf) -> Result<Self> {
         let maps = Maps::new(&mut ebpf)?;
+        let run_time_stats = if config.bpf_stats {
+            Some(RunTimeStats::enable()?)
+        } else {
+            None
+        };
         Ok(Self {
             config,
-            _ebpf: ebpf,
+            ebpf,
+            run_time_stats,
             maps,
             objects: ObjectCache::default(),
             processes: HashMap::new(),
@@ -147,7 +161,7 @@ impl Session {
             if checked.contains(&pid) {
                 continue;
             }
-            let stack = self.maps.stack(site.key.stack_id);
+            let stack = self.maps.stack(site.key.stack);
             let needs_refresh = match self.processes.get(&pid) {
                 None => true,
                 Some(info) => {
@@ -164,7 +178,7 @@ impl Session {
         }
         // Symbolize now, while the files are certainly reachable.
         for site in sites {
-            let stack = self.maps.stack(site.key.stack_id);
+            let stack = self.maps.stack(site.key.stack);
             if let Some(info) = self.processes.get(&site.key.tgid) {
                 for &ret in stack.iter() {
                     let addr = ret.wrapping_sub(1);
@@ -192,24 +206,50 @@ impl Session {
         self.maps.retire_processes(&dead)
     }
 
+    /// Forgets the call state of threads that have exited.
+    pub fn remove_exited_threads(&mut self) {
+        let left = self.maps.remove_exited_threads();
+        log::debug!("{left} threads with allocator call state");
+    }
+
     /// Writes one profile of everything counted so far; returns its path.
     pub fn dump(&mut self) -> Result<PathBuf> {
+        let started = Instant::now();
         let sites = self.maps.read_sites()?;
         self.refresh_unmapped_sites(&sites);
         let drops = self.maps.read_drops()?;
         self.report_drops(&drops);
+        let read = started.elapsed();
         let profile = self.build_profile(&sites, &drops)?;
+        let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
         let path = writer::write_profile(&self.config.output, &name, &profile)?;
-        let (objects, bytes) = sites.iter().fold((0, 0), |(o, b), s| {
-            (o + s.inuse_objects(), b + s.inuse_bytes())
-        });
+        let written = started.elapsed();
+        let mut totals = [0u64; 4];
+        for site in &sites {
+            for (total, value) in totals.iter_mut().zip(site.values(self.config.sample_rate)) {
+                *total += value;
+            }
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
         log::info!(
-            "wrote {} ({} sites, {objects} blocks / {bytes} bytes in use)",
+            "wrote {}: {} sites, {} blocks / {} bytes allocated, {} blocks / {} bytes in use; \
+             {:.1} ms (read {:.1}, symbolize+build {:.1}, encode+write {:.1})",
             path.display(),
-            sites.len()
+            sites.len(),
+            totals[0],
+            totals[1],
+            totals[2],
+            totals[3],
+            ms(written),
+            ms(read),
+            ms(built - read),
+            ms(written - built),
         );
+        if let Some(stats) = &self.run_time_stats {
+            log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
+        }
         Ok(path)
     }
 
@@ -246,6 +286,13 @@ impl Session {
             Target::All => "target: all processes".to_owned(),
         });
         builder.comment(&format!("libc: {}", self.config.libc.display));
+        let rate = self.config.sample_rate;
+        if rate > 0 {
+            builder.period(rate);
+            builder.comment(&format!(
+                "sampled: one allocation per {rate} bytes on average (Poisson); values are scaled estimates"
+            ));
+        }
         builder.comment(&format!(
             "traced since {} ns after the epoch",
             nanos(self.started)
@@ -280,7 +327,7 @@ impl Session {
                 continue;
             }
             let pid = site.key.tgid;
-            let stack = self.maps.stack(site.key.stack_id);
+            let stack = self.maps.stack(site.key.stack);
             let empty = ProcessInfo::default();
             let info = self.processes.get(&pid).unwrap_or(&empty);
             let mut locations = Vec::with_capacity(stack.len() + 1);
@@ -304,7 +351,7 @@ impl Session {
                 };
                 locations.push(id);
             }
-            if site.key.stack_id == STACK_ID_UNKNOWN {
+            if stack.is_empty() {
                 let frame = Frame {
                     function: "[stack not recorded]".into(),
                     file: None,
@@ -316,16 +363,7 @@ impl Session {
                 ("pid", LabelValue::Num(i64::from(pid))),
                 ("comm", LabelValue::Str(info.comm.clone())),
             ];
-            builder.sample(
-                locations,
-                [
-                    site.counters.alloc_objects,
-                    site.counters.alloc_bytes,
-                    site.inuse_objects(),
-                    site.inuse_bytes(),
-                ],
-                &labels,
-            );
+            builder.sample(locations, site.values(rate), &labels);
         }
         builder.finish().context("building the profile")
     }
@@ -388,7 +426,7 @@ impl Session {
     pub fn top_sites(&mut self, limit: usize) -> Result<Vec<TopSite>> {
         let mut merged: HashMap<String, TopSite> = HashMap::new();
         for site in self.maps.read_sites()? {
-            let stack = self.maps.stack(site.key.stack_id);
+            let stack = self.maps.stack(site.key.stack);
             let kind = AllocKind::from_u32(site.key.kind).map_or("?", AllocKind::symbol);
             let mut names = Vec::new();
             if let Some(info) = self.processes.get(&site.key.tgid) {
@@ -432,10 +470,12 @@ impl Session {
                 alloc_bytes: 0,
                 alloc_objects: 0,
             });
-            entry.inuse_bytes += site.inuse_bytes();
-            entry.inuse_objects += site.inuse_objects();
-            entry.alloc_bytes += site.counters.alloc_bytes;
-            entry.alloc_objects += site.counters.alloc_objects;
+            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes] =
+                site.values(self.config.sample_rate);
+            entry.inuse_bytes += inuse_bytes;
+            entry.inuse_objects += inuse_objects;
+            entry.alloc_bytes += alloc_bytes;
+            entry.alloc_objects += alloc_objects;
         }
         let mut top: Vec<TopSite> = merged.into_values().collect();
         top.sort_by(|a, b| {

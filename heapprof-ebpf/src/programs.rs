@@ -1,15 +1,15 @@
 //! The programs and maps (see the crate documentation for the flow).
 
 use aya_ebpf::{
-    bindings::{BPF_F_USER_STACK, BPF_NOEXIST},
-    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user},
+    bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
+    helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_probe_read_user},
     macros::{map, uprobe, uretprobe},
-    maps::{HashMap, PerCpuArray, PerCpuHashMap, StackTrace},
-    programs::{ProbeContext, RetProbeContext, tracing::StackIdContext as _},
+    maps::{HashMap, PerCpuArray, PerCpuHashMap},
+    programs::{ProbeContext, RetProbeContext},
 };
 use heapprof_common::{
-    AllocKind, Config, DropReason, InFlight, LiveBlock, LiveKey, STACK_ID_UNKNOWN, SiteCounters,
-    StackKey,
+    AllocKind, Config, DropReason, InFlight, LiveBlock, LiveKey, MAX_STACK_DEPTH, MAX_STACK_SPAN,
+    SiteCounters, StackKey, UserStack,
 };
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
@@ -19,10 +19,17 @@ static IN_FLIGHT: HashMap<u64, InFlight> = HashMap::with_max_entries(16384, 0);
 static LIVE: HashMap<LiveKey, LiveBlock> = HashMap::with_max_entries(1 << 20, 0);
 #[map(name = "SITES")]
 static SITES: PerCpuHashMap<StackKey, SiteCounters> = PerCpuHashMap::with_max_entries(65536, 0);
+// Written only when a site is new, so allocated on demand rather than preallocated
+// (a preallocated table of 1 KiB stacks would pin tens of MiB of kernel memory).
 #[map(name = "STACKS")]
-static STACKS: StackTrace = StackTrace::with_max_entries(65536, 0);
+static STACKS: HashMap<u64, UserStack> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
+/// Per-CPU room to assemble a stack (too big for the 512-byte BPF stack).
+#[map(name = "STACK_SCRATCH")]
+static STACK_SCRATCH: PerCpuArray<UserStack> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "DROPS")]
 static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT, 0);
+#[map(name = "SAMPLER")]
+static SAMPLER: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
 /// Written by the daemon before loading (read-only data).
 #[unsafe(no_mangle)]
@@ -30,9 +37,94 @@ static CONFIG: Config = Config {
     page_size: 4096,
     ignore_tgid: 0,
     _pad: 0,
+    sample_rate: 0,
 };
 
 const EEXIST: i32 = 17;
+/// Multiplier of the stack hash (2^64 / golden ratio).
+const HASH_MULTIPLIER: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// The return address (the caller's next instruction), frame pointer and stack pointer
+/// at a return probe: the caller's frame pointer is restored by then.
+#[inline(always)]
+fn caller_registers(ctx: &RetProbeContext) -> (u64, u64, u64) {
+    #[cfg(bpf_target_arch = "x86_64")]
+    // SAFETY: ctx.regs is the probe's pt_regs, readable by the program.
+    unsafe {
+        let regs = &*ctx.regs;
+        (regs.rip, regs.rbp, regs.rsp)
+    }
+    #[cfg(bpf_target_arch = "aarch64")]
+    // SAFETY: the kernel's arm64 pt_regs begins with user_pt_regs.
+    unsafe {
+        let regs = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
+        (regs.pc, regs.regs[29], regs.sp)
+    }
+    #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
+    {
+        let _ = ctx;
+        (0, 0, 0)
+    }
+}
+
+/// Walks the caller's frame-pointer chain into the per-CPU scratch stack, hashes it
+/// with the process id, stores it in STACKS the first time and returns the site key.
+///
+/// The walk is the kernel's user-stack walk (frame record = saved frame pointer, then
+/// return address, on x86-64 and arm64) with one difference: a frame pointer is only
+/// followed while it points into the stack above the stack pointer and grows. Chains
+/// end in code built without frame pointers (glibc's start code), and reading their
+/// garbage faults more often than not: that fault cost ~0.6 µs per allocation.
+#[inline(always)]
+fn record_stack(ctx: &RetProbeContext, tgid: u32, kind: AllocKind) -> Option<StackKey> {
+    let scratch = STACK_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's scratch slot; programs on one CPU do not interleave.
+    let stack = unsafe { &mut *scratch };
+    let (ip, mut fp, sp) = caller_registers(ctx);
+    stack.frames[0] = ip;
+    stack.len = 1;
+    let mut hash = (u64::from(tgid) ^ ip).wrapping_mul(HASH_MULTIPLIER);
+    // The depth lives in the scratch memory, not in a register that outlives the loop:
+    // every way out of the loop then leaves the verifier the same state to continue
+    // from, so it checks the rest of the program once instead of once per exit.
+    for depth in 1..MAX_STACK_DEPTH as usize {
+        if fp < sp || fp - sp > MAX_STACK_SPAN || fp & 7 != 0 {
+            break;
+        }
+        // SAFETY: bpf_probe_read_user checks the user address.
+        let Ok(record) = (unsafe { bpf_probe_read_user(fp as *const [u64; 2]) }) else {
+            break;
+        };
+        if record[1] == 0 {
+            break;
+        }
+        stack.frames[depth] = record[1];
+        stack.len = depth as u32 + 1;
+        hash = (hash ^ record[1]).wrapping_mul(HASH_MULTIPLIER);
+        hash ^= hash >> 29;
+        if record[0] <= fp {
+            break;
+        }
+        fp = record[0];
+        if depth == MAX_STACK_DEPTH as usize - 1 {
+            count_drop(DropReason::StackTruncated);
+        }
+    }
+    let site = StackKey {
+        tgid,
+        kind: kind as u32,
+        stack: hash,
+    };
+    if SITES.get_ptr_mut(&site).is_none() {
+        // A new site: make sure its stack is stored (another kind may have stored it).
+        match STACKS.insert(&hash, stack, BPF_NOEXIST as u64) {
+            Ok(()) => {}
+            Err(err) if err == -EEXIST => {}
+            Err(_) => count_drop(DropReason::StackTableFull),
+        }
+    }
+    Some(site)
+}
 
 #[inline(always)]
 fn count_drop(reason: DropReason) {
@@ -43,32 +135,106 @@ fn count_drop(reason: DropReason) {
 }
 
 /// Starts tracking an allocator call, or deepens the nesting of the one in progress.
+///
+/// A thread's entry stays in IN_FLIGHT between calls and is rewritten in place: one
+/// lookup per call instead of an insert at entry and a delete at return.
 #[inline(always)]
 fn enter(kind: AllocKind, size: u64, old_ptr: u64, out_ptr: u64) {
     let tid = bpf_get_current_pid_tgid();
     if ignored(tid) {
         return;
     }
-    if let Some(state) = IN_FLIGHT.get_ptr_mut(&tid) {
-        // SAFETY: the entry belongs to this thread; nothing else writes it.
-        unsafe {
-            if (*state).depth > 0 {
-                // Nested inside another allocator call of this thread: the outer call is the user's.
-                (*state).depth += 1;
-                return;
+    match IN_FLIGHT.get_ptr_mut(&tid) {
+        Some(state) => {
+            // SAFETY: the entry belongs to this thread; nothing else writes it.
+            unsafe {
+                if (*state).depth > 0 {
+                    // Nested inside another allocator call of this thread: the outer call is the user's.
+                    (*state).depth += 1;
+                    return;
+                }
+                (*state).size = size;
+                (*state).old_ptr = old_ptr;
+                (*state).out_ptr = out_ptr;
+                (*state).kind = kind as u32;
+                (*state).sampled = sampled(size) as u32;
+                (*state).depth = 1;
+            }
+        }
+        None => {
+            let state = InFlight {
+                size,
+                old_ptr,
+                out_ptr,
+                depth: 1,
+                kind: kind as u32,
+                sampled: sampled(size) as u32,
+                _pad: 0,
+            };
+            if IN_FLIGHT.insert(&tid, &state, 0).is_err() {
+                count_drop(DropReason::InFlightFull);
             }
         }
     }
-    let state = InFlight {
-        size,
-        old_ptr,
-        out_ptr,
-        depth: 1,
-        kind: kind as u32,
-    };
-    if IN_FLIGHT.insert(&tid, &state, 0).is_err() {
-        count_drop(DropReason::InFlightFull);
+}
+
+/// Whether an allocation of `size` bytes is recorded: always, unless sampling, where
+/// allocations are picked by a Poisson process over bytes (each byte equally likely,
+/// mean one pick every `sample_rate` bytes), as in Go and tcmalloc.
+#[inline(always)]
+fn sampled(size: u64) -> bool {
+    // SAFETY: CONFIG is a plain global; volatile so the loader's value is read.
+    let rate = unsafe { core::ptr::read_volatile(&CONFIG.sample_rate) };
+    if rate == 0 {
+        return true;
     }
+    let Some(remaining) = SAMPLER.get_ptr_mut(0) else {
+        return true;
+    };
+    // SAFETY: this CPU's slot; programs on one CPU do not interleave.
+    unsafe {
+        if *remaining == 0 {
+            *remaining = exponential(rate);
+        }
+        if size < *remaining {
+            *remaining -= size;
+            false
+        } else {
+            *remaining = exponential(rate);
+            true
+        }
+    }
+}
+
+/// A draw from the exponential distribution with mean `mean` (at least 1), in integer
+/// arithmetic: -ln(u) * mean with u uniform in (0, 1], from a binary logarithm.
+/// Branch-free, so the verifier walks it once.
+#[inline(always)]
+fn exponential(mean: u64) -> u64 {
+    // SAFETY: a helper without arguments or preconditions.
+    let x = u64::from(unsafe { bpf_get_prandom_u32() } | 1);
+    // Integer part of log2(x) by halving; `(high + mask) >> bits` is 1 when high != 0.
+    let mut msb = 0u64;
+    let mut y = x;
+    for bits in [16u64, 8, 4, 2, 1] {
+        let shift = (((y >> bits) + ((1 << bits) - 1)) >> bits) * bits;
+        y >>= shift;
+        msb += shift;
+    }
+    // Fractional part, 12 bits, by repeated squaring of the mantissa in Q1.31
+    // (a square at or above 2.0 yields a 1 bit and is halved).
+    let mut mantissa = x << (31 - msb);
+    let mut fraction = 0u64;
+    for _ in 0..12 {
+        mantissa = (mantissa * mantissa) >> 31;
+        let bit = mantissa >> 32;
+        mantissa >>= bit;
+        fraction = (fraction << 1) | bit;
+    }
+    // -log2(x / 2^32) in Q.12, then times ln 2 (2839/4096) and the mean.
+    let neg_log2 = (32 << 12) - ((msb << 12) | fraction);
+    let draw = (((mean * neg_log2) >> 12) * 2839) >> 12;
+    draw | u64::from(draw == 0)
 }
 
 /// Adds `delta` to the counters of `site`, creating them on first use.
@@ -215,19 +381,26 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     };
     // SAFETY: this thread's own entry.
     let state = unsafe {
+        if (*state).depth == 0 {
+            // Return of a call entered before the probes were attached.
+            return 0;
+        }
         (*state).depth -= 1;
         if (*state).depth > 0 {
             return 0;
         }
         *state
     };
-    let _ = IN_FLIGHT.remove(&pid_tgid);
     let tgid = (pid_tgid >> 32) as u32;
     let returned: u64 = ctx.ret();
 
     let Some(kind) = AllocKind::from_u32(state.kind) else {
         return 0;
     };
+    let resizes = matches!(kind, AllocKind::Realloc | AllocKind::Reallocarray);
+    if state.sampled == 0 && !resizes {
+        return 0;
+    }
     let ptr = match kind {
         AllocKind::PosixMemalign => {
             if returned != 0 {
@@ -251,28 +424,12 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
         }
         _ => returned,
     };
-    if ptr == 0 {
+    if ptr == 0 || state.sampled == 0 {
         return 0;
     }
 
-    // At return the caller's frame pointer is restored and the IP is the return
-    // address, so the first frame is the allocator's immediate caller.
-    let stack_id = match ctx.get_stackid(&STACKS, BPF_F_USER_STACK as u64) {
-        Ok(id) => id as u32,
-        Err(err) => {
-            count_drop(if err == -EEXIST {
-                DropReason::StackCollision
-            } else {
-                DropReason::StackLost
-            });
-            STACK_ID_UNKNOWN
-        }
-    };
-    let site = StackKey {
-        tgid,
-        stack_id,
-        kind: kind as u32,
-        _pad: 0,
+    let Some(site) = record_stack(&ctx, tgid, kind) else {
+        return 0;
     };
     if !add_to_site(&site, 1, state.size, 0, 0) {
         count_drop(DropReason::SiteTableFull);

@@ -5,15 +5,17 @@
 //! stacks not seen before, so a dump costs in proportion to the number of sites,
 //! never to the number of allocations.
 
+pub mod sampling;
+
 use std::collections::{HashMap, HashSet};
 
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap, StackTraceMap},
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap},
 };
 use heapprof_common::{
-    DropReason, LiveBlock, LiveKey, STACK_ID_UNKNOWN, SiteCounters, StackKey, names,
+    DropReason, InFlight, LiveBlock, LiveKey, SiteCounters, StackKey, UserStack, names,
 };
 
 /// Counts of one site, summed over CPUs.
@@ -38,16 +40,30 @@ impl Site {
             .alloc_bytes
             .saturating_sub(self.counters.free_bytes)
     }
+
+    /// The profile's four values (allocated objects and bytes, in-use objects and
+    /// bytes), scaled to estimates of the real counts when sampling at `sample_rate`.
+    pub fn values(&self, sample_rate: u64) -> [u64; 4] {
+        let (alloc_objects, alloc_bytes) = sampling::scale(
+            self.counters.alloc_objects,
+            self.counters.alloc_bytes,
+            sample_rate,
+        );
+        let (inuse_objects, inuse_bytes) =
+            sampling::scale(self.inuse_objects(), self.inuse_bytes(), sample_rate);
+        [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes]
+    }
 }
 
 /// Owns the maps the daemon reads.
 pub struct Maps {
     sites: PerCpuHashMap<MapData, StackKey, SiteCounters>,
-    stacks: StackTraceMap<MapData>,
+    stacks: BpfHashMap<MapData, u64, UserStack>,
     live: BpfHashMap<MapData, LiveKey, LiveBlock>,
     drops: PerCpuArray<MapData, u64>,
-    /// Stacks already read; stack ids are stable because entries are never replaced.
-    stack_cache: HashMap<u32, std::sync::Arc<[u64]>>,
+    in_flight: BpfHashMap<MapData, u64, InFlight>,
+    /// Stacks already read, by hash; an entry is never replaced while its process lives.
+    stack_cache: HashMap<u64, std::sync::Arc<[u64]>>,
     /// Sites of processes that have exited: allocations kept, in-use cleared.
     retired: HashMap<StackKey, SiteCounters>,
 }
@@ -70,6 +86,7 @@ impl Maps {
             stacks: take(ebpf, names::STACKS)?,
             live: take(ebpf, names::LIVE)?,
             drops: take(ebpf, names::DROPS)?,
+            in_flight: take(ebpf, names::IN_FLIGHT)?,
             stack_cache: HashMap::new(),
             retired: HashMap::new(),
         })
@@ -96,23 +113,22 @@ impl Maps {
         Ok(sites)
     }
 
-    /// The user stack (return addresses, innermost first) of `stack_id`; empty when unknown.
-    pub fn stack(&mut self, stack_id: u32) -> std::sync::Arc<[u64]> {
-        if stack_id == STACK_ID_UNKNOWN {
-            return std::sync::Arc::from(Vec::new());
+    /// The user stack (return addresses, innermost first) with hash `stack`; empty
+    /// when it was not stored (stack table full).
+    pub fn stack(&mut self, stack: u64) -> std::sync::Arc<[u64]> {
+        if let Some(frames) = self.stack_cache.get(&stack) {
+            return std::sync::Arc::clone(frames);
         }
-        if let Some(stack) = self.stack_cache.get(&stack_id) {
-            return std::sync::Arc::clone(stack);
-        }
-        let frames: std::sync::Arc<[u64]> = match self.stacks.get(&stack_id, 0) {
-            Ok(trace) => trace.frames().iter().map(|f| f.ip).collect(),
-            Err(err) => {
-                log::warn!("stack {stack_id} unreadable: {err}");
-                return std::sync::Arc::from(Vec::new());
+        let frames: std::sync::Arc<[u64]> = match self.stacks.get(&stack, 0) {
+            Ok(trace) => {
+                let len = (trace.len as usize).min(trace.frames.len());
+                trace.frames[..len].into()
             }
+            // Not stored: not cached either, a later read may find it.
+            Err(_) => return std::sync::Arc::from(Vec::new()),
         };
         self.stack_cache
-            .insert(stack_id, std::sync::Arc::clone(&frames));
+            .insert(stack, std::sync::Arc::clone(&frames));
         frames
     }
 
@@ -129,6 +145,22 @@ impl Maps {
         Ok(drops)
     }
 
+    /// Removes the per-thread call state of threads that have exited (the BPF side keeps
+    /// a thread's entry between calls). Returns how many entries are left.
+    pub fn remove_exited_threads(&mut self) -> usize {
+        let keys: Vec<u64> = self.in_flight.keys().filter_map(|k| k.ok()).collect();
+        let mut left = keys.len();
+        for pid_tgid in keys {
+            let (tgid, tid) = (pid_tgid >> 32, pid_tgid & 0xffff_ffff);
+            if !std::path::Path::new(&format!("/proc/{tgid}/task/{tid}")).exists()
+                && self.in_flight.remove(&pid_tgid).is_ok()
+            {
+                left -= 1;
+            }
+        }
+        left
+    }
+
     /// Removes every trace of processes that have exited from the BPF maps: their
     /// allocations are kept (retired, in-use zero since the process's memory is gone),
     /// their live blocks and counters leave the tables.
@@ -142,6 +174,9 @@ impl Maps {
                 counters.free_objects = counters.alloc_objects;
                 counters.free_bytes = counters.alloc_bytes;
                 self.retired.insert(site.key, counters);
+                // Keep the frames for later profiles; the kernel's copy can go.
+                self.stack(site.key.stack);
+                let _ = self.stacks.remove(&site.key.stack);
                 // A concurrent writer cannot exist: the process is gone.
                 let _ = self.sites.remove(&site.key);
             }

@@ -74,6 +74,12 @@ impl ProfileBuilder {
         builder
     }
 
+    /// Records that samples were taken once every `bytes` on average (the
+    /// period of type space/bytes; 1 means every allocation).
+    pub fn period(&mut self, bytes: u64) {
+        self.profile.period = i64::try_from(bytes.max(1)).unwrap_or(i64::MAX);
+    }
+
     /// Interns a string.
     pub fn string(&mut self, text: &str) -> i64 {
         if let Some(&index) = self.strings.get(text) {

@@ -2,6 +2,7 @@
 
 pub mod libc;
 pub mod placement;
+pub mod stats;
 
 use std::num::NonZeroU32;
 
@@ -30,12 +31,14 @@ pub struct Capacities {
     pub threads: u32,
 }
 
-/// Loads the BPF object with the given capacities. Nothing is attached yet.
-pub fn load(capacities: Capacities) -> Result<Ebpf> {
+/// Loads the BPF object with the given capacities and sampling rate (0: every
+/// allocation). Nothing is attached yet.
+pub fn load(capacities: Capacities, sample_rate: u64) -> Result<Ebpf> {
     let config = Config {
         page_size: page_size(),
         ignore_tgid: std::process::id(),
         _pad: 0,
+        sample_rate,
     };
     EbpfLoader::new()
         .override_global(names::CONFIG, &config, true)

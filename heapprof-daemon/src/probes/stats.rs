@@ -1,0 +1,80 @@
+//! Self-measurement: the kernel's run-time statistics of our BPF programs.
+//!
+//! While the descriptor from `BPF_ENABLE_STATS` is open the kernel times every program
+//! run (a few ns each, which is why this is opt-in: `--bpf-stats`).
+
+use std::{os::fd::OwnedFd, time::Duration};
+
+use anyhow::{Context as _, Result};
+use aya::{
+    Ebpf,
+    sys::{Stats, enable_stats},
+};
+
+/// Keeps the kernel's BPF run-time statistics on while alive.
+pub struct RunTimeStats {
+    _enabled: OwnedFd,
+}
+
+/// Runs and run time of one program since it was loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgramStats {
+    /// Program name.
+    pub name: String,
+    /// Times it ran.
+    pub runs: u64,
+    /// Time spent in it.
+    pub run_time: Duration,
+}
+
+impl ProgramStats {
+    /// Average nanoseconds per run.
+    pub fn nanos_per_run(&self) -> u64 {
+        (self.run_time.as_nanos() / u128::from(self.runs.max(1))) as u64
+    }
+}
+
+impl RunTimeStats {
+    /// Turns the statistics on (kernel 5.8 or later).
+    pub fn enable() -> Result<Self> {
+        let fd = enable_stats(Stats::RunTime)
+            .context("enabling BPF run-time statistics (BPF_ENABLE_STATS, Linux 5.8+)")?;
+        Ok(Self { _enabled: fd })
+    }
+
+    /// Statistics of every program of `ebpf` that has run, busiest first.
+    pub fn read(&self, ebpf: &Ebpf) -> Vec<ProgramStats> {
+        let mut stats: Vec<ProgramStats> = ebpf
+            .programs()
+            .filter_map(|(name, program)| {
+                let info = program.info().ok()?;
+                Some(ProgramStats {
+                    name: name.to_owned(),
+                    runs: info.run_count(),
+                    run_time: info.run_time(),
+                })
+            })
+            .filter(|s| s.runs > 0)
+            .collect();
+        stats.sort_by(|a, b| b.run_time.cmp(&a.run_time));
+        stats
+    }
+}
+
+/// One log line: `name runs×ns/run`, and the total.
+pub fn describe(stats: &[ProgramStats]) -> String {
+    let total: Duration = stats.iter().map(|s| s.run_time).sum();
+    let parts: Vec<String> = stats
+        .iter()
+        .map(|s| format!("{} {} runs {} ns/run", s.name, s.runs, s.nanos_per_run()))
+        .collect();
+    format!(
+        "BPF run time {:.3} ms: {}",
+        total.as_secs_f64() * 1e3,
+        if parts.is_empty() {
+            "no runs yet".to_owned()
+        } else {
+            parts.join(", ")
+        }
+    )
+}
