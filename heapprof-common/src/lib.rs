@@ -204,7 +204,9 @@ impl DropReason {
             DropReason::LiveTableFull => "live-block table full (frees of these blocks not seen)",
             DropReason::SiteTableFull => "site table full (allocations not counted)",
             DropReason::StackTableFull => "stack table full (counted, stack unknown)",
-            DropReason::StackTruncated => "stacks deeper than 127 frames (counted, outer frames cut)",
+            DropReason::StackTruncated => {
+                "stacks deeper than 127 frames (counted, outer frames cut)"
+            }
             DropReason::InFlightFull => "in-flight table full (calls not counted)",
             DropReason::OutPtrUnreadable => "posix_memalign result unreadable (not counted)",
         }

@@ -28,7 +28,12 @@ fn sampled_totals_are_close_to_exact_ones() {
     require_root();
     let exact = totals_at(None);
     let sampled = totals_at(Some("4KiB"));
-    let names = ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space"];
+    let names = [
+        "alloc_objects",
+        "alloc_space",
+        "inuse_objects",
+        "inuse_space",
+    ];
     let tolerances = [0.15, 0.05, 0.15, 0.05];
     for ((name, tolerance), (exact, sampled)) in names
         .iter()
@@ -43,5 +48,8 @@ fn sampled_totals_are_close_to_exact_ones() {
             tolerance * 100.0
         );
     }
-    assert_ne!(exact, sampled, "sampling at 4 KiB cannot be exact by chance");
+    assert_ne!(
+        exact, sampled,
+        "sampling at 4 KiB cannot be exact by chance"
+    );
 }

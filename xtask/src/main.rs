@@ -1,8 +1,9 @@
-//! heapprofd's developer commands: `cargo xtask setup | build | run | test`.
+//! heapprofd's developer commands: `cargo xtask setup | build | run | test | bench`.
 //!
 //! Every command first installs what it needs (see `setup`), so the README's two
 //! commands work on a fresh machine with only rustup.
 
+mod bench;
 mod setup;
 
 use std::{
@@ -41,6 +42,16 @@ enum Cmd {
     },
     /// Run the whole test suite: formatting, clippy, unit and BPF integration tests.
     Test,
+    /// Measure heapprofd's overhead against bare runs, empty probes and a bpftrace
+    /// memleak script; writes target/bench/summary.{txt,json}. Needs root.
+    Bench {
+        /// Runs of each workload in each mode (medians and ranges are reported).
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+        /// Smaller workloads and a shorter daemon-load run.
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() {
@@ -70,6 +81,11 @@ fn run(args: Args) -> Result<()> {
             setup::ensure(setup::Needs::Test)?;
             test()
         }
+        Cmd::Bench { runs, quick } => {
+            setup::ensure(setup::Needs::Bench)?;
+            let heapprofd = build_release()?;
+            bench::bench(&heapprofd, &bench::Options { runs, quick })
+        }
     }
 }
 
@@ -95,7 +111,8 @@ fn home() -> PathBuf {
     std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from)
 }
 
-fn workspace_root() -> PathBuf {
+/// The repository's top directory.
+pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)

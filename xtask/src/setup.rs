@@ -22,6 +22,8 @@ pub enum Needs {
     Build,
     /// Also what the tests use.
     Test,
+    /// Also what the benchmark compares against (bpftrace).
+    Bench,
 }
 
 /// Runs every install step that is needed.
@@ -30,8 +32,11 @@ pub fn ensure(needs: Needs) -> Result<()> {
     ensure_toolchain(NIGHTLY, &["rust-src"])?;
     ensure_bpf_linker()?;
     let mut packages = vec!["gcc", "libc6-dev"];
-    if needs == Needs::Test {
+    if needs != Needs::Build {
         packages.extend(["golang-go", "valgrind"]);
+    }
+    if needs == Needs::Bench {
+        packages.push("bpftrace");
     }
     ensure_debian_packages(&packages)
 }

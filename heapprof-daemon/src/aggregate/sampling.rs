@@ -39,7 +39,10 @@ mod tests {
         // 64-byte blocks at a 512 KiB rate: p = 1 - exp(-64/524288) ≈ 1/8192.5
         let (objects, bytes) = scale(1, 64, 512 * 1024);
         assert!((8190..=8195).contains(&objects), "{objects}");
-        assert!(bytes.abs_diff(objects * 64) < 64, "{bytes} vs {objects} x 64");
+        assert!(
+            bytes.abs_diff(objects * 64) < 64,
+            "{bytes} vs {objects} x 64"
+        );
     }
 
     #[test]

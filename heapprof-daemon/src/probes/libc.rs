@@ -224,7 +224,11 @@ mod tests {
         let auto = resolve(&path, "own libc", PlacementMode::Auto).expect("libc resolves");
         let entry = resolve(&path, "own libc", PlacementMode::Entry).expect("libc resolves");
         for (kind, function) in &auto.allocators {
-            assert!(function.placement.offset < 64, "{kind:?}: {}", function.placement);
+            assert!(
+                function.placement.offset < 64,
+                "{kind:?}: {}",
+                function.placement
+            );
         }
         assert!(
             entry

@@ -154,11 +154,10 @@ mod x86 {
                 ARGUMENT_REGISTERS.contains(&register)
                     || (return_probe && register == Register::RSP)
             };
-            let clobbers = info
-                .info(instruction)
-                .used_registers()
-                .iter()
-                .any(|used| writes(used.access()) && protected(used.register().full_register()));
+            let clobbers =
+                info.info(instruction).used_registers().iter().any(|used| {
+                    writes(used.access()) && protected(used.register().full_register())
+                });
             if clobbers {
                 return Placement::entry(
                     "entry: an instruction before the first emulated one writes an argument register or the stack pointer",
@@ -260,8 +259,10 @@ mod arm64 {
 
     pub(super) fn place(code: &[u8], return_probe: bool) -> Placement {
         let words: Vec<u32> = code
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .as_chunks::<4>()
+            .0
+            .iter()
+            .map(|c| u32::from_le_bytes(*c))
             .collect();
         let mut candidate = None;
         for (index, &word) in words.iter().enumerate().take(MAX_SKIPPED_INSTRUCTIONS + 1) {
@@ -334,7 +335,10 @@ mod tests {
     #[test]
     fn x86_argument_or_stack_writes_keep_the_entry() {
         // mov %rsi,%rdi; push %rbx: the first argument is gone at the push.
-        assert_eq!(place(Arch::X86_64, &[0x48, 0x89, 0xf7, 0x53, 0xc3], false).offset, 0);
+        assert_eq!(
+            place(Arch::X86_64, &[0x48, 0x89, 0xf7, 0x53, 0xc3], false).offset,
+            0
+        );
         // sub $8,%rsp; push %rbx: the return address is no longer at the stack pointer.
         let code = [0x48, 0x83, 0xec, 0x08, 0x53, 0xc3];
         assert_eq!(place(Arch::X86_64, &code, true).offset, 0);

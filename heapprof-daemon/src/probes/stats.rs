@@ -56,7 +56,7 @@ impl RunTimeStats {
             })
             .filter(|s| s.runs > 0)
             .collect();
-        stats.sort_by(|a, b| b.run_time.cmp(&a.run_time));
+        stats.sort_by_key(|s| std::cmp::Reverse(s.run_time));
         stats
     }
 }
