@@ -91,9 +91,17 @@ fn start_heapprofd(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
     panic!("{failure}");
 }
 
-fn wait_success(child: &mut Child, what: &str) {
+/// Waits for heapprofd to exit successfully; on failure the panic shows its log.
+fn wait_success(child: &mut Child, log: &mpsc::Receiver<String>, what: &str) {
     let status = child.wait().expect("waiting for heapprofd");
-    assert!(status.success(), "heapprofd ({what}) exited with {status}");
+    if !status.success() {
+        // The stderr reader ends at EOF, which follows the exit.
+        let lines: Vec<String> = log.iter().collect();
+        panic!(
+            "heapprofd ({what}) exited with {status}; its log after attaching:\n{}",
+            lines.join("\n")
+        );
+    }
 }
 
 #[test]
@@ -103,14 +111,14 @@ fn attaches_to_a_running_process_and_ends_with_it() {
     let binary = compile(dir.path(), "waiter", "waiter", &["-O0"]);
     let out = dir.path().join("profiles");
     let mut waiter = Waiter::start(&binary, 1000, 48);
-    let (mut heapprofd, _log) = start_heapprofd(
+    let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
             .args(["--interval", "200ms", "--pid"])
             .arg(waiter.child.id().to_string()),
     );
     waiter.work_and_exit();
     // The target's exit ends --pid mode with a final profile.
-    wait_success(&mut heapprofd, "--pid");
+    wait_success(&mut heapprofd, &log, "--pid");
 
     let profiles = read_profiles(&out);
     assert!(!profiles.is_empty());
@@ -158,14 +166,14 @@ fn all_mode_tells_processes_apart_by_labels() {
     let mut first = Waiter::start(&one, 300, 32);
     let mut second = Waiter::start(&two, 700, 16);
     let pids = [first.child.id().to_string(), second.child.id().to_string()];
-    let (mut heapprofd, _log) =
+    let (mut heapprofd, log) =
         start_heapprofd(heapprofd(&out).args(["--interval", "300ms", "--all"]));
     first.work_and_exit();
     second.work_and_exit();
     std::thread::sleep(Duration::from_millis(500));
     // SAFETY: plain kill(2) of our own child.
     unsafe { libc::kill(heapprofd.id() as i32, libc::SIGINT) };
-    wait_success(&mut heapprofd, "--all");
+    wait_success(&mut heapprofd, &log, "--all");
 
     let samples = samples(&last_profile(&out));
     let mut by_process: BTreeMap<(String, String), [i64; 2]> = BTreeMap::new();
