@@ -14,7 +14,7 @@ use anyhow::{Context as _, Result};
 use clap::Parser as _;
 use tokio::{
     io::unix::AsyncFd,
-    signal::unix::{SignalKind, signal},
+    signal::unix::{Signal, SignalKind, signal},
     time::Instant,
 };
 
@@ -51,11 +51,11 @@ fn main() -> ExitCode {
         Err(err) => return usage_error(anyhow::Error::new(err).context("starting the runtime")),
     };
     runtime.block_on(async {
-        let (session, child) = match start(&cli, &target, child) {
+        let started = match start(&cli, &target, child) {
             Ok(started) => started,
             Err(err) => return usage_error(err),
         };
-        match run(&cli, &target, session, child).await {
+        match run(&cli, &target, started).await {
             Ok(code) => code,
             Err(err) => {
                 eprintln!("heapprofd: error: {err:#}");
@@ -85,17 +85,33 @@ fn init_logging() {
         .init();
 }
 
-/// Everything that can fail on bad input or a missing requirement: checks, libc, load, attach.
-fn start(
-    cli: &Cli,
-    target: &Target,
+/// A session ready to run, with what tells it that its target has ended.
+struct Started {
+    session: Session,
+    /// Launch mode: the command, held before exec.
     child: Option<PausedChild>,
-) -> Result<(Session, Option<PausedChild>)> {
+    /// `--pid` mode: readable once the target exits.
+    target_exit: Option<AsyncFd<OwnedFd>>,
+    /// Installed before readiness is announced, so a signal sent right after it is caught.
+    sigint: Signal,
+    sigterm: Signal,
+}
+
+/// Everything that can fail on bad input or a missing requirement: checks, libc, load, attach.
+fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<Started> {
+    let sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     preflight::check_privileges()?;
     preflight::check_uprobes()?;
-    if let Target::Pid(pid) = target {
-        preflight::check_pid(*pid)?;
-    }
+    // Opened before anything is attached: a target that exits at any later moment is
+    // then seen as an exit (final profile, status 0), never as a failure to find it.
+    let target_exit = match target {
+        Target::Pid(pid) => {
+            preflight::check_pid(*pid)?;
+            Some(pidfd(*pid).with_context(|| format!("watching process {pid}"))?)
+        }
+        _ => None,
+    };
     pprof::writer::prepare_output_dir(&cli.output)?;
 
     let (libc_path, libc_maps_path) = match (&cli.libc, target) {
@@ -156,7 +172,13 @@ fn start(
         cli.interval,
         cli.output.display()
     );
-    Ok((session, child))
+    Ok(Started {
+        session,
+        child,
+        target_exit,
+        sigint,
+        sigterm,
+    })
 }
 
 fn print_top(top: &[session::TopSite]) {
@@ -190,20 +212,16 @@ fn pidfd(pid: u32) -> Result<AsyncFd<OwnedFd>> {
     unsafe { AsyncFd::register(fd) }.map_err(|err| anyhow::anyhow!("registering the pidfd: {err}"))
 }
 
-async fn run(
-    cli: &Cli,
-    target: &Target,
-    mut session: Session,
-    child: Option<PausedChild>,
-) -> Result<ExitCode> {
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCode> {
+    let Started {
+        mut session,
+        child,
+        target_exit,
+        mut sigint,
+        mut sigterm,
+    } = started;
     let child_pid = child.as_ref().map(|c| c.pid);
     let mut child_events = child.map(PausedChild::release);
-    let target_exit = match target {
-        Target::Pid(pid) => Some(pidfd(*pid)?),
-        _ => None,
-    };
     let mut ticks = tokio::time::interval_at(Instant::now() + cli.interval, cli.interval);
     let deadline = cli.duration.map(|d| Instant::now() + d);
     let far_future = Instant::now() + Duration::from_secs(100 * 365 * 86400);
