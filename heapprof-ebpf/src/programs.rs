@@ -67,8 +67,9 @@ fn caller_registers(ctx: &RetProbeContext) -> (u64, u64, u64) {
     }
 }
 
-/// Walks the caller's frame-pointer chain into the per-CPU scratch stack, hashes it
-/// with the process id, stores it in STACKS the first time and returns the site key.
+/// Walks the caller's frame-pointer chain into the per-CPU scratch stack and hashes it
+/// with the process id; returns the site key and the stack (stored by [`add_to_site`]
+/// when the site is new).
 ///
 /// The walk is the kernel's user-stack walk (frame record = saved frame pointer, then
 /// return address, on x86-64 and arm64) with one difference: a frame pointer is only
@@ -76,7 +77,11 @@ fn caller_registers(ctx: &RetProbeContext) -> (u64, u64, u64) {
 /// end in code built without frame pointers (glibc's start code), and reading their
 /// garbage faults more often than not: that fault cost ~0.6 µs per allocation.
 #[inline(always)]
-fn record_stack(ctx: &RetProbeContext, tgid: u32, kind: AllocKind) -> Option<StackKey> {
+fn record_stack(
+    ctx: &RetProbeContext,
+    tgid: u32,
+    kind: AllocKind,
+) -> Option<(StackKey, &'static UserStack)> {
     let scratch = STACK_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's scratch slot; programs on one CPU do not interleave.
     let stack = unsafe { &mut *scratch };
@@ -115,15 +120,7 @@ fn record_stack(ctx: &RetProbeContext, tgid: u32, kind: AllocKind) -> Option<Sta
         kind: kind as u32,
         stack: hash,
     };
-    if SITES.get_ptr_mut(&site).is_none() {
-        // A new site: make sure its stack is stored (another kind may have stored it).
-        match STACKS.insert(&hash, stack, BPF_NOEXIST as u64) {
-            Ok(()) => {}
-            Err(err) if err == -EEXIST => {}
-            Err(_) => count_drop(DropReason::StackTableFull),
-        }
-    }
-    Some(site)
+    Some((site, stack))
 }
 
 #[inline(always)]
@@ -144,33 +141,30 @@ fn enter(kind: AllocKind, size: u64, old_ptr: u64, out_ptr: u64) {
     if ignored(tid) {
         return;
     }
-    match IN_FLIGHT.get_ptr_mut(&tid) {
-        Some(state) => {
-            // SAFETY: the entry belongs to this thread; nothing else writes it.
-            unsafe {
-                if (*state).depth > 0 {
-                    // Nested inside another allocator call of this thread: the outer call is the user's.
-                    (*state).depth += 1;
-                    return;
-                }
-                (*state).size = size;
-                (*state).old_ptr = old_ptr;
-                (*state).out_ptr = out_ptr;
-                (*state).kind = kind as u32;
-                (*state).sampled = sampled(size) as u32;
-                (*state).depth = 1;
+    let existing = IN_FLIGHT.get_ptr_mut(&tid);
+    if let Some(state) = existing {
+        // SAFETY: the entry belongs to this thread; nothing else writes it.
+        unsafe {
+            if (*state).depth > 0 {
+                // Nested inside another allocator call of this thread: the outer call is the user's.
+                (*state).depth += 1;
+                return;
             }
         }
+    }
+    let state = InFlight {
+        size,
+        old_ptr,
+        out_ptr,
+        depth: 1,
+        kind: kind as u32,
+        sampled: sampled(size) as u32,
+        _pad: 0,
+    };
+    match existing {
+        // SAFETY: as above.
+        Some(slot) => unsafe { *slot = state },
         None => {
-            let state = InFlight {
-                size,
-                old_ptr,
-                out_ptr,
-                depth: 1,
-                kind: kind as u32,
-                sampled: sampled(size) as u32,
-                _pad: 0,
-            };
             if IN_FLIGHT.insert(&tid, &state, 0).is_err() {
                 count_drop(DropReason::InFlightFull);
             }
@@ -237,10 +231,12 @@ fn exponential(mean: u64) -> u64 {
     draw | u64::from(draw == 0)
 }
 
-/// Adds `delta` to the counters of `site`, creating them on first use.
+/// Adds to the counters of `site`, creating them on first use; a new site's stack,
+/// when given, is stored then (one site lookup per call on the common path).
 #[inline(always)]
 fn add_to_site(
     site: &StackKey,
+    new_stack: Option<&UserStack>,
     alloc_objects: u64,
     alloc_bytes: u64,
     free_objects: u64,
@@ -248,6 +244,14 @@ fn add_to_site(
 ) -> bool {
     let mut counters = SITES.get_ptr_mut(site);
     if counters.is_none() {
+        if let Some(stack) = new_stack {
+            // Another kind at the same stack may have stored it already.
+            match STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
+                Ok(()) => {}
+                Err(err) if err == -EEXIST => {}
+                Err(_) => count_drop(DropReason::StackTableFull),
+            }
+        }
         let zero = SiteCounters::default();
         // Another CPU may have created it meanwhile: NOEXIST then fails harmlessly.
         let _ = SITES.insert(site, &zero, BPF_NOEXIST as u64);
@@ -281,7 +285,7 @@ fn release(tgid: u32, ptr: u64) {
         return;
     };
     let _ = LIVE.remove(&key);
-    add_to_site(&block.site, 0, 0, 1, block.size);
+    add_to_site(&block.site, None, 0, 0, 1, block.size);
 }
 
 /// Whether the calling process is the one the daemon asked to ignore (itself).
@@ -428,10 +432,10 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
         return 0;
     }
 
-    let Some(site) = record_stack(&ctx, tgid, kind) else {
+    let Some((site, stack)) = record_stack(&ctx, tgid, kind) else {
         return 0;
     };
-    if !add_to_site(&site, 1, state.size, 0, 0) {
+    if !add_to_site(&site, Some(stack), 1, state.size, 0, 0) {
         count_drop(DropReason::SiteTableFull);
         return 0;
     }
