@@ -72,10 +72,7 @@ fn place_probes(
     return_probe: bool,
     mode: PlacementMode,
 ) -> Placement {
-    let entry = |reason: &str| Placement {
-        offset: 0,
-        reason: reason.to_owned(),
-    };
+    let entry = Placement::entry;
     if mode == PlacementMode::Entry {
         return entry("entry: --probe-placement=entry");
     }

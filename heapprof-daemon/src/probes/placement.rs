@@ -61,7 +61,8 @@ pub struct Placement {
 }
 
 impl Placement {
-    fn entry(reason: impl Into<String>) -> Placement {
+    /// The function's first instruction, for `reason`.
+    pub fn entry(reason: impl Into<String>) -> Placement {
         Placement {
             offset: 0,
             reason: reason.into(),
