@@ -76,6 +76,15 @@ struct Workload {
     command: Vec<String>,
 }
 
+impl Workload {
+    /// Its command line, output discarded.
+    fn command(&self) -> Command {
+        let mut command = Command::new(&self.command[0]);
+        command.args(&self.command[1..]).stdout(Stdio::null());
+        command
+    }
+}
+
 /// One measured run.
 #[derive(Default, Clone)]
 struct Run {
@@ -242,6 +251,30 @@ fn counted_allocations(log: &[String]) -> Option<u64> {
     before.rsplit(' ').next()?.parse().ok()
 }
 
+/// Starts a workload and waits until it blocks on its "go" line.
+fn start_workload(command: &mut Command) -> Result<Child> {
+    let target = command
+        .stdin(Stdio::piped())
+        .spawn()
+        .context("starting a workload")?;
+    wait_until_waiting(target.id())?;
+    Ok(target)
+}
+
+/// Lets a waiting workload start.
+fn send_go(target: &mut Child) -> Result<()> {
+    let mut stdin = target.stdin.take().context("workload stdin")?;
+    stdin.write_all(b"go\n")?;
+    Ok(())
+}
+
+/// A running heapprofd with its log so far and the rest to come.
+struct Daemon {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+    log: Vec<String>,
+}
+
 struct Bench {
     heapprofd: PathBuf,
     dir: PathBuf,
@@ -253,23 +286,31 @@ impl Bench {
         command
             .args(["-o"])
             .arg(self.dir.join("profiles"))
-            .args(["--interval", "1h"])
             .args(extra)
             .args(["--pid", &pid.to_string()])
-            .env("RUST_LOG", "info");
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
         command
+    }
+
+    /// Starts heapprofd on `pid` and waits until its probes are attached.
+    fn start_heapprofd(&self, extra: &[&str], pid: u32) -> Result<Daemon> {
+        let mut child = self
+            .heapprofd_command(extra, pid)
+            .spawn()
+            .context("starting heapprofd")?;
+        let lines = lines_of(child.stderr.take().context("heapprofd stderr")?);
+        let mut log = Vec::new();
+        wait_for_line(&lines, "probes on", &mut log)?;
+        Ok(Daemon { child, lines, log })
     }
 
     /// Runs `workload` once under `mode`.
     fn run(&self, workload: &Workload, mode: Mode) -> Result<Run> {
-        let mut target = Command::new(&workload.command[0])
-            .args(&workload.command[1..])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()
+        let mut target = start_workload(&mut workload.command())
             .with_context(|| format!("starting {}", workload.name))?;
         let pid = target.id();
-        wait_until_waiting(pid)?;
         let mut tool = match mode {
             Mode::Bare => None,
             Mode::EmptyProbes | Mode::Bpftrace => {
@@ -290,14 +331,12 @@ impl Bench {
             }
             Mode::HeapprofdEntry | Mode::Heapprofd | Mode::HeapprofdSampled => {
                 let extra: &[&str] = match mode {
-                    Mode::HeapprofdEntry => &["--probe-placement", "entry"],
-                    Mode::HeapprofdSampled => &["--sample-rate", "512KiB"],
-                    _ => &[],
+                    Mode::HeapprofdEntry => &["--interval", "1h", "--probe-placement", "entry"],
+                    Mode::HeapprofdSampled => &["--interval", "1h", "--sample-rate", "512KiB"],
+                    _ => &["--interval", "1h"],
                 };
                 let child = self
                     .heapprofd_command(extra, pid)
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::piped())
                     .spawn()
                     .context("starting heapprofd")?;
                 Some(child)
@@ -327,10 +366,7 @@ impl Bench {
         };
 
         let started = Instant::now();
-        {
-            let mut stdin = target.stdin.take().context("workload stdin")?;
-            stdin.write_all(b"go\n")?;
-        }
+        send_go(&mut target)?;
         let status = target.wait()?;
         let wall = started.elapsed().as_secs_f64();
         if !status.success() {
@@ -359,25 +395,13 @@ impl Bench {
 
     /// heapprofd with --bpf-stats on one run of `workload`: its log line of run times.
     fn bpf_stats(&self, workload: &Workload) -> Result<String> {
-        let mut target = Command::new(&workload.command[0])
-            .args(&workload.command[1..])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()?;
-        wait_until_waiting(target.id())?;
-        let mut child = self
-            .heapprofd_command(&["--bpf-stats"], target.id())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        let lines = lines_of(child.stderr.take().context("heapprofd stderr")?);
-        let mut log = Vec::new();
-        wait_for_line(&lines, "probes on", &mut log)?;
-        target
-            .stdin
-            .take()
-            .context("workload stdin")?
-            .write_all(b"go\n")?;
+        let mut target = start_workload(&mut workload.command())?;
+        let Daemon {
+            mut child,
+            lines,
+            mut log,
+        } = self.start_heapprofd(&["--interval", "1h", "--bpf-stats"], target.id())?;
+        send_go(&mut target)?;
         target.wait()?;
         child.wait()?;
         log.extend(lines.try_iter());
@@ -392,24 +416,28 @@ impl Bench {
     /// Profile dumps with `stacks` distinct stacks: the first (cold symbolization) and
     /// a later one (cached), with heapprofd's peak RSS.
     fn dump_times(&self, program: &Path, stacks: u32) -> Result<(String, String, u64)> {
-        let mut target = Command::new(program)
-            .arg(stacks.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()?;
-        wait_until_waiting(target.id())?;
+        let mut target = start_workload(
+            Command::new(program)
+                .arg(stacks.to_string())
+                .stdout(Stdio::piped()),
+        )?;
         let capacity = (stacks * 2).max(65536).to_string();
-        let mut child = Command::new(&self.heapprofd)
-            .arg("-o")
-            .arg(self.dir.join("profiles"))
-            .args(["--interval", "2s", "--max-sites", &capacity])
-            .args(["--max-stacks", &capacity, "--pid", &target.id().to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        let lines = lines_of(child.stderr.take().context("heapprofd stderr")?);
-        let mut log = Vec::new();
-        wait_for_line(&lines, "probes on", &mut log)?;
+        let Daemon {
+            child,
+            lines,
+            mut log,
+        } = self.start_heapprofd(
+            &[
+                "--interval",
+                "2s",
+                "--max-sites",
+                &capacity,
+                "--max-stacks",
+                &capacity,
+            ],
+            target.id(),
+        )?;
+        // Stdin stays open until the dumps are timed: the workload exits at its end.
         let mut stdin = target.stdin.take().context("workload stdin")?;
         stdin.write_all(b"go\n")?;
         let output = lines_of(target.stdout.take().context("workload stdout")?);
@@ -446,29 +474,14 @@ impl Bench {
 
     /// heapprofd's own CPU share over a long churn at the default 10 s interval.
     fn daemon_load(&self, program: &Path, seconds: u32) -> Result<(f64, f64, u64)> {
-        let mut target = Command::new(program)
-            .args(["2", "0", &seconds.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .spawn()?;
-        wait_until_waiting(target.id())?;
-        let mut child = Command::new(&self.heapprofd)
-            .arg("-o")
-            .arg(self.dir.join("profiles"))
-            .args(["--interval", "10s"])
-            .args(["--pid", &target.id().to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()?;
-        let lines = lines_of(child.stderr.take().context("heapprofd stderr")?);
-        let mut log = Vec::new();
-        wait_for_line(&lines, "probes on", &mut log)?;
+        let mut target = start_workload(
+            Command::new(program)
+                .args(["2", "0", &seconds.to_string()])
+                .stdout(Stdio::null()),
+        )?;
+        let Daemon { child, .. } = self.start_heapprofd(&["--interval", "10s"], target.id())?;
         let started = Instant::now();
-        target
-            .stdin
-            .take()
-            .context("workload stdin")?
-            .write_all(b"go\n")?;
+        send_go(&mut target)?;
         target.wait()?;
         let (cpu, rss) = wait_with_usage(child.id())?;
         let wall = started.elapsed().as_secs_f64();
