@@ -6,6 +6,8 @@
 //! `user` feature adds the `aya::Pod` implementations the daemon needs to read maps.
 #![no_std]
 
+pub mod kernel;
+
 /// Maximum number of user-space frames recorded per stack.
 pub const MAX_STACK_DEPTH: u32 = 127;
 
@@ -182,20 +184,23 @@ pub enum DropReason {
     InFlightFull = 4,
     /// posix_memalign's result could not be read from user memory: the call is not counted.
     OutPtrUnreadable = 5,
+    /// The kernel could not take the stack of a kernel allocation: counted at its call site.
+    StackUnavailable = 6,
 }
 
 impl DropReason {
     /// Number of reasons (size of the `DROPS` array).
-    pub const COUNT: u32 = 6;
+    pub const COUNT: u32 = 7;
 
     /// Every reason, indexed by discriminant.
-    pub const ALL: [DropReason; 6] = [
+    pub const ALL: [DropReason; 7] = [
         DropReason::LiveTableFull,
         DropReason::SiteTableFull,
         DropReason::StackTableFull,
         DropReason::StackTruncated,
         DropReason::InFlightFull,
         DropReason::OutPtrUnreadable,
+        DropReason::StackUnavailable,
     ];
 
     /// A short description for logs and profile comments.
@@ -205,10 +210,11 @@ impl DropReason {
             DropReason::SiteTableFull => "site table full (allocations not counted)",
             DropReason::StackTableFull => "stack table full (counted, stack unknown)",
             DropReason::StackTruncated => {
-                "stacks deeper than 127 frames (counted, outer frames cut)"
+                "stacks deeper than the frame limit (counted, outer frames cut)"
             }
             DropReason::InFlightFull => "in-flight table full (calls not counted)",
             DropReason::OutPtrUnreadable => "posix_memalign result unreadable (not counted)",
+            DropReason::StackUnavailable => "kernel stack not available (counted at the call site)",
         }
     }
 }

@@ -6,9 +6,14 @@
 //! first frame), counts the allocation per site in `SITES` and remembers the block
 //! in `LIVE`. A uprobe on free finds the block and credits the free to its site.
 //! Everything stays in maps; the daemon reads and aggregates them on its interval.
+//!
+//! Kernel mode (`kernel`) does the same for the kernel heap from the `kmem:*`
+//! tracepoints, with kernel stacks and per-object live tracking.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 
+#[cfg(target_arch = "bpf")]
+mod kernel;
 #[cfg(target_arch = "bpf")]
 mod programs;
 

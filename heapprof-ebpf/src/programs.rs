@@ -123,8 +123,9 @@ fn record_stack(
     Some((site, stack))
 }
 
+/// Counts an event that could not be fully recorded.
 #[inline(always)]
-fn count_drop(reason: DropReason) {
+pub(crate) fn count_drop(reason: DropReason) {
     if let Some(slot) = DROPS.get_ptr_mut(reason as u32) {
         // SAFETY: per-CPU slot, no concurrent writer on this CPU.
         unsafe { *slot += 1 };

@@ -1,0 +1,294 @@
+//! Layouts shared with the kernel-mode programs (`heapprofd --kernel`).
+//!
+//! Kernel mode reads the `kmem:*` tracepoints. Their record layouts differ between
+//! kernel versions (6.1 merged the `_node` events, 6.2 split kmalloc from
+//! kmem_cache_alloc, later kernels added fields), and many board kernels have no BTF,
+//! so the BPF programs do not hard-code any offset: the daemon parses each event's
+//! tracefs `format` file and hands the field positions over in [`KernelConfig`].
+
+/// The tracepoints kernel mode attaches to, in a fixed order (index into
+/// [`KernelConfig::events`]).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum KernelEvent {
+    /// `kmem:kmalloc`
+    Kmalloc = 0,
+    /// `kmem:kmalloc_node` (kernels before 6.1)
+    KmallocNode = 1,
+    /// `kmem:kmem_cache_alloc`
+    KmemCacheAlloc = 2,
+    /// `kmem:kmem_cache_alloc_node` (kernels before 6.1)
+    KmemCacheAllocNode = 3,
+    /// `kmem:kfree`
+    Kfree = 4,
+    /// `kmem:kmem_cache_free`
+    KmemCacheFree = 5,
+    /// `kmem:mm_page_alloc` (with `--pages`)
+    PageAlloc = 6,
+    /// `kmem:mm_page_free` (with `--pages`)
+    PageFree = 7,
+    /// `kmem:mm_page_free_batched` (with `--pages`; order 0 pages)
+    PageFreeBatched = 8,
+    /// `sched:sched_process_fork`: follows the children of a launched command.
+    ProcessFork = 9,
+}
+
+impl KernelEvent {
+    /// Number of events.
+    pub const COUNT: usize = 10;
+
+    /// Every event, indexed by discriminant.
+    pub const ALL: [KernelEvent; Self::COUNT] = [
+        KernelEvent::Kmalloc,
+        KernelEvent::KmallocNode,
+        KernelEvent::KmemCacheAlloc,
+        KernelEvent::KmemCacheAllocNode,
+        KernelEvent::Kfree,
+        KernelEvent::KmemCacheFree,
+        KernelEvent::PageAlloc,
+        KernelEvent::PageFree,
+        KernelEvent::PageFreeBatched,
+        KernelEvent::ProcessFork,
+    ];
+
+    /// The tracefs category of the event.
+    pub const fn category(self) -> &'static str {
+        match self {
+            KernelEvent::ProcessFork => "sched",
+            _ => "kmem",
+        }
+    }
+
+    /// The tracefs name of the event.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KernelEvent::Kmalloc => "kmalloc",
+            KernelEvent::KmallocNode => "kmalloc_node",
+            KernelEvent::KmemCacheAlloc => "kmem_cache_alloc",
+            KernelEvent::KmemCacheAllocNode => "kmem_cache_alloc_node",
+            KernelEvent::Kfree => "kfree",
+            KernelEvent::KmemCacheFree => "kmem_cache_free",
+            KernelEvent::PageAlloc => "mm_page_alloc",
+            KernelEvent::PageFree => "mm_page_free",
+            KernelEvent::PageFreeBatched => "mm_page_free_batched",
+            KernelEvent::ProcessFork => "sched_process_fork",
+        }
+    }
+
+    /// The BPF program handling the event.
+    pub const fn program(self) -> &'static str {
+        match self {
+            KernelEvent::Kmalloc => "kmalloc",
+            KernelEvent::KmallocNode => "kmalloc_node",
+            KernelEvent::KmemCacheAlloc => "kmem_cache_alloc",
+            KernelEvent::KmemCacheAllocNode => "kmem_cache_alloc_node",
+            KernelEvent::Kfree => "kfree",
+            KernelEvent::KmemCacheFree => "kmem_cache_free",
+            KernelEvent::PageAlloc => "mm_page_alloc",
+            KernelEvent::PageFree => "mm_page_free",
+            KernelEvent::PageFreeBatched => "mm_page_free_batched",
+            KernelEvent::ProcessFork => "sched_process_fork",
+        }
+    }
+
+    /// The kind of memory an allocation event hands out, `None` for other events.
+    pub const fn allocates(self) -> Option<KernelAllocKind> {
+        match self {
+            KernelEvent::Kmalloc | KernelEvent::KmallocNode => Some(KernelAllocKind::Kmalloc),
+            KernelEvent::KmemCacheAlloc | KernelEvent::KmemCacheAllocNode => {
+                Some(KernelAllocKind::KmemCacheAlloc)
+            }
+            KernelEvent::PageAlloc => Some(KernelAllocKind::Pages),
+            _ => None,
+        }
+    }
+}
+
+/// What a kernel allocation site hands out; part of its key and its leaf frame.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum KernelAllocKind {
+    /// kmalloc and friends (kzalloc, kcalloc, kmalloc_array, large kmalloc).
+    Kmalloc = 0,
+    /// An object of a named slab cache.
+    KmemCacheAlloc = 1,
+    /// Whole pages from the page allocator (2^order pages).
+    Pages = 2,
+}
+
+impl KernelAllocKind {
+    /// Every kind, indexed by discriminant.
+    pub const ALL: [KernelAllocKind; 3] = [
+        KernelAllocKind::Kmalloc,
+        KernelAllocKind::KmemCacheAlloc,
+        KernelAllocKind::Pages,
+    ];
+
+    /// The name of the leaf frame of this kind's samples.
+    pub const fn function(self) -> &'static str {
+        match self {
+            KernelAllocKind::Kmalloc => "kmalloc",
+            KernelAllocKind::KmemCacheAlloc => "kmem_cache_alloc",
+            KernelAllocKind::Pages => "alloc_pages",
+        }
+    }
+
+    /// Converts a discriminant read from a map back into a kind.
+    pub const fn from_u32(value: u32) -> Option<KernelAllocKind> {
+        if (value as usize) < Self::ALL.len() {
+            Some(Self::ALL[value as usize])
+        } else {
+            None
+        }
+    }
+}
+
+/// Where one field sits in a tracepoint record. `size == 0` means the event lacks it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FieldRef {
+    /// Byte offset from the start of the record.
+    pub offset: u16,
+    /// Size in bytes: 4 or 8 (0: absent).
+    pub size: u16,
+}
+
+/// The fields kernel mode reads from one event; each is absent where the event lacks it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventLayout {
+    /// The object's address (`ptr`), or the page frame number (`pfn`) of page events,
+    /// or the child's pid of a fork event (`child_pid`).
+    pub ptr: FieldRef,
+    /// The allocator's caller (`call_site`).
+    pub call_site: FieldRef,
+    /// Bytes asked for (`bytes_req`).
+    pub bytes_req: FieldRef,
+    /// Bytes handed out, after slab rounding (`bytes_alloc`).
+    pub bytes_alloc: FieldRef,
+    /// Page order (`order`) of page events.
+    pub order: FieldRef,
+}
+
+/// Settings of the kernel-mode programs, written into their read-only data before loading.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KernelConfig {
+    /// Field positions of each event, indexed by [`KernelEvent`].
+    pub events: [EventLayout; KernelEvent::COUNT],
+    /// Page size, for page events (bytes = page size << order).
+    pub page_size: u64,
+    /// The daemon's own process, whose allocations (reading the maps) are ignored.
+    pub ignore_tgid: u32,
+    /// Nonzero: only allocations made in the context of a process in `TRACED` count.
+    pub filter_processes: u32,
+}
+
+/// Identifies one kernel allocation site.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KernelSiteKey {
+    /// The process in whose context the allocation was made (0: kernel threads count too).
+    pub tgid: u32,
+    /// [`KernelAllocKind`].
+    pub kind: u32,
+    /// Hash of the kernel stack: its key in `KERNEL_STACKS`, 0 when no stack was taken.
+    pub stack: u64,
+    /// The allocator's caller from the event (0 for page events): the site's only frame
+    /// when the stack is missing.
+    pub call_site: u64,
+}
+
+/// Cumulative counters of one kernel site. In use = allocated - freed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelCounters {
+    /// Objects allocated.
+    pub alloc_objects: u64,
+    /// Bytes handed out (slab-rounded).
+    pub alloc_bytes: u64,
+    /// Bytes asked for.
+    pub alloc_requested: u64,
+    /// Objects freed.
+    pub free_objects: u64,
+    /// Handed-out bytes freed.
+    pub free_bytes: u64,
+    /// Asked-for bytes freed.
+    pub free_requested: u64,
+}
+
+/// Address space of a live kernel object.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KernelSpace {
+    /// Slab objects, by address (kmalloc and kmem_cache objects share it: kfree frees both).
+    Slab = 0,
+    /// Pages, by page frame number.
+    Pages = 1,
+}
+
+/// Key of the live kernel-object table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct KernelLiveKey {
+    /// Object address, or page frame number.
+    pub addr: u64,
+    /// [`KernelSpace`].
+    pub space: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+}
+
+/// A kernel object allocated while tracing and not yet freed.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KernelLiveBlock {
+    /// The site that allocated it.
+    pub site: KernelSiteKey,
+    /// Bytes handed out.
+    pub bytes: u64,
+    /// Bytes asked for.
+    pub requested: u64,
+}
+
+/// Maximum number of kernel frames recorded per stack.
+pub const MAX_KERNEL_STACK_DEPTH: usize = 64;
+
+/// A kernel call stack: return addresses, innermost first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KernelStack {
+    /// Frames in use.
+    pub len: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+    /// Kernel addresses.
+    pub frames: [u64; MAX_KERNEL_STACK_DEPTH],
+}
+
+/// Names of the kernel-mode maps.
+pub mod names {
+    /// Per-site counters (`PerCpuHashMap<KernelSiteKey, KernelCounters>`).
+    pub const KERNEL_SITES: &str = "KERNEL_SITES";
+    /// Live objects (`HashMap<KernelLiveKey, KernelLiveBlock>`).
+    pub const KERNEL_LIVE: &str = "KERNEL_LIVE";
+    /// Kernel stacks (`HashMap<u64, KernelStack>`, by hash).
+    pub const KERNEL_STACKS: &str = "KERNEL_STACKS";
+    /// Processes whose allocations count when filtering (`HashMap<u32, u32>`).
+    pub const TRACED: &str = "TRACED";
+    /// Command name of each process with a site (`HashMap<u32, [u8; 16]>`).
+    pub const COMMS: &str = "COMMS";
+    /// The `KernelConfig` global.
+    pub const KERNEL_CONFIG: &str = "KERNEL_CONFIG";
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all of these are repr(C), Copy, made only of integers, with explicit padding.
+    unsafe impl aya::Pod for super::KernelConfig {}
+    unsafe impl aya::Pod for super::KernelSiteKey {}
+    unsafe impl aya::Pod for super::KernelCounters {}
+    unsafe impl aya::Pod for super::KernelLiveKey {}
+    unsafe impl aya::Pod for super::KernelLiveBlock {}
+    unsafe impl aya::Pod for super::KernelStack {}
+}

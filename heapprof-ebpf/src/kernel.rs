@@ -1,0 +1,357 @@
+//! Kernel mode: the `kmem:*` tracepoints into per-stack kernel heap counters.
+//!
+//! Every field is read at the offset the daemon found in the event's tracefs format
+//! file (`KERNEL_CONFIG`), so neither BTF nor kernel headers are needed and the
+//! layouts of 5.10, 6.1 and later kernels all work with one object.
+
+use aya_ebpf::{
+    EbpfContext as _,
+    bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
+    helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, generated::bpf_get_stack},
+    macros::{map, tracepoint},
+    maps::{HashMap, PerCpuArray, PerCpuHashMap},
+    programs::TracePointContext,
+};
+use heapprof_common::{
+    DropReason,
+    kernel::{
+        EventLayout, FieldRef, KernelConfig, KernelCounters, KernelEvent, KernelLiveBlock,
+        KernelLiveKey, KernelSiteKey, KernelSpace, KernelStack, MAX_KERNEL_STACK_DEPTH,
+    },
+};
+
+use crate::programs::count_drop;
+
+// Capacities are placeholders: the daemon sets them from its flags before loading.
+#[map(name = "KERNEL_SITES")]
+static KERNEL_SITES: PerCpuHashMap<KernelSiteKey, KernelCounters> =
+    PerCpuHashMap::with_max_entries(65536, 0);
+#[map(name = "KERNEL_LIVE")]
+static KERNEL_LIVE: HashMap<KernelLiveKey, KernelLiveBlock> = HashMap::with_max_entries(1 << 20, 0);
+// Written only when a site is new: allocated on demand, as the user-mode stacks.
+#[map(name = "KERNEL_STACKS")]
+static KERNEL_STACKS: HashMap<u64, KernelStack> =
+    HashMap::with_max_entries(32768, BPF_F_NO_PREALLOC);
+#[map(name = "KERNEL_STACK_SCRATCH")]
+static KERNEL_STACK_SCRATCH: PerCpuArray<KernelStack> = PerCpuArray::with_max_entries(1, 0);
+#[map(name = "TRACED")]
+static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
+#[map(name = "COMMS")]
+static COMMS: HashMap<u32, [u8; 16]> = HashMap::with_max_entries(65536, 0);
+
+const NO_FIELD: FieldRef = FieldRef { offset: 0, size: 0 };
+const NO_LAYOUT: EventLayout = EventLayout {
+    ptr: NO_FIELD,
+    call_site: NO_FIELD,
+    bytes_req: NO_FIELD,
+    bytes_alloc: NO_FIELD,
+    order: NO_FIELD,
+};
+
+/// Written by the daemon before loading (read-only data).
+#[unsafe(no_mangle)]
+static KERNEL_CONFIG: KernelConfig = KernelConfig {
+    events: [NO_LAYOUT; KernelEvent::COUNT],
+    page_size: 4096,
+    ignore_tgid: 0,
+    filter_processes: 0,
+};
+
+const EEXIST: i32 = 17;
+/// Multiplier of the stack hash (2^64 / golden ratio).
+const HASH_MULTIPLIER: u64 = 0x9e37_79b9_7f4a_7c15;
+
+#[inline(always)]
+fn layout(event: KernelEvent) -> EventLayout {
+    // SAFETY: a plain global; volatile so the loader's value is read, not the default.
+    unsafe { core::ptr::read_volatile(&KERNEL_CONFIG.events[event as usize]) }
+}
+
+#[inline(always)]
+fn config_u64(field: &u64) -> u64 {
+    // SAFETY: a field of the read-only global; volatile as above.
+    unsafe { core::ptr::read_volatile(field) }
+}
+
+#[inline(always)]
+fn config_u32(field: &u32) -> u32 {
+    // SAFETY: as above.
+    unsafe { core::ptr::read_volatile(field) }
+}
+
+/// Reads one field of the record, `None` when the event lacks it.
+#[inline(always)]
+fn field(ctx: &TracePointContext, field: FieldRef) -> Option<u64> {
+    let offset = field.offset as usize;
+    // SAFETY: read_at reads kernel memory through bpf_probe_read_kernel, which checks it.
+    unsafe {
+        match field.size {
+            8 => ctx.read_at::<u64>(offset).ok(),
+            4 => ctx.read_at::<u32>(offset).ok().map(u64::from),
+            _ => None,
+        }
+    }
+}
+
+/// Whether allocations made in the current context count.
+#[inline(always)]
+fn counted(tgid: u32) -> bool {
+    let ignore = config_u32(&KERNEL_CONFIG.ignore_tgid);
+    if ignore != 0 && tgid == ignore {
+        return false;
+    }
+    if config_u32(&KERNEL_CONFIG.filter_processes) == 0 {
+        return true;
+    }
+    // SAFETY: a lookup whose value is not used.
+    unsafe { TRACED.get(&tgid) }.is_some()
+}
+
+/// Takes the kernel stack into the per-CPU scratch slot; returns its hash (0: no stack).
+#[inline(always)]
+fn take_stack(ctx: &TracePointContext) -> (u64, Option<&'static KernelStack>) {
+    let Some(scratch) = KERNEL_STACK_SCRATCH.get_ptr_mut(0) else {
+        return (0, None);
+    };
+    // SAFETY: this CPU's slot; tracing programs on one CPU do not nest.
+    let stack = unsafe { &mut *scratch };
+    let size = (MAX_KERNEL_STACK_DEPTH * 8) as u32;
+    // SAFETY: the buffer is `size` bytes of map memory; flags 0 asks for the kernel stack.
+    let copied = unsafe { bpf_get_stack(ctx.as_ptr(), stack.frames.as_mut_ptr().cast(), size, 0) };
+    if copied <= 0 {
+        count_drop(DropReason::StackUnavailable);
+        return (0, None);
+    }
+    let len = (copied as usize / 8).min(MAX_KERNEL_STACK_DEPTH);
+    stack.len = len as u32;
+    if len == MAX_KERNEL_STACK_DEPTH {
+        count_drop(DropReason::StackTruncated);
+    }
+    let mut hash = HASH_MULTIPLIER;
+    for i in 0..MAX_KERNEL_STACK_DEPTH {
+        if i >= stack.len as usize {
+            break;
+        }
+        hash = (hash ^ stack.frames[i]).wrapping_mul(HASH_MULTIPLIER);
+        hash ^= hash >> 29;
+    }
+    (hash | u64::from(hash == 0), Some(stack))
+}
+
+/// Adds to the counters of `site`, creating them (and storing the stack and the
+/// process's name) on first use.
+#[inline(always)]
+fn add_to_site(
+    site: &KernelSiteKey,
+    new_stack: Option<&KernelStack>,
+    delta: &KernelCounters,
+) -> bool {
+    let mut counters = KERNEL_SITES.get_ptr_mut(site);
+    if counters.is_none() {
+        if let Some(stack) = new_stack {
+            match KERNEL_STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
+                Ok(()) => {}
+                Err(err) if err == -EEXIST => {}
+                Err(_) => count_drop(DropReason::StackTableFull),
+            }
+        }
+        if delta.alloc_objects > 0
+            && let Ok(comm) = bpf_get_current_comm()
+        {
+            let _ = COMMS.insert(&site.tgid, &comm, 0);
+        }
+        let zero = KernelCounters::default();
+        // Another CPU may have created it meanwhile: NOEXIST then fails harmlessly.
+        let _ = KERNEL_SITES.insert(site, &zero, BPF_NOEXIST as u64);
+        counters = KERNEL_SITES.get_ptr_mut(site);
+    }
+    match counters {
+        Some(counters) => {
+            // SAFETY: this CPU's copy of a per-CPU value.
+            unsafe {
+                (*counters).alloc_objects += delta.alloc_objects;
+                (*counters).alloc_bytes += delta.alloc_bytes;
+                (*counters).alloc_requested += delta.alloc_requested;
+                (*counters).free_objects += delta.free_objects;
+                (*counters).free_bytes += delta.free_bytes;
+                (*counters).free_requested += delta.free_requested;
+            }
+            true
+        }
+        None => false,
+    }
+}
+
+/// Credits the free of a tracked object to the site that allocated it; untracked
+/// objects (allocated before tracing, or not counted) are ignored.
+#[inline(always)]
+fn release(key: &KernelLiveKey) {
+    // SAFETY: the value is copied out before the entry is removed.
+    let Some(block) = (unsafe { KERNEL_LIVE.get(key) }).copied() else {
+        return;
+    };
+    if KERNEL_LIVE.remove(key).is_err() {
+        // Another CPU freed it first (a double free would be the kernel's bug): count once.
+        return;
+    }
+    let delta = KernelCounters {
+        free_objects: 1,
+        free_bytes: block.bytes,
+        free_requested: block.requested,
+        ..KernelCounters::default()
+    };
+    add_to_site(&block.site, None, &delta);
+}
+
+#[inline(always)]
+fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    if !counted(tgid) {
+        return 0;
+    }
+    let layout = layout(event);
+    let Some(addr) = field(ctx, layout.ptr) else {
+        return 0;
+    };
+    let (space, kind, bytes, requested, call_site) = match event.allocates() {
+        Some(heapprof_common::kernel::KernelAllocKind::Pages) => {
+            // A failed page allocation reports pfn -1.
+            if addr == u64::MAX || (layout.ptr.size == 4 && addr == u64::from(u32::MAX)) {
+                return 0;
+            }
+            let order = field(ctx, layout.order).unwrap_or(0);
+            if order >= 32 {
+                return 0;
+            }
+            let bytes = config_u64(&KERNEL_CONFIG.page_size) << order;
+            let kind = heapprof_common::kernel::KernelAllocKind::Pages;
+            (KernelSpace::Pages, kind, bytes, bytes, 0)
+        }
+        Some(kind) => {
+            if addr == 0 {
+                return 0; // failed allocation
+            }
+            let bytes = field(ctx, layout.bytes_alloc).unwrap_or(0);
+            let requested = field(ctx, layout.bytes_req).unwrap_or(bytes);
+            let call_site = field(ctx, layout.call_site).unwrap_or(0);
+            (KernelSpace::Slab, kind, bytes, requested, call_site)
+        }
+        None => return 0,
+    };
+    let (stack_hash, stack) = take_stack(ctx);
+    let site = KernelSiteKey {
+        tgid,
+        kind: kind as u32,
+        stack: stack_hash,
+        call_site,
+    };
+    let delta = KernelCounters {
+        alloc_objects: 1,
+        alloc_bytes: bytes,
+        alloc_requested: requested,
+        ..KernelCounters::default()
+    };
+    if !add_to_site(&site, stack, &delta) {
+        count_drop(DropReason::SiteTableFull);
+        return 0;
+    }
+    let key = KernelLiveKey {
+        addr,
+        space: space as u32,
+        _pad: 0,
+    };
+    let block = KernelLiveBlock {
+        site,
+        bytes,
+        requested,
+    };
+    let mut inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
+    if inserted == Err(-EEXIST) {
+        // Still recorded at this address: it was freed on a path without a tracepoint
+        // (bulk frees). Close it so its site's in-use stays right.
+        release(&key);
+        inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
+    }
+    if inserted.is_err() {
+        count_drop(DropReason::LiveTableFull);
+    }
+    0
+}
+
+#[inline(always)]
+fn on_free(ctx: &TracePointContext, event: KernelEvent, space: KernelSpace) -> u32 {
+    // Frees count in every context: an object often dies in another process, an RCU
+    // callback or a worker.
+    let Some(addr) = field(ctx, layout(event).ptr) else {
+        return 0;
+    };
+    if addr == 0 && matches!(space, KernelSpace::Slab) {
+        return 0;
+    }
+    release(&KernelLiveKey {
+        addr,
+        space: space as u32,
+        _pad: 0,
+    });
+    0
+}
+
+#[tracepoint]
+pub fn kmalloc(ctx: TracePointContext) -> u32 {
+    on_alloc(&ctx, KernelEvent::Kmalloc)
+}
+
+#[tracepoint]
+pub fn kmalloc_node(ctx: TracePointContext) -> u32 {
+    on_alloc(&ctx, KernelEvent::KmallocNode)
+}
+
+#[tracepoint]
+pub fn kmem_cache_alloc(ctx: TracePointContext) -> u32 {
+    on_alloc(&ctx, KernelEvent::KmemCacheAlloc)
+}
+
+#[tracepoint]
+pub fn kmem_cache_alloc_node(ctx: TracePointContext) -> u32 {
+    on_alloc(&ctx, KernelEvent::KmemCacheAllocNode)
+}
+
+#[tracepoint]
+pub fn mm_page_alloc(ctx: TracePointContext) -> u32 {
+    on_alloc(&ctx, KernelEvent::PageAlloc)
+}
+
+#[tracepoint]
+pub fn kfree(ctx: TracePointContext) -> u32 {
+    on_free(&ctx, KernelEvent::Kfree, KernelSpace::Slab)
+}
+
+#[tracepoint]
+pub fn kmem_cache_free(ctx: TracePointContext) -> u32 {
+    on_free(&ctx, KernelEvent::KmemCacheFree, KernelSpace::Slab)
+}
+
+#[tracepoint]
+pub fn mm_page_free(ctx: TracePointContext) -> u32 {
+    on_free(&ctx, KernelEvent::PageFree, KernelSpace::Pages)
+}
+
+#[tracepoint]
+pub fn mm_page_free_batched(ctx: TracePointContext) -> u32 {
+    on_free(&ctx, KernelEvent::PageFreeBatched, KernelSpace::Pages)
+}
+
+/// A launched command's children count as the command: a traced process's fork
+/// adds the child to `TRACED`.
+#[tracepoint]
+pub fn sched_process_fork(ctx: TracePointContext) -> u32 {
+    let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
+    // SAFETY: a lookup whose value is not used.
+    if unsafe { TRACED.get(&tgid) }.is_none() {
+        return 0;
+    }
+    if let Some(child) = field(&ctx, layout(KernelEvent::ProcessFork).ptr) {
+        let _ = TRACED.insert(&(child as u32), &1, 0);
+    }
+    0
+}
