@@ -11,7 +11,8 @@ use crate::probes::placement::PlacementMode;
 #[command(
     name = "heapprofd",
     version,
-    after_help = "Exactly one target: --pid N, --all, or -- COMMAND [ARGS...].\n\
+    after_help = "Exactly one target: --pid N, --all, or -- COMMAND [ARGS...] (with --kernel, none\n\
+                  means every process).\n\
                   Open a profile with: go tool pprof -http=: FILE"
 )]
 pub struct Cli {
@@ -22,6 +23,16 @@ pub struct Cli {
     /// Trace every process on the machine that uses the C library (samples carry pid/comm labels).
     #[arg(long)]
     pub all: bool,
+
+    /// Profile the kernel heap (kmalloc, kmem_cache_alloc) from the kmem tracepoints instead
+    /// of user space: system-wide, or only allocations made in the context of --pid PID or
+    /// of a launched command and its children.
+    #[arg(long)]
+    pub kernel: bool,
+
+    /// With --kernel: also count whole pages from the page allocator (mm_page_alloc/free).
+    #[arg(long, requires = "kernel")]
+    pub pages: bool,
 
     /// Directory for the profiles (created with mode 0700 if missing).
     #[arg(short, long, value_name = "DIR", default_value = "heapprofd-profiles")]
@@ -36,7 +47,7 @@ pub struct Cli {
     pub duration: Option<Duration>,
 
     /// The C library to probe, when it cannot be found from the target's mappings.
-    #[arg(long, value_name = "PATH")]
+    #[arg(long, value_name = "PATH", conflicts_with = "kernel")]
     pub libc: Option<PathBuf>,
 
     /// Capacity of the live-block table (blocks allocated while tracing and not yet freed).
@@ -63,7 +74,7 @@ pub struct Cli {
     /// Record a sample of allocations instead of every one: on average one per BYTES
     /// allocated (Poisson by bytes, as Go's heap profiler; e.g. 512KiB). Values are scaled
     /// back to estimates. Default: every allocation, exact.
-    #[arg(long, value_name = "BYTES", value_parser = parse_sample_rate)]
+    #[arg(long, value_name = "BYTES", value_parser = parse_sample_rate, conflicts_with = "kernel")]
     pub sample_rate: Option<u64>,
 
     /// Log the run time of heapprofd's BPF programs (kernel BPF statistics) with each profile.
@@ -91,8 +102,12 @@ pub enum Target {
 }
 
 impl Cli {
-    /// The single target the flags name, or a message saying how to name one.
+    /// The single target the flags name, or a message saying how to name one. In
+    /// kernel mode no target means every process.
     pub fn target(&self) -> Result<Target, String> {
+        if self.kernel && self.pid.is_none() && self.command.is_empty() {
+            return Ok(Target::All);
+        }
         match (self.pid, self.all, self.command.is_empty()) {
             (Some(pid), false, true) => Ok(Target::Pid(pid)),
             (None, true, true) => Ok(Target::All),
@@ -234,5 +249,15 @@ mod tests {
             Ok(Err(_))
         ));
         assert!(cli(&["heapprofd", "--pid", "1", "--all"]).is_err());
+        assert_eq!(cli(&["heapprofd", "--kernel"]).ok(), Some(Ok(Target::All)));
+        assert_eq!(
+            cli(&["heapprofd", "--kernel", "--pid", "9"]).ok(),
+            Some(Ok(Target::Pid(9)))
+        );
+        assert!(
+            cli(&["heapprofd", "--pages", "--all"]).is_err(),
+            "--pages needs --kernel"
+        );
+        assert!(cli(&["heapprofd", "--kernel", "--sample-rate", "4k"]).is_err());
     }
 }

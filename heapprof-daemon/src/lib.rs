@@ -10,3 +10,4 @@ pub mod probes;
 pub mod procmaps;
 pub mod session;
 pub mod symbolize;
+pub mod tracefs;

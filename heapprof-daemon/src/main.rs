@@ -22,7 +22,11 @@ use heapprof_daemon::{
     cli::{Cli, Target},
     launch::{self, ChildEvent, PausedChild},
     pprof, preflight, probes,
-    session::{self, Session, SessionConfig},
+    session::{
+        self, Session, SessionConfig,
+        kernel::{KernelSession, KernelSessionConfig},
+    },
+    tracefs,
 };
 
 /// Exit status for bad input and unmet requirements.
@@ -85,9 +89,53 @@ fn init_logging() {
         .init();
 }
 
+/// A user-space or a kernel session.
+enum AnySession {
+    User(Box<Session>),
+    Kernel(Box<KernelSession>),
+}
+
+impl AnySession {
+    fn dump(&mut self) -> Result<std::path::PathBuf> {
+        match self {
+            AnySession::User(session) => session.dump(),
+            AnySession::Kernel(session) => session.dump(),
+        }
+    }
+
+    fn top_sites(&mut self, limit: usize) -> Result<Vec<session::TopSite>> {
+        match self {
+            AnySession::User(session) => session.top_sites(limit),
+            AnySession::Kernel(session) => session.top_sites(limit),
+        }
+    }
+
+    /// Housekeeping on each interval: user mode forgets exited threads and processes.
+    /// (Kernel objects outlive the processes that allocated them: nothing to retire.)
+    fn tidy(&mut self, target: &Target) {
+        if let AnySession::User(session) = self {
+            session.remove_exited_threads();
+            if matches!(target, Target::All)
+                && let Err(err) = session.retire_exited()
+            {
+                log::warn!("cannot clear exited processes: {err:#}");
+            }
+        }
+    }
+
+    /// Called while a launched command is held at its exit.
+    fn before_exit(&mut self) {
+        if let AnySession::User(session) = self
+            && let Err(err) = session.refresh_unmapped()
+        {
+            log::warn!("cannot read the exiting process's mappings: {err:#}");
+        }
+    }
+}
+
 /// A session ready to run, with what tells it that its target has ended.
 struct Started {
-    session: Session,
+    session: AnySession,
     /// Launch mode: the command, held before exec.
     child: Option<PausedChild>,
     /// `--pid` mode: readable once the target exits.
@@ -102,16 +150,21 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<Start
     let sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     preflight::check_privileges()?;
+    if cli.kernel {
+        let target_exit = watch_target(target, true)?;
+        let session = start_kernel(cli, target, child.as_ref())?;
+        return Ok(Started {
+            session: AnySession::Kernel(Box::new(session)),
+            child,
+            target_exit,
+            sigint,
+            sigterm,
+        });
+    }
     preflight::check_uprobes()?;
     // Opened before anything is attached: a target that exits at any later moment is
     // then seen as an exit (final profile, status 0), never as a failure to find it.
-    let target_exit = match target {
-        Target::Pid(pid) => {
-            preflight::check_pid(*pid)?;
-            Some(pidfd(*pid).with_context(|| format!("watching process {pid}"))?)
-        }
-        _ => None,
-    };
+    let target_exit = watch_target(target, false)?;
     pprof::writer::prepare_output_dir(&cli.output)?;
 
     let (libc_path, libc_maps_path) = match (&cli.libc, target) {
@@ -173,12 +226,80 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<Start
         cli.output.display()
     );
     Ok(Started {
-        session,
+        session: AnySession::User(Box::new(session)),
         child,
         target_exit,
         sigint,
         sigterm,
     })
+}
+
+/// `--pid` mode: a descriptor readable once the target exits, opened before anything is
+/// attached, so that a target exiting at any later moment is an exit (final profile,
+/// status 0), never a failure to find it.
+fn watch_target(target: &Target, kernel_mode: bool) -> Result<Option<AsyncFd<OwnedFd>>> {
+    match target {
+        Target::Pid(pid) => {
+            preflight::check_pid(*pid, kernel_mode)?;
+            Ok(Some(
+                pidfd(*pid).with_context(|| format!("watching process {pid}"))?,
+            ))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Kernel mode: tracefs and event layouts, kernel symbols, load, attach.
+fn start_kernel(cli: &Cli, target: &Target, child: Option<&PausedChild>) -> Result<KernelSession> {
+    let tracing = tracefs::root()?;
+    let selection = probes::kernel::EventSelection {
+        pages: cli.pages,
+        follow_forks: matches!(target, Target::Launch(_)),
+    };
+    let events = probes::kernel::resolve_events(&tracing, selection)?;
+    pprof::writer::prepare_output_dir(&cli.output)?;
+    let capacities = probes::Capacities {
+        live_blocks: cli.max_live_blocks,
+        sites: cli.max_sites,
+        stacks: cli.max_stacks,
+        threads: cli.max_threads,
+    };
+    let filter = !matches!(target, Target::All);
+    let mut ebpf = probes::kernel::load(capacities, &events, filter)?;
+    let config = KernelSessionConfig {
+        target: target.clone(),
+        output: cli.output.clone(),
+        events: events.iter().map(|(event, _)| *event).collect(),
+        bpf_stats: cli.bpf_stats,
+    };
+    let attached = probes::kernel::attach(&mut ebpf, &events)?;
+    let mut session = KernelSession::new(config, ebpf)?;
+    let pid = match (target, child) {
+        (Target::Pid(pid), _) => Some(*pid),
+        (Target::Launch(_), Some(child)) => Some(child.pid),
+        _ => None,
+    };
+    if let Some(pid) = pid {
+        session.trace_process(pid)?;
+    }
+    let names: Vec<&str> = events.iter().map(|(event, _)| event.name()).collect();
+    // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).
+    log::info!(
+        "{attached} probes on kernel tracepoints ({}) for {}, profiles every {:?} in {}",
+        names.join(" "),
+        match target {
+            Target::Pid(pid) => format!("pid {pid}"),
+            Target::Launch(command) => format!(
+                "`{}`, pid {}, and its children",
+                command.join(" "),
+                pid.unwrap_or(0)
+            ),
+            Target::All => "all processes".to_owned(),
+        },
+        cli.interval,
+        cli.output.display()
+    );
+    Ok(session)
 }
 
 fn print_top(top: &[session::TopSite]) {
@@ -234,12 +355,7 @@ async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCode> {
                 if let Err(err) = session.dump() {
                     log::error!("cannot write a profile: {err:#}");
                 }
-                session.remove_exited_threads();
-                if matches!(target, Target::All)
-                    && let Err(err) = session.retire_exited()
-                {
-                    log::warn!("cannot clear exited processes: {err:#}");
-                }
+                session.tidy(target);
             }
             signal = async { tokio::select! { _ = sigint.recv() => libc::SIGINT, _ = sigterm.recv() => libc::SIGTERM } } => {
                 match child_pid {
@@ -261,9 +377,7 @@ async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCode> {
                 match event {
                     Some(ChildEvent::Exiting { resume }) => {
                         // The process still has its address space: read its mappings now.
-                        if let Err(err) = session.refresh_unmapped() {
-                            log::warn!("cannot read the exiting process's mappings: {err:#}");
-                        }
+                        session.before_exit();
                         drop(resume);
                     }
                     Some(ChildEvent::Exited(code)) => {

@@ -47,8 +47,9 @@ pub fn check_uprobes() -> Result<()> {
     )
 }
 
-/// The pid must name a live user-space process.
-pub fn check_pid(pid: u32) -> Result<()> {
+/// The pid must name a live process; a user-space one unless `kernel_threads_allowed`
+/// (kernel mode, where a kernel thread's allocations are what a driver developer wants).
+pub fn check_pid(pid: u32, kernel_threads_allowed: bool) -> Result<()> {
     let maps = match std::fs::read_to_string(format!("/proc/{pid}/maps")) {
         Ok(maps) => maps,
         Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
@@ -56,9 +57,10 @@ pub fn check_pid(pid: u32) -> Result<()> {
         }
         Err(err) => bail!("cannot read /proc/{pid}/maps ({err}); run heapprofd as root"),
     };
-    if maps.trim().is_empty() {
+    if maps.trim().is_empty() && !kernel_threads_allowed {
         bail!(
-            "pid {pid} is a kernel thread (it has no user memory); give the pid of a user-space process"
+            "pid {pid} is a kernel thread (it has no user memory); give the pid of a user-space \
+             process, or use --kernel to profile its kernel allocations"
         )
     }
     Ok(())

@@ -2,7 +2,8 @@
 //!
 //! - the pinned stable toolchain (host crates) and the pinned nightly with rust-src (BPF crate);
 //! - bpf-linker built against the nightly's own libLLVM (their LLVM majors must match);
-//! - Debian packages: a C compiler, and for the tests golang-go (pprof) and valgrind.
+//! - Debian packages: a C compiler, and for the tests golang-go (pprof), valgrind and
+//!   bpftrace (the kernel-mode test's independent count, and the benchmark's baseline).
 
 use std::{
     path::{Path, PathBuf},
@@ -22,7 +23,7 @@ pub enum Needs {
     Build,
     /// Also what the tests use.
     Test,
-    /// Also what the benchmark compares against (bpftrace).
+    /// What the benchmark uses (the same as the tests).
     Bench,
 }
 
@@ -33,10 +34,7 @@ pub fn ensure(needs: Needs) -> Result<()> {
     ensure_bpf_linker()?;
     let mut packages = vec!["gcc", "libc6-dev"];
     if needs != Needs::Build {
-        packages.extend(["golang-go", "valgrind"]);
-    }
-    if needs == Needs::Bench {
-        packages.push("bpftrace");
+        packages.extend(["golang-go", "valgrind", "bpftrace"]);
     }
     ensure_debian_packages(&packages)
 }

@@ -5,6 +5,7 @@
 //! stacks not seen before, so a dump costs in proportion to the number of sites,
 //! never to the number of allocations.
 
+pub mod kernel;
 pub mod sampling;
 
 use std::collections::{HashMap, HashSet};
@@ -68,7 +69,7 @@ pub struct Maps {
     retired: HashMap<StackKey, SiteCounters>,
 }
 
-fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &str) -> Result<T>
+pub(crate) fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &str) -> Result<T>
 where
     T::Error: std::error::Error + Send + Sync + 'static,
 {
@@ -76,6 +77,20 @@ where
         .take_map(name)
         .with_context(|| format!("BPF map {name} missing from the object"))?;
     T::try_from(map).with_context(|| format!("BPF map {name} has an unexpected type"))
+}
+
+/// The per-CPU drop counters summed over CPUs, indexed by [`DropReason`].
+pub(crate) fn read_drops(
+    map: &PerCpuArray<MapData, u64>,
+) -> Result<[u64; DropReason::COUNT as usize]> {
+    let mut drops = [0u64; DropReason::COUNT as usize];
+    for reason in DropReason::ALL {
+        let per_cpu = map
+            .get(&(reason as u32), 0)
+            .context("reading the drop counters")?;
+        drops[reason as usize] = per_cpu.iter().sum();
+    }
+    Ok(drops)
 }
 
 impl Maps {
@@ -134,15 +149,7 @@ impl Maps {
 
     /// Drop counters summed over CPUs, indexed by [`DropReason`].
     pub fn read_drops(&self) -> Result<[u64; DropReason::COUNT as usize]> {
-        let mut drops = [0u64; DropReason::COUNT as usize];
-        for reason in DropReason::ALL {
-            let per_cpu = self
-                .drops
-                .get(&(reason as u32), 0)
-                .context("reading the drop counters")?;
-            drops[reason as usize] = per_cpu.iter().sum();
-        }
-        Ok(drops)
+        read_drops(&self.drops)
     }
 
     /// Removes the per-thread call state of threads that have exited (the BPF side keeps

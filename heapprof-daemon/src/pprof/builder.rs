@@ -15,6 +15,17 @@ pub const SAMPLE_TYPES: [(&str, &str); 4] = [
     ("inuse_space", "bytes"),
 ];
 
+/// The sample types of a kernel heap profile: Go's four, where space is the memory
+/// handed out (slab-rounded), then the bytes the callers asked for.
+pub const KERNEL_SAMPLE_TYPES: [(&str, &str); 6] = [
+    ("alloc_objects", "count"),
+    ("alloc_space", "bytes"),
+    ("inuse_objects", "count"),
+    ("inuse_space", "bytes"),
+    ("alloc_requested_space", "bytes"),
+    ("inuse_requested_space", "bytes"),
+];
+
 /// A label value of a sample.
 #[derive(Debug, Clone)]
 pub enum LabelValue {
@@ -44,8 +55,9 @@ pub struct ProfileBuilder {
 }
 
 impl ProfileBuilder {
-    /// Starts a heap profile taken at `time_nanos` covering `duration_nanos`.
-    pub fn new(time_nanos: i64, duration_nanos: i64) -> Self {
+    /// Starts a heap profile taken at `time_nanos` covering `duration_nanos`, with
+    /// the given sample types (e.g. [`SAMPLE_TYPES`]; `inuse_space` must be among them).
+    pub fn new(time_nanos: i64, duration_nanos: i64, sample_types: &[(&str, &str)]) -> Self {
         let mut builder = Self {
             profile: Profile {
                 string_table: vec![String::new()],
@@ -59,7 +71,7 @@ impl ProfileBuilder {
             mappings: HashMap::new(),
             locations: HashMap::new(),
         };
-        for (kind, unit) in SAMPLE_TYPES {
+        for &(kind, unit) in sample_types {
             let value_type = ValueType {
                 r#type: builder.string(kind),
                 unit: builder.string(unit),
@@ -192,13 +204,8 @@ impl ProfileBuilder {
         id
     }
 
-    /// Adds a sample: locations leaf first, values in [`SAMPLE_TYPES`] order.
-    pub fn sample(
-        &mut self,
-        location_id: Vec<u64>,
-        values: [u64; 4],
-        labels: &[(&str, LabelValue)],
-    ) {
+    /// Adds a sample: locations leaf first, values in the order of the sample types.
+    pub fn sample(&mut self, location_id: Vec<u64>, values: &[u64], labels: &[(&str, LabelValue)]) {
         let label = labels
             .iter()
             .map(|(key, value)| {
@@ -345,7 +352,7 @@ mod tests {
 
     #[test]
     fn builds_a_valid_profile() {
-        let mut b = ProfileBuilder::new(1, 2);
+        let mut b = ProfileBuilder::new(1, 2, &SAMPLE_TYPES);
         let key = MappingKey {
             pid: 1,
             start: 0x1000,
@@ -360,7 +367,7 @@ mod tests {
         );
         b.sample(
             vec![leaf, caller],
-            [1, 16, 1, 16],
+            &[1, 16, 1, 16],
             &[("pid", LabelValue::Num(1))],
         );
         b.comment("hello");
@@ -373,9 +380,9 @@ mod tests {
 
     #[test]
     fn rejects_broken_profiles() {
-        let mut b = ProfileBuilder::new(1, 2);
+        let mut b = ProfileBuilder::new(1, 2, &SAMPLE_TYPES);
         let loc = b.location(1, 0x10, 0, None, &[]);
-        b.sample(vec![loc], [1, 1, 1, 1], &[]);
+        b.sample(vec![loc], &[1, 1, 1, 1], &[]);
         let good = b.finish().expect("valid");
 
         let mut p = good.clone();

@@ -1,5 +1,6 @@
 //! Loading the BPF programs and attaching them to the allocator functions.
 
+pub mod kernel;
 pub mod libc;
 pub mod placement;
 pub mod stats;
@@ -11,7 +12,7 @@ use aya::{
     Ebpf, EbpfLoader,
     programs::{UProbe, uprobe::UProbeScope},
 };
-use heapprof_common::{Config, names};
+use heapprof_common::{Config, kernel::names as kernel_names, names};
 
 pub use self::libc::Libc;
 
@@ -31,8 +32,8 @@ pub struct Capacities {
     pub threads: u32,
 }
 
-/// Loads the BPF object with the given capacities and sampling rate (0: every
-/// allocation). Nothing is attached yet.
+/// Loads the BPF object for user mode with the given capacities and sampling rate
+/// (0: every allocation). Nothing is attached yet.
 pub fn load(capacities: Capacities, sample_rate: u64) -> Result<Ebpf> {
     let config = Config {
         page_size: page_size(),
@@ -46,11 +47,17 @@ pub fn load(capacities: Capacities, sample_rate: u64) -> Result<Ebpf> {
         .map_max_entries(names::SITES, capacities.sites)
         .map_max_entries(names::STACKS, capacities.stacks)
         .map_max_entries(names::IN_FLIGHT, capacities.threads)
+        // The kernel-mode tables are not used: one entry each.
+        .map_max_entries(kernel_names::KERNEL_LIVE, 1)
+        .map_max_entries(kernel_names::KERNEL_SITES, 1)
+        .map_max_entries(kernel_names::KERNEL_STACKS, 1)
+        .map_max_entries(kernel_names::TRACED, 1)
+        .map_max_entries(kernel_names::COMMS, 1)
         .load(BPF_OBJECT)
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
 }
 
-fn page_size() -> u64 {
+pub(crate) fn page_size() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { ::libc::sysconf(::libc::_SC_PAGESIZE) };
     u64::try_from(size).unwrap_or(4096)

@@ -1,4 +1,4 @@
-//! A tracing session: from attached probes to profiles on disk.
+//! A user-space session: allocator probes in processes to profiles on disk.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -14,7 +14,7 @@ use heapprof_common::{AllocKind, DropReason};
 use crate::{
     aggregate::{Maps, Site},
     cli::Target,
-    pprof::{LabelValue, MappingKey, ProfileBuilder, writer},
+    pprof::{LabelValue, MappingKey, ProfileBuilder, builder::SAMPLE_TYPES, writer},
     probes::{
         Libc,
         stats::{self, RunTimeStats},
@@ -277,8 +277,11 @@ impl Session {
             t.duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as i64)
         };
-        let mut builder =
-            ProfileBuilder::new(nanos(now), self.started_at.elapsed().as_nanos() as i64);
+        let mut builder = ProfileBuilder::new(
+            nanos(now),
+            self.started_at.elapsed().as_nanos() as i64,
+            &SAMPLE_TYPES,
+        );
         builder.comment(&format!("heapprofd {}", env!("CARGO_PKG_VERSION")));
         builder.comment(&match &self.config.target {
             Target::Pid(pid) => format!("target: pid {pid}"),
@@ -363,7 +366,7 @@ impl Session {
                 ("pid", LabelValue::Num(i64::from(pid))),
                 ("comm", LabelValue::Str(info.comm.clone())),
             ];
-            builder.sample(locations, site.values(rate), &labels);
+            builder.sample(locations, &site.values(rate), &labels);
         }
         builder.finish().context("building the profile")
     }

@@ -5,6 +5,8 @@
 //! cached across dumps and shared between processes mapping the same file, and it
 //! keeps working after the process has exited.
 
+pub mod kallsyms;
+
 use std::{collections::HashMap, sync::Arc};
 
 use blazesym::symbolize::{

@@ -1,0 +1,374 @@
+//! A kernel session: kmem tracepoints to kernel heap profiles on disk.
+
+use std::{
+    collections::HashMap,
+    path::PathBuf,
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context as _, Result};
+use aya::Ebpf;
+use heapprof_common::{
+    DropReason,
+    kernel::{KernelAllocKind, KernelEvent},
+};
+
+use super::TopSite;
+use crate::{
+    aggregate::kernel::{KernelMaps, KernelSite},
+    cli::Target,
+    pprof::{LabelValue, MappingKey, ProfileBuilder, builder::KERNEL_SAMPLE_TYPES, writer},
+    probes::stats::{self, RunTimeStats},
+    symbolize::{
+        Frame,
+        kallsyms::{KERNEL_MODULE, KernelSymbols},
+    },
+};
+
+/// Location tags: real frames, then one per allocation kind, then the call-site fallback.
+const TAG_FRAME: u16 = 0;
+const TAG_CALL_SITE: u16 = 100;
+
+/// Settings of a kernel session.
+pub struct KernelSessionConfig {
+    /// Whose allocations count.
+    pub target: Target,
+    /// Where profiles go.
+    pub output: PathBuf,
+    /// The tracepoints attached.
+    pub events: Vec<KernelEvent>,
+    /// Log the BPF programs' run time with every profile.
+    pub bpf_stats: bool,
+}
+
+/// A running kernel session. Dropping it detaches every program.
+pub struct KernelSession {
+    config: KernelSessionConfig,
+    ebpf: Ebpf,
+    maps: KernelMaps,
+    symbols: KernelSymbols,
+    /// `/proc/modules` when `symbols` was read: reloaded when modules come or go.
+    modules_seen: String,
+    /// Frames by kernel address, kept across reloads so unloaded modules stay named.
+    frames: HashMap<u64, Option<Frame>>,
+    run_time_stats: Option<RunTimeStats>,
+    started: SystemTime,
+    started_at: Instant,
+    sequence: u32,
+    reported_drops: [u64; DropReason::COUNT as usize],
+}
+
+impl KernelSession {
+    /// Wraps loaded, attached programs; reads the kernel's symbols.
+    pub fn new(config: KernelSessionConfig, mut ebpf: Ebpf) -> Result<Self> {
+        let maps = KernelMaps::new(&mut ebpf)?;
+        let symbols = KernelSymbols::load()?;
+        let run_time_stats = if config.bpf_stats {
+            Some(RunTimeStats::enable()?)
+        } else {
+            None
+        };
+        Ok(Self {
+            config,
+            ebpf,
+            maps,
+            symbols,
+            modules_seen: std::fs::read_to_string("/proc/modules").unwrap_or_default(),
+            frames: HashMap::new(),
+            run_time_stats,
+            started: SystemTime::now(),
+            started_at: Instant::now(),
+            sequence: 0,
+            reported_drops: [0; DropReason::COUNT as usize],
+        })
+    }
+
+    /// Counts the kernel allocations made in the context of `pid` (and, when forks are
+    /// followed, of its future children).
+    pub fn trace_process(&mut self, pid: u32) -> Result<()> {
+        self.maps.trace_process(pid)
+    }
+
+    /// Re-reads the kernel's symbols when the set of loaded modules changed.
+    fn refresh_symbols(&mut self) {
+        let modules = std::fs::read_to_string("/proc/modules").unwrap_or_default();
+        if modules == self.modules_seen {
+            return;
+        }
+        match KernelSymbols::load() {
+            Ok(symbols) => {
+                self.symbols = symbols;
+                self.modules_seen = modules;
+                // Addresses of a new module may have been unknown before.
+                self.frames.retain(|_, frame| frame.is_some());
+            }
+            Err(err) => log::warn!("cannot re-read the kernel symbols: {err:#}"),
+        }
+    }
+
+    /// The function and module at a kernel code address.
+    fn frame(&mut self, address: u64) -> Option<Frame> {
+        if let Some(frame) = self.frames.get(&address) {
+            return frame.clone();
+        }
+        let frame = self.symbols.lookup(address).map(|(symbol, _)| Frame {
+            function: symbol.name.to_string(),
+            file: Some(symbol.module.to_string()),
+            line: 0,
+        });
+        self.frames.insert(address, frame.clone());
+        frame
+    }
+
+    /// Symbolizes every frame of the current sites now, while their modules are loaded.
+    fn symbolize_sites(&mut self, sites: &[KernelSite]) {
+        for site in sites {
+            for &ret in self.maps.stack(site.key.stack).iter() {
+                self.frame(ret.wrapping_sub(1));
+            }
+            if site.key.call_site != 0 {
+                self.frame(site.key.call_site.wrapping_sub(1));
+            }
+        }
+    }
+
+    /// Writes one profile of everything counted so far; returns its path.
+    pub fn dump(&mut self) -> Result<PathBuf> {
+        let started = Instant::now();
+        self.refresh_symbols();
+        let sites = self.maps.read_sites()?;
+        self.symbolize_sites(&sites);
+        let drops = self.maps.read_drops()?;
+        self.report_drops(&drops);
+        let read = started.elapsed();
+        let profile = self.build_profile(&sites, &drops)?;
+        let built = started.elapsed();
+        self.sequence += 1;
+        let name = writer::profile_file_name(SystemTime::now(), self.sequence);
+        let path = writer::write_profile(&self.config.output, &name, &profile)?;
+        let written = started.elapsed();
+        let mut totals = [0u64; 6];
+        for site in &sites {
+            for (total, value) in totals.iter_mut().zip(site.values()) {
+                *total += value;
+            }
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        log::info!(
+            "wrote {}: {} kernel sites, {} objects / {} bytes allocated ({} requested), \
+             {} objects / {} bytes in use ({} requested); {:.1} ms (read {:.1}, \
+             symbolize+build {:.1}, encode+write {:.1})",
+            path.display(),
+            sites.len(),
+            totals[0],
+            totals[1],
+            totals[4],
+            totals[2],
+            totals[3],
+            totals[5],
+            ms(written),
+            ms(read),
+            ms(built - read),
+            ms(written - built),
+        );
+        if let Some(stats) = &self.run_time_stats {
+            log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
+        }
+        Ok(path)
+    }
+
+    fn report_drops(&mut self, drops: &[u64; DropReason::COUNT as usize]) {
+        for reason in DropReason::ALL {
+            let (now, before) = (drops[reason as usize], self.reported_drops[reason as usize]);
+            if now > before {
+                log::warn!(
+                    "{} events: {} (see the --max-* flags)",
+                    now - before,
+                    reason.describe()
+                );
+            }
+        }
+        self.reported_drops = *drops;
+    }
+
+    fn add_mapping(&self, builder: &mut ProfileBuilder, address: u64) -> Option<MappingKey> {
+        let range = self.symbols.range_of(address)?;
+        let key = MappingKey {
+            pid: 0,
+            start: range.start,
+        };
+        builder.mapping(key, range.end, 0, &range.name, None);
+        Some(key)
+    }
+
+    /// The location of a kernel code address (a return address minus one).
+    fn location(&mut self, builder: &mut ProfileBuilder, address: u64, tag: u16) -> u64 {
+        let frame = self.frame(address);
+        let mapping = self.add_mapping(builder, address);
+        let frames: Vec<Frame> = frame.into_iter().collect();
+        builder.location(0, address, tag, mapping, &frames)
+    }
+
+    fn build_profile(
+        &mut self,
+        sites: &[KernelSite],
+        drops: &[u64; DropReason::COUNT as usize],
+    ) -> Result<crate::pprof::proto::Profile> {
+        let nanos = |t: SystemTime| {
+            t.duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as i64)
+        };
+        let mut builder = ProfileBuilder::new(
+            nanos(SystemTime::now()),
+            self.started_at.elapsed().as_nanos() as i64,
+            &KERNEL_SAMPLE_TYPES,
+        );
+        builder.comment(&format!("heapprofd {}", env!("CARGO_PKG_VERSION")));
+        builder.comment(&match &self.config.target {
+            Target::Pid(pid) => {
+                format!("target: kernel heap, allocations in the context of pid {pid}")
+            }
+            Target::Launch(cmd) => format!(
+                "target: kernel heap, allocations in the context of `{}` and its children",
+                cmd.join(" ")
+            ),
+            Target::All => "target: kernel heap, all processes".to_owned(),
+        });
+        let events: Vec<String> = self
+            .config
+            .events
+            .iter()
+            .map(|e| format!("{}:{}", e.category(), e.name()))
+            .collect();
+        builder.comment(&format!("tracepoints: {}", events.join(" ")));
+        builder.comment(
+            "alloc_space/inuse_space: bytes handed out (slab-rounded, or whole pages); \
+             alloc_requested_space/inuse_requested_space: bytes the callers asked for",
+        );
+        builder.comment(&format!(
+            "traced since {} ns after the epoch",
+            nanos(self.started)
+        ));
+        for reason in DropReason::ALL {
+            builder.comment(&format!(
+                "dropped: {} = {}",
+                reason.describe(),
+                drops[reason as usize]
+            ));
+        }
+        // The core kernel first: pprof takes the first mapping as the program.
+        if let Some(start) = self.kernel_text_start() {
+            self.add_mapping(&mut builder, start);
+        }
+
+        let mut comms: HashMap<u32, String> = HashMap::new();
+        for site in sites {
+            if site.counters.alloc_objects == 0 {
+                continue;
+            }
+            let kind = KernelAllocKind::from_u32(site.key.kind).unwrap_or(KernelAllocKind::Kmalloc);
+            let leaf = Frame {
+                function: kind.function().to_owned(),
+                file: None,
+                line: 0,
+            };
+            let mut locations = vec![builder.location(0, 0, 1 + kind as u16, None, &[leaf])];
+            let stack = self.maps.stack(site.key.stack);
+            let mut module = None;
+            for &ret in stack.iter() {
+                let address = ret.wrapping_sub(1);
+                locations.push(self.location(&mut builder, address, TAG_FRAME));
+                if module.is_none()
+                    && let Some(Frame {
+                        file: Some(file), ..
+                    }) = self.frame(address)
+                    && file != KERNEL_MODULE
+                {
+                    module = Some(file);
+                }
+            }
+            if stack.is_empty() && site.key.call_site != 0 {
+                let address = site.key.call_site.wrapping_sub(1);
+                locations.push(self.location(&mut builder, address, TAG_CALL_SITE));
+            }
+            let pid = site.key.tgid;
+            let comm = comms
+                .entry(pid)
+                .or_insert_with(|| self.maps.comm(pid).unwrap_or_default())
+                .clone();
+            let mut labels = vec![
+                ("pid", LabelValue::Num(i64::from(pid))),
+                ("comm", LabelValue::Str(comm)),
+            ];
+            if let Some(module) = module {
+                labels.push(("module", LabelValue::Str(module)));
+            }
+            builder.sample(locations, &site.values(), &labels);
+        }
+        builder.finish().context("building the profile")
+    }
+
+    fn kernel_text_start(&self) -> Option<u64> {
+        self.symbols
+            .ranges()
+            .iter()
+            .find(|r| &*r.name == KERNEL_MODULE)
+            .map(|r| r.start)
+    }
+
+    /// The `limit` kernel sites holding the most memory (then allocating the most),
+    /// sites with the same description merged.
+    pub fn top_sites(&mut self, limit: usize) -> Result<Vec<TopSite>> {
+        let mut merged: HashMap<String, TopSite> = HashMap::new();
+        for site in self.maps.read_sites()? {
+            let kind =
+                KernelAllocKind::from_u32(site.key.kind).map_or("?", KernelAllocKind::function);
+            let mut frames: Vec<u64> = self.maps.stack(site.key.stack).to_vec();
+            if frames.is_empty() && site.key.call_site != 0 {
+                frames.push(site.key.call_site);
+            }
+            let names: Vec<String> = frames
+                .iter()
+                .take(5)
+                .map(|&ret| match self.frame(ret.wrapping_sub(1)) {
+                    Some(Frame {
+                        function,
+                        file: Some(module),
+                        ..
+                    }) if module != KERNEL_MODULE => {
+                        format!("{function} {module}")
+                    }
+                    Some(frame) => frame.function,
+                    None => format!("{ret:#x}"),
+                })
+                .collect();
+            let description = if names.is_empty() {
+                format!("{kind} in [unknown]")
+            } else {
+                format!("{kind} in {}", names.join(" <- "))
+            };
+            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes, _, _] = site.values();
+            let entry = merged.entry(description.clone()).or_insert(TopSite {
+                description,
+                inuse_bytes: 0,
+                inuse_objects: 0,
+                alloc_bytes: 0,
+                alloc_objects: 0,
+            });
+            entry.inuse_bytes += inuse_bytes;
+            entry.inuse_objects += inuse_objects;
+            entry.alloc_bytes += alloc_bytes;
+            entry.alloc_objects += alloc_objects;
+        }
+        let mut top: Vec<TopSite> = merged.into_values().collect();
+        top.sort_by(|a, b| {
+            (b.inuse_bytes, b.alloc_bytes, &a.description).cmp(&(
+                a.inuse_bytes,
+                a.alloc_bytes,
+                &b.description,
+            ))
+        });
+        top.truncate(limit);
+        Ok(top)
+    }
+}
