@@ -4,7 +4,7 @@ mod common;
 
 use std::{
     collections::BTreeMap,
-    io::{BufRead as _, BufReader, Write as _},
+    io::Write as _,
     path::Path,
     process::{Child, ChildStdin, Command, Stdio},
     sync::mpsc,
@@ -56,51 +56,6 @@ impl Waiter {
         self.stdin = None;
         let status = self.child.wait().expect("waiting for the waiter");
         assert!(status.success());
-    }
-}
-
-fn forward_lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
-    let (send, receive) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stream).lines().map_while(Result::ok) {
-            if send.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    receive
-}
-
-/// Starts heapprofd and waits until its probes are attached.
-fn start_heapprofd(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
-    let mut child = cmd
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("starting heapprofd");
-    let lines = forward_lines(child.stderr.take().expect("stderr"));
-    let failure = loop {
-        match lines.recv_timeout(Duration::from_secs(60)) {
-            Ok(line) if line.contains("error") => break format!("heapprofd failed: {line}"),
-            Ok(line) if line.contains("probes on") => return (child, lines),
-            Ok(_) => {}
-            Err(err) => break format!("heapprofd did not report attaching: {err}"),
-        }
-    };
-    let _ = child.kill();
-    let _ = child.wait();
-    panic!("{failure}");
-}
-
-/// Waits for heapprofd to exit successfully; on failure the panic shows its log.
-fn wait_success(child: &mut Child, log: &mpsc::Receiver<String>, what: &str) {
-    let status = child.wait().expect("waiting for heapprofd");
-    if !status.success() {
-        // The stderr reader ends at EOF, which follows the exit.
-        let lines: Vec<String> = log.iter().collect();
-        panic!(
-            "heapprofd ({what}) exited with {status}; its log after attaching:\n{}",
-            lines.join("\n")
-        );
     }
 }
 

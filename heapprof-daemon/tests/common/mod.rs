@@ -4,9 +4,11 @@
 
 use std::{
     collections::HashMap,
-    io::Read as _,
+    io::{BufRead as _, BufReader, Read as _},
     path::{Path, PathBuf},
-    process::{Command, Output},
+    process::{Child, Command, Output, Stdio},
+    sync::mpsc,
+    time::Duration,
 };
 
 use heapprof_daemon::pprof::{builder::validate, proto::Profile};
@@ -188,4 +190,50 @@ pub fn totals(samples: &[Sample], filter: impl Fn(&Sample) -> bool) -> [i64; 4] 
             }
             acc
         })
+}
+
+/// Lines of `stream`, read on a thread.
+pub fn forward_lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (send, receive) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            if send.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    receive
+}
+
+/// Starts heapprofd and waits until its probes are attached.
+pub fn start_heapprofd(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
+    let mut child = cmd
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting heapprofd");
+    let lines = forward_lines(child.stderr.take().expect("stderr"));
+    let failure = loop {
+        match lines.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) if line.contains("error") => break format!("heapprofd failed: {line}"),
+            Ok(line) if line.contains("probes on") => return (child, lines),
+            Ok(_) => {}
+            Err(err) => break format!("heapprofd did not report attaching: {err}"),
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    panic!("{failure}");
+}
+
+/// Waits for heapprofd to exit successfully; on failure the panic shows its log.
+pub fn wait_success(child: &mut Child, log: &mpsc::Receiver<String>, what: &str) {
+    let status = child.wait().expect("waiting for heapprofd");
+    if !status.success() {
+        // The stderr reader ends at EOF, which follows the exit.
+        let lines: Vec<String> = log.iter().collect();
+        panic!(
+            "heapprofd ({what}) exited with {status}; its log after attaching:\n{}",
+            lines.join("\n")
+        );
+    }
 }

@@ -1,0 +1,348 @@
+//! Kernel mode: a known kernel-allocating workload (pipes) under `--kernel --pid`,
+//! checked against an independent count of the same tracepoints taken by bpftrace
+//! in the same run, and against the workload's own shape (stacks, live objects).
+
+mod common;
+
+use std::{
+    io::Write as _,
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use common::*;
+use heapprof_daemon::pprof::proto::Profile;
+
+/// Pipes the workload opens: each one allocates a pipe_inode_info, a buffer array,
+/// an inode, a dentry, two files and (after a one-byte write) a page. Kept well under
+/// the default limit of 1024 open files.
+const PIPES: u64 = 400;
+
+/// A kernel sample in readable form.
+#[derive(Debug)]
+struct KernelSample {
+    /// Function names, leaf (the allocator kind) first.
+    stack: Vec<String>,
+    /// alloc_objects, alloc_space, inuse_objects, inuse_space, alloc_requested_space,
+    /// inuse_requested_space.
+    values: Vec<i64>,
+    pid: i64,
+}
+
+fn kernel_samples(profile: &Profile) -> Vec<KernelSample> {
+    let types: Vec<&str> = profile
+        .sample_type
+        .iter()
+        .map(|t| profile.string_table[t.r#type as usize].as_str())
+        .collect();
+    assert_eq!(
+        types,
+        [
+            "alloc_objects",
+            "alloc_space",
+            "inuse_objects",
+            "inuse_space",
+            "alloc_requested_space",
+            "inuse_requested_space"
+        ]
+    );
+    samples(profile)
+        .into_iter()
+        .zip(&profile.sample)
+        .map(|(sample, raw)| KernelSample {
+            stack: sample.stack,
+            values: raw.value.clone(),
+            pid: sample
+                .labels
+                .get("pid")
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(-1),
+        })
+        .collect()
+}
+
+fn is_pipe_stack(sample: &KernelSample) -> bool {
+    sample.stack.iter().any(|f| f.contains("pipe"))
+}
+
+/// Sum of value `index` over the samples of `pid` that pass `filter`.
+fn total(
+    samples: &[KernelSample],
+    pid: i64,
+    index: usize,
+    filter: impl Fn(&KernelSample) -> bool,
+) -> i64 {
+    samples
+        .iter()
+        .filter(|s| s.pid == pid && filter(s))
+        .map(|s| s.values[index])
+        .sum()
+}
+
+/// The pipes workload, driven line by line.
+struct Pipes {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Pipes {
+    fn expect_line(&self, wanted: &str) {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("the pipes workload did not print {wanted:?}: {e}"));
+        assert_eq!(line, wanted);
+    }
+
+    fn step(&mut self, reply: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        stdin.write_all(b"next\n").expect("writing to the workload");
+        stdin.flush().expect("flush");
+        self.expect_line(reply);
+    }
+}
+
+/// bpftrace counting the same tracepoints for one process, from a second, independent program.
+fn start_bpftrace(pid: u32) -> (Child, mpsc::Receiver<String>) {
+    let script = format!(
+        "BEGIN {{ printf(\"counting\\n\"); }}
+         tracepoint:kmem:kmalloc /pid == {pid} && args->ptr != 0/ {{ @kmalloc = count(); }}
+         tracepoint:kmem:kmem_cache_alloc /pid == {pid} && args->ptr != 0/ {{ @cache = count(); }}
+         tracepoint:kmem:mm_page_alloc /pid == {pid} && args->pfn + 1 != 0/ {{ @pages = count(); }}"
+    );
+    let mut child = Command::new("bpftrace")
+        .args(["-e", &script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("starting bpftrace (install it: cargo xtask setup)");
+    let lines = forward_lines(child.stdout.take().expect("stdout"));
+    loop {
+        match lines.recv_timeout(Duration::from_secs(60)) {
+            Ok(line) if line == "counting" => return (child, lines),
+            Ok(_) => {} // "Attaching 3 probes..."
+            Err(err) => {
+                let _ = child.kill();
+                panic!("bpftrace did not start counting: {err}");
+            }
+        }
+    }
+}
+
+/// Stops bpftrace and reads its counters (a missing one is 0).
+fn stop_bpftrace(mut child: Child, lines: mpsc::Receiver<String>) -> [i64; 3] {
+    // SAFETY: plain kill(2) on our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+    let status = child.wait().expect("waiting for bpftrace");
+    assert!(status.success(), "bpftrace failed: {status}");
+    let mut counts = [0; 3];
+    for line in lines.iter() {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let index = match name.trim() {
+            "@kmalloc" => 0,
+            "@cache" => 1,
+            "@pages" => 2,
+            _ => continue,
+        };
+        counts[index] = value
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("bpftrace printed {line:?}"));
+    }
+    counts
+}
+
+/// Waits (up to a minute) for a profile that satisfies `done`, returning the last one read.
+fn wait_for_profile(dir: &std::path::Path, mut done: impl FnMut(&Profile) -> bool) -> Profile {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some((_, profile)) = read_profiles(dir).pop()
+            && (done(&profile) || Instant::now() > deadline)
+        {
+            return profile;
+        }
+        assert!(Instant::now() < deadline, "no profile in {}", dir.display());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn kernel_allocations_of_a_process_match_an_independent_count() {
+    require_root();
+    let dir = scratch();
+    let binary = compile(dir.path(), "pipes", "pipes", &["-O1"]);
+    let out = dir.path().join("profiles");
+    let mut child = Command::new(&binary)
+        .arg(PIPES.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("starting the pipes workload");
+    let pid = child.id();
+    let stdin = child.stdin.take();
+    let lines = forward_lines(child.stdout.take().expect("stdout"));
+    let mut pipes = Pipes {
+        child,
+        stdin,
+        lines,
+    };
+    pipes.expect_line("ready");
+
+    let (mut heapprofd, log) = start_heapprofd(
+        heapprofd(&out)
+            .args(["--kernel", "--pages", "--interval", "200ms", "--pid"])
+            .arg(pid.to_string()),
+    );
+    // Both tools are attached while the workload is blocked reading stdin: neither
+    // can miss an allocation the other sees.
+    let (bpftrace, bpftrace_lines) = start_bpftrace(pid);
+
+    pipes.step("opened");
+    let opened_at = read_profiles(&out).len();
+    // A profile written after the pipes exist, showing them in use.
+    let open = wait_for_profile(&out, |_| read_profiles(&out).len() > opened_at + 1);
+    let open_samples = kernel_samples(&open);
+    let pipe_allocs = total(&open_samples, pid.into(), 0, is_pipe_stack);
+    let pipe_inuse_open = total(&open_samples, pid.into(), 2, is_pipe_stack);
+    assert!(
+        pipe_allocs >= 6 * PIPES as i64,
+        "allocations in pipe stacks: {pipe_allocs}, expected at least {} for {PIPES} pipes",
+        6 * PIPES
+    );
+    assert!(
+        pipe_inuse_open >= 6 * PIPES as i64,
+        "objects of pipe stacks in use while the pipes are open: {pipe_inuse_open}"
+    );
+    let pipe_pages = total(&open_samples, pid.into(), 0, |s| {
+        s.stack.first().is_some_and(|f| f == "alloc_pages")
+            && s.stack.iter().any(|f| f.contains("pipe_write"))
+    });
+    assert!(
+        pipe_pages >= PIPES as i64,
+        "pages allocated by pipe_write: {pipe_pages}"
+    );
+
+    pipes.step("closed");
+    // The workload is blocked again: stop the independent count, then wait for the frees
+    // (some are deferred to RCU callbacks and workers, in other contexts).
+    let [kmalloc, cache, pages] = stop_bpftrace(bpftrace, bpftrace_lines);
+    let closed = wait_for_profile(&out, |profile| {
+        total(&kernel_samples(profile), pid.into(), 2, is_pipe_stack)
+            <= pipe_inuse_open - 6 * PIPES as i64
+    });
+    // SAFETY: plain kill(2) on our own child.
+    unsafe { libc::kill(heapprofd.id() as libc::pid_t, libc::SIGINT) };
+    wait_success(&mut heapprofd, &log, "--kernel --pid");
+    pipes.stdin = None;
+    assert!(
+        pipes
+            .child
+            .wait()
+            .expect("waiting for the workload")
+            .success()
+    );
+
+    let closed_samples = kernel_samples(&closed);
+    let pipe_inuse_closed = total(&closed_samples, pid.into(), 2, is_pipe_stack);
+    assert!(
+        pipe_inuse_closed <= pipe_inuse_open - 6 * PIPES as i64,
+        "objects of pipe stacks in use: {pipe_inuse_open} with the pipes open, \
+         {pipe_inuse_closed} after closing them"
+    );
+    let bytes_open = total(&open_samples, pid.into(), 3, is_pipe_stack);
+    let bytes_closed = total(&closed_samples, pid.into(), 3, is_pipe_stack);
+    assert!(
+        bytes_closed * 4 < bytes_open,
+        "bytes of pipe stacks in use: {bytes_open} open, {bytes_closed} closed"
+    );
+
+    eprintln!(
+        "pipe stacks: {pipe_allocs} allocated, {pipe_inuse_open} in use while open \
+         ({bytes_open} bytes), {pipe_inuse_closed} after close ({bytes_closed} bytes); \
+         bpftrace: kmalloc {kmalloc}, kmem_cache_alloc {cache}, pages {pages}"
+    );
+    // The final profile's totals for the process against bpftrace's, kind by kind.
+    let last = kernel_samples(&read_profiles(&out).pop().expect("a final profile").1);
+    let by_kind = |kind: &str| {
+        total(&last, pid.into(), 0, |s| {
+            s.stack.first().is_some_and(|f| f == kind)
+        })
+    };
+    assert_eq!(
+        [
+            by_kind("kmalloc"),
+            by_kind("kmem_cache_alloc"),
+            by_kind("alloc_pages")
+        ],
+        [kmalloc, cache, pages],
+        "heapprofd's allocation counts (kmalloc, kmem_cache_alloc, pages) against bpftrace's"
+    );
+    assert!(kmalloc + cache >= 6 * PIPES as i64);
+    // Requested bytes never exceed the bytes handed out.
+    for sample in &last {
+        assert!(sample.values[4] <= sample.values[1], "{sample:?}");
+    }
+}
+
+#[test]
+fn go_pprof_reads_kernel_profiles_with_symbol_names() {
+    require_root();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    // Launch mode: a shell pipeline's children are followed.
+    run_ok(heapprofd(&out).args([
+        "--kernel",
+        "--",
+        "sh",
+        "-c",
+        "for i in 1 2 3 4 5 6 7 8; do cat /proc/self/status | wc -l > /dev/null; done",
+    ]));
+    let profiles = read_profiles(&out);
+    let (path, profile) = profiles.last().expect("a profile");
+    let samples = kernel_samples(profile);
+    assert!(
+        samples.iter().any(|s| s
+            .stack
+            .iter()
+            .any(|f| f.contains("fork") || f.contains("clone"))),
+        "no kernel stack through fork/clone in the launched shell's profile"
+    );
+    let pids: std::collections::HashSet<i64> = samples.iter().map(|s| s.pid).collect();
+    assert!(
+        pids.len() > 2,
+        "children of the command are counted too: pids {pids:?}"
+    );
+
+    let output = Command::new("go")
+        .args(["tool", "pprof", "-top", "-sample_index=alloc_space"])
+        .arg(path)
+        .output()
+        .expect("running go tool pprof (install golang-go: cargo xtask setup)");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "go tool pprof failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let rows: Vec<&str> = stdout
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("flat"))
+        .skip(1)
+        .collect();
+    assert!(rows.len() > 5, "few rows in\n{stdout}");
+    for row in &rows {
+        let name = row.split_whitespace().last().unwrap_or("");
+        assert!(
+            !name.starts_with("0x") && !name.is_empty(),
+            "an address instead of a symbol name in\n{stdout}"
+        );
+    }
+    assert!(
+        stdout.contains("kmalloc") || stdout.contains("kmem_cache_alloc"),
+        "{stdout}"
+    );
+}
