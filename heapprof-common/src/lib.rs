@@ -172,7 +172,8 @@ pub struct LiveBlock {
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DropReason {
-    /// The live-block table was full: the block's allocation is counted, its free will not be.
+    /// The live-block table was full: the block counts as allocated, not as in use (its
+    /// free could not be matched, so "in use" stays what was tracked, never a false leak).
     LiveTableFull = 0,
     /// The per-site counter map was full: the allocation is not counted at all.
     SiteTableFull = 1,
@@ -206,7 +207,9 @@ impl DropReason {
     /// A short description for logs and profile comments.
     pub const fn describe(self) -> &'static str {
         match self {
-            DropReason::LiveTableFull => "live-block table full (frees of these blocks not seen)",
+            DropReason::LiveTableFull => {
+                "live-block table full (counted as allocated, not as in use)"
+            }
             DropReason::SiteTableFull => "site table full (allocations not counted)",
             DropReason::StackTableFull => "stack table full (counted, stack unknown)",
             DropReason::StackTruncated => {

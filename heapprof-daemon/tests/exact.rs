@@ -162,3 +162,32 @@ fn totals_agree_with_valgrind(placement: &str) {
     );
     assert_eq!(inuse_space, inuse_bytes, "bytes in use at exit (valgrind)");
 }
+
+#[test]
+fn a_full_live_table_keeps_allocations_exact_and_in_use_tracked() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "family", "family", &["-O0"]);
+    let out = dir.path().join("profiles");
+    let (threads, iterations): (i64, i64) = (2, 200);
+    let output = run_ok(
+        heapprofd(&out)
+            .args(["--max-live-blocks", "16", "--"])
+            .arg(&program)
+            .args([threads.to_string(), iterations.to_string()]),
+    );
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        log.contains("live-block table full"),
+        "no warning in:\n{log}"
+    );
+    let samples = samples(&last_profile(&out));
+    let [alloc_objects, _, inuse_objects, _] =
+        totals(&samples, |s| s.stack.iter().any(|f| f == "exercise"));
+    // Every allocation is still counted; in use is only what the table could track.
+    assert_eq!(alloc_objects, 10 * threads * iterations, "allocations");
+    assert!(
+        inuse_objects <= 16,
+        "{inuse_objects} blocks in use with a 16-entry live table"
+    );
+}

@@ -346,3 +346,45 @@ fn go_pprof_reads_kernel_profiles_with_symbol_names() {
         "{stdout}"
     );
 }
+
+#[test]
+fn a_full_live_table_is_counted_and_reported() {
+    require_root();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let output = run_ok(heapprofd(&out).args([
+        "--kernel",
+        "--max-live-blocks",
+        "16",
+        "--",
+        "sh",
+        "-c",
+        "for i in 1 2 3 4 5 6 7 8; do cat /proc/self/status > /dev/null; done",
+    ]));
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        log.contains("live-block table full"),
+        "no warning about the full live table in:\n{log}"
+    );
+    let profile = read_profiles(&out).pop().expect("a profile").1;
+    let dropped: u64 = profile
+        .comment
+        .iter()
+        .map(|&i| profile.string_table[i as usize].as_str())
+        .find_map(|c| c.strip_prefix("dropped: live-block table full"))
+        .and_then(|rest| rest.rsplit(' ').next()?.parse().ok())
+        .expect("a live-table drop comment");
+    assert!(
+        dropped > 0,
+        "live-table drops in the profile comments: {dropped}"
+    );
+    // What was counted stays consistent: never more in use than allocated, and at most
+    // the table's capacity of objects tracked as live.
+    let samples = kernel_samples(&profile);
+    let inuse: i64 = samples.iter().map(|s| s.values[2]).sum();
+    let allocated: i64 = samples.iter().map(|s| s.values[0]).sum();
+    assert!(
+        allocated > 16 && inuse <= 16,
+        "allocated {allocated}, in use {inuse}"
+    );
+}

@@ -273,7 +273,15 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
     if inserted.is_err() {
+        // Its free cannot be matched: released now, so in-use stays what is tracked.
         count_drop(DropReason::LiveTableFull);
+        let released = KernelCounters {
+            free_objects: 1,
+            free_bytes: bytes,
+            free_requested: requested,
+            ..KernelCounters::default()
+        };
+        add_to_site(&site, None, &released);
     }
     0
 }

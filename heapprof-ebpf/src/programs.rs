@@ -454,7 +454,10 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
         inserted = LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
     if inserted.is_err() {
+        // Its free cannot be matched: count it as released now, so that in-use stays
+        // what is tracked instead of growing by blocks that may be long gone.
         count_drop(DropReason::LiveTableFull);
+        add_to_site(&site, None, 0, 0, 1, state.size);
     }
     0
 }

@@ -346,6 +346,114 @@ mod tests {
         assert_eq!(batched.ptr, field(8, 8));
     }
 
+    /// A tracing directory holding the given events of a fixture kernel.
+    fn tracing_dir(kernel: &str, events: &[&str]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("temp dir");
+        for event in events {
+            let category = if *event == "sched_process_fork" {
+                "sched"
+            } else {
+                "kmem"
+            };
+            let event_dir = dir.path().join("events").join(category).join(event);
+            std::fs::create_dir_all(&event_dir).expect("mkdir");
+            let source = format!(
+                "{}/tests/fixtures/tracefs/{kernel}/{event}.format",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            std::fs::copy(&source, event_dir.join("format")).expect("copy fixture");
+        }
+        dir
+    }
+
+    const SLAB_EVENTS: [&str; 4] = ["kmalloc", "kmem_cache_alloc", "kfree", "kmem_cache_free"];
+
+    #[test]
+    fn resolves_the_events_a_kernel_offers() {
+        let plain = EventSelection {
+            pages: false,
+            follow_forks: false,
+        };
+        let mut v5 = SLAB_EVENTS.to_vec();
+        v5.extend(["kmalloc_node", "kmem_cache_alloc_node"]);
+        let dir = tracing_dir("linux-5.10", &v5);
+        let events: Vec<KernelEvent> = resolve_events(dir.path(), plain)
+            .expect("5.10 resolves")
+            .into_iter()
+            .map(|(e, _)| e)
+            .collect();
+        assert!(events.contains(&KernelEvent::KmallocNode) && events.contains(&KernelEvent::Kfree));
+
+        // 6.1 has no _node events: they are optional.
+        let dir = tracing_dir("linux-6.1", &SLAB_EVENTS);
+        assert_eq!(
+            resolve_events(dir.path(), plain)
+                .expect("6.1 resolves")
+                .len(),
+            4
+        );
+
+        // --pages needs the page events; a launched command needs the fork event.
+        let all = EventSelection {
+            pages: true,
+            follow_forks: true,
+        };
+        let err = resolve_events(dir.path(), all).expect_err("no page events");
+        assert!(format!("{err:#}").contains("kmem:mm_page_alloc"), "{err:#}");
+        let mut v618 = SLAB_EVENTS.to_vec();
+        v618.extend([
+            "mm_page_alloc",
+            "mm_page_free",
+            "mm_page_free_batched",
+            "sched_process_fork",
+        ]);
+        let dir = tracing_dir("linux-6.18", &v618);
+        assert_eq!(
+            resolve_events(dir.path(), all)
+                .expect("6.18 resolves")
+                .len(),
+            8
+        );
+    }
+
+    #[test]
+    fn missing_or_broken_events_are_named() {
+        let plain = EventSelection {
+            pages: false,
+            follow_forks: false,
+        };
+        let empty = tempfile::tempdir().expect("temp dir");
+        let err = resolve_events(empty.path(), plain).expect_err("no kmem");
+        assert!(
+            format!("{err:#}").contains("no kmem tracepoints"),
+            "{err:#}"
+        );
+
+        let dir = tracing_dir("linux-6.18", &["kmalloc", "kfree", "kmem_cache_free"]);
+        let err = resolve_events(dir.path(), plain).expect_err("no kmem_cache_alloc");
+        assert!(
+            format!("{err:#}").contains("no kmem:kmem_cache_alloc tracepoint"),
+            "{err:#}"
+        );
+
+        let dir = tracing_dir("linux-6.18", &SLAB_EVENTS);
+        let format = dir.path().join("events/kmem/kmalloc/format");
+        std::fs::write(
+            &format,
+            "name: kmalloc\nformat:\n\tfield:const void * ptr;\toffset:x;\n",
+        )
+        .expect("write");
+        let err = format!(
+            "{:#}",
+            resolve_events(dir.path(), plain).expect_err("malformed")
+        );
+        assert!(
+            err.contains("kmalloc/format is not a valid tracepoint format file")
+                && err.contains("line 3"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn a_layout_without_the_needed_fields_is_refused() {
         let kfree = fixture("linux-6.18", "kfree");
