@@ -179,11 +179,14 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<Start
         }
         // A launched command and other processes use the system's C library, the one heapprofd runs on.
         (None, _) => {
-            let own = probes::libc::find_in_process(std::process::id())?;
-            let own = own
-                .to_string_lossy()
-                .trim_start_matches(&format!("/proc/{}/root", std::process::id()))
-                .to_owned();
+            let own = match probes::libc::find_in_process(std::process::id()) {
+                Ok(own) => own
+                    .to_string_lossy()
+                    .trim_start_matches(&format!("/proc/{}/root", std::process::id()))
+                    .to_owned(),
+                // A static heapprofd maps no C library of its own.
+                Err(_) => probes::libc::find_system()?.display().to_string(),
+            };
             (own.clone().into(), own)
         }
     };

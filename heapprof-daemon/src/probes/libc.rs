@@ -112,6 +112,34 @@ pub fn find_in_process(pid: u32) -> Result<PathBuf> {
     )
 }
 
+/// The system's C library at its usual places, for a launched command or `--all` when
+/// heapprofd itself maps none (a static build, as deployed to boards).
+pub fn find_system() -> Result<PathBuf> {
+    let triple = format!("{}-linux-gnu", std::env::consts::ARCH);
+    let candidates = [
+        format!("/lib/{triple}/libc.so.6"),
+        format!("/usr/lib/{triple}/libc.so.6"),
+        "/lib64/libc.so.6".to_owned(),
+        "/usr/lib64/libc.so.6".to_owned(),
+        "/lib/libc.so.6".to_owned(),
+        "/usr/lib/libc.so.6".to_owned(),
+        // musl: the C library is the dynamic loader.
+        format!("/lib/ld-musl-{}.so.1", std::env::consts::ARCH),
+    ];
+    candidates
+        .iter()
+        .map(PathBuf::from)
+        .find(|path| path.is_file())
+        // The canonical path is the one processes' maps show (/lib is often a symlink).
+        .map(|path| std::fs::canonicalize(&path).unwrap_or(path))
+        .with_context(|| {
+            format!(
+                "no C library at the usual places ({}); name it with --libc PATH",
+                candidates.join(", ")
+            )
+        })
+}
+
 /// Resolves the allocator symbols of the library at `path` and places their probes.
 pub fn resolve(path: &Path, display: &str, mode: PlacementMode) -> Result<Libc> {
     let mut magic = [0u8; 4];

@@ -120,6 +120,35 @@ impl KernelSession {
         frame
     }
 
+    /// The frames of a stack worth showing: without the tracing machinery the stack was
+    /// taken from (arm64 unwinds from inside the tracepoint's iterator), and without the
+    /// allocator frame it repeats right above it.
+    fn visible_frames(&mut self, stack: &[u64]) -> Vec<u64> {
+        const TRACING: [&str; 5] = [
+            "__traceiter_",
+            "__bpf_trace_",
+            "bpf_trace_run",
+            "perf_trace_",
+            "trace_call_bpf",
+        ];
+        let mut frames: Vec<u64> = stack
+            .iter()
+            .copied()
+            .skip_while(|&ret| {
+                self.frame(ret.wrapping_sub(1))
+                    .is_some_and(|f| TRACING.iter().any(|p| f.function.starts_with(p)))
+            })
+            .collect();
+        if frames.len() >= 2 {
+            let first = self.frame(frames[0].wrapping_sub(1)).map(|f| f.function);
+            let second = self.frame(frames[1].wrapping_sub(1)).map(|f| f.function);
+            if first.is_some() && first == second {
+                frames.remove(0);
+            }
+        }
+        frames
+    }
+
     /// Symbolizes every frame of the current sites now, while their modules are loaded.
     fn symbolize_sites(&mut self, sites: &[KernelSite]) {
         for site in sites {
@@ -274,6 +303,7 @@ impl KernelSession {
             };
             let mut locations = vec![builder.location(0, 0, 1 + kind as u16, None, &[leaf])];
             let stack = self.maps.stack(site.key.stack);
+            let stack = self.visible_frames(&stack);
             let mut module = None;
             for &ret in stack.iter() {
                 let address = ret.wrapping_sub(1);
@@ -323,7 +353,8 @@ impl KernelSession {
         for site in self.maps.read_sites()? {
             let kind =
                 KernelAllocKind::from_u32(site.key.kind).map_or("?", KernelAllocKind::function);
-            let mut frames: Vec<u64> = self.maps.stack(site.key.stack).to_vec();
+            let stack = self.maps.stack(site.key.stack);
+            let mut frames = self.visible_frames(&stack);
             if frames.is_empty() && site.key.call_site != 0 {
                 frames.push(site.key.call_site);
             }
