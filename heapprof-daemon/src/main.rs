@@ -150,6 +150,7 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<Start
     let sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     preflight::check_privileges()?;
+    preflight::check_bpf()?;
     if cli.kernel {
         let target_exit = watch_target(target, true)?;
         let session = start_kernel(cli, target, child.as_ref())?;

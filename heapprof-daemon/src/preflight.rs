@@ -37,6 +37,17 @@ pub fn check_privileges() -> Result<()> {
     )
 }
 
+/// The kernel must have the bpf() system call (CONFIG_BPF_SYSCALL): its sysctl exists
+/// exactly when it does.
+pub fn check_bpf() -> Result<()> {
+    if std::path::Path::new("/proc/sys/kernel/unprivileged_bpf_disabled").exists() {
+        return Ok(());
+    }
+    bail!(
+        "this kernel has no BPF system call (CONFIG_BPF_SYSCALL); heapprofd needs a kernel built with BPF"
+    )
+}
+
 /// The kernel must offer the uprobe perf event type.
 pub fn check_uprobes() -> Result<()> {
     if std::path::Path::new("/sys/bus/event_source/devices/uprobe/type").exists() {

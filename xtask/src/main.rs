@@ -4,7 +4,10 @@
 //! commands work on a fresh machine with only rustup.
 
 mod bench;
+mod cross;
+mod remote;
 mod setup;
+mod vm;
 
 use std::{
     path::{Path, PathBuf},
@@ -31,17 +34,34 @@ struct Args {
 enum Cmd {
     /// Install toolchains, bpf-linker and Debian packages (idempotent).
     Setup,
-    /// Build heapprofd (release) into target/release/heapprofd.
-    Build,
+    /// Build heapprofd (release) into target/release/heapprofd, or with --target a
+    /// static binary for that architecture into target/<arch>-unknown-linux-musl/release/.
+    Build {
+        /// Build one static binary (BPF object inside) for this architecture.
+        #[arg(long, value_enum)]
+        target: Option<cross::Arch>,
+    },
     /// Without arguments: profile a bundled leaky program and show the result.
     /// With arguments after `--`: run heapprofd with them (through sudo -E when not root).
+    /// With --host: copy a static build to that machine over ssh, run it there with sudo,
+    /// and fetch the profiles back into target/remote/HOST/.
     Run {
+        /// Architecture of the static build for --host (default aarch64: a Rock 5B).
+        #[arg(long, value_enum)]
+        target: Option<cross::Arch>,
+        /// Run on this machine (`[user@]host`, reachable by ssh with a key).
+        #[arg(long, value_name = "HOST")]
+        host: Option<String>,
         /// Arguments for heapprofd.
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Run the whole test suite: formatting, clippy, unit and BPF integration tests.
+    /// Run the whole test suite: formatting, clippy, unit and BPF integration tests,
+    /// the static aarch64 build and the arm64 VM test.
     Test,
+    /// Only the arm64 VM test: the static aarch64 heapprofd under Debian's arm64 6.1
+    /// kernel in qemu, with and without BTF.
+    VmTest,
     /// Measure heapprofd's overhead against bare runs, empty probes and a bpftrace
     /// memleak script; writes target/bench/summary.{txt,json}. Needs root.
     Bench {
@@ -64,11 +84,35 @@ fn main() {
 fn run(args: Args) -> Result<()> {
     match args.command {
         Cmd::Setup => setup::ensure(setup::Needs::Test),
-        Cmd::Build => {
+        Cmd::Build { target: None } => {
             setup::ensure(setup::Needs::Build)?;
             build_release().map(|_| ())
         }
-        Cmd::Run { args } => {
+        Cmd::Build { target: Some(arch) } => {
+            setup::ensure(setup::Needs::Build)?;
+            let binary = cross::build_static(arch)?;
+            println!("{}", binary.display());
+            Ok(())
+        }
+        Cmd::Run {
+            target,
+            host: Some(host),
+            args,
+        } => {
+            setup::ensure(setup::Needs::Build)?;
+            let binary = cross::build_static(target.unwrap_or(cross::Arch::Aarch64))?;
+            remote::run(&binary, &host, &args)
+        }
+        Cmd::Run {
+            target: Some(_),
+            host: None,
+            ..
+        } => bail!("--target needs --host: give the board to run on (e.g. --host rock@rock5b)"),
+        Cmd::Run {
+            target: None,
+            host: None,
+            args,
+        } => {
             setup::ensure(setup::Needs::Build)?;
             let heapprofd = build_release()?;
             if args.is_empty() {
@@ -80,6 +124,14 @@ fn run(args: Args) -> Result<()> {
         Cmd::Test => {
             setup::ensure(setup::Needs::Test)?;
             test()
+        }
+        Cmd::VmTest => {
+            setup::ensure(setup::Needs::Test)?;
+            cargo()
+                .args(["test", "-p", "heapprof-daemon", "--test", "arm64_vm"])
+                .args(["--", "--nocapture"])
+                .envs(vm_test_env()?)
+                .run()
         }
         Cmd::Bench { runs, quick } => {
             setup::ensure(setup::Needs::Bench)?;
@@ -239,9 +291,22 @@ fn test() -> Result<()> {
             "warnings",
         ])
         .run()?;
+    let vm_env = vm_test_env()?;
     step("running the tests (the BPF integration tests need root)");
     cargo()
         .args(["test", "--workspace"])
         .env("RUST_BACKTRACE", "1")
+        .envs(vm_env)
         .run()
+}
+
+/// What the arm64 VM test needs, as the environment it reads: the static aarch64
+/// binary and the VM's kernel, busybox and C library.
+fn vm_test_env() -> Result<Vec<(&'static str, PathBuf)>> {
+    let binary = cross::build_static(cross::Arch::Aarch64)?;
+    let assets = vm::ensure_assets()?;
+    Ok(vec![
+        ("HEAPPROFD_AARCH64_BINARY", binary),
+        ("HEAPPROFD_ARM64_VM_ASSETS", assets),
+    ])
 }

@@ -35,8 +35,36 @@ pub fn ensure(needs: Needs) -> Result<()> {
     let mut packages = vec!["gcc", "libc6-dev"];
     if needs != Needs::Build {
         packages.extend(["golang-go", "valgrind", "bpftrace"]);
+        // The arm64 VM test: the emulator, a cross compiler for its test programs, cpio
+        // for its initramfs; ssh for `xtask run --host`.
+        packages.extend([
+            "qemu-system-arm",
+            "gcc-aarch64-linux-gnu",
+            "libc6-dev-arm64-cross",
+            "cpio",
+            "openssh-client",
+        ]);
     }
     ensure_debian_packages(&packages)
+}
+
+/// Installs the standard library of `target` for the pinned stable toolchain (static
+/// builds for boards).
+pub fn ensure_rust_target(target: &str) -> Result<()> {
+    let installed = rustup()
+        .args(["target", "list", "--installed", "--toolchain", STABLE])
+        .output()
+        .context("listing the installed Rust targets")?;
+    if String::from_utf8_lossy(&installed.stdout)
+        .lines()
+        .any(|l| l.trim() == target)
+    {
+        return Ok(());
+    }
+    step(&format!("installing the Rust target {target} for {STABLE}"));
+    rustup()
+        .args(["target", "add", target, "--toolchain", STABLE])
+        .run()
 }
 
 fn rustup() -> Command {

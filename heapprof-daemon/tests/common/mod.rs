@@ -34,17 +34,28 @@ pub fn scratch() -> tempfile::TempDir {
 
 /// Compiles `tests/programs/NAME.c` into `dir` with the given flags; returns the binary.
 pub fn compile(dir: &Path, name: &str, output_name: &str, flags: &[&str]) -> PathBuf {
+    compile_with("gcc", dir, name, output_name, flags)
+}
+
+/// [`compile`] with another C compiler (a cross compiler).
+pub fn compile_with(
+    compiler: &str,
+    dir: &Path,
+    name: &str,
+    output_name: &str,
+    flags: &[&str],
+) -> PathBuf {
     let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/programs/{name}.c"));
     let binary = dir.join(output_name);
     // -fno-builtin: keep every allocator call as written (gcc folds realloc(NULL, n) into malloc).
-    let status = Command::new("gcc")
+    let status = Command::new(compiler)
         .args(["-g", "-fno-builtin", "-fno-omit-frame-pointer", "-pthread"])
         .args(flags)
         .arg("-o")
         .arg(&binary)
         .arg(&source)
         .status()
-        .expect("running gcc (install it: cargo xtask setup)");
+        .unwrap_or_else(|e| panic!("running {compiler} ({e}); install it: cargo xtask setup"));
     assert!(status.success(), "gcc failed on {}", source.display());
     binary
 }

@@ -1,0 +1,138 @@
+//! Static builds for boards: one heapprofd binary (BPF object inside) that needs
+//! nothing on the target, whatever its C library (musl, linked by rust-lld).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{CmdExt as _, cargo, step, workspace_root};
+
+/// A CPU architecture heapprofd is built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Arch {
+    /// 64-bit Arm (Rock 5B and other arm64 boards).
+    Aarch64,
+    /// 64-bit x86.
+    #[value(name = "x86_64")]
+    X86_64,
+}
+
+impl Arch {
+    /// The Rust target of the static build.
+    pub fn musl_target(self) -> &'static str {
+        match self {
+            Arch::Aarch64 => "aarch64-unknown-linux-musl",
+            Arch::X86_64 => "x86_64-unknown-linux-musl",
+        }
+    }
+
+    /// ELF `e_machine` of this architecture.
+    fn elf_machine(self) -> u16 {
+        match self {
+            Arch::Aarch64 => 183,
+            Arch::X86_64 => 62,
+        }
+    }
+}
+
+/// Builds the static release binary for `arch`; returns its path.
+pub fn build_static(arch: Arch) -> Result<PathBuf> {
+    let target = arch.musl_target();
+    crate::setup::ensure_rust_target(target)?;
+    step(&format!("building a static heapprofd for {target}"));
+    let linker_var = format!(
+        "CARGO_TARGET_{}_LINKER",
+        target.to_uppercase().replace('-', "_")
+    );
+    cargo()
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "heapprof-daemon",
+            "--bin",
+            "heapprofd",
+        ])
+        .args(["--target", target])
+        // The musl targets bring their own C runtime objects: rust-lld links them
+        // without a cross C toolchain.
+        .env(linker_var, "rust-lld")
+        .run()?;
+    let binary = workspace_root().join(format!("target/{target}/release/heapprofd"));
+    check_static(&binary, arch)?;
+    Ok(binary)
+}
+
+/// Checks that `binary` is an ELF executable for `arch` with no program interpreter
+/// (statically linked: it starts on any Linux of that architecture).
+pub fn check_static(binary: &Path, arch: Arch) -> Result<()> {
+    let bytes = std::fs::read(binary).with_context(|| format!("reading {}", binary.display()))?;
+    let u16_at = |at: usize| {
+        bytes
+            .get(at..at + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    };
+    let u64_at = |at: usize| {
+        bytes
+            .get(at..at + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    if bytes.get(..5) != Some(b"\x7fELF\x02") || bytes.get(5) != Some(&1) {
+        bail!(
+            "{} is not a 64-bit little-endian ELF file",
+            binary.display()
+        );
+    }
+    let machine = u16_at(18).context("truncated ELF header")?;
+    if machine != arch.elf_machine() {
+        bail!(
+            "{} is for ELF machine {machine}, not {:?}",
+            binary.display(),
+            arch
+        );
+    }
+    let phoff = u64_at(32).context("truncated ELF header")? as usize;
+    let phentsize = usize::from(u16_at(54).context("truncated ELF header")?);
+    let phnum = usize::from(u16_at(56).context("truncated ELF header")?);
+    for index in 0..phnum {
+        let kind = bytes
+            .get(phoff + index * phentsize..phoff + index * phentsize + 4)
+            .context("truncated program headers")?;
+        const PT_INTERP: [u8; 4] = 3u32.to_le_bytes();
+        if kind == PT_INTERP {
+            bail!(
+                "{} is dynamically linked (it names a program interpreter)",
+                binary.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dynamic_and_foreign_binaries_are_told_apart() {
+        // This test binary is dynamically linked for the build machine.
+        let own = std::env::current_exe().expect("own path");
+        let arch = if cfg!(target_arch = "aarch64") {
+            Arch::Aarch64
+        } else {
+            Arch::X86_64
+        };
+        let err = check_static(&own, arch).expect_err("a dynamic binary");
+        assert!(format!("{err}").contains("dynamically linked"), "{err}");
+        let other = if arch == Arch::Aarch64 {
+            Arch::X86_64
+        } else {
+            Arch::Aarch64
+        };
+        let err = check_static(&own, other).expect_err("another machine");
+        assert!(format!("{err}").contains("ELF machine"), "{err}");
+        let err = check_static(Path::new("/etc/hostname"), arch).expect_err("not ELF");
+        assert!(format!("{err}").contains("not a 64-bit"), "{err}");
+    }
+}

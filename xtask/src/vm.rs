@@ -1,0 +1,232 @@
+//! What the arm64 VM test boots: Debian's arm64 6.1 kernel (the Rock 5B BSP line),
+//! busybox and the arm64 C library, fetched as .debs under a private apt configuration
+//! (the host needs no foreign architecture) and unpacked into `target/arm64-vm/assets`.
+//!
+//! The test itself (heapprof-daemon/tests/arm64_vm.rs) builds the initramfs from these
+//! and the static aarch64 heapprofd, boots it under qemu-system-aarch64 and checks
+//! the profiles the VM prints.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{CmdExt as _, step, workspace_root};
+
+/// The kernel's metapackage: its dependency names the current 6.1 image.
+const KERNEL_METAPACKAGE: &str = "linux-image-arm64";
+/// Packages unpacked next to the kernel image.
+const PACKAGES: [&str; 3] = ["busybox-static", "libc6", "libgcc-s1"];
+
+/// The assets directory, fetched and unpacked if it is not complete yet: it holds
+/// `vmlinuz`, `bin/busybox` and the C library under `lib/`.
+pub fn ensure_assets() -> Result<PathBuf> {
+    let base = workspace_root().join("target/arm64-vm");
+    let assets = base.join("assets");
+    let complete = assets.join(".complete");
+    if complete.exists() {
+        return Ok(assets);
+    }
+    step("fetching Debian's arm64 kernel, busybox and C library for the VM test");
+    let apt = PrivateApt::new(&base.join("apt"))?;
+    apt.update()?;
+    let kernel = apt.kernel_package()?;
+    let debs = base.join("debs");
+    let _ = std::fs::remove_dir_all(&debs);
+    std::fs::create_dir_all(&debs)?;
+    let mut packages = vec![kernel.as_str()];
+    packages.extend(PACKAGES);
+    apt.download(&debs, &packages)?;
+    let unpacked = base.join("unpacked");
+    let _ = std::fs::remove_dir_all(&unpacked);
+    std::fs::create_dir_all(&unpacked)?;
+    for deb in std::fs::read_dir(&debs)? {
+        let deb = deb?.path();
+        Command::new("dpkg-deb")
+            .arg("-x")
+            .arg(&deb)
+            .arg(&unpacked)
+            .run()?;
+    }
+    let _ = std::fs::remove_dir_all(&assets);
+    std::fs::create_dir_all(assets.join("bin"))?;
+    let vmlinuz = std::fs::read_dir(unpacked.join("boot"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("vmlinuz-"))
+        })
+        .context("the kernel package has no /boot/vmlinuz-*")?;
+    std::fs::copy(&vmlinuz, assets.join("vmlinuz"))?;
+    std::fs::copy(unpacked.join("bin/busybox"), assets.join("bin/busybox"))?;
+    // The C library with its loader: lib/ld-linux-aarch64.so.1 and lib/aarch64-linux-gnu/.
+    Command::new("cp")
+        .arg("-a")
+        .arg(unpacked.join("lib"))
+        .arg(&assets)
+        .run()?;
+    let _ = std::fs::remove_dir_all(assets.join("lib/modules"));
+    std::fs::write(&complete, kernel)?;
+    let _ = std::fs::remove_dir_all(&unpacked);
+    Ok(assets)
+}
+
+/// apt with its own state, cache and sources, for arm64 only.
+struct PrivateApt {
+    options: Vec<String>,
+}
+
+impl PrivateApt {
+    fn new(dir: &Path) -> Result<Self> {
+        for sub in ["state/lists/partial", "cache/archives/partial"] {
+            std::fs::create_dir_all(dir.join(sub))?;
+        }
+        let sources = dir.join("sources.list");
+        std::fs::write(&sources, arm64_sources()?)?;
+        let options = [
+            "APT::Architecture=arm64".to_owned(),
+            "APT::Architectures=arm64".to_owned(),
+            format!("Dir::State={}", dir.join("state").display()),
+            format!("Dir::Cache={}", dir.join("cache").display()),
+            format!("Dir::Etc::SourceList={}", sources.display()),
+            "Dir::Etc::SourceParts=/nonexistent".to_owned(),
+            "Debug::NoLocking=1".to_owned(),
+        ];
+        Ok(Self {
+            options: options
+                .iter()
+                .flat_map(|o| ["-o".to_owned(), o.clone()])
+                .collect(),
+        })
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.args(&self.options);
+        cmd
+    }
+
+    fn update(&self) -> Result<()> {
+        self.command("apt-get").args(["update", "-qq"]).run()
+    }
+
+    /// The versioned kernel image package the metapackage points at.
+    fn kernel_package(&self) -> Result<String> {
+        let output = self
+            .command("apt-cache")
+            .args(["depends", KERNEL_METAPACKAGE])
+            .output()?;
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("Depends: "))
+            .filter(|p| p.starts_with("linux-image-"))
+            .map(str::to_owned)
+            .with_context(|| {
+                format!("apt-cache depends {KERNEL_METAPACKAGE} names no kernel image")
+            })
+    }
+
+    fn download(&self, into: &Path, packages: &[&str]) -> Result<()> {
+        self.command("apt-get")
+            .arg("download")
+            .args(packages)
+            .current_dir(into)
+            .run()
+    }
+}
+
+/// The machine's Debian sources (deb822 or one-line format), as one-line entries for arm64.
+fn arm64_sources() -> Result<String> {
+    let mut lines = Vec::new();
+    if let Ok(text) = std::fs::read_to_string("/etc/apt/sources.list") {
+        for line in text.lines().map(str::trim) {
+            let mut words = line.split_whitespace().peekable();
+            if words.next() != Some("deb") {
+                continue;
+            }
+            // Drop the options (`[arch=amd64 signed-by=...]`), keep URI, suite, components.
+            if words.peek().is_some_and(|w| w.starts_with('[')) {
+                for word in words.by_ref() {
+                    if word.ends_with(']') {
+                        break;
+                    }
+                }
+            }
+            let rest: Vec<&str> = words.collect();
+            if rest.len() >= 3 && rest[0].contains("debian") {
+                lines.push(format!("deb [arch=arm64] {}", rest.join(" ")));
+            }
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir("/etc/apt/sources.list.d") {
+        for entry in entries.filter_map(|e| e.ok()) {
+            let path = entry.path();
+            if path.extension().is_some_and(|e| e == "sources")
+                && let Ok(text) = std::fs::read_to_string(&path)
+            {
+                lines.extend(deb822_to_lines(&text));
+            }
+        }
+    }
+    if lines.is_empty() {
+        bail!("no Debian sources found in /etc/apt to fetch arm64 packages from");
+    }
+    Ok(lines.join("\n") + "\n")
+}
+
+/// Converts the Debian entries of a deb822 `.sources` file to one-line arm64 entries.
+fn deb822_to_lines(text: &str) -> Vec<String> {
+    let mut lines = Vec::new();
+    for stanza in text.split("\n\n") {
+        let field = |name: &str| {
+            stanza
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(str::trim)
+        };
+        let (Some(uris), Some(suites), Some(components)) =
+            (field("URIs"), field("Suites"), field("Components"))
+        else {
+            continue;
+        };
+        if field("Types").is_some_and(|t| !t.split_whitespace().any(|t| t == "deb"))
+            || field("Enabled").is_some_and(|e| e == "no")
+            || !uris.contains("debian")
+        {
+            continue;
+        }
+        let signed = field("Signed-By")
+            .map(|s| format!(" signed-by={s}"))
+            .unwrap_or_default();
+        for uri in uris.split_whitespace() {
+            for suite in suites.split_whitespace() {
+                lines.push(format!(
+                    "deb [arch=arm64{signed}] {uri} {suite} {components}"
+                ));
+            }
+        }
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deb822_sources_become_arm64_lines() {
+        let text = "Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm bookworm-updates\n\
+                    Components: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n\n\
+                    Types: deb-src\nURIs: http://deb.debian.org/debian\nSuites: bookworm\nComponents: main\n";
+        assert_eq!(
+            deb822_to_lines(text),
+            [
+                "deb [arch=arm64 signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm main",
+                "deb [arch=arm64 signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm-updates main",
+            ]
+        );
+    }
+}
