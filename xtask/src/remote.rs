@@ -15,11 +15,15 @@ use crate::{CmdExt as _, step, workspace_root};
 /// Where the binary and the profiles go on the board.
 const REMOTE_DIR: &str = "/tmp/heapprofd-xtask";
 
+/// Runs what follows as root: directly when logged in as root, else through sudo.
+const AS_ROOT: &str = "$([ \"$(id -u)\" -eq 0 ] || echo sudo)";
+
 /// Options every ssh/scp call gets: never prompt for a host key or a password
 /// (fail instead), and give up on an unreachable host quickly.
 const SSH_OPTIONS: [&str; 4] = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"];
 
-/// Runs heapprofd with `args` on `host` (`[user@]host`), as root through sudo.
+/// Runs heapprofd with `args` on `host` (`[user@]host`), as root (through sudo unless
+/// logged in as root).
 pub fn run(binary: &Path, host: &str, args: &[String]) -> Result<()> {
     check_reachable(host)?;
     step(&format!(
@@ -35,7 +39,7 @@ pub fn run(binary: &Path, host: &str, args: &[String]) -> Result<()> {
         .run()
         .with_context(|| format!("copying heapprofd to {host}"))?;
     let (args, remote_output) = remote_arguments(args);
-    let command = std::iter::once(format!("sudo {REMOTE_DIR}/heapprofd"))
+    let command = std::iter::once(format!("{AS_ROOT} {REMOTE_DIR}/heapprofd"))
         .chain(args.iter().map(|a| shell_quote(a)))
         .collect::<Vec<_>>()
         .join(" ");
@@ -135,7 +139,7 @@ fn fetch_profiles(host: &str, remote: &str, local: &Path) -> Result<PathBuf> {
     // The profiles are root's (0600): make them readable for the copy.
     let _ = ssh(host)
         .arg(format!(
-            "sudo chown -R \"$(id -u)\" {} 2>/dev/null",
+            "{AS_ROOT} chown -R \"$(id -u)\" {} 2>/dev/null",
             shell_quote(remote)
         ))
         .status();
