@@ -145,7 +145,9 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     if !seconds.is_finite() || seconds <= 0.0 {
         return Err(format!("duration `{text}` must be greater than zero"));
     }
-    Ok(Duration::from_secs_f64(seconds))
+    // (Found by the property tests: a huge number overflows Duration.)
+    Duration::try_from_secs_f64(seconds)
+        .map_err(|_| format!("duration `{text}` is too long; write e.g. 10s, 500ms or 2m"))
 }
 
 fn parse_interval(text: &str) -> Result<Duration, String> {
@@ -210,6 +212,7 @@ mod tests {
         assert!(parse_duration("0s").is_err());
         assert!(parse_duration("ten").is_err());
         assert!(parse_duration("5y").is_err());
+        assert!(parse_duration("99999999999999999999999h").is_err());
     }
 
     #[test]

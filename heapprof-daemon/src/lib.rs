@@ -8,6 +8,8 @@ pub mod pprof;
 pub mod preflight;
 pub mod probes;
 pub mod procmaps;
+#[cfg(test)]
+mod proptests;
 pub mod session;
 pub mod symbolize;
 pub mod tracefs;
