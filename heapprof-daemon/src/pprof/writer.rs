@@ -93,30 +93,64 @@ pub fn write_profile(dir: &Path, name: &str, profile: &Profile) -> Result<PathBu
     let bytes = gz.finish()?;
 
     let final_path = dir.join(name);
-    let temp_path = dir.join(format!(".{name}.{}.tmp", std::process::id()));
-    let write = || -> Result<()> {
-        let mut file = OpenOptions::new()
+    let mut last_error = None;
+    // A name already taken (a leftover, or a planted symlink) is never opened: the
+    // next name is tried.
+    for attempt in 0..TEMP_ATTEMPTS {
+        let temp_path = temp_name(dir, name, attempt);
+        let file = OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&temp_path)
-            .with_context(|| format!("creating {}", temp_path.display()))?;
-        file.write_all(&bytes)
-            .and_then(|()| file.sync_all())
-            .with_context(|| format!("writing {}", temp_path.display()))?;
-        std::fs::rename(&temp_path, &final_path)
-            .with_context(|| format!("renaming to {}", final_path.display()))?;
-        if let Ok(dir) = File::open(dir) {
-            let _ = dir.sync_all();
+            .open(&temp_path);
+        let file = match file {
+            Ok(file) => file,
+            Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {
+                last_error = Some(anyhow::Error::new(err).context(format!(
+                    "creating {} (the name is taken)",
+                    temp_path.display()
+                )));
+                continue;
+            }
+            Err(err) => {
+                return Err(err).with_context(|| format!("creating {}", temp_path.display()));
+            }
+        };
+        let result = finish(file, &bytes, &temp_path, &final_path, dir);
+        if result.is_err() {
+            let _ = std::fs::remove_file(&temp_path);
         }
-        Ok(())
-    };
-    let result = write();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&temp_path);
+        return result.map(|()| final_path);
     }
-    result.map(|()| final_path)
+    Err(last_error.unwrap_or_else(|| anyhow::anyhow!("no temp file name left")))
+}
+
+/// Temp names tried per profile before giving up.
+const TEMP_ATTEMPTS: u32 = 8;
+
+fn temp_name(dir: &Path, name: &str, attempt: u32) -> PathBuf {
+    dir.join(format!(".{name}.{}.{attempt}.tmp", std::process::id()))
+}
+
+/// Writes, syncs and renames the temp file into place. The rename replaces whatever
+/// has the final name (a symlink included) without following it.
+fn finish(
+    mut file: File,
+    bytes: &[u8],
+    temp_path: &Path,
+    final_path: &Path,
+    dir: &Path,
+) -> Result<()> {
+    file.write_all(bytes)
+        .and_then(|()| file.sync_all())
+        .with_context(|| format!("writing {}", temp_path.display()))?;
+    std::fs::rename(temp_path, final_path)
+        .with_context(|| format!("renaming to {}", final_path.display()))?;
+    if let Ok(dir) = File::open(dir) {
+        let _ = dir.sync_all();
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -154,6 +188,33 @@ mod tests {
             .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
             .collect();
         assert!(leftovers.is_empty());
+    }
+
+    #[test]
+    fn never_writes_through_a_planted_symlink() {
+        let base = tempfile::tempdir().expect("tempdir");
+        let dir = base.path().join("out");
+        prepare_output_dir(&dir).expect("created");
+        let victim = base.path().join("victim");
+        std::fs::write(&victim, "precious").expect("write");
+        let name = "heap-x.pb.gz";
+        // At the temp name heapprofd tries first, and at the final name.
+        std::os::unix::fs::symlink(&victim, temp_name(&dir, name, 0)).expect("symlink");
+        std::os::unix::fs::symlink(&victim, dir.join(name)).expect("symlink");
+        let path = write_profile(&dir, name, &Profile::default()).expect("written");
+        assert_eq!(std::fs::read_to_string(&victim).expect("read"), "precious");
+        let meta = std::fs::symlink_metadata(&path).expect("meta");
+        assert!(
+            meta.file_type().is_file(),
+            "the final name is now a regular file"
+        );
+        // Every temp name taken: the write fails, still without touching the victim.
+        for attempt in 1..TEMP_ATTEMPTS {
+            std::os::unix::fs::symlink(&victim, temp_name(&dir, name, attempt)).expect("symlink");
+        }
+        let err = write_profile(&dir, name, &Profile::default()).expect_err("no name left");
+        assert!(format!("{err:#}").contains("the name is taken"), "{err:#}");
+        assert_eq!(std::fs::read_to_string(&victim).expect("read"), "precious");
     }
 
     #[test]
