@@ -33,7 +33,10 @@ use heapprof_daemon::{
 const EXIT_USAGE: u8 = 2;
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => return command_line_error(err),
+    };
     init_logging();
     let target = match cli.target() {
         Ok(target) => target,
@@ -67,6 +70,32 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+/// A bad command line gets one line (clap's own message names the flag and the value)
+/// and status 2; help and version are printed as clap prints them.
+fn command_line_error(err: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        err.kind(),
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion
+    ) {
+        let _ = err.print();
+        return ExitCode::SUCCESS;
+    }
+    // clap's message can span lines (a list of missing flags): joined, without its
+    // usage and help hints.
+    let rendered = err.render().to_string();
+    let message = rendered
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
+    let message = message.strip_prefix("error: ").unwrap_or(&message);
+    eprintln!("heapprofd: error: {message}; see heapprofd --help");
+    ExitCode::from(EXIT_USAGE)
 }
 
 fn usage_error(err: anyhow::Error) -> ExitCode {

@@ -187,3 +187,88 @@ fn bad_targets_get_one_clear_line_and_status_2() {
         );
     }
 }
+
+#[test]
+fn more_bad_input_gets_one_clear_line_and_status_2() {
+    require_root();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let mut static_waiter = Waiter::start(
+        &compile(dir.path(), "waiter", "static-waiter", &["-O0", "-static"]),
+        1,
+        16,
+    );
+    let static_pid = static_waiter.child.id().to_string();
+    let libm = format!("/lib/{}-linux-gnu/libm.so.6", std::env::consts::ARCH);
+    let out_arg = out.display().to_string();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--pid", "2"], "is a kernel thread"),
+        (vec!["--pid", &static_pid], "maps no C library"),
+        (vec!["--libc", &libm, "--all"], "has no malloc/free symbols"),
+        (
+            vec!["--interval", "0s", "--all"],
+            "must be greater than zero",
+        ),
+        (vec!["--interval", "1000h", "--all"], "out of range"),
+        (vec!["--max-sites", "lots", "--all"], "not a whole number"),
+        (vec!["--pages", "--all"], "--kernel"),
+        (
+            vec!["--kernel", "--sample-rate", "4k"],
+            "cannot be used with",
+        ),
+        (
+            vec!["-o", "/proc/heapprofd/profiles", "--all"],
+            "cannot create output directory",
+        ),
+        (vec!["-o", "/etc/hostname", "--all"], "is not a directory"),
+    ];
+    for (args, message) in cases {
+        // -o given last wins: the default scratch directory comes first.
+        let output = Command::new(env!("CARGO_BIN_EXE_heapprofd"))
+            .args(["-o", &out_arg])
+            .args(&args)
+            .output()
+            .expect("starting heapprofd");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(message),
+            "{args:?}: expected {message:?} in {stderr:?}"
+        );
+        assert_eq!(
+            stderr.trim().lines().count(),
+            1,
+            "{args:?}: one line, got {stderr:?}"
+        );
+    }
+    static_waiter.stdin = None;
+    let _ = static_waiter.child.kill();
+    let _ = static_waiter.child.wait();
+}
+
+#[test]
+fn without_privileges_heapprofd_names_the_missing_capabilities() {
+    require_root();
+    let dir = scratch();
+    // As nobody, with every capability dropped (setpriv, from util-linux).
+    let output = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+        ])
+        .arg(env!("CARGO_BIN_EXE_heapprofd"))
+        .args(["--all", "-o"])
+        .arg(dir.path().join("profiles"))
+        .output()
+        .expect("running setpriv");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("missing CAP_BPF and CAP_PERFMON")
+            && stderr.contains("run heapprofd as root"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+}
