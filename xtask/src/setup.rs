@@ -34,7 +34,7 @@ pub fn ensure(needs: Needs) -> Result<()> {
     ensure_bpf_linker()?;
     let mut packages = vec!["gcc", "libc6-dev"];
     if needs != Needs::Build {
-        packages.extend(["golang-go", "valgrind", "bpftrace"]);
+        packages.extend(["golang-go", "valgrind", "bpftrace", "bpftool"]);
         // The arm64 VM test: the emulator, a cross compiler for its test programs, cpio
         // for its initramfs; ssh for `xtask run --host`.
         packages.extend([

@@ -1,0 +1,311 @@
+//! Faults: signals, SIGKILL of the daemon, a full output filesystem. heapprofd must
+//! never leave the system worse than it found it nor lose a profile it wrote.
+//!
+//! These tests look at system-wide state (loaded BPF programs), so they run one at a
+//! time (`SERIAL`); other test binaries run after this one, never beside it.
+
+mod common;
+
+use std::{
+    io::Write as _,
+    path::Path,
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::{Mutex, mpsc},
+    time::{Duration, Instant},
+};
+
+use common::*;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Names of heapprofd's BPF programs as the kernel lists them (truncated to 15 characters).
+const PROGRAM_NAMES: [&str; 6] = [
+    "malloc_enter",
+    "alloc_return",
+    "free_enter",
+    "kmalloc",
+    "kmem_cache_allo",
+    "kfree",
+];
+
+/// heapprofd's programs and links currently loaded, per `bpftool`.
+fn loaded_programs() -> Vec<String> {
+    let output = Command::new("bpftool")
+        .args(["prog", "show"])
+        .output()
+        .expect("running bpftool (install it: cargo xtask setup)");
+    assert!(output.status.success(), "bpftool prog show failed");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|l| {
+            PROGRAM_NAMES
+                .iter()
+                .any(|name| l.contains(&format!(" name {name} ")))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+fn links() -> String {
+    let output = Command::new("bpftool")
+        .args(["link", "show"])
+        .output()
+        .expect("running bpftool");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn uprobe_events() -> String {
+    std::fs::read_to_string("/sys/kernel/tracing/uprobe_events").unwrap_or_default()
+}
+
+/// Waits (up to 20 s: program teardown is asynchronous) until none of heapprofd's
+/// programs is loaded; returns what is left.
+fn wait_unloaded() -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let left = loaded_programs();
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A process that waits on its stdin (tests/programs/waiter.c).
+struct Waiter {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Waiter {
+    fn start(dir: &Path) -> Self {
+        let binary = compile(dir, "waiter", "waiter", &["-O0"]);
+        let mut child = Command::new(binary)
+            .args(["1000", "48"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("starting the waiter");
+        let stdin = child.stdin.take();
+        let lines = forward_lines(child.stdout.take().expect("stdout"));
+        assert_eq!(
+            lines.recv_timeout(Duration::from_secs(30)).as_deref(),
+            Ok("ready")
+        );
+        Self {
+            child,
+            stdin,
+            lines,
+        }
+    }
+
+    fn work(&mut self) {
+        let stdin = self.stdin.as_mut().expect("stdin");
+        stdin.write_all(b"go\n").expect("write");
+        stdin.flush().expect("flush");
+        assert_eq!(
+            self.lines.recv_timeout(Duration::from_secs(30)).as_deref(),
+            Ok("done")
+        );
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        self.stdin = None;
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn signal(child: &Child, signal: i32) {
+    // SAFETY: plain kill(2) on our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+}
+
+fn sigkill_leaves_nothing_behind(mode: &[&str]) {
+    require_root();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    assert_eq!(
+        wait_unloaded(),
+        Vec::<String>::new(),
+        "programs left by someone else"
+    );
+    let events_before = uprobe_events();
+    let dir = scratch();
+    let waiter = Waiter::start(dir.path());
+    let out = dir.path().join("profiles");
+    let (mut heapprofd, _log) = start_heapprofd(
+        heapprofd(&out)
+            .args(mode)
+            .args(["--pid", &waiter.child.id().to_string()]),
+    );
+    // The check can fail: while heapprofd runs, its programs are listed.
+    assert!(
+        !loaded_programs().is_empty(),
+        "bpftool does not list heapprofd's programs"
+    );
+    signal(&heapprofd, libc::SIGKILL);
+    let _ = heapprofd.wait();
+    assert_eq!(
+        wait_unloaded(),
+        Vec::<String>::new(),
+        "BPF programs left after SIGKILL"
+    );
+    let links = links();
+    assert!(
+        !PROGRAM_NAMES.iter().any(|n| links.contains(n)),
+        "links left after SIGKILL:\n{links}"
+    );
+    assert_eq!(uprobe_events(), events_before, "uprobe_events changed");
+}
+
+#[test]
+fn sigkill_of_the_daemon_leaves_no_probe_behind() {
+    sigkill_leaves_nothing_behind(&[]);
+}
+
+#[test]
+fn sigkill_in_kernel_mode_leaves_no_program_behind() {
+    sigkill_leaves_nothing_behind(&["--kernel"]);
+}
+
+#[test]
+fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
+    require_root();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch();
+    let mut waiter = Waiter::start(dir.path());
+    let out = dir.path().join("profiles");
+    let (mut heapprofd, log) = start_heapprofd(
+        heapprofd(&out)
+            .args(["--interval", "1h", "--pid"])
+            .arg(waiter.child.id().to_string()),
+    );
+    waiter.work();
+    signal(&heapprofd, libc::SIGTERM);
+    wait_success(&mut heapprofd, &log, "SIGTERM");
+    let profile = last_profile(&out);
+    let work = totals(&samples(&profile), |s| {
+        s.stack.get(1).is_some_and(|f| f == "work")
+    });
+    assert_eq!(work, [1000, 48_000, 500, 24_000], "the final profile");
+    assert_eq!(
+        wait_unloaded(),
+        Vec::<String>::new(),
+        "programs left after SIGTERM"
+    );
+}
+
+/// A small tmpfs, unmounted when dropped.
+struct SmallFs(std::path::PathBuf);
+
+impl SmallFs {
+    fn mount(at: &Path, size: &str) -> Self {
+        std::fs::create_dir_all(at).expect("mkdir");
+        let status = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(at)
+            .status()
+            .expect("mount");
+        assert!(status.success(), "mounting a tmpfs on {}", at.display());
+        Self(at.to_path_buf())
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+fn profile_count(dir: &Path) -> usize {
+    std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".pb.gz"))
+                .count()
+        })
+        .unwrap_or(0)
+}
+
+/// Waits up to a minute for `done`.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_full_disk_keeps_earlier_profiles_and_writing_resumes() {
+    require_root();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch();
+    let mut waiter = Waiter::start(dir.path());
+    let out = dir.path().join("small");
+    let _fs = SmallFs::mount(&out, "512k");
+    let (mut heapprofd, log) = start_heapprofd(
+        heapprofd(&out)
+            .args(["--interval", "200ms", "--pid"])
+            .arg(waiter.child.id().to_string()),
+    );
+    waiter.work();
+    wait_until("a first profile", || profile_count(&out) >= 1);
+
+    // Fill the filesystem to the last byte.
+    let filler = out.join("filler");
+    {
+        let mut file = std::fs::File::create(&filler).expect("filler");
+        let block = vec![0u8; 4096];
+        while file.write_all(&block).is_ok() {}
+        let _ = file.sync_all();
+    }
+    let mut errors = 0;
+    wait_until("an error about the full disk", || {
+        while let Ok(line) = log.try_recv() {
+            if line.contains("cannot write a profile") {
+                errors += 1;
+            }
+        }
+        errors > 0
+    });
+    // Every profile written before is intact, and no temp file is left behind.
+    let before = read_profiles(&out);
+    assert!(!before.is_empty());
+    let leftovers: Vec<String> = std::fs::read_dir(&out)
+        .expect("read dir")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "temp files left on the full disk: {leftovers:?}"
+    );
+
+    // Space returns: profiles are written again; the daemon never stopped.
+    std::fs::remove_file(&filler).expect("removing the filler");
+    let count = before.len();
+    wait_until("a profile after space returned", || {
+        profile_count(&out) > count
+    });
+    signal(&heapprofd, libc::SIGINT);
+    wait_success(&mut heapprofd, &log, "full disk");
+    let work = totals(&samples(&last_profile(&out)), |s| {
+        s.stack.get(1).is_some_and(|f| f == "work")
+    });
+    assert_eq!(
+        work,
+        [1000, 48_000, 500, 24_000],
+        "the profile after recovery"
+    );
+}
