@@ -8,12 +8,9 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use aya::Ebpf;
-use heapprof_common::{
-    DropReason,
-    kernel::{KernelAllocKind, KernelEvent},
-};
+use heapprof_common::kernel::{KernelAllocKind, KernelEvent};
 
-use super::TopSite;
+use super::{DropLog, Drops, TopSite, TopSites, comment_drops};
 use crate::{
     aggregate::kernel::{KernelMaps, KernelSite},
     cli::Target,
@@ -55,7 +52,7 @@ pub struct KernelSession {
     started: SystemTime,
     started_at: Instant,
     sequence: u32,
-    reported_drops: [u64; DropReason::COUNT as usize],
+    drop_log: DropLog,
 }
 
 impl KernelSession {
@@ -79,7 +76,7 @@ impl KernelSession {
             started: SystemTime::now(),
             started_at: Instant::now(),
             sequence: 0,
-            reported_drops: [0; DropReason::COUNT as usize],
+            drop_log: DropLog::default(),
         })
     }
 
@@ -168,7 +165,7 @@ impl KernelSession {
         let sites = self.maps.read_sites()?;
         self.symbolize_sites(&sites);
         let drops = self.maps.read_drops()?;
-        self.report_drops(&drops);
+        self.drop_log.report(&drops);
         let read = started.elapsed();
         let profile = self.build_profile(&sites, &drops)?;
         let built = started.elapsed();
@@ -206,20 +203,6 @@ impl KernelSession {
         Ok(path)
     }
 
-    fn report_drops(&mut self, drops: &[u64; DropReason::COUNT as usize]) {
-        for reason in DropReason::ALL {
-            let (now, before) = (drops[reason as usize], self.reported_drops[reason as usize]);
-            if now > before {
-                log::warn!(
-                    "{} events: {} (see the --max-* flags)",
-                    now - before,
-                    reason.describe()
-                );
-            }
-        }
-        self.reported_drops = *drops;
-    }
-
     fn add_mapping(&self, builder: &mut ProfileBuilder, address: u64) -> Option<MappingKey> {
         let range = self.symbols.range_of(address)?;
         let key = MappingKey {
@@ -241,7 +224,7 @@ impl KernelSession {
     fn build_profile(
         &mut self,
         sites: &[KernelSite],
-        drops: &[u64; DropReason::COUNT as usize],
+        drops: &Drops,
     ) -> Result<crate::pprof::proto::Profile> {
         let nanos = |t: SystemTime| {
             t.duration_since(UNIX_EPOCH)
@@ -278,13 +261,7 @@ impl KernelSession {
             "traced since {} ns after the epoch",
             nanos(self.started)
         ));
-        for reason in DropReason::ALL {
-            builder.comment(&format!(
-                "dropped: {} = {}",
-                reason.describe(),
-                drops[reason as usize]
-            ));
-        }
+        comment_drops(&mut builder, drops);
         // The core kernel first: pprof takes the first mapping as the program.
         if let Some(start) = self.kernel_text_start() {
             self.add_mapping(&mut builder, start);
@@ -349,7 +326,7 @@ impl KernelSession {
     /// The `limit` kernel sites holding the most memory (then allocating the most),
     /// sites with the same description merged.
     pub fn top_sites(&mut self, limit: usize) -> Result<Vec<TopSite>> {
-        let mut merged: HashMap<String, TopSite> = HashMap::new();
+        let mut merged = TopSites::default();
         for site in self.maps.read_sites()? {
             let kind =
                 KernelAllocKind::from_u32(site.key.kind).map_or("?", KernelAllocKind::function);
@@ -379,27 +356,11 @@ impl KernelSession {
                 format!("{kind} in {}", names.join(" <- "))
             };
             let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes, _, _] = site.values();
-            let entry = merged.entry(description.clone()).or_insert(TopSite {
+            merged.add(
                 description,
-                inuse_bytes: 0,
-                inuse_objects: 0,
-                alloc_bytes: 0,
-                alloc_objects: 0,
-            });
-            entry.inuse_bytes += inuse_bytes;
-            entry.inuse_objects += inuse_objects;
-            entry.alloc_bytes += alloc_bytes;
-            entry.alloc_objects += alloc_objects;
+                [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes],
+            );
         }
-        let mut top: Vec<TopSite> = merged.into_values().collect();
-        top.sort_by(|a, b| {
-            (b.inuse_bytes, b.alloc_bytes, &a.description).cmp(&(
-                a.inuse_bytes,
-                a.alloc_bytes,
-                &b.description,
-            ))
-        });
-        top.truncate(limit);
-        Ok(top)
+        Ok(merged.top(limit))
     }
 }

@@ -9,8 +9,9 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use aya::Ebpf;
-use heapprof_common::{AllocKind, DropReason};
+use heapprof_common::AllocKind;
 
+use super::{DropLog, Drops, TopSite, TopSites, comment_drops};
 use crate::{
     aggregate::{Maps, Site},
     cli::Target,
@@ -65,7 +66,7 @@ pub struct Session {
     started: SystemTime,
     started_at: Instant,
     sequence: u32,
-    reported_drops: [u64; DropReason::COUNT as usize],
+    drop_log: DropLog,
 }
 
 impl Session {
@@ -88,7 +89,7 @@ impl Session {
             started: SystemTime::now(),
             started_at: Instant::now(),
             sequence: 0,
-            reported_drops: [0; DropReason::COUNT as usize],
+            drop_log: DropLog::default(),
         })
     }
 
@@ -218,7 +219,7 @@ impl Session {
         let sites = self.maps.read_sites()?;
         self.refresh_unmapped_sites(&sites);
         let drops = self.maps.read_drops()?;
-        self.report_drops(&drops);
+        self.drop_log.report(&drops);
         let read = started.elapsed();
         let profile = self.build_profile(&sites, &drops)?;
         let built = started.elapsed();
@@ -253,24 +254,10 @@ impl Session {
         Ok(path)
     }
 
-    fn report_drops(&mut self, drops: &[u64; DropReason::COUNT as usize]) {
-        for reason in DropReason::ALL {
-            let (now, before) = (drops[reason as usize], self.reported_drops[reason as usize]);
-            if now > before {
-                log::warn!(
-                    "{} events: {} (see the --max-* flags)",
-                    now - before,
-                    reason.describe()
-                );
-            }
-        }
-        self.reported_drops = *drops;
-    }
-
     fn build_profile(
         &mut self,
         sites: &[Site],
-        drops: &[u64; DropReason::COUNT as usize],
+        drops: &Drops,
     ) -> Result<crate::pprof::proto::Profile> {
         let now = SystemTime::now();
         let nanos = |t: SystemTime| {
@@ -300,13 +287,7 @@ impl Session {
             "traced since {} ns after the epoch",
             nanos(self.started)
         ));
-        for reason in DropReason::ALL {
-            builder.comment(&format!(
-                "dropped: {} = {}",
-                reason.describe(),
-                drops[reason as usize]
-            ));
-        }
+        comment_drops(&mut builder, drops);
 
         // The main binary of each process first: pprof takes the first mapping as the program.
         let pids: Vec<u32> = sites
@@ -408,26 +389,11 @@ impl Session {
     }
 }
 
-/// One line of the `--top` summary.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TopSite {
-    /// `function (file:line) <- caller <- caller`.
-    pub description: String,
-    /// Bytes in use.
-    pub inuse_bytes: u64,
-    /// Blocks in use.
-    pub inuse_objects: u64,
-    /// Bytes allocated in total.
-    pub alloc_bytes: u64,
-    /// Blocks allocated in total.
-    pub alloc_objects: u64,
-}
-
 impl Session {
     /// The `limit` call sites holding the most memory (then allocating the most),
     /// sites with the same description merged.
     pub fn top_sites(&mut self, limit: usize) -> Result<Vec<TopSite>> {
-        let mut merged: HashMap<String, TopSite> = HashMap::new();
+        let mut merged = TopSites::default();
         for site in self.maps.read_sites()? {
             let stack = self.maps.stack(site.key.stack);
             let kind = AllocKind::from_u32(site.key.kind).map_or("?", AllocKind::symbol);
@@ -466,30 +432,9 @@ impl Session {
                 names.push("[unknown]".into());
             }
             let description = format!("{kind} in {}", names.join(" <- "));
-            let entry = merged.entry(description.clone()).or_insert(TopSite {
-                description,
-                inuse_bytes: 0,
-                inuse_objects: 0,
-                alloc_bytes: 0,
-                alloc_objects: 0,
-            });
-            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes] =
-                site.values(self.config.sample_rate);
-            entry.inuse_bytes += inuse_bytes;
-            entry.inuse_objects += inuse_objects;
-            entry.alloc_bytes += alloc_bytes;
-            entry.alloc_objects += alloc_objects;
+            merged.add(description, site.values(self.config.sample_rate));
         }
-        let mut top: Vec<TopSite> = merged.into_values().collect();
-        top.sort_by(|a, b| {
-            (b.inuse_bytes, b.alloc_bytes, &a.description).cmp(&(
-                a.inuse_bytes,
-                a.alloc_bytes,
-                &b.description,
-            ))
-        });
-        top.truncate(limit);
-        Ok(top)
+        Ok(merged.top(limit))
     }
 }
 
