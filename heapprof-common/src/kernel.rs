@@ -59,24 +59,8 @@ impl KernelEvent {
         }
     }
 
-    /// The tracefs name of the event.
+    /// The tracefs name of the event; the BPF program handling it has the same name.
     pub const fn name(self) -> &'static str {
-        match self {
-            KernelEvent::Kmalloc => "kmalloc",
-            KernelEvent::KmallocNode => "kmalloc_node",
-            KernelEvent::KmemCacheAlloc => "kmem_cache_alloc",
-            KernelEvent::KmemCacheAllocNode => "kmem_cache_alloc_node",
-            KernelEvent::Kfree => "kfree",
-            KernelEvent::KmemCacheFree => "kmem_cache_free",
-            KernelEvent::PageAlloc => "mm_page_alloc",
-            KernelEvent::PageFree => "mm_page_free",
-            KernelEvent::PageFreeBatched => "mm_page_free_batched",
-            KernelEvent::ProcessFork => "sched_process_fork",
-        }
-    }
-
-    /// The BPF program handling the event.
-    pub const fn program(self) -> &'static str {
         match self {
             KernelEvent::Kmalloc => "kmalloc",
             KernelEvent::KmallocNode => "kmalloc_node",

@@ -205,7 +205,7 @@ pub fn load(
 /// Attaches the program of every event; returns how many.
 pub fn attach(ebpf: &mut Ebpf, events: &[(KernelEvent, EventLayout)]) -> Result<usize> {
     for (event, _) in events {
-        let name = event.program();
+        let name = event.name();
         let program: &mut TracePoint = ebpf
             .program_mut(name)
             .with_context(|| format!("BPF program {name} missing from the object"))?
