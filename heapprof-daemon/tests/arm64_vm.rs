@@ -246,24 +246,8 @@ fn check_round(profiles: &BTreeMap<String, heapprof_daemon::pprof::proto::Profil
 
     // The three stacks of main/a/b, the caller frame included.
     for scenario in ["stacks-O0", "stacks-O2"] {
-        let mut stacks: BTreeMap<String, (i64, i64)> = BTreeMap::new();
-        for sample in samples(last(profiles, round, scenario)) {
-            let frames = sample.up_to_main();
-            if frames.iter().any(|f| *f == "a" || *f == "b") {
-                let entry = stacks.entry(frames.join(" <- ")).or_default();
-                entry.0 += sample.values[0];
-                entry.1 += sample.values[1];
-            }
-        }
-        let expected: BTreeMap<String, (i64, i64)> = [
-            ("a <- main", (1, 1000)),
-            ("b <- a <- main", (1, 100)),
-            ("b <- main", (1, 100)),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
-        assert_eq!(stacks, expected, "{round}: {scenario}");
+        let (stacks, _) = abc_stacks(&samples(last(profiles, round, scenario)));
+        assert_eq!(stacks, expected_abc_stacks(), "{round}: {scenario}");
     }
 
     // --pid: work() made 1000 allocations of 48 bytes and freed every other one.

@@ -9,8 +9,8 @@ mod common;
 use std::{
     io::Write as _,
     path::Path,
-    process::{Child, ChildStdin, Command, Stdio},
-    sync::{Mutex, mpsc},
+    process::{Child, Command},
+    sync::Mutex,
     time::{Duration, Instant},
 };
 
@@ -71,52 +71,10 @@ fn wait_unloaded() -> Vec<String> {
     }
 }
 
-/// A process that waits on its stdin (tests/programs/waiter.c).
-struct Waiter {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Waiter {
-    fn start(dir: &Path) -> Self {
-        let binary = compile(dir, "waiter", "waiter", &["-O0"]);
-        let mut child = Command::new(binary)
-            .args(["1000", "48"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("starting the waiter");
-        let stdin = child.stdin.take();
-        let lines = forward_lines(child.stdout.take().expect("stdout"));
-        assert_eq!(
-            lines.recv_timeout(Duration::from_secs(30)).as_deref(),
-            Ok("ready")
-        );
-        Self {
-            child,
-            stdin,
-            lines,
-        }
-    }
-
-    fn work(&mut self) {
-        let stdin = self.stdin.as_mut().expect("stdin");
-        stdin.write_all(b"go\n").expect("write");
-        stdin.flush().expect("flush");
-        assert_eq!(
-            self.lines.recv_timeout(Duration::from_secs(30)).as_deref(),
-            Ok("done")
-        );
-    }
-}
-
-impl Drop for Waiter {
-    fn drop(&mut self) {
-        self.stdin = None;
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The waiter program (tests/programs/waiter.c), ended when dropped.
+fn start_waiter(dir: &Path) -> Driven {
+    let binary = compile(dir, "waiter", "waiter", &["-O0"]);
+    Driven::start(&binary, &["1000", "48"])
 }
 
 fn signal(child: &Child, signal: i32) {
@@ -134,13 +92,10 @@ fn sigkill_leaves_nothing_behind(mode: &[&str]) {
     );
     let events_before = uprobe_events();
     let dir = scratch();
-    let waiter = Waiter::start(dir.path());
+    let waiter = start_waiter(dir.path());
     let out = dir.path().join("profiles");
-    let (mut heapprofd, _log) = start_heapprofd(
-        heapprofd(&out)
-            .args(mode)
-            .args(["--pid", &waiter.child.id().to_string()]),
-    );
+    let (mut heapprofd, _log) =
+        start_heapprofd(heapprofd(&out).args(mode).args(["--pid", &waiter.pid()]));
     // The check can fail: while heapprofd runs, its programs are listed.
     assert!(
         !loaded_programs().is_empty(),
@@ -176,14 +131,14 @@ fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
     require_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = scratch();
-    let mut waiter = Waiter::start(dir.path());
+    let mut waiter = start_waiter(dir.path());
     let out = dir.path().join("profiles");
     let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
             .args(["--interval", "1h", "--pid"])
-            .arg(waiter.child.id().to_string()),
+            .arg(waiter.pid()),
     );
-    waiter.work();
+    waiter.step("done");
     signal(&heapprofd, libc::SIGTERM);
     wait_success(&mut heapprofd, &log, "SIGTERM");
     let profile = last_profile(&out);
@@ -250,15 +205,15 @@ fn a_full_disk_keeps_earlier_profiles_and_writing_resumes() {
     require_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = scratch();
-    let mut waiter = Waiter::start(dir.path());
+    let mut waiter = start_waiter(dir.path());
     let out = dir.path().join("small");
     let _fs = SmallFs::mount(&out, "512k");
     let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
             .args(["--interval", "200ms", "--pid"])
-            .arg(waiter.child.id().to_string()),
+            .arg(waiter.pid()),
     );
-    waiter.work();
+    waiter.step("done");
     wait_until("a first profile", || profile_count(&out) >= 1);
 
     // Fill the filesystem to the last byte.

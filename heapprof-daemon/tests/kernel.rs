@@ -5,8 +5,7 @@
 mod common;
 
 use std::{
-    io::Write as _,
-    process::{Child, ChildStdin, Command, Stdio},
+    process::{Child, Command, Stdio},
     sync::mpsc,
     time::{Duration, Instant},
 };
@@ -78,30 +77,6 @@ fn total(
         .filter(|s| s.pid == pid && filter(s))
         .map(|s| s.values[index])
         .sum()
-}
-
-/// The pipes workload, driven line by line.
-struct Pipes {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Pipes {
-    fn expect_line(&self, wanted: &str) {
-        let line = self
-            .lines
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|e| panic!("the pipes workload did not print {wanted:?}: {e}"));
-        assert_eq!(line, wanted);
-    }
-
-    fn step(&mut self, reply: &str) {
-        let stdin = self.stdin.as_mut().expect("stdin open");
-        stdin.write_all(b"next\n").expect("writing to the workload");
-        stdin.flush().expect("flush");
-        self.expect_line(reply);
-    }
 }
 
 /// bpftrace counting the same tracepoints for one process, from a second, independent program.
@@ -176,21 +151,8 @@ fn kernel_allocations_of_a_process_match_an_independent_count() {
     let dir = scratch();
     let binary = compile(dir.path(), "pipes", "pipes", &["-O1"]);
     let out = dir.path().join("profiles");
-    let mut child = Command::new(&binary)
-        .arg(PIPES.to_string())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("starting the pipes workload");
-    let pid = child.id();
-    let stdin = child.stdin.take();
-    let lines = forward_lines(child.stdout.take().expect("stdout"));
-    let mut pipes = Pipes {
-        child,
-        stdin,
-        lines,
-    };
-    pipes.expect_line("ready");
+    let mut pipes = Driven::start(&binary, &[&PIPES.to_string()]);
+    let pid = pipes.child.id();
 
     let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
@@ -237,14 +199,7 @@ fn kernel_allocations_of_a_process_match_an_independent_count() {
     // SAFETY: plain kill(2) on our own child.
     unsafe { libc::kill(heapprofd.id() as libc::pid_t, libc::SIGINT) };
     wait_success(&mut heapprofd, &log, "--kernel --pid");
-    pipes.stdin = None;
-    assert!(
-        pipes
-            .child
-            .wait()
-            .expect("waiting for the workload")
-            .success()
-    );
+    pipes.finish();
 
     let closed_samples = kernel_samples(&closed);
     let pipe_inuse_closed = total(&closed_samples, pid.into(), 2, is_pipe_stack);
@@ -317,17 +272,7 @@ fn go_pprof_reads_kernel_profiles_with_symbol_names() {
         "children of the command are counted too: pids {pids:?}"
     );
 
-    let output = Command::new("go")
-        .args(["tool", "pprof", "-top", "-sample_index=alloc_space"])
-        .arg(path)
-        .output()
-        .expect("running go tool pprof (install golang-go: cargo xtask setup)");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "go tool pprof failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = go_pprof_top(path, "alloc_space");
     let rows: Vec<&str> = stdout
         .lines()
         .skip_while(|l| !l.trim_start().starts_with("flat"))

@@ -2,62 +2,9 @@
 
 mod common;
 
-use std::{
-    collections::BTreeMap,
-    io::Write as _,
-    path::Path,
-    process::{Child, ChildStdin, Command, Stdio},
-    sync::mpsc,
-    time::Duration,
-};
+use std::{collections::BTreeMap, process::Command, time::Duration};
 
 use common::*;
-
-/// A started waiter program (tests/programs/waiter.c).
-struct Waiter {
-    child: Child,
-    stdin: Option<ChildStdin>,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Waiter {
-    fn start(binary: &Path, count: u32, size: u32) -> Self {
-        let mut child = Command::new(binary)
-            .args([count.to_string(), size.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("starting the waiter");
-        let stdin = child.stdin.take();
-        let lines = forward_lines(child.stdout.take().expect("stdout"));
-        let waiter = Self {
-            child,
-            stdin,
-            lines,
-        };
-        waiter.expect_line("ready");
-        waiter
-    }
-
-    fn expect_line(&self, wanted: &str) {
-        let line = self
-            .lines
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|e| panic!("waiter did not print {wanted:?}: {e}"));
-        assert_eq!(line, wanted);
-    }
-
-    /// Lets it allocate, waits until it has, then lets it exit.
-    fn work_and_exit(&mut self) {
-        let stdin = self.stdin.as_mut().expect("stdin open");
-        stdin.write_all(b"go\n").expect("writing to the waiter");
-        stdin.flush().expect("flush");
-        self.expect_line("done");
-        self.stdin = None;
-        let status = self.child.wait().expect("waiting for the waiter");
-        assert!(status.success());
-    }
-}
 
 #[test]
 fn attaches_to_a_running_process_and_ends_with_it() {
@@ -65,13 +12,14 @@ fn attaches_to_a_running_process_and_ends_with_it() {
     let dir = scratch();
     let binary = compile(dir.path(), "waiter", "waiter", &["-O0"]);
     let out = dir.path().join("profiles");
-    let mut waiter = Waiter::start(&binary, 1000, 48);
+    let mut waiter = Driven::start(&binary, &["1000", "48"]);
     let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
             .args(["--interval", "200ms", "--pid"])
             .arg(waiter.child.id().to_string()),
     );
-    waiter.work_and_exit();
+    waiter.step("done");
+    waiter.finish();
     // The target's exit ends --pid mode with a final profile.
     wait_success(&mut heapprofd, &log, "--pid");
 
@@ -118,13 +66,15 @@ fn all_mode_tells_processes_apart_by_labels() {
     let one = compile(dir.path(), "waiter", "proc_one", &["-O0"]);
     let two = compile(dir.path(), "waiter", "proc_two", &["-O0"]);
     let out = dir.path().join("profiles");
-    let mut first = Waiter::start(&one, 300, 32);
-    let mut second = Waiter::start(&two, 700, 16);
+    let mut first = Driven::start(&one, &["300", "32"]);
+    let mut second = Driven::start(&two, &["700", "16"]);
     let pids = [first.child.id().to_string(), second.child.id().to_string()];
     let (mut heapprofd, log) =
         start_heapprofd(heapprofd(&out).args(["--interval", "300ms", "--all"]));
-    first.work_and_exit();
-    second.work_and_exit();
+    first.step("done");
+    first.finish();
+    second.step("done");
+    second.finish();
     std::thread::sleep(Duration::from_millis(500));
     // SAFETY: plain kill(2) of our own child.
     unsafe { libc::kill(heapprofd.id() as i32, libc::SIGINT) };
@@ -174,17 +124,7 @@ fn bad_targets_get_one_clear_line_and_status_2() {
             .args(args)
             .output()
             .expect("starting heapprofd");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(message),
-            "{args:?}: expected {message:?} in {stderr:?}"
-        );
-        assert_eq!(
-            stderr.trim().lines().count(),
-            1,
-            "{args:?}: one line, got {stderr:?}"
-        );
+        assert_usage_error(&output, &format!("{args:?}"), message);
     }
 }
 
@@ -193,12 +133,12 @@ fn more_bad_input_gets_one_clear_line_and_status_2() {
     require_root();
     let dir = scratch();
     let out = dir.path().join("profiles");
-    let mut static_waiter = Waiter::start(
+    // Ended when dropped.
+    let static_waiter = Driven::start(
         &compile(dir.path(), "waiter", "static-waiter", &["-O0", "-static"]),
-        1,
-        16,
+        &["1", "16"],
     );
-    let static_pid = static_waiter.child.id().to_string();
+    let static_pid = static_waiter.pid();
     let libm = format!("/lib/{}-linux-gnu/libm.so.6", std::env::consts::ARCH);
     let out_arg = out.display().to_string();
     let cases: Vec<(Vec<&str>, &str)> = vec![
@@ -229,21 +169,8 @@ fn more_bad_input_gets_one_clear_line_and_status_2() {
             command.args(["-o", &out_arg]);
         }
         let output = command.args(&args).output().expect("starting heapprofd");
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(message),
-            "{args:?}: expected {message:?} in {stderr:?}"
-        );
-        assert_eq!(
-            stderr.trim().lines().count(),
-            1,
-            "{args:?}: one line, got {stderr:?}"
-        );
+        assert_usage_error(&output, &format!("{args:?}"), message);
     }
-    static_waiter.stdin = None;
-    let _ = static_waiter.child.kill();
-    let _ = static_waiter.child.wait();
 }
 
 #[test]
@@ -263,12 +190,21 @@ fn without_privileges_heapprofd_names_the_missing_capabilities() {
         .arg(dir.path().join("profiles"))
         .output()
         .expect("running setpriv");
+    assert_usage_error(&output, "no privileges", "missing CAP_BPF and CAP_PERFMON");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("run heapprofd as root"));
+}
+
+/// Bad input: status 2 and one line on stderr that contains `message`.
+fn assert_usage_error(output: &std::process::Output, case: &str, message: &str) {
     let stderr = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert_eq!(output.status.code(), Some(2), "{case}: {stderr}");
     assert!(
-        stderr.contains("missing CAP_BPF and CAP_PERFMON")
-            && stderr.contains("run heapprofd as root"),
-        "{stderr}"
+        stderr.contains(message),
+        "{case}: expected {message:?} in {stderr:?}"
     );
-    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert_eq!(
+        stderr.trim().lines().count(),
+        1,
+        "{case}: one line, got {stderr:?}"
+    );
 }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use std::{os::unix::fs::PermissionsExt as _, process::Command};
+use std::os::unix::fs::PermissionsExt as _;
 
 use common::*;
 
@@ -61,17 +61,7 @@ fn go_pprof_reads_every_sample_type_and_the_structure_holds() {
         "inuse_objects",
         "inuse_space",
     ] {
-        let output = Command::new("go")
-            .args(["tool", "pprof", "-top", &format!("-sample_index={index}")])
-            .arg(&path)
-            .output()
-            .expect("running go tool pprof (install golang-go: cargo xtask setup)");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(
-            output.status.success(),
-            "go tool pprof failed: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let stdout = go_pprof_top(&path, index);
         assert!(stdout.contains(" main"), "{index}: no main in\n{stdout}");
         assert!(
             stdout.contains(" malloc"),

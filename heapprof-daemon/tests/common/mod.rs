@@ -248,3 +248,124 @@ pub fn wait_success(child: &mut Child, log: &mpsc::Receiver<String>, what: &str)
         );
     }
 }
+
+/// A test program driven line by line (waiter.c, pipes.c): it prints "ready", then
+/// does one step per line it reads and prints what it did; it exits at end of input.
+pub struct Driven {
+    /// The running program.
+    pub child: Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Driven {
+    /// Starts `binary` with `args` and waits for its "ready".
+    pub fn start(binary: &Path, args: &[&str]) -> Self {
+        let mut child = Command::new(binary)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()));
+        let stdin = child.stdin.take();
+        let lines = forward_lines(child.stdout.take().expect("stdout"));
+        let driven = Self {
+            child,
+            stdin,
+            lines,
+        };
+        driven.expect_line("ready");
+        driven
+    }
+
+    /// The program's pid, as an argument.
+    pub fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    /// Waits for the program to print `wanted`.
+    pub fn expect_line(&self, wanted: &str) {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("the test program did not print {wanted:?}: {e}"));
+        assert_eq!(line, wanted);
+    }
+
+    /// Lets it take one step and waits for it to print `reply`.
+    pub fn step(&mut self, reply: &str) {
+        use std::io::Write as _;
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        stdin
+            .write_all(b"go\n")
+            .expect("writing to the test program");
+        stdin.flush().expect("flush");
+        self.expect_line(reply);
+    }
+
+    /// Ends its input and waits for it to exit successfully.
+    pub fn finish(&mut self) {
+        self.stdin = None;
+        let status = self.child.wait().expect("waiting for the test program");
+        assert!(status.success(), "the test program failed: {status}");
+    }
+}
+
+impl Drop for Driven {
+    fn drop(&mut self) {
+        self.stdin = None;
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The sites of tests/programs/stacks.c: (objects, bytes) per stack from the allocator's
+/// caller up to `main`, for the samples through `a` or `b`; and those samples' leaves.
+pub fn abc_stacks(
+    samples: &[Sample],
+) -> (std::collections::BTreeMap<String, (i64, i64)>, Vec<String>) {
+    let mut stacks = std::collections::BTreeMap::new();
+    let mut leaves = Vec::new();
+    for sample in samples {
+        let frames = sample.up_to_main();
+        if frames.iter().any(|f| *f == "a" || *f == "b") {
+            let entry: &mut (i64, i64) = stacks.entry(frames.join(" <- ")).or_default();
+            entry.0 += sample.values[0];
+            entry.1 += sample.values[1];
+            leaves.push(sample.stack[0].clone());
+        }
+    }
+    (stacks, leaves)
+}
+
+/// What stacks.c allocates, in the form [`abc_stacks`] returns.
+pub fn expected_abc_stacks() -> std::collections::BTreeMap<String, (i64, i64)> {
+    [
+        ("a <- main", (1, 1000)),
+        ("b <- a <- main", (1, 100)),
+        ("b <- main", (1, 100)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
+}
+
+/// `go tool pprof -top -sample_index=INDEX PROFILE`'s output; fails when it fails.
+pub fn go_pprof_top(profile: &Path, sample_index: &str) -> String {
+    let output = Command::new("go")
+        .args([
+            "tool",
+            "pprof",
+            "-top",
+            &format!("-sample_index={sample_index}"),
+        ])
+        .arg(profile)
+        .output()
+        .expect("running go tool pprof (install golang-go: cargo xtask setup)");
+    assert!(
+        output.status.success(),
+        "go tool pprof failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
