@@ -118,17 +118,23 @@ pub struct InFlight {
     pub _pad: u32,
 }
 
-/// Identifies one allocation site: a process, a call stack and the entry point.
+/// Identifies one allocation site: a process image, a call stack and the entry point.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StackKey {
     /// Process (thread-group) id.
     pub tgid: u32,
-    /// The [`AllocKind`] the user called.
-    pub kind: u32,
+    /// How many times the process had called exec (while traced) when the block was
+    /// allocated: the frames are addresses in that image, and only its mappings
+    /// symbolize them (see `EXEC_GEN`).
+    pub exec_gen: u32,
     /// Hash of the process id and the stack's frames: the key of its [`UserStack`] in
     /// `STACKS` (absent there if the stack table was full).
     pub stack: u64,
+    /// The [`AllocKind`] the user called.
+    pub kind: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Cumulative counters of one allocation site. In-use = allocated - freed.
@@ -187,14 +193,17 @@ pub enum DropReason {
     OutPtrUnreadable = 5,
     /// The kernel could not take the stack of a kernel allocation: counted at its call site.
     StackUnavailable = 6,
+    /// The exec-generation table was full: a process's allocations after an exec are
+    /// counted as its previous image's, whose mappings may not symbolize them.
+    ExecTableFull = 7,
 }
 
 impl DropReason {
     /// Number of reasons (size of the `DROPS` array).
-    pub const COUNT: u32 = 7;
+    pub const COUNT: u32 = 8;
 
     /// Every reason, indexed by discriminant.
-    pub const ALL: [DropReason; 7] = [
+    pub const ALL: [DropReason; 8] = [
         DropReason::LiveTableFull,
         DropReason::SiteTableFull,
         DropReason::StackTableFull,
@@ -202,6 +211,7 @@ impl DropReason {
         DropReason::InFlightFull,
         DropReason::OutPtrUnreadable,
         DropReason::StackUnavailable,
+        DropReason::ExecTableFull,
     ];
 
     /// A short description for logs and profile comments.
@@ -218,6 +228,9 @@ impl DropReason {
             DropReason::InFlightFull => "in-flight table full (calls not counted)",
             DropReason::OutPtrUnreadable => "posix_memalign result unreadable (not counted)",
             DropReason::StackUnavailable => "kernel stack not available (counted at the call site)",
+            DropReason::ExecTableFull => {
+                "exec-generation table full (allocations after an exec may be mis-symbolized)"
+            }
         }
     }
 }
@@ -231,11 +244,23 @@ pub struct Config {
     /// A process whose calls are ignored: the daemon itself, whose own
     /// allocations would otherwise feed back into the profile in `--all` mode.
     pub ignore_tgid: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// The one process traced (`--pid`, a launched command), or 0 for all: execs of
+    /// other processes are not recorded.
+    pub target_tgid: u32,
     /// Mean bytes between recorded allocations (Poisson sampling by bytes, as Go's and
     /// tcmalloc's heap profilers); 0 records every allocation.
     pub sample_rate: u64,
+}
+
+/// Sent to the daemon when a traced process calls exec: its mappings are replaced, and
+/// the daemon reads the new ones while they are current.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecEvent {
+    /// The process.
+    pub tgid: u32,
+    /// Its new exec generation (see [`StackKey::exec_gen`]).
+    pub exec_gen: u32,
 }
 
 /// Largest `--sample-rate`: keeps the BPF side's fixed-point arithmetic in range.
@@ -259,6 +284,14 @@ pub mod names {
     pub const CONFIG: &str = "CONFIG";
     /// Per-CPU bytes left until the next sampled allocation (`PerCpuArray<u64>`, one slot).
     pub const SAMPLER: &str = "SAMPLER";
+    /// Exec generation per process (`HashMap<u32, u32>`, keyed by tgid; absent = 0).
+    pub const EXEC_GEN: &str = "EXEC_GEN";
+    /// [`crate::ExecEvent`]s for the daemon (`RingBuf`).
+    pub const EXEC_EVENTS: &str = "EXEC_EVENTS";
+    /// Raw tracepoint on `sched_process_exec` (needs no tracefs).
+    pub const PROG_EXEC: &str = "process_exec";
+    /// The tracepoint it attaches to.
+    pub const EXEC_TRACEPOINT: &str = "sched_process_exec";
     /// Uretprobe shared by every allocating entry point.
     pub const PROG_ALLOC_RETURN: &str = "alloc_return";
     /// Uprobe on free.
@@ -290,4 +323,5 @@ mod pod {
     unsafe impl aya::Pod for super::LiveBlock {}
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::UserStack {}
+    unsafe impl aya::Pod for super::ExecEvent {}
 }

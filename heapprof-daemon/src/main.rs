@@ -11,7 +11,9 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
+use aya::maps::{MapData, RingBuf};
 use clap::Parser as _;
+use heapprof_common::ExecEvent;
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{Signal, SignalKind, signal},
@@ -152,6 +154,44 @@ impl AnySession {
         }
     }
 
+    /// User mode: the BPF side's exec notifications, for the event loop to watch.
+    fn take_exec_events(&mut self) -> Option<AsyncFd<RingBuf<MapData>>> {
+        let AnySession::User(session) = self else {
+            return None;
+        };
+        let ring = session.take_exec_events()?;
+        // SAFETY: the AsyncFd owns the ring buffer, whose descriptor stays open and
+        // unchanged until it is dropped.
+        match unsafe { AsyncFd::register(ring) } {
+            Ok(fd) => Some(fd),
+            Err(err) => {
+                log::warn!(
+                    "cannot watch for execs ({err}); images are read on each interval instead"
+                );
+                None
+            }
+        }
+    }
+
+    fn exec_seen(&mut self, event: ExecEvent) {
+        if let AnySession::User(session) = self {
+            session.exec_seen(event);
+        }
+    }
+
+    fn next_exec_read(&self) -> Option<Instant> {
+        match self {
+            AnySession::User(session) => session.next_exec_read().map(Instant::from_std),
+            AnySession::Kernel(_) => None,
+        }
+    }
+
+    fn read_due_images(&mut self) {
+        if let AnySession::User(session) = self {
+            session.read_due_images();
+        }
+    }
+
     /// Called while a launched command is held at its exit.
     fn before_exit(&mut self) {
         if let AnySession::User(session) = self
@@ -229,12 +269,12 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<Start
         threads: cli.max_threads,
     };
     let sample_rate = cli.sample_rate.unwrap_or(0);
-    let mut ebpf = probes::load(capacities, sample_rate)?;
     let pid = match (target, &child) {
         (Target::Pid(pid), _) => Some(*pid),
         (Target::Launch(_), Some(child)) => Some(child.pid),
         _ => None,
     };
+    let mut ebpf = probes::load(capacities, sample_rate, pid)?;
     let probes = probes::attach(&mut ebpf, &libc, pid)?;
     let config = SessionConfig {
         target: target.clone(),
@@ -353,6 +393,26 @@ fn print_top(top: &[session::TopSite]) {
     }
 }
 
+/// Waits for exec notifications and takes every one that is ready.
+async fn drain_exec_events(fd: &mut AsyncFd<RingBuf<MapData>>) -> Vec<ExecEvent> {
+    let mut guard = match fd.readable_mut().await {
+        Ok(guard) => guard,
+        Err(err) => {
+            log::warn!("cannot watch for execs: {err}");
+            return std::future::pending().await;
+        }
+    };
+    let mut events = Vec::new();
+    while let Some(item) = guard.get_inner_mut().next() {
+        if item.len() >= std::mem::size_of::<ExecEvent>() {
+            // SAFETY: the BPF side writes whole ExecEvents (plain integers); read unaligned.
+            events.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<ExecEvent>()) });
+        }
+    }
+    guard.clear_ready();
+    events
+}
+
 /// A pidfd that becomes readable when `pid` exits.
 fn pidfd(pid: u32) -> Result<AsyncFd<OwnedFd>> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
@@ -381,9 +441,19 @@ async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCode> {
     let far_future = Instant::now() + Duration::from_secs(100 * 365 * 86400);
     let mut exit_code = ExitCode::SUCCESS;
     let mut stop_requested = false;
+    let mut exec_events = session.take_exec_events();
 
     loop {
+        let next_exec_read = session.next_exec_read();
         tokio::select! {
+            events = async { match exec_events.as_mut() { Some(fd) => drain_exec_events(fd).await, None => std::future::pending().await } } => {
+                for event in events {
+                    session.exec_seen(event);
+                }
+            }
+            _ = tokio::time::sleep_until(next_exec_read.unwrap_or(far_future)), if next_exec_read.is_some() => {
+                session.read_due_images();
+            }
             _ = ticks.tick() => {
                 if let Err(err) = session.dump() {
                     log::error!("cannot write a profile: {err:#}");

@@ -74,6 +74,8 @@ pub struct ObjectFile {
     pub build_id: Option<String>,
     /// A path to the open descriptor, valid while this value lives.
     pub open_path: PathBuf,
+    /// Device and inode: the file's identity, whatever path names it.
+    pub id: (u64, u64),
     _file: File,
 }
 
@@ -166,6 +168,7 @@ impl ObjectCache {
             path: label.trim_end_matches(" (deleted)").to_owned(),
             build_id,
             open_path,
+            id: key,
             _file: file,
         });
         self.objects.insert(key, Arc::clone(&object));

@@ -19,10 +19,11 @@ use common::*;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Names of heapprofd's BPF programs as the kernel lists them (truncated to 15 characters).
-const PROGRAM_NAMES: [&str; 6] = [
+const PROGRAM_NAMES: [&str; 7] = [
     "malloc_enter",
     "alloc_return",
     "free_enter",
+    "process_exec",
     "kmalloc",
     "kmem_cache_allo",
     "kfree",

@@ -208,3 +208,116 @@ fn assert_usage_error(output: &std::process::Output, case: &str, message: &str) 
         "{case}: one line, got {stderr:?}"
     );
 }
+
+/// heapprofd's log filter for the exec tests: its reading of new images is logged at debug level.
+const EXEC_LOG: &str = "info,heapprof_daemon::session::user=debug";
+
+/// Waits for a line of heapprofd's log containing `start` and `rest`; returns it.
+fn wait_for_line(log: &std::sync::mpsc::Receiver<String>, start: &str, rest: &str) -> String {
+    loop {
+        let line = log
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|e| panic!("heapprofd did not log {start:?} ... {rest:?}: {e}"));
+        if line.contains(start) && line.contains(rest) {
+            return line;
+        }
+    }
+}
+
+/// Sums of the samples whose allocator caller is `function`.
+fn by_caller(samples: &[Sample], function: &str) -> [i64; 4] {
+    totals(samples, |s| s.stack.get(1).is_some_and(|f| f == function))
+}
+
+#[test]
+fn pid_mode_keeps_tracing_through_fork_and_exec() {
+    require_root();
+    let dir = scratch();
+    let binary = compile(dir.path(), "execer", "execer", &["-O0"]);
+    let out = dir.path().join("profiles");
+    let mut execer = Driven::start(&binary, &["parent", binary.to_str().expect("utf-8 path")]);
+    let (mut heapprofd, log) = start_heapprofd(
+        heapprofd(&out)
+            .env("RUST_LOG", EXEC_LOG)
+            .args(["--interval", "1h", "--pid"])
+            .arg(execer.pid()),
+    );
+    // parent_work, a forked child, then the exec into image2_work, which prints "done".
+    execer.step("done");
+    // The new image is read in the background; an image that exits first (faster
+    // than heapprofd can react) is still counted, with its frames as addresses.
+    wait_for_line(
+        &log,
+        &format!("pid {} (exec generation 1): mappings read", execer.pid()),
+        "with the probed C library",
+    );
+    execer.finish();
+    wait_success(&mut heapprofd, &log, "--pid through exec");
+
+    let samples = samples(&last_profile(&out));
+    // Counted and named although the image that made them was gone before the
+    // profile was written; their memory went with it, so none is in use.
+    assert_eq!(
+        by_caller(&samples, "parent_work"),
+        [100, 6400, 0, 0],
+        "parent_work (before the exec): {samples:#?}"
+    );
+    assert_eq!(
+        by_caller(&samples, "image2_work"),
+        [50, 1600, 30, 960],
+        "image2_work (after the exec): {samples:#?}"
+    );
+    assert_eq!(
+        by_caller(&samples, "child_work"),
+        [0; 4],
+        "the forked child is not traced"
+    );
+    for function in ["parent_work", "image2_work"] {
+        let sample = samples
+            .iter()
+            .find(|s| s.stack.get(1).is_some_and(|f| f == function))
+            .expect("sample");
+        assert_eq!(sample.up_to_main(), [function, "main"], "{sample:?}");
+        assert_eq!(sample.labels["pid"], execer.pid());
+    }
+}
+
+#[test]
+fn pid_mode_says_when_an_exec_leaves_the_traced_libc() {
+    require_root();
+    let dir = scratch();
+    let binary = compile(dir.path(), "execer", "execer", &["-O0"]);
+    let static_binary = compile(dir.path(), "execer", "execer-static", &["-O0", "-static"]);
+    let static_path = static_binary.to_str().expect("utf-8 path");
+    let out = dir.path().join("profiles");
+    let mut execer = Driven::start(&binary, &["parent", static_path]);
+    let (mut heapprofd, log) = start_heapprofd(
+        heapprofd(&out)
+            .args(["--interval", "1h", "--pid"])
+            .arg(execer.pid()),
+    );
+    execer.step("done");
+    let warning = wait_for_line(&log, "exec'd", "no longer traced");
+    assert!(
+        warning.contains(static_path) && warning.contains("--libc"),
+        "the warning names the program and the way out: {warning}"
+    );
+    // heapprofd keeps going until the target exits.
+    execer.finish();
+    wait_success(&mut heapprofd, &log, "--pid through an exec out of libc");
+    let profile = last_profile(&out);
+    let samples = samples(&profile);
+    assert_eq!(by_caller(&samples, "parent_work"), [100, 6400, 0, 0]);
+    assert_eq!(by_caller(&samples, "image2_work"), [0; 4]);
+    let comments: Vec<&str> = profile
+        .comment
+        .iter()
+        .map(|&i| profile.string_table[i as usize].as_str())
+        .collect();
+    assert!(
+        comments
+            .iter()
+            .any(|c| c.contains("not traced after it exec'd")),
+        "the profile says so too: {comments:?}"
+    );
+}

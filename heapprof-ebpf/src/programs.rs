@@ -3,13 +3,13 @@
 use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{bpf_get_current_pid_tgid, bpf_get_prandom_u32, bpf_probe_read_user},
-    macros::{map, uprobe, uretprobe},
-    maps::{HashMap, PerCpuArray, PerCpuHashMap},
-    programs::{ProbeContext, RetProbeContext},
+    macros::{map, raw_tracepoint, uprobe, uretprobe},
+    maps::{HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use heapprof_common::{
-    AllocKind, Config, DropReason, InFlight, LiveBlock, LiveKey, MAX_STACK_DEPTH, MAX_STACK_SPAN,
-    SiteCounters, StackKey, UserStack,
+    AllocKind, Config, DropReason, ExecEvent, InFlight, LiveBlock, LiveKey, MAX_STACK_DEPTH,
+    MAX_STACK_SPAN, SiteCounters, StackKey, UserStack,
 };
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
@@ -30,13 +30,17 @@ static STACK_SCRATCH: PerCpuArray<UserStack> = PerCpuArray::with_max_entries(1, 
 static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT, 0);
 #[map(name = "SAMPLER")]
 static SAMPLER: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+#[map(name = "EXEC_GEN")]
+static EXEC_GEN: HashMap<u32, u32> = HashMap::with_max_entries(16384, 0);
+#[map(name = "EXEC_EVENTS")]
+static EXEC_EVENTS: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
 
 /// Written by the daemon before loading (read-only data).
 #[unsafe(no_mangle)]
 static CONFIG: Config = Config {
     page_size: 4096,
     ignore_tgid: 0,
-    _pad: 0,
+    target_tgid: 0,
     sample_rate: 0,
 };
 
@@ -82,6 +86,8 @@ fn record_stack(
     tgid: u32,
     kind: AllocKind,
 ) -> Option<(StackKey, &'static UserStack)> {
+    // SAFETY: a plain value copied out of the map.
+    let exec_gen = unsafe { EXEC_GEN.get(&tgid) }.copied().unwrap_or(0);
     let scratch = STACK_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's scratch slot; programs on one CPU do not interleave.
     let stack = unsafe { &mut *scratch };
@@ -117,8 +123,10 @@ fn record_stack(
     }
     let site = StackKey {
         tgid,
-        kind: kind as u32,
+        exec_gen,
         stack: hash,
+        kind: kind as u32,
+        _pad: 0,
     };
     Some((site, stack))
 }
@@ -476,5 +484,42 @@ pub fn free_enter(ctx: ProbeContext) -> u32 {
         }
     }
     release((pid_tgid >> 32) as u32, arg(&ctx, 0));
+    0
+}
+
+/// A process replaced its image: later allocations get the next exec generation, so
+/// that their frames are read with the new mappings and the old image's with the old.
+/// A raw tracepoint, so that user mode needs no tracefs.
+#[raw_tracepoint(tracepoint = "sched_process_exec")]
+pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: CONFIG is a plain global; volatile so the loader's value is read.
+    let target = unsafe { core::ptr::read_volatile(&CONFIG.target_tgid) };
+    if ignored(pid_tgid) || (target != 0 && target != tgid) {
+        return 0;
+    }
+    let exec_gen = match EXEC_GEN.get_ptr_mut(&tgid) {
+        // SAFETY: only this process's exec writes its entry, and it runs once at a time.
+        Some(slot) => unsafe {
+            *slot += 1;
+            *slot
+        },
+        None => {
+            if EXEC_GEN.insert(&tgid, &1, 0).is_err() {
+                count_drop(DropReason::ExecTableFull);
+                return 0;
+            }
+            1
+        }
+    };
+    // The exec kills the other threads, possibly inside an allocator call: the thread
+    // now holding the leader's id must not inherit a nesting depth from one of them.
+    if let Some(state) = IN_FLIGHT.get_ptr_mut(&pid_tgid) {
+        // SAFETY: this thread's own entry.
+        unsafe { (*state).depth = 0 };
+    }
+    // Lost only when the daemon is far behind; it then reads the maps on its next dump.
+    let _ = EXEC_EVENTS.output(&ExecEvent { tgid, exec_gen }, 0);
     0
 }

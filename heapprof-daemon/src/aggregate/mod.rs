@@ -63,6 +63,7 @@ pub struct Maps {
     live: BpfHashMap<MapData, LiveKey, LiveBlock>,
     drops: PerCpuArray<MapData, u64>,
     in_flight: BpfHashMap<MapData, u64, InFlight>,
+    exec_gen: BpfHashMap<MapData, u32, u32>,
     /// Stacks already read, by hash; an entry is never replaced while its process lives.
     stack_cache: HashMap<u64, std::sync::Arc<[u64]>>,
     /// Sites of processes that have exited: allocations kept, in-use cleared.
@@ -102,6 +103,7 @@ impl Maps {
             live: take(ebpf, names::LIVE)?,
             drops: take(ebpf, names::DROPS)?,
             in_flight: take(ebpf, names::IN_FLIGHT)?,
+            exec_gen: take(ebpf, names::EXEC_GEN)?,
             stack_cache: HashMap::new(),
             retired: HashMap::new(),
         })
@@ -168,6 +170,16 @@ impl Maps {
         left
     }
 
+    /// The exec generation of process `tgid` now (0 before its first exec under tracing).
+    pub fn exec_generation(&self, tgid: u32) -> u32 {
+        self.exec_gen.get(&tgid, 0).unwrap_or(0)
+    }
+
+    /// Every process that has called exec while traced, with its current generation.
+    pub fn exec_generations(&self) -> HashMap<u32, u32> {
+        self.exec_gen.iter().filter_map(|e| e.ok()).collect()
+    }
+
     /// Removes every trace of processes that have exited from the BPF maps: their
     /// allocations are kept (retired, in-use zero since the process's memory is gone),
     /// their live blocks and counters leave the tables.
@@ -175,8 +187,65 @@ impl Maps {
         if dead.is_empty() {
             return Ok(());
         }
+        let stale_live: Vec<LiveKey> = self
+            .live
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| dead.contains(&k.tgid))
+            .collect();
+        let sites = self.retire_sites(|key| dead.contains(&key.tgid))?;
+        for pid in dead {
+            let _ = self.exec_gen.remove(pid);
+        }
+        let removed = self.remove_live(&stale_live);
+        log::debug!(
+            "retired {} exited process(es): {sites} sites, {removed} live blocks removed",
+            dead.len(),
+        );
+        Ok(())
+    }
+
+    /// Retires the images that processes have replaced by exec: `current` maps each
+    /// process to its generation now; sites of earlier generations keep their
+    /// allocations, and their memory, gone with the old address space, is no longer
+    /// in use. Returns how many sites were retired.
+    pub fn retire_replaced_images(&mut self, current: &HashMap<u32, u32>) -> Result<usize> {
+        let replaced = |key: &StackKey| {
+            current
+                .get(&key.tgid)
+                .is_some_and(|&generation| key.exec_gen < generation)
+        };
+        if !self
+            .read_sites()?
+            .iter()
+            .any(|s| replaced(&s.key) && !self.retired.contains_key(&s.key))
+        {
+            return Ok(0);
+        }
+        // Live blocks first: once they are gone, no free can be credited to a retired site.
+        let stale_live: Vec<LiveKey> = self
+            .live
+            .iter()
+            .filter_map(|e| e.ok())
+            .filter(|(_, block)| replaced(&block.site))
+            .map(|(key, _)| key)
+            .collect();
+        let removed = self.remove_live(&stale_live);
+        let sites = self.retire_sites(replaced)?;
+        log::debug!("retired {sites} sites of replaced images, {removed} live blocks removed");
+        Ok(sites)
+    }
+
+    fn remove_live(&mut self, keys: &[LiveKey]) -> usize {
+        keys.iter().filter(|k| self.live.remove(k).is_ok()).count()
+    }
+
+    /// Moves the sites matching `retire` out of the BPF table into `retired`, with
+    /// everything freed. Their stacks stay readable from the daemon's cache.
+    fn retire_sites(&mut self, retire: impl Fn(&StackKey) -> bool) -> Result<usize> {
+        let mut count = 0;
         for site in self.read_sites()? {
-            if dead.contains(&site.key.tgid) && self.sites.get(&site.key, 0).is_ok() {
+            if retire(&site.key) && self.sites.get(&site.key, 0).is_ok() {
                 let mut counters = site.counters;
                 counters.free_objects = counters.alloc_objects;
                 counters.free_bytes = counters.alloc_bytes;
@@ -184,24 +253,11 @@ impl Maps {
                 // Keep the frames for later profiles; the kernel's copy can go.
                 self.stack(site.key.stack);
                 let _ = self.stacks.remove(&site.key.stack);
-                // A concurrent writer cannot exist: the process is gone.
+                // No writer is left: the process (or its image) is gone.
                 let _ = self.sites.remove(&site.key);
+                count += 1;
             }
         }
-        let stale: Vec<LiveKey> = self
-            .live
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| dead.contains(&k.tgid))
-            .collect();
-        for key in &stale {
-            let _ = self.live.remove(key);
-        }
-        log::debug!(
-            "retired {} exited process(es), {} live blocks removed",
-            dead.len(),
-            stale.len()
-        );
-        Ok(())
+        Ok(count)
     }
 }

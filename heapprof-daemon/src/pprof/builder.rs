@@ -35,11 +35,16 @@ pub enum LabelValue {
     Num(i64),
 }
 
-/// Identity of a mapping in the profile: one region of one process.
+/// An address space whose addresses the profile holds: one image of one process (a
+/// process that calls exec gets a new one), or the kernel. Addresses and mappings
+/// are only compared within one space.
+pub type AddressSpace = u64;
+
+/// Identity of a mapping in the profile: one region of one address space.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MappingKey {
-    /// Process id.
-    pub pid: u32,
+    /// The address space.
+    pub space: AddressSpace,
     /// Region start address.
     pub start: u64,
 }
@@ -51,7 +56,7 @@ pub struct ProfileBuilder {
     strings: HashMap<String, i64>,
     functions: HashMap<(String, Option<String>), u64>,
     mappings: HashMap<MappingKey, usize>,
-    locations: HashMap<(u32, u64, u16), u64>,
+    locations: HashMap<(AddressSpace, u64, u16), u64>,
 }
 
 impl ProfileBuilder {
@@ -155,19 +160,19 @@ impl ProfileBuilder {
         id
     }
 
-    /// The id of the location at `address` of process `pid`, adding it on first use.
+    /// The id of the location at `address` in `space`, adding it on first use.
     /// `frames` are innermost first; `mapping` is `None` for addresses outside any
     /// known mapping. `tag` tells apart locations that share an address but are
     /// not the same frame (0 for real frames; the caller's own values for synthetic ones).
     pub fn location(
         &mut self,
-        pid: u32,
+        space: AddressSpace,
         address: u64,
         tag: u16,
         mapping: Option<MappingKey>,
         frames: &[Frame],
     ) -> u64 {
-        if let Some(&id) = self.locations.get(&(pid, address, tag)) {
+        if let Some(&id) = self.locations.get(&(space, address, tag)) {
             return id;
         }
         let id = self.profile.location.len() as u64 + 1;
@@ -200,7 +205,7 @@ impl ProfileBuilder {
             line: lines,
             is_folded: false,
         });
-        self.locations.insert((pid, address, tag), id);
+        self.locations.insert((space, address, tag), id);
         id
     }
 
@@ -354,7 +359,7 @@ mod tests {
     fn builds_a_valid_profile() {
         let mut b = ProfileBuilder::new(1, 2, &SAMPLE_TYPES);
         let key = MappingKey {
-            pid: 1,
+            space: 1,
             start: 0x1000,
         };
         b.mapping(key, 0x2000, 0, "/bin/x", Some("abcd"));

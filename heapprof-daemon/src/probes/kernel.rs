@@ -198,6 +198,7 @@ pub fn load(
         .map_max_entries(names::SITES, 1)
         .map_max_entries(names::STACKS, 1)
         .map_max_entries(names::IN_FLIGHT, 1)
+        .map_max_entries(names::EXEC_GEN, 1)
         .load(BPF_OBJECT)
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
 }

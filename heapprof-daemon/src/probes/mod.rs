@@ -10,7 +10,7 @@ use std::num::NonZeroU32;
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf, EbpfLoader,
-    programs::{UProbe, uprobe::UProbeScope},
+    programs::{RawTracePoint, UProbe, uprobe::UProbeScope},
 };
 use heapprof_common::{Config, kernel::names as kernel_names, names};
 
@@ -33,12 +33,12 @@ pub struct Capacities {
 }
 
 /// Loads the BPF object for user mode with the given capacities and sampling rate
-/// (0: every allocation). Nothing is attached yet.
-pub fn load(capacities: Capacities, sample_rate: u64) -> Result<Ebpf> {
+/// (0: every allocation), tracing process `target` or all (`None`). Nothing is attached yet.
+pub fn load(capacities: Capacities, sample_rate: u64, target: Option<u32>) -> Result<Ebpf> {
     let config = Config {
         page_size: page_size(),
         ignore_tgid: std::process::id(),
-        _pad: 0,
+        target_tgid: target.unwrap_or(0),
         sample_rate,
     };
     EbpfLoader::new()
@@ -47,6 +47,15 @@ pub fn load(capacities: Capacities, sample_rate: u64) -> Result<Ebpf> {
         .map_max_entries(names::SITES, capacities.sites)
         .map_max_entries(names::STACKS, capacities.stacks)
         .map_max_entries(names::IN_FLIGHT, capacities.threads)
+        // One entry per process that called exec while traced.
+        .map_max_entries(
+            names::EXEC_GEN,
+            if target.is_some() {
+                1
+            } else {
+                capacities.threads
+            },
+        )
         // The kernel-mode tables are not used: one entry each.
         .map_max_entries(kernel_names::KERNEL_LIVE, 1)
         .map_max_entries(kernel_names::KERNEL_SITES, 1)
@@ -98,6 +107,16 @@ pub fn attach(ebpf: &mut Ebpf, libc: &Libc, pid: Option<u32>) -> Result<usize> {
             .with_context(|| attach_err(&format!("the return of {}", kind.symbol())))?;
         count += 2;
     }
+    let exec: &mut RawTracePoint = ebpf
+        .program_mut(names::PROG_EXEC)
+        .with_context(|| format!("BPF program {} missing from the object", names::PROG_EXEC))?
+        .try_into()
+        .with_context(|| format!("BPF program {} is not a raw tracepoint", names::PROG_EXEC))?;
+    exec.load()
+        .with_context(|| format!("verifying BPF program {}", names::PROG_EXEC))?;
+    exec.attach(names::EXEC_TRACEPOINT)
+        .with_context(|| format!("attaching to the {} tracepoint", names::EXEC_TRACEPOINT))?;
+    count += 1;
     log::debug!("free: probe at {}", libc.free.placement);
     uprobe(ebpf, names::PROG_FREE)?
         .attach([libc.free.probe_offset()], &libc.path, scope())

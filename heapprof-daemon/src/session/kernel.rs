@@ -14,13 +14,20 @@ use super::{DropLog, Drops, TopSite, TopSites, comment_drops};
 use crate::{
     aggregate::kernel::{KernelMaps, KernelSite},
     cli::Target,
-    pprof::{LabelValue, MappingKey, ProfileBuilder, builder::KERNEL_SAMPLE_TYPES, writer},
+    pprof::{
+        LabelValue, MappingKey, ProfileBuilder,
+        builder::{AddressSpace, KERNEL_SAMPLE_TYPES},
+        writer,
+    },
     probes::stats::{self, RunTimeStats},
     symbolize::{
         Frame,
         kallsyms::{KERNEL_MODULE, KernelSymbols},
     },
 };
+
+/// Kernel addresses: one address space for every process.
+const KERNEL_SPACE: AddressSpace = 0;
 
 /// Location tags: real frames, then one per allocation kind, then the call-site fallback.
 const TAG_FRAME: u16 = 0;
@@ -206,7 +213,7 @@ impl KernelSession {
     fn add_mapping(&self, builder: &mut ProfileBuilder, address: u64) -> Option<MappingKey> {
         let range = self.symbols.range_of(address)?;
         let key = MappingKey {
-            pid: 0,
+            space: KERNEL_SPACE,
             start: range.start,
         };
         builder.mapping(key, range.end, 0, &range.name, None);
@@ -218,7 +225,7 @@ impl KernelSession {
         let frame = self.frame(address);
         let mapping = self.add_mapping(builder, address);
         let frames: Vec<Frame> = frame.into_iter().collect();
-        builder.location(0, address, tag, mapping, &frames)
+        builder.location(KERNEL_SPACE, address, tag, mapping, &frames)
     }
 
     fn build_profile(
@@ -278,7 +285,8 @@ impl KernelSession {
                 file: None,
                 line: 0,
             };
-            let mut locations = vec![builder.location(0, 0, 1 + kind as u16, None, &[leaf])];
+            let mut locations =
+                vec![builder.location(KERNEL_SPACE, 0, 1 + kind as u16, None, &[leaf])];
             let stack = self.maps.stack(site.key.stack);
             let stack = self.visible_frames(&stack);
             let mut module = None;

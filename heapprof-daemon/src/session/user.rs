@@ -8,14 +8,21 @@ use std::{
 };
 
 use anyhow::{Context as _, Result};
-use aya::Ebpf;
-use heapprof_common::AllocKind;
+use aya::{
+    Ebpf,
+    maps::{MapData, RingBuf},
+};
+use heapprof_common::{AllocKind, ExecEvent, names};
 
 use super::{DropLog, Drops, TopSite, TopSites, comment_drops};
 use crate::{
     aggregate::{Maps, Site},
     cli::Target,
-    pprof::{LabelValue, MappingKey, ProfileBuilder, builder::SAMPLE_TYPES, writer},
+    pprof::{
+        LabelValue, MappingKey, ProfileBuilder,
+        builder::{AddressSpace, SAMPLE_TYPES},
+        writer,
+    },
     probes::{
         Libc,
         stats::{self, RunTimeStats},
@@ -24,14 +31,54 @@ use crate::{
     symbolize::{Frame, Symbolizer},
 };
 
-/// What the session knows of a traced process; kept after it exits so its
-/// allocations stay symbolized in later profiles.
+/// One image of a process: what runs between two execs. Addresses mean something
+/// only within one image, so mappings are kept per image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Image {
+    pid: u32,
+    exec_gen: u32,
+}
+
+impl Image {
+    fn of(key: &heapprof_common::StackKey) -> Self {
+        Self {
+            pid: key.tgid,
+            exec_gen: key.exec_gen,
+        }
+    }
+
+    fn space(self) -> AddressSpace {
+        u64::from(self.exec_gen) << 32 | u64::from(self.pid)
+    }
+}
+
+/// What the session knows of a process image; kept after the process exits or
+/// replaces the image, so that its allocations stay symbolized in later profiles.
 #[derive(Debug, Default)]
 struct ProcessInfo {
     maps: ProcessMaps,
     comm: String,
     exe: Option<String>,
-    alive: bool,
+    /// The process is alive and this is still its image: its mappings can be re-read.
+    current: bool,
+}
+
+/// After an exec, the new image's mappings are read at these delays: at once (the
+/// program and the dynamic loader), for an image that exits or execs again quickly,
+/// and later, once the loader has mapped the libraries. Until the probed C library
+/// shows up; the last read tells that it did not.
+const EXEC_READ_DELAYS: [Duration; 3] = [
+    Duration::ZERO,
+    Duration::from_millis(100),
+    Duration::from_secs(2),
+];
+
+/// A read of an image's mappings, due at a time after its exec.
+#[derive(Debug, Clone, Copy)]
+struct ExecRead {
+    due: Instant,
+    image: Image,
+    attempt: usize,
 }
 
 /// Location tags: real frames, the allocator entry point of each kind, an unknown stack.
@@ -61,7 +108,16 @@ pub struct Session {
     run_time_stats: Option<RunTimeStats>,
     maps: Maps,
     objects: ObjectCache,
-    processes: HashMap<u32, ProcessInfo>,
+    processes: HashMap<Image, ProcessInfo>,
+    /// Exec notifications from the BPF side, until `take_exec_events` hands them out.
+    exec_events: Option<RingBuf<MapData>>,
+    exec_reads: Vec<ExecRead>,
+    /// Exec generations when images were last retired.
+    retired_generations: HashMap<u32, u32>,
+    /// Images that exec'd into a program not using the probed C library (not traced).
+    untraced_images: Vec<(Image, String)>,
+    /// Device and inode of the probed C library.
+    libc_id: Option<(u64, u64)>,
     symbolizer: Symbolizer,
     started: SystemTime,
     started_at: Instant,
@@ -73,6 +129,17 @@ impl Session {
     /// Wraps loaded, attached BPF programs.
     pub fn new(config: SessionConfig, mut ebpf: Ebpf) -> Result<Self> {
         let maps = Maps::new(&mut ebpf)?;
+        let exec_events = ebpf
+            .take_map(names::EXEC_EVENTS)
+            .with_context(|| format!("BPF map {} missing from the object", names::EXEC_EVENTS))?;
+        let exec_events = RingBuf::try_from(exec_events)
+            .with_context(|| format!("BPF map {} has an unexpected type", names::EXEC_EVENTS))?;
+        let libc_id = std::fs::metadata(&config.libc.path).ok().map(|m| {
+            (
+                std::os::unix::fs::MetadataExt::dev(&m),
+                std::os::unix::fs::MetadataExt::ino(&m),
+            )
+        });
         let run_time_stats = if config.bpf_stats {
             Some(RunTimeStats::enable()?)
         } else {
@@ -85,6 +152,11 @@ impl Session {
             maps,
             objects: ObjectCache::default(),
             processes: HashMap::new(),
+            exec_events: Some(exec_events),
+            exec_reads: Vec::new(),
+            retired_generations: HashMap::new(),
+            untraced_images: Vec::new(),
+            libc_id,
             symbolizer: Symbolizer::new(),
             started: SystemTime::now(),
             started_at: Instant::now(),
@@ -114,13 +186,9 @@ impl Session {
                     .unwrap_or_default();
                 for pid in pids {
                     self.refresh_process(pid);
-                    if self
-                        .processes
-                        .get(&pid)
-                        .is_some_and(|p| p.maps.regions.is_empty())
-                    {
-                        self.processes.remove(&pid); // kernel threads
-                    }
+                    // Kernel threads map nothing.
+                    self.processes
+                        .retain(|image, info| image.pid != pid || !info.maps.regions.is_empty());
                 }
             }
             // A launched command is read when it is held at its exit.
@@ -128,21 +196,146 @@ impl Session {
         }
     }
 
-    /// Re-reads the mappings of `pid` while it is alive (the cached ones are kept otherwise).
+    /// Reads the mappings of `pid`'s current image (the cached ones of its earlier
+    /// images, and of an exited process, are kept).
     pub fn refresh_process(&mut self, pid: u32) {
-        let info = self.processes.entry(pid).or_default();
-        match self.objects.read_process(pid) {
-            Ok(maps) => {
-                info.maps = maps;
-                info.comm = process_name(pid);
-                info.exe = std::fs::read_link(format!("/proc/{pid}/exe"))
-                    .ok()
-                    .map(|p| p.display().to_string());
-                info.alive = true;
+        // The generation is read before and after: an exec in between would give
+        // the mappings of one image under the number of another.
+        for _ in 0..3 {
+            let before = self.maps.exec_generation(pid);
+            let read = self.objects.read_process(pid);
+            let comm = process_name(pid);
+            let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+                .ok()
+                .map(|p| p.display().to_string());
+            let after = self.maps.exec_generation(pid);
+            if before != after {
+                continue;
             }
-            Err(err) => {
-                log::debug!("pid {pid}: mappings not readable ({err}); keeping the cached ones");
-                info.alive = false;
+            let image = Image {
+                pid,
+                exec_gen: after,
+            };
+            self.mark_replaced(pid, after);
+            match read {
+                // An exited process not yet reaped shows no mappings: keep what was read.
+                Ok(maps) if maps.regions.is_empty() && self.processes.contains_key(&image) => {
+                    if let Some(info) = self.processes.get_mut(&image) {
+                        info.current = false;
+                    }
+                }
+                Ok(maps) => {
+                    let info = self.processes.entry(image).or_default();
+                    info.maps = maps;
+                    info.comm = comm;
+                    info.exe = exe;
+                    info.current = true;
+                }
+                Err(err) => {
+                    log::debug!(
+                        "pid {pid}: mappings not readable ({err}); keeping the cached ones"
+                    );
+                    if let Some(info) = self.processes.get_mut(&image) {
+                        info.current = false;
+                    }
+                }
+            }
+            return;
+        }
+        log::debug!("pid {pid}: exec'ing too fast to read its mappings");
+    }
+
+    /// Marks the images of `pid` before generation `current` as replaced.
+    fn mark_replaced(&mut self, pid: u32, current: u32) {
+        for (image, info) in &mut self.processes {
+            if image.pid == pid && image.exec_gen < current {
+                info.current = false;
+            }
+        }
+    }
+
+    /// Hands out the exec notifications, to be watched by the caller's event loop.
+    pub fn take_exec_events(&mut self) -> Option<RingBuf<MapData>> {
+        self.exec_events.take()
+    }
+
+    /// A traced process called exec: its earlier images are final, the new one is
+    /// read shortly (see [`EXEC_READ_DELAYS`]).
+    pub fn exec_seen(&mut self, event: ExecEvent) {
+        log::debug!("pid {} exec'd (generation {})", event.tgid, event.exec_gen);
+        self.mark_replaced(event.tgid, event.exec_gen);
+        let now = Instant::now();
+        self.exec_reads.push(ExecRead {
+            due: now + EXEC_READ_DELAYS[0],
+            image: Image {
+                pid: event.tgid,
+                exec_gen: event.exec_gen,
+            },
+            attempt: 0,
+        });
+    }
+
+    /// When the next read of an exec'd image is due, if any.
+    pub fn next_exec_read(&self) -> Option<Instant> {
+        self.exec_reads.iter().map(|r| r.due).min()
+    }
+
+    /// Reads the mappings of exec'd images whose time has come, and tells when one
+    /// of them does not use the probed C library (its allocations are not traced).
+    pub fn read_due_images(&mut self) {
+        let now = Instant::now();
+        let (due, later): (Vec<ExecRead>, Vec<ExecRead>) =
+            self.exec_reads.drain(..).partition(|r| r.due <= now);
+        self.exec_reads = later;
+        for read in due {
+            let image = read.image;
+            if self.maps.exec_generation(image.pid) != image.exec_gen {
+                continue; // replaced again, or gone
+            }
+            self.refresh_process(image.pid);
+            let Some(info) = self.processes.get(&image) else {
+                continue;
+            };
+            let uses_libc = info
+                .maps
+                .regions
+                .iter()
+                .any(|r| Some(r.object.id) == self.libc_id);
+            log::debug!(
+                "pid {} (exec generation {}): mappings read, {} executable regions, {}",
+                image.pid,
+                image.exec_gen,
+                info.maps.regions.len(),
+                if uses_libc {
+                    "with the probed C library"
+                } else {
+                    "without the probed C library (yet)"
+                }
+            );
+            if uses_libc {
+                continue;
+            }
+            match EXEC_READ_DELAYS.get(read.attempt + 1) {
+                Some(delay) => self.exec_reads.push(ExecRead {
+                    due: now + *delay,
+                    attempt: read.attempt + 1,
+                    ..read
+                }),
+                None => {
+                    let program = info.exe.clone().unwrap_or_else(|| info.comm.clone());
+                    let message = format!(
+                        "pid {} exec'd {program}, which does not use {}: its allocations are no \
+                         longer traced (profiles keep everything counted before the exec); to \
+                         profile it, run heapprofd --pid {} --libc PATH with the allocator it uses",
+                        image.pid, self.config.libc.display, image.pid
+                    );
+                    if matches!(self.config.target, Target::All) {
+                        log::debug!("{message}");
+                    } else {
+                        log::warn!("{message}");
+                        self.untraced_images.push((image, program));
+                    }
+                }
             }
         }
     }
@@ -157,30 +350,38 @@ impl Session {
 
     fn refresh_unmapped_sites(&mut self, sites: &[Site]) {
         let mut checked = HashSet::new();
+        let mut generations = HashMap::new();
         for site in sites {
-            let pid = site.key.tgid;
-            if checked.contains(&pid) {
+            let image = Image::of(&site.key);
+            if checked.contains(&image.pid) {
                 continue;
             }
             let stack = self.maps.stack(site.key.stack);
-            let needs_refresh = match self.processes.get(&pid) {
-                None => true,
+            let needs_refresh = match self.processes.get(&image) {
+                // Only the current image can be read: an earlier one's mappings are gone.
+                None => {
+                    let maps = &self.maps;
+                    *generations
+                        .entry(image.pid)
+                        .or_insert_with(|| maps.exec_generation(image.pid))
+                        == image.exec_gen
+                }
                 Some(info) => {
-                    info.alive
+                    info.current
                         && stack
                             .iter()
                             .any(|&ret| info.maps.find(ret.wrapping_sub(1)).is_none())
                 }
             };
             if needs_refresh {
-                self.refresh_process(pid);
-                checked.insert(pid);
+                self.refresh_process(image.pid);
+                checked.insert(image.pid);
             }
         }
         // Symbolize now, while the files are certainly reachable.
         for site in sites {
             let stack = self.maps.stack(site.key.stack);
-            if let Some(info) = self.processes.get(&site.key.tgid) {
+            if let Some(info) = self.processes.get(&Image::of(&site.key)) {
                 for &ret in stack.iter() {
                     let addr = ret.wrapping_sub(1);
                     if let Some(region) = info.maps.find(addr) {
@@ -199,12 +400,23 @@ impl Session {
             .map(|s| s.key.tgid)
             .filter(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
             .collect();
-        for pid in &dead {
-            if let Some(info) = self.processes.get_mut(pid) {
-                info.alive = false;
+        for (image, info) in &mut self.processes {
+            if dead.contains(&image.pid) {
+                info.current = false;
             }
         }
         self.maps.retire_processes(&dead)
+    }
+
+    /// Clears the in-use counts of images replaced by exec (their memory went with
+    /// them), once per change of the exec generations.
+    fn retire_replaced_images(&mut self) -> Result<()> {
+        let generations = self.maps.exec_generations();
+        if generations != self.retired_generations {
+            self.maps.retire_replaced_images(&generations)?;
+            self.retired_generations = generations;
+        }
+        Ok(())
     }
 
     /// Forgets the call state of threads that have exited.
@@ -216,6 +428,7 @@ impl Session {
     /// Writes one profile of everything counted so far; returns its path.
     pub fn dump(&mut self) -> Result<PathBuf> {
         let started = Instant::now();
+        self.retire_replaced_images()?;
         let sites = self.maps.read_sites()?;
         self.refresh_unmapped_sites(&sites);
         let drops = self.maps.read_drops()?;
@@ -288,34 +501,48 @@ impl Session {
             nanos(self.started)
         ));
         comment_drops(&mut builder, drops);
+        for (image, program) in &self.untraced_images {
+            builder.comment(&format!(
+                "pid {}: not traced after it exec'd {program}, which does not use {}",
+                image.pid, self.config.libc.display
+            ));
+        }
 
-        // The main binary of each process first: pprof takes the first mapping as the program.
-        let pids: Vec<u32> = sites
-            .iter()
-            .map(|s| s.key.tgid)
-            .collect::<std::collections::BTreeSet<_>>()
-            .into_iter()
-            .collect();
-        for pid in &pids {
-            if let Some(info) = self.processes.get(pid) {
-                for region in &info.maps.regions {
-                    if Some(&region.object.path) == info.exe.as_ref() {
-                        add_mapping(&mut builder, *pid, region);
+        // The main binary of each image first: pprof takes the first mapping as the program.
+        let images: std::collections::BTreeSet<Image> =
+            sites.iter().map(|s| Image::of(&s.key)).collect();
+        let mut unread = 0;
+        for image in &images {
+            match self.processes.get(image) {
+                Some(info) => {
+                    for region in &info.maps.regions {
+                        if Some(&region.object.path) == info.exe.as_ref() {
+                            add_mapping(&mut builder, *image, region);
+                        }
                     }
                 }
+                None => unread += 1,
             }
+        }
+        if unread > 0 {
+            builder.comment(&format!(
+                "{unread} process image(s) exec'd or exited before their mappings could be read: \
+                 their frames are shown as addresses"
+            ));
         }
 
         for site in sites {
             if site.counters.alloc_objects == 0 {
                 continue;
             }
-            let pid = site.key.tgid;
+            let image = Image::of(&site.key);
+            let pid = image.pid;
+            let space = image.space();
             let stack = self.maps.stack(site.key.stack);
             let empty = ProcessInfo::default();
-            let info = self.processes.get(&pid).unwrap_or(&empty);
+            let info = self.processes.get(&image).unwrap_or(&empty);
             let mut locations = Vec::with_capacity(stack.len() + 1);
-            locations.push(self.allocator_location(&mut builder, pid, info, site.key.kind));
+            locations.push(self.allocator_location(&mut builder, image, info, site.key.kind));
             // Frame-pointer walks end in code without frame pointers (libc's start
             // code); frames below the last mapped one are noise.
             let mapped_len = stack
@@ -328,10 +555,10 @@ impl Session {
                 let id = match info.maps.find(addr) {
                     Some(region) => {
                         let frames = self.symbolizer.frames(region, region.file_offset(addr));
-                        let key = add_mapping(&mut builder, pid, region);
-                        builder.location(pid, addr, TAG_FRAME, Some(key), &frames)
+                        let key = add_mapping(&mut builder, image, region);
+                        builder.location(space, addr, TAG_FRAME, Some(key), &frames)
                     }
-                    None => builder.location(pid, addr, TAG_FRAME, None, &[]),
+                    None => builder.location(space, addr, TAG_FRAME, None, &[]),
                 };
                 locations.push(id);
             }
@@ -341,7 +568,7 @@ impl Session {
                     file: None,
                     line: 0,
                 };
-                locations.push(builder.location(pid, 0, TAG_UNKNOWN_STACK, None, &[frame]));
+                locations.push(builder.location(space, 0, TAG_UNKNOWN_STACK, None, &[frame]));
             }
             let labels = [
                 ("pid", LabelValue::Num(i64::from(pid))),
@@ -357,7 +584,7 @@ impl Session {
     fn allocator_location(
         &self,
         builder: &mut ProfileBuilder,
-        pid: u32,
+        image: Image,
         info: &ProcessInfo,
         kind: u32,
     ) -> u64 {
@@ -373,7 +600,8 @@ impl Session {
                 .regions
                 .iter()
                 .find(|r| {
-                    r.object.path == self.config.libc_maps_path
+                    (Some(r.object.id) == self.libc_id
+                        || r.object.path == self.config.libc_maps_path)
                         && (r.offset..r.offset + (r.end - r.start)).contains(&offset)
                 })
                 .map(|r| (r, r.start + offset - r.offset))
@@ -381,10 +609,10 @@ impl Session {
         let tag = 1 + kind as u16;
         match region {
             Some((region, address)) => {
-                let key = add_mapping(builder, pid, region);
-                builder.location(pid, address, tag, Some(key), &[frame])
+                let key = add_mapping(builder, image, region);
+                builder.location(image.space(), address, tag, Some(key), &[frame])
             }
-            None => builder.location(pid, 0, tag, None, &[frame]),
+            None => builder.location(image.space(), 0, tag, None, &[frame]),
         }
     }
 }
@@ -398,7 +626,7 @@ impl Session {
             let stack = self.maps.stack(site.key.stack);
             let kind = AllocKind::from_u32(site.key.kind).map_or("?", AllocKind::symbol);
             let mut names = Vec::new();
-            if let Some(info) = self.processes.get(&site.key.tgid) {
+            if let Some(info) = self.processes.get(&Image::of(&site.key)) {
                 // Innermost first, inlined functions included: the first one made the call.
                 'frames: for &ret in stack.iter() {
                     let addr = ret.wrapping_sub(1);
@@ -440,11 +668,11 @@ impl Session {
 
 fn add_mapping(
     builder: &mut ProfileBuilder,
-    pid: u32,
+    image: Image,
     region: &crate::procmaps::Region,
 ) -> MappingKey {
     let key = MappingKey {
-        pid,
+        space: image.space(),
         start: region.start,
     };
     let object: &Arc<_> = &region.object;
