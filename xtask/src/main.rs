@@ -1,4 +1,5 @@
-//! heapprofd's developer commands: `cargo xtask setup | build | run | test | bench`.
+//! heapprofd's developer commands: `cargo xtask setup | build | run | test | vm-test |
+//! stress | soak | bench`.
 //!
 //! Every command first installs what it needs (see `setup`), so the README's two
 //! commands work on a fresh machine with only rustup.
@@ -7,6 +8,7 @@ mod bench;
 mod cross;
 mod remote;
 mod setup;
+mod soak;
 mod vm;
 
 use std::{
@@ -62,6 +64,16 @@ enum Cmd {
     /// Only the arm64 VM test: the static aarch64 heapprofd under Debian's arm64 6.1
     /// kernel in qemu, with and without BTF.
     VmTest,
+    /// The load tests at full scale (8 threads x 1M allocations, 1M live blocks), with
+    /// their figures. Needs root.
+    Stress,
+    /// Run a churn workload under heapprofd for N minutes, recording its memory and
+    /// table occupancy each interval; fails if its memory grows. Needs root.
+    Soak {
+        /// How long.
+        #[arg(long, default_value_t = 10)]
+        minutes: u32,
+    },
     /// Measure heapprofd's overhead against bare runs, empty probes and a bpftrace
     /// memleak script; writes target/bench/summary.{txt,json}. Needs root.
     Bench {
@@ -132,6 +144,31 @@ fn run(args: Args) -> Result<()> {
                 .args(["--", "--nocapture"])
                 .envs(vm_test_env()?)
                 .run()
+        }
+        Cmd::Stress => {
+            setup::ensure(setup::Needs::Test)?;
+            if !is_root() {
+                bail!(
+                    "the stress tests load BPF programs: run them as root (sudo -E cargo xtask stress)"
+                );
+            }
+            cargo()
+                .args([
+                    "test",
+                    "--release",
+                    "-p",
+                    "heapprof-daemon",
+                    "--test",
+                    "load",
+                ])
+                .args(["--", "--nocapture", "--test-threads", "1"])
+                .env("HEAPPROFD_LOAD", "full")
+                .run()
+        }
+        Cmd::Soak { minutes } => {
+            setup::ensure(setup::Needs::Build)?;
+            let heapprofd = build_release()?;
+            soak::soak(&heapprofd, minutes)
         }
         Cmd::Bench { runs, quick } => {
             setup::ensure(setup::Needs::Bench)?;

@@ -303,6 +303,24 @@ impl Driven {
         self.expect_line(reply);
     }
 
+    /// Lets it take one step and returns the first line it prints.
+    pub fn step_reading(&mut self) -> String {
+        use std::io::Write as _;
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        stdin
+            .write_all(b"go\n")
+            .expect("writing to the test program");
+        stdin.flush().expect("flush");
+        self.next_line(Duration::from_secs(600))
+    }
+
+    /// The next line it prints, waiting up to `timeout`.
+    pub fn next_line(&self, timeout: Duration) -> String {
+        self.lines
+            .recv_timeout(timeout)
+            .unwrap_or_else(|e| panic!("the test program printed nothing more: {e}"))
+    }
+
     /// Ends its input and waits for it to exit successfully.
     pub fn finish(&mut self) {
         self.stdin = None;

@@ -1,0 +1,220 @@
+//! `cargo xtask soak --minutes N`: heapprofd under a churn workload for a long time.
+//!
+//! The workload (heapprof-daemon/tests/programs/load.c, `churn`) replaces blocks of a
+//! fixed pool through 64 call stacks in threads that come and go, so everything the
+//! daemon tracks is bounded: its memory must be too. Each interval's profile line
+//! gives the table occupancy (sites; live blocks = blocks in use), and the daemon's
+//! resident memory is read at that moment. The verdict compares the last quarter
+//! with the second (the first is warm-up).
+
+use std::{
+    fmt::Write as _,
+    io::{BufRead as _, BufReader},
+    path::Path,
+    process::{Command, Stdio},
+    time::Instant,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{is_root, step, workspace_root};
+
+/// Growth of the resident memory still called flat: the larger of these.
+const FLAT_BYTES: u64 = 1 << 20;
+const FLAT_FRACTION: f64 = 0.05;
+
+/// One interval's reading.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Sample {
+    seconds: f64,
+    rss_kib: u64,
+    sites: u64,
+    allocated: u64,
+    live_blocks: u64,
+    dump_ms: f64,
+}
+
+/// Reads heapprofd's "wrote PATH: N sites, A blocks / B bytes allocated, C blocks /
+/// D bytes in use; X ms (...)" line.
+fn parse_wrote(line: &str) -> Option<(u64, u64, u64, f64)> {
+    let rest = line.split_once("wrote ")?.1;
+    let rest = rest.split_once(": ")?.1;
+    let words: Vec<&str> = rest.split_whitespace().collect();
+    let number = |i: usize| words.get(i)?.trim_end_matches([',', ';']).parse().ok();
+    let sites = number(0)?;
+    let allocated = number(2)?;
+    let live = number(8)?;
+    let ms: f64 = words.get(15)?.parse().ok()?;
+    Some((sites, allocated, live, ms))
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+fn median(mut values: Vec<u64>) -> u64 {
+    values.sort_unstable();
+    values.get(values.len() / 2).copied().unwrap_or(0)
+}
+
+/// The verdict: (median RSS of the second quarter, of the last quarter, flat?).
+fn verdict(samples: &[Sample]) -> (u64, u64, bool) {
+    let quarter = (samples.len() / 4).max(1);
+    let second: Vec<u64> = samples
+        .iter()
+        .skip(quarter)
+        .take(quarter)
+        .map(|s| s.rss_kib)
+        .collect();
+    let last: Vec<u64> = samples
+        .iter()
+        .skip(samples.len().saturating_sub(quarter))
+        .map(|s| s.rss_kib)
+        .collect();
+    let (early, late) = (median(second), median(last));
+    let allowed_kib = (FLAT_BYTES / 1024).max((early as f64 * FLAT_FRACTION) as u64);
+    (early, late, late <= early + allowed_kib)
+}
+
+/// Runs the soak for `minutes` with `heapprofd`; writes target/soak/soak.{txt,csv}.
+pub fn soak(heapprofd: &Path, minutes: u32) -> Result<()> {
+    if !is_root() {
+        bail!("the soak loads BPF programs: run it as root (sudo -E cargo xtask soak)");
+    }
+    if minutes == 0 {
+        bail!("--minutes must be at least 1");
+    }
+    let root = workspace_root();
+    let out = root.join("target/soak");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out)?;
+    let workload = out.join("load");
+    let status = Command::new("gcc")
+        .args(["-O2", "-g", "-fno-omit-frame-pointer", "-pthread", "-o"])
+        .arg(&workload)
+        .arg(root.join("heapprof-daemon/tests/programs/load.c"))
+        .status()
+        .context("running gcc")?;
+    if !status.success() {
+        bail!("compiling load.c failed");
+    }
+    // About 60 readings, at most one a second and at least one every 30 s.
+    let interval = (u64::from(minutes)).clamp(1, 30);
+    let seconds = u64::from(minutes) * 60;
+    step(&format!(
+        "soak: {minutes} min of churn under heapprofd, a profile every {interval} s"
+    ));
+    let mut daemon = Command::new(heapprofd)
+        .args(["--interval", &format!("{interval}s"), "-o"])
+        .arg(out.join("profiles"))
+        .arg("--")
+        .arg(&workload)
+        .args(["churn", &seconds.to_string()])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {}", heapprofd.display()))?;
+    let pid = daemon.id();
+    let started = Instant::now();
+    let stderr = daemon.stderr.take().context("heapprofd's stderr")?;
+    let mut samples = Vec::new();
+    let mut log = String::new();
+    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+        let _ = writeln!(log, "{line}");
+        if let Some((sites, allocated, live_blocks, dump_ms)) = parse_wrote(&line) {
+            let sample = Sample {
+                seconds: started.elapsed().as_secs_f64(),
+                rss_kib: rss_kib(pid),
+                sites,
+                allocated,
+                live_blocks,
+                dump_ms,
+            };
+            eprintln!(
+                "xtask: soak {:>7.1} s: heapprofd RSS {:>6} KiB, {} sites, {} live blocks, {} allocations counted, dump {:.1} ms",
+                sample.seconds, sample.rss_kib, sites, live_blocks, allocated, dump_ms
+            );
+            samples.push(sample);
+        }
+    }
+    let status = daemon.wait()?;
+    std::fs::write(out.join("heapprofd.log"), &log)?;
+    if !status.success() {
+        bail!("heapprofd failed ({status}); its log is in target/soak/heapprofd.log");
+    }
+    // The final profile is taken after the workload's exit: not a steady-state reading.
+    samples.pop();
+    if samples.len() < 4 {
+        bail!("only {} interval readings: soak longer", samples.len());
+    }
+    let mut csv = String::from("seconds,rss_kib,sites,live_blocks,allocations,dump_ms\n");
+    for s in &samples {
+        let _ = writeln!(
+            csv,
+            "{:.1},{},{},{},{},{:.1}",
+            s.seconds, s.rss_kib, s.sites, s.live_blocks, s.allocated, s.dump_ms
+        );
+    }
+    std::fs::write(out.join("soak.csv"), csv)?;
+    let (early, late, flat) = verdict(&samples);
+    let max_rss = samples.iter().map(|s| s.rss_kib).max().unwrap_or(0);
+    let max_sites = samples.iter().map(|s| s.sites).max().unwrap_or(0);
+    let max_live = samples.iter().map(|s| s.live_blocks).max().unwrap_or(0);
+    let total = samples.last().map_or(0, |s| s.allocated);
+    let summary = format!(
+        "soak: {minutes} min, {} readings, {total} allocations counted\n\
+         heapprofd RSS: median {early} KiB in the second quarter, {late} KiB in the last, max {max_rss} KiB: {}\n\
+         tables: at most {max_sites} sites (of 65536) and {max_live} live blocks (of the live table's capacity)\n\
+         readings: target/soak/soak.csv\n",
+        samples.len(),
+        if flat { "flat" } else { "GROWING" },
+    );
+    std::fs::write(out.join("soak.txt"), &summary)?;
+    print!("{summary}");
+    if !flat {
+        bail!("heapprofd's memory grew from {early} KiB to {late} KiB under a bounded workload");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_profile_line() {
+        let line = "heapprofd: wrote /x/heap-1.pb.gz: 64 sites, 1000 blocks / 5000 bytes allocated, \
+                    4096 blocks / 900 bytes in use; 3.5 ms (read 1.0, symbolize+build 2.0, encode+write 0.5)";
+        assert_eq!(parse_wrote(line), Some((64, 1000, 4096, 3.5)));
+        assert_eq!(parse_wrote("heapprofd: the command exited"), None);
+    }
+
+    #[test]
+    fn growth_beyond_the_margin_is_not_flat() {
+        let at = |rss_kib| Sample {
+            rss_kib,
+            ..Sample::default()
+        };
+        let flat: Vec<Sample> = [9000, 20000, 20100, 20000, 20300, 20200, 20100, 20400]
+            .into_iter()
+            .map(at)
+            .collect();
+        assert!(verdict(&flat).2);
+        let growing: Vec<Sample> = [9000, 20000, 20000, 22000, 24000, 26000, 28000, 30000]
+            .into_iter()
+            .map(at)
+            .collect();
+        assert!(!verdict(&growing).2);
+    }
+}
