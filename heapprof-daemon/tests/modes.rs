@@ -194,6 +194,70 @@ fn without_privileges_heapprofd_names_the_missing_capabilities() {
     assert!(String::from_utf8_lossy(&output.stderr).contains("run heapprofd as root"));
 }
 
+/// heapprofd with `args` in a private mount namespace where `hidden` is covered by an
+/// empty tmpfs: what a kernel without that interface looks like from user space.
+fn heapprofd_without(hidden: &str, out: &std::path::Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(r#"mount -t tmpfs heapprofd-test "$1" && shift && exec "$@""#)
+        .args(["sh", hidden, env!("CARGO_BIN_EXE_heapprofd"), "-o"])
+        .arg(out)
+        .args(args)
+        .env("RUST_LOG", "info");
+    cmd
+}
+
+#[test]
+fn a_kernel_without_uprobes_or_tracefs_is_named() {
+    require_root();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let run = |cmd: &mut Command| cmd.output().expect("running unshare (util-linux)");
+    // The uprobe event type lives under /sys/bus/event_source/devices/uprobe.
+    let output = run(&mut heapprofd_without(
+        "/sys/bus/event_source/devices",
+        &out,
+        &["--all"],
+    ));
+    assert_usage_error(
+        &output,
+        "no uprobes",
+        "no uprobe support (CONFIG_UPROBE_EVENTS)",
+    );
+    // Kernel mode does not need uprobes...
+    let output = run(&mut heapprofd_without(
+        "/sys/bus/event_source/devices",
+        &out,
+        &["--kernel", "--duration", "1s"],
+    ));
+    assert!(
+        output.status.success(),
+        "kernel mode without uprobes: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    // ...but tracefs, which lives under /sys/kernel (also as /sys/kernel/debug/tracing).
+    let output = run(&mut heapprofd_without("/sys/kernel", &out, &["--kernel"]));
+    assert_usage_error(&output, "no tracefs", "tracefs is not available");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("CONFIG_TRACING"));
+
+    // User mode needs no tracefs (its exec tracepoint is a raw one) and still counts.
+    let mut waiter = Driven::start(
+        &compile(dir.path(), "waiter", "waiter", &["-O0"]),
+        &["10", "16"],
+    );
+    let user_out = dir.path().join("user-profiles");
+    let (mut heapprofd, log) = start_heapprofd(&mut heapprofd_without(
+        "/sys/kernel",
+        &user_out,
+        &["--pid", &waiter.pid()],
+    ));
+    waiter.step("done");
+    waiter.finish();
+    wait_success(&mut heapprofd, &log, "user mode without tracefs");
+    let samples = samples(&last_profile(&user_out));
+    assert_eq!(by_caller(&samples, "work"), [10, 160, 5, 80]);
+}
+
 /// Bad input: status 2 and one line on stderr that contains `message`.
 fn assert_usage_error(output: &std::process::Output, case: &str, message: &str) {
     let stderr = String::from_utf8_lossy(&output.stderr);
