@@ -239,26 +239,17 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<Start
 
     let (libc_path, libc_maps_path) = match (&cli.libc, target) {
         (Some(path), _) => (path.clone(), path.display().to_string()),
-        (None, Target::Pid(pid)) => {
-            let path = probes::libc::find_in_process(*pid)?;
-            let maps_path = path
-                .to_string_lossy()
-                .trim_start_matches(&format!("/proc/{pid}/root"))
-                .to_owned();
-            (path, maps_path)
-        }
+        (None, Target::Pid(pid)) => probes::libc::find_in_process(*pid)?,
         // A launched command and other processes use the system's C library, the one heapprofd runs on.
-        (None, _) => {
-            let own = match probes::libc::find_in_process(std::process::id()) {
-                Ok(own) => own
-                    .to_string_lossy()
-                    .trim_start_matches(&format!("/proc/{}/root", std::process::id()))
-                    .to_owned(),
-                // A static heapprofd maps no C library of its own.
-                Err(_) => probes::libc::find_system()?.display().to_string(),
-            };
-            (own.clone().into(), own)
-        }
+        (None, _) => match probes::libc::find_in_process(std::process::id()) {
+            Ok(own) => own,
+            // A static heapprofd maps no C library of its own.
+            Err(_) => {
+                let system = probes::libc::find_system()?;
+                let label = system.display().to_string();
+                (system, label)
+            }
+        },
     };
     let libc = probes::libc::resolve(&libc_path, &libc_maps_path, cli.probe_placement)?;
 

@@ -28,7 +28,9 @@ pub struct MapsLine {
     pub executable: bool,
     /// Offset in the file of `start`.
     pub offset: u64,
-    /// Device and inode of the file (0 for anonymous memory).
+    /// Device (major, minor) of the file.
+    pub dev: (u32, u32),
+    /// Inode of the file (0 for anonymous memory).
     pub inode: u64,
     /// The path as the kernel prints it (may be empty, `[heap]`, or end in ` (deleted)`).
     pub path: String,
@@ -46,12 +48,15 @@ pub fn parse_maps_line(line: &str) -> Result<MapsLine, MapsParseError> {
     let range = fields.next().ok_or_else(bad)?;
     let perms = fields.next().ok_or_else(bad)?;
     let offset = fields.next().ok_or_else(bad)?;
-    let _dev = fields.next().ok_or_else(bad)?;
+    let dev = fields.next().ok_or_else(bad)?;
     let inode = fields.next().ok_or_else(bad)?;
     let path = fields.next().unwrap_or("").trim_start().to_owned();
     let (start, end) = range.split_once('-').ok_or_else(bad)?;
     let hex = |s: &str| u64::from_str_radix(s, 16).map_err(|_| bad());
     let (start, end) = (hex(start)?, hex(end)?);
+    let (major, minor) = dev.split_once(':').ok_or_else(bad)?;
+    let hex32 = |s: &str| u32::from_str_radix(s, 16).map_err(|_| bad());
+    let dev = (hex32(major)?, hex32(minor)?);
     if end < start || perms.len() != 4 {
         return Err(bad());
     }
@@ -60,6 +65,7 @@ pub fn parse_maps_line(line: &str) -> Result<MapsLine, MapsParseError> {
         end,
         executable: perms.as_bytes()[2] == b'x',
         offset: hex(offset)?,
+        dev,
         inode: inode.parse().map_err(|_| bad())?,
         path,
     })
@@ -197,6 +203,7 @@ mod tests {
         assert_eq!(line.end, 0x7f1c2a5bd000);
         assert!(line.executable);
         assert_eq!(line.offset, 0x28000);
+        assert_eq!(line.dev, (0xfe, 1));
         assert_eq!(line.inode, 1843213);
         assert_eq!(line.path, "/usr/lib/x86_64-linux-gnu/libc.so.6");
 
@@ -217,6 +224,7 @@ mod tests {
             "10-5 r-xp 0 00:00 0",
             "10-20 rx 0 00:00 0",
             "10-20 r-xp 0 00:00 x",
+            "10-20 r-xp 0 0000 1",
         ] {
             assert!(parse_maps_line(bad).is_err(), "{bad:?} accepted");
         }
