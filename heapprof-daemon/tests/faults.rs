@@ -154,6 +154,78 @@ fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
     );
 }
 
+#[test]
+fn a_target_killed_while_traced_gets_its_final_profile() {
+    require_root();
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = scratch();
+    // --pid: the target's death ends heapprofd with status 0.
+    let mut waiter = start_waiter(dir.path());
+    let out = dir.path().join("pid-profiles");
+    let (mut heapprofd, log) = start_heapprofd(
+        heapprofd(&out)
+            .args(["--interval", "1h", "--pid"])
+            .arg(waiter.pid()),
+    );
+    waiter.step("done");
+    signal(&waiter.child, libc::SIGKILL);
+    wait_success(&mut heapprofd, &log, "--pid, target killed");
+    let work = |out: &Path| {
+        totals(&samples(&last_profile(out)), |s| {
+            s.stack.get(1).is_some_and(|f| f == "work")
+        })
+    };
+    assert_eq!(
+        work(&out),
+        [1000, 48_000, 500, 24_000],
+        "in use when it was killed"
+    );
+
+    // Launch mode: the same, and heapprofd exits as a shell would report it (128 + 9).
+    let binary = compile(dir.path(), "waiter", "waiter", &["-O0"]);
+    let out = dir.path().join("launch-profiles");
+    let (mut heapprofd, log) = start_heapprofd(
+        common::heapprofd(&out)
+            .args(["--interval", "1h", "--"])
+            .arg(&binary)
+            .args(["1000", "48"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped()),
+    );
+    let command_output = forward_lines(heapprofd.stdout.take().expect("stdout"));
+    let mut stdin = heapprofd.stdin.take().expect("stdin");
+    let next = || {
+        command_output
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the command's output")
+    };
+    assert_eq!(next(), "ready");
+    stdin.write_all(b"go\n").expect("write");
+    assert_eq!(next(), "done");
+    // The binary's path is unique to this test (heapprofd's own command line names
+    // it too, after `--`, so match the command's start).
+    let pid = Command::new("pgrep")
+        .arg("-f")
+        .arg(format!("^{} ", binary.display()))
+        .output()
+        .expect("pgrep");
+    let pid: i32 = String::from_utf8_lossy(&pid.stdout)
+        .trim()
+        .parse()
+        .expect("the command's pid");
+    // SAFETY: plain kill(2) of the launched command.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let status = heapprofd.wait().expect("waiting for heapprofd");
+    let lines: Vec<String> = log.try_iter().collect();
+    assert_eq!(status.code(), Some(137), "{lines:?}");
+    assert_eq!(
+        work(&out),
+        [1000, 48_000, 500, 24_000],
+        "the final profile of the killed command"
+    );
+    drop(stdin);
+}
+
 /// A small tmpfs, unmounted when dropped.
 struct SmallFs(std::path::PathBuf);
 
