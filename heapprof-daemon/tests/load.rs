@@ -44,9 +44,39 @@ fn peak_rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// Runs `load ARGS` under `heapprofd --pid` with `flags`; returns the profile's totals
-/// over the samples allocated in `function`, and the program's own count.
-fn run_load(args: &[&str], flags: &[&str], function: &str) -> ([i64; 4], [i64; 4]) {
+/// What a run of the load program under heapprofd gave.
+struct LoadRun {
+    profile: heapprof_daemon::pprof::proto::Profile,
+    /// heapprofd's log after attaching.
+    log: Vec<String>,
+    /// The program's own count.
+    expected: [i64; 4],
+    /// Seconds the work took under heapprofd, and heapprofd's peak RSS (KiB).
+    worked: f64,
+    rss_kib: u64,
+}
+
+impl LoadRun {
+    fn comments(&self) -> Vec<&str> {
+        self.profile
+            .comment
+            .iter()
+            .map(|&i| self.profile.string_table[i as usize].as_str())
+            .collect()
+    }
+
+    /// The drop counter of a reason as the profile's comments give it.
+    fn dropped(&self, reason: &str) -> i64 {
+        self.comments()
+            .iter()
+            .find_map(|c| c.strip_prefix("dropped: ")?.strip_prefix(reason))
+            .and_then(|rest| rest.rsplit("= ").next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no drop counter for {reason:?}: {:?}", self.comments()))
+    }
+}
+
+/// Runs `load ARGS` under `heapprofd --pid` with `flags`.
+fn run(args: &[&str], flags: &[&str]) -> LoadRun {
     require_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = scratch();
@@ -63,17 +93,25 @@ fn run_load(args: &[&str], flags: &[&str], function: &str) -> ([i64; 4], [i64; 4
     let expected = parse_expectation(&load.step_reading());
     let worked = started.elapsed();
     load.expect_line("done");
-    let rss = peak_rss_kib(heapprofd.id());
+    let rss_kib = peak_rss_kib(heapprofd.id());
     load.finish();
     wait_success(&mut heapprofd, &log, "load");
-    let profile = last_profile(&out);
-    let samples = samples(&profile);
+    LoadRun {
+        profile: last_profile(&out),
+        log: log.try_iter().collect(),
+        expected,
+        worked: worked.as_secs_f64(),
+        rss_kib,
+    }
+}
+
+/// Runs `load ARGS` with `flags`, checks that nothing was dropped; returns the totals
+/// over the samples allocated in `function`, and the program's own count.
+fn run_load(args: &[&str], flags: &[&str], function: &str) -> ([i64; 4], [i64; 4]) {
+    let run = run(args, flags);
+    let samples = samples(&run.profile);
     let counted = totals(&samples, |s| s.stack.get(1).is_some_and(|f| f == function));
-    let comments: Vec<&str> = profile
-        .comment
-        .iter()
-        .map(|&i| profile.string_table[i as usize].as_str())
-        .collect();
+    let comments = run.comments();
     let drops: Vec<&&str> = comments
         .iter()
         .filter(|c| c.starts_with("dropped:") && !c.ends_with("= 0"))
@@ -84,10 +122,10 @@ fn run_load(args: &[&str], flags: &[&str], function: &str) -> ([i64; 4], [i64; 4
          heapprofd; heapprofd peak RSS {:.1} MiB",
         args.join(" "),
         counted[0],
-        worked.as_secs_f64(),
-        rss as f64 / 1024.0
+        run.worked,
+        run.rss_kib as f64 / 1024.0
     );
-    (counted, expected)
+    (counted, run.expected)
 }
 
 #[test]
@@ -115,5 +153,71 @@ fn a_million_live_blocks_are_all_in_use() {
     assert_eq!(
         counted, expected,
         "hold_live(): heapprofd's totals against the program's own count"
+    );
+}
+
+/// Totals of the samples made in churn_leaf (with their stack or not).
+fn churn_totals(run: &LoadRun) -> [i64; 4] {
+    totals(&samples(&run.profile), |s| {
+        s.stack.iter().any(|f| f == "churn_leaf")
+            || s.stack.iter().any(|f| f.contains("not recorded"))
+    })
+}
+
+#[test]
+fn tiny_tables_count_what_they_drop_and_stay_consistent() {
+    // 64 distinct stacks into a 16-entry site table: allocations at the sites that do
+    // not fit are not counted, each one counted as a drop instead.
+    let full_sites = run(&["stacks", "20000"], &["--max-sites", "16"]);
+    let dropped = full_sites.dropped("site table full");
+    let counted = churn_totals(&full_sites);
+    assert!(dropped > 0, "a 16-entry site table overflows");
+    assert_eq!(
+        counted[0] + dropped,
+        full_sites.expected[0],
+        "counted + dropped = allocated"
+    );
+    assert!(counted[2] <= counted[0] && counted[3] <= counted[1]);
+    assert!(
+        full_sites
+            .log
+            .iter()
+            .any(|l| l.contains("warn") && l.contains("site table full")),
+        "the log warns: {:?}",
+        full_sites.log
+    );
+
+    // Into a 16-entry stack table: every allocation is counted, exactly, some
+    // under an unknown stack.
+    let full_stacks = run(&["stacks", "20000"], &["--max-stacks", "16"]);
+    assert!(full_stacks.dropped("stack table full") > 0);
+    assert_eq!(churn_totals(&full_stacks), full_stacks.expected);
+    let unknown = samples(&full_stacks.profile)
+        .iter()
+        .filter(|s| s.stack.iter().any(|f| f == "[stack not recorded]"))
+        .count();
+    assert!(
+        unknown > 0,
+        "allocations without a stored stack are shown as such"
+    );
+
+    // 32 threads at once and a 16-entry in-flight table: calls that find no room are
+    // not counted (and counted as drops); frees of blocks never counted are ignored.
+    let full_threads = run(&["threads", "32", "2000"], &["--max-threads", "16"]);
+    assert!(full_threads.dropped("in-flight table full") > 0);
+    let counted = totals(&samples(&full_threads.profile), |s| {
+        s.stack.get(1).is_some_and(|f| f == "thread_work")
+    });
+    assert!(
+        counted[0] > 0 && counted[0] < full_threads.expected[0],
+        "{counted:?}"
+    );
+    assert!(
+        counted[2] <= counted[0] && counted[3] <= counted[1],
+        "{counted:?}"
+    );
+    assert!(
+        counted[2] <= full_threads.expected[2],
+        "in use never exceeds the truth"
     );
 }

@@ -7,6 +7,8 @@
  *                               thread_work(): every other one is freed at once, the
  *                               rest go through a ring of 1024 slots (so 1024 stay).
  *   load live COUNT             hold_live() keeps COUNT blocks of 32 bytes.
+ *   load stacks COUNT           COUNT allocations through 64 distinct call stacks
+ *                               (churn_leaf at depths 0..63), kept in the pool.
  *   load churn SECONDS          no "go", no report: for SECONDS, pairs of threads
  *                               (each pair lives half a second, so threads come and
  *                               go) replace blocks of a 4096-block pool through 64
@@ -57,17 +59,29 @@ __attribute__((noinline)) static void hold_live(long n) {
     for (long i = 0; i < n; i++) held[i] = malloc(32);
 }
 
-/* Churn through distinct stacks: depth d in 0..7 of recursion, then one of 8 leaves. */
+/* Churn through distinct stacks: churn_level recurses to a depth in 0..63, then
+ * churn_leaf replaces a block of the pool. */
 static void *pool[4096];
+static size_t pool_sizes[4096];
+static long long pool_bytes, pool_blocks, allocated_bytes;
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 
 __attribute__((noinline)) static void churn_leaf(unsigned r) {
-    void *p = malloc(16 + r % 1024);
+    size_t size = 16 + r % 1024;
+    void *p = malloc(size);
     if (!p) abort();
     pthread_mutex_lock(&pool_lock);
     unsigned slot = (r >> 10) % 4096;
-    free(pool[slot]);
+    if (pool[slot]) {
+        free(pool[slot]);
+        pool_bytes -= pool_sizes[slot];
+        pool_blocks--;
+    }
     pool[slot] = p;
+    pool_sizes[slot] = size;
+    pool_bytes += size;
+    pool_blocks++;
+    allocated_bytes += size;
     pthread_mutex_unlock(&pool_lock);
 }
 
@@ -134,6 +148,13 @@ int main(int argc, char **argv) {
         printf("expect %lld %lld %lld %lld\n", (long long)threads * (count + 1),
                alloc_bytes + threads * RING * (long long)sizeof(void *),
                threads * (kept + 1), inuse_bytes);
+    } else if (strcmp(argv[1], "stacks") == 0) {
+        long n = atol(argv[2]);
+        for (long i = 0; i < n; i++) {
+            unsigned r = (unsigned)i * 2654435761u;
+            churn_level(r, (int)(i % 64));
+        }
+        printf("expect %ld %lld %lld %lld\n", n, allocated_bytes, pool_blocks, pool_bytes);
     } else if (strcmp(argv[1], "live") == 0) {
         long n = atol(argv[2]);
         hold_live(n);
