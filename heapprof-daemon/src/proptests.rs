@@ -1,5 +1,7 @@
 //! Property tests of every parser of outside input: `/proc/PID/maps` lines, tracefs
-//! format files, `/proc/kallsyms`, and the command line's values.
+//! format files, `/proc/kallsyms`, the command line's values, and ELF files (the
+//! header, symbol lookup of a damaged C library, and the instruction decoding of
+//! probe placement).
 //!
 //! Inputs are generated (valid ones, then mutated: bytes flipped, cut, duplicated) by
 //! a seeded generator, so a failure is reproducible from the seed it prints.
@@ -8,6 +10,10 @@
 
 use crate::{
     cli::{parse_duration, parse_sample_rate},
+    probes::{
+        libc,
+        placement::{self, Arch, PlacementMode},
+    },
     procmaps::parse_maps_line,
     symbolize::kallsyms::KernelSymbols,
     tracefs::format,
@@ -217,4 +223,65 @@ fn command_line_values_round_trip_and_never_panic() {
         assert_eq!(parse_sample_rate(&text), Ok(value << shift), "{text}");
         let _ = parse_sample_rate(&mutate(rng, &text));
     });
+}
+
+#[test]
+fn probe_placement_on_any_bytes_stays_inside_the_function() {
+    check("placement", |rng| {
+        let len = rng.below(96) as usize;
+        let code: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
+        for arch in [Arch::X86_64, Arch::Aarch64] {
+            for return_probe in [false, true] {
+                let placed = placement::place(arch, &code, return_probe);
+                assert!(
+                    placed.offset == 0 || (placed.offset as usize) < code.len(),
+                    "{arch:?}: {placed} for {code:02x?}"
+                );
+                if arch == Arch::Aarch64 {
+                    assert_eq!(placed.offset % 4, 0, "{placed}");
+                }
+            }
+        }
+        let mut header = vec![0u8; rng.below(64) as usize];
+        header.iter_mut().for_each(|b| *b = rng.next() as u8);
+        let _ = Arch::of_elf_header(&header);
+    });
+}
+
+/// A damaged copy of this process's C library: symbol lookup and probe placement
+/// report an error or a result, never panic or read outside the file.
+#[test]
+fn damaged_c_libraries_are_refused_or_resolved_never_a_panic() {
+    let (path, _) = libc::find_in_process(std::process::id()).expect("own libc");
+    let original = std::fs::read(&path).expect("reading libc");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let damaged = dir.path().join("libc.so.6");
+    // Each case parses a whole library: fewer cases than the text parsers.
+    let cases = (cases() / 10).max(10);
+    for case in 0..cases {
+        let mut rng = Rng(0x5851_f42d_4c95_7f2d ^ (case + 1).wrapping_mul(0x2545_f491));
+        let mut bytes = original.clone();
+        // The headers, the section table at the end and the dynamic symbols are what
+        // is parsed: damage there most.
+        for _ in 0..=rng.below(16) {
+            let region = match rng.below(3) {
+                0 => 0..4096.min(bytes.len()),
+                1 => bytes.len().saturating_sub(8192)..bytes.len(),
+                _ => 0..bytes.len(),
+            };
+            let at = region.start + rng.below((region.end - region.start) as u64) as usize;
+            bytes[at] = rng.next() as u8;
+        }
+        if rng.below(8) == 0 {
+            bytes.truncate(rng.below(bytes.len() as u64) as usize);
+        }
+        std::fs::write(&damaged, &bytes).expect("write");
+        let result = std::panic::catch_unwind(|| {
+            libc::resolve(&damaged, "damaged libc", PlacementMode::Auto)
+        });
+        assert!(
+            result.is_ok(),
+            "case {case}: resolving a damaged libc panicked"
+        );
+    }
 }
