@@ -202,19 +202,10 @@ fn a_target_killed_while_traced_gets_its_final_profile() {
     assert_eq!(next(), "ready");
     stdin.write_all(b"go\n").expect("write");
     assert_eq!(next(), "done");
-    // The binary's path is unique to this test (heapprofd's own command line names
-    // it too, after `--`, so match the command's start).
-    let pid = Command::new("pgrep")
-        .arg("-f")
-        .arg(format!("^{} ", binary.display()))
-        .output()
-        .expect("pgrep");
-    let pid: i32 = String::from_utf8_lossy(&pid.stdout)
-        .trim()
-        .parse()
-        .expect("the command's pid");
+    // The binary's path is unique to this test: the process running it is the command.
+    let pid = process_running(&binary).expect("the launched command's pid");
     // SAFETY: plain kill(2) of the launched command.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
     let status = heapprofd.wait().expect("waiting for heapprofd");
     let lines: Vec<String> = log.try_iter().collect();
     assert_eq!(status.code(), Some(137), "{lines:?}");
@@ -224,6 +215,16 @@ fn a_target_killed_while_traced_gets_its_final_profile() {
         "the final profile of the killed command"
     );
     drop(stdin);
+}
+
+/// The pid of the process whose first argument is `binary`.
+fn process_running(binary: &Path) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.find_map(|entry| {
+        let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let first = cmdline.split(|&b| b == 0).next()?;
+        (first == binary.as_os_str().as_encoded_bytes()).then_some(pid)
+    })
 }
 
 /// A small tmpfs, unmounted when dropped.
