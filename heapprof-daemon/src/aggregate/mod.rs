@@ -130,6 +130,15 @@ impl Maps {
         Ok(sites)
     }
 
+    /// The processes with sites still in the BPF table (not retired).
+    pub fn traced_pids(&self) -> HashSet<u32> {
+        self.sites
+            .keys()
+            .filter_map(|key| key.ok())
+            .map(|key| key.tgid)
+            .collect()
+    }
+
     /// The user stack (return addresses, innermost first) with hash `stack`; empty
     /// when it was not stored (stack table full).
     pub fn stack(&mut self, stack: u64) -> std::sync::Arc<[u64]> {
@@ -173,6 +182,11 @@ impl Maps {
     /// The exec generation of process `tgid` now (0 before its first exec under tracing).
     pub fn exec_generation(&self, tgid: u32) -> u32 {
         self.exec_gen.get(&tgid, 0).unwrap_or(0)
+    }
+
+    /// Forgets the exec generation of a process that has exited (its pid may be reused).
+    pub fn forget_exec_generation(&mut self, pid: u32) {
+        let _ = self.exec_gen.remove(&pid);
     }
 
     /// Every process that has called exec while traced, with its current generation.

@@ -1,7 +1,7 @@
 //! A user-space session: allocator probes in processes to profiles on disk.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     path::PathBuf,
     sync::Arc,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -108,7 +108,8 @@ pub struct Session {
     run_time_stats: Option<RunTimeStats>,
     maps: Maps,
     objects: ObjectCache,
-    processes: HashMap<Image, ProcessInfo>,
+    /// Ordered by pid, then generation: a process's images are one range.
+    processes: BTreeMap<Image, ProcessInfo>,
     /// Exec notifications from the BPF side, until `take_exec_events` hands them out.
     exec_events: Option<RingBuf<MapData>>,
     exec_reads: Vec<ExecRead>,
@@ -151,7 +152,7 @@ impl Session {
             run_time_stats,
             maps,
             objects: ObjectCache::default(),
-            processes: HashMap::new(),
+            processes: BTreeMap::new(),
             exec_events: Some(exec_events),
             exec_reads: Vec::new(),
             retired_generations: HashMap::new(),
@@ -186,10 +187,10 @@ impl Session {
                     .unwrap_or_default();
                 for pid in pids {
                     self.refresh_process(pid);
-                    // Kernel threads map nothing.
-                    self.processes
-                        .retain(|image, info| image.pid != pid || !info.maps.regions.is_empty());
                 }
+                // Kernel threads map nothing.
+                self.processes
+                    .retain(|_, info| !info.maps.regions.is_empty());
             }
             // A launched command is read when it is held at its exit.
             Target::Launch(_) => {}
@@ -247,10 +248,12 @@ impl Session {
 
     /// Marks the images of `pid` before generation `current` as replaced.
     fn mark_replaced(&mut self, pid: u32, current: u32) {
-        for (image, info) in &mut self.processes {
-            if image.pid == pid && image.exec_gen < current {
-                info.current = false;
-            }
+        let earlier = Image { pid, exec_gen: 0 }..Image {
+            pid,
+            exec_gen: current,
+        };
+        for info in self.processes.range_mut(earlier).map(|(_, info)| info) {
+            info.current = false;
         }
     }
 
@@ -394,14 +397,30 @@ impl Session {
 
     /// Marks processes that no longer exist as exited and clears their live blocks from the maps.
     pub fn retire_exited(&mut self) -> Result<()> {
-        let sites = self.maps.read_sites()?;
-        let dead: HashSet<u32> = sites
-            .iter()
-            .map(|s| s.key.tgid)
+        // Only processes still in the table: the retired ones are done with, and
+        // looking again would scan the live table on every interval.
+        let dead: HashSet<u32> = self
+            .maps
+            .traced_pids()
+            .into_iter()
             .filter(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
             .collect();
-        for (image, info) in &mut self.processes {
-            if dead.contains(&image.pid) {
+        // Processes that exec'd and exited without a site left: a reused pid must start
+        // from generation 0 with the images of the dead process out of its way.
+        for pid in self.maps.exec_generations().into_keys() {
+            if !dead.contains(&pid) && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                self.maps.forget_exec_generation(pid);
+            }
+        }
+        for pid in &dead {
+            let images = Image {
+                pid: *pid,
+                exec_gen: 0,
+            }..=Image {
+                pid: *pid,
+                exec_gen: u32::MAX,
+            };
+            for info in self.processes.range_mut(images).map(|(_, info)| info) {
                 info.current = false;
             }
         }
