@@ -312,13 +312,7 @@ fn a_full_live_table_is_counted_and_reported() {
         "no warning about the full live table in:\n{log}"
     );
     let profile = read_profiles(&out).pop().expect("a profile").1;
-    let dropped: u64 = profile
-        .comment
-        .iter()
-        .map(|&i| profile.string_table[i as usize].as_str())
-        .find_map(|c| c.strip_prefix("dropped: live-block table full"))
-        .and_then(|rest| rest.rsplit(' ').next()?.parse().ok())
-        .expect("a live-table drop comment");
+    let dropped = drop_count(&profile, "live-block table full");
     assert!(
         dropped > 0,
         "live-table drops in the profile comments: {dropped}"

@@ -57,21 +57,9 @@ struct LoadRun {
 }
 
 impl LoadRun {
-    fn comments(&self) -> Vec<&str> {
-        self.profile
-            .comment
-            .iter()
-            .map(|&i| self.profile.string_table[i as usize].as_str())
-            .collect()
-    }
-
     /// The drop counter of a reason as the profile's comments give it.
     fn dropped(&self, reason: &str) -> i64 {
-        self.comments()
-            .iter()
-            .find_map(|c| c.strip_prefix("dropped: ")?.strip_prefix(reason))
-            .and_then(|rest| rest.rsplit("= ").next()?.parse().ok())
-            .unwrap_or_else(|| panic!("no drop counter for {reason:?}: {:?}", self.comments()))
+        drop_count(&self.profile, reason)
     }
 }
 
@@ -111,7 +99,7 @@ fn run_load(args: &[&str], flags: &[&str], function: &str) -> ([i64; 4], [i64; 4
     let run = run(args, flags);
     let samples = samples(&run.profile);
     let counted = totals(&samples, |s| s.stack.get(1).is_some_and(|f| f == function));
-    let comments = run.comments();
+    let comments = comments(&run.profile);
     let drops: Vec<&&str> = comments
         .iter()
         .filter(|c| c.starts_with("dropped:") && !c.ends_with("= 0"))

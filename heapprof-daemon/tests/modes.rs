@@ -373,11 +373,7 @@ fn pid_mode_says_when_an_exec_leaves_the_traced_libc() {
     let samples = samples(&profile);
     assert_eq!(by_caller(&samples, "parent_work"), [100, 6400, 0, 0]);
     assert_eq!(by_caller(&samples, "image2_work"), [0; 4]);
-    let comments: Vec<&str> = profile
-        .comment
-        .iter()
-        .map(|&i| profile.string_table[i as usize].as_str())
-        .collect();
+    let comments = comments(&profile);
     assert!(
         comments
             .iter()

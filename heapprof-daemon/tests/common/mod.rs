@@ -190,6 +190,24 @@ pub fn samples(profile: &Profile) -> Vec<Sample> {
         .collect()
 }
 
+/// The profile's comments.
+pub fn comments(profile: &Profile) -> Vec<&str> {
+    profile
+        .comment
+        .iter()
+        .map(|&i| profile.string_table[i as usize].as_str())
+        .collect()
+}
+
+/// The drop counter of `reason` as the profile's comments give it ("dropped: REASON ... = N").
+pub fn drop_count(profile: &Profile, reason: &str) -> i64 {
+    comments(profile)
+        .iter()
+        .find_map(|c| c.strip_prefix("dropped: ")?.strip_prefix(reason))
+        .and_then(|rest| rest.rsplit("= ").next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no drop counter for {reason:?}: {:?}", comments(profile)))
+}
+
 /// Sum of each value over the samples that pass `filter`.
 pub fn totals(samples: &[Sample], filter: impl Fn(&Sample) -> bool) -> [i64; 4] {
     samples
