@@ -85,20 +85,37 @@ impl AllocKind {
     }
 
     /// Converts a discriminant read from a map back into a kind.
+    ///
+    /// A `match` rather than an index into [`AllocKind::ALL`]: the compiler turns it into
+    /// a range check, where a table lookup with a variable index loses the bound the BPF
+    /// verifier needs.
     pub const fn from_u32(value: u32) -> Option<AllocKind> {
-        if (value as usize) < Self::ALL.len() {
-            Some(Self::ALL[value as usize])
-        } else {
-            None
-        }
+        Some(match value {
+            0 => AllocKind::Malloc,
+            1 => AllocKind::Calloc,
+            2 => AllocKind::Realloc,
+            3 => AllocKind::Reallocarray,
+            4 => AllocKind::PosixMemalign,
+            5 => AllocKind::AlignedAlloc,
+            6 => AllocKind::Memalign,
+            7 => AllocKind::Valloc,
+            8 => AllocKind::Pvalloc,
+            _ => return None,
+        })
     }
 }
 
-/// Per-thread state of an allocator call in progress, keyed by `pid_tgid`.
+/// Per-thread state of the allocator call in progress, keyed by `pid_tgid`.
 ///
-/// Written at the outermost allocator entry and consumed at its return, so that
-/// allocator functions calling each other (`realloc(NULL, n)` runs malloc's
-/// code) are counted once, as the user's call.
+/// Written at the entry of the thread's outermost allocator call and consumed at its
+/// return, so that allocator functions calling each other (`realloc(NULL, n)` runs
+/// malloc's code) are counted once, as the user's call.
+///
+/// Returns are matched to entries by stack pointer, not by counting nesting depth: a
+/// return that never comes (a probe attached between a call's entry and its return,
+/// a `longjmp` or cancellation out of the allocator, a return probe the kernel could
+/// not arm) must not leave the thread looking nested forever. See the BPF crate's
+/// `calls` module for the rules.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct InFlight {
@@ -108,15 +125,33 @@ pub struct InFlight {
     pub old_ptr: u64,
     /// posix_memalign's out-pointer, or 0.
     pub out_ptr: u64,
-    /// Allocator calls of this thread currently on the stack (1 = outermost only).
-    pub depth: u32,
-    /// The outermost call's [`AllocKind`].
+    /// The stack pointer at the call's entry: the slot of its return address on
+    /// x86-64; on arm64 the stack pointer it returns with.
+    pub entry_sp: u64,
+    /// 1 while the call is in progress, 0 once it returned (or was found abandoned).
+    pub active: u32,
+    /// The call's [`AllocKind`].
     pub kind: u32,
-    /// Whether the outermost call's new block is recorded (always, unless sampling).
+    /// Whether the call's new block is recorded (always, unless sampling).
     pub sampled: u32,
     /// Explicit padding, always zero.
     pub _pad: u32,
 }
+
+/// Number of probed functions that carry a [`ProbeSlot`]: the allocating kinds, then free.
+pub const PROBE_SLOTS: usize = AllocKind::ALL.len() + 1;
+
+/// Index of a probed function in `PROBE_OFFSETS` and the attach cookie of
+/// the multi-uprobe entry program: an [`AllocKind`] discriminant, or [`FREE_SLOT`].
+pub type ProbeSlot = u32;
+
+/// The [`ProbeSlot`] of `free`.
+pub const FREE_SLOT: ProbeSlot = AllocKind::ALL.len() as u32;
+
+/// How deep below an allocator call's entry a nested allocator call can start: glibc's
+/// internal calls (realloc calling malloc or free) are a few hundred bytes deeper. A
+/// call further down is on another stack (a signal stack, a reused thread id).
+pub const MAX_NESTING_SPAN: u64 = 64 << 10;
 
 /// Identifies one allocation site: a process image, a call stack and the entry point.
 #[repr(C)]
@@ -250,7 +285,20 @@ pub struct Config {
     /// Mean bytes between recorded allocations (Poisson sampling by bytes, as Go's and
     /// tcmalloc's heap profilers); 0 records every allocation.
     pub sample_rate: u64,
+    /// The allocator library's executable code, as file offsets `[start, end)`: a call
+    /// whose return address is in it was made by the allocator itself (nested).
+    pub text_start: u64,
+    /// End of the executable code (exclusive).
+    pub text_end: u64,
 }
+
+/// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
+/// daemon has attached all of them, so that no call is half seen (an entry without
+/// its return probe, a free without the entry probes).
+pub const CONTROL_ARMED: u32 = 0;
+
+/// Number of slots in `CONTROL`.
+pub const CONTROL_SLOTS: u32 = 1;
 
 /// Sent to the daemon when a traced process calls exec: its mappings are replaced, and
 /// the daemon reads the new ones while they are current.
@@ -270,8 +318,17 @@ pub const MAX_SAMPLE_RATE: u64 = 1 << 40;
 pub mod names {
     /// Per-thread allocator call state (`HashMap<u64, InFlight>`, keyed by pid_tgid). An
     /// entry lives as long as its thread: updating it in place costs less than an insert
-    /// and a delete per call. The daemon removes the entries of exited threads.
+    /// and a delete per call. A thread's exit removes it (the daemon sweeps too).
     pub const IN_FLIGHT: &str = "IN_FLIGHT";
+    /// File offset of each probed function's probe spot in the allocator library
+    /// (`Array<u64>`, indexed by [`crate::ProbeSlot`]). With the probe's address in a
+    /// process, it places the library's code there without reading the mappings. A
+    /// map rather than a `Config` array: the verifier needs a bound on a variable
+    /// index, which the compiler optimizes away; a map lookup checks it at run time.
+    pub const PROBE_OFFSETS: &str = "PROBE_OFFSETS";
+    /// Switches set by the daemon at run time (`Array<u32>`, indexed by
+    /// [`crate::CONTROL_ARMED`]).
+    pub const CONTROL: &str = "CONTROL";
     /// Live blocks (`HashMap<LiveKey, LiveBlock>`).
     pub const LIVE: &str = "LIVE";
     /// Per-site counters (`PerCpuHashMap<StackKey, SiteCounters>`).
@@ -292,10 +349,19 @@ pub mod names {
     pub const PROG_EXEC: &str = "process_exec";
     /// The tracepoint it attaches to.
     pub const EXEC_TRACEPOINT: &str = "sched_process_exec";
+    /// Raw tracepoint on `sched_process_exit`: a thread's call state goes with it.
+    pub const PROG_THREAD_EXIT: &str = "thread_exit";
+    /// The tracepoint it attaches to.
+    pub const EXIT_TRACEPOINT: &str = "sched_process_exit";
     /// Uretprobe shared by every allocating entry point.
     pub const PROG_ALLOC_RETURN: &str = "alloc_return";
     /// Uprobe on free.
     pub const PROG_FREE: &str = "free_enter";
+    /// The multi-uprobe entry program: every allocator function and free in one link,
+    /// the function told apart by its attach cookie (a [`crate::ProbeSlot`]).
+    pub const PROG_ENTRY_MULTI: &str = "entry_multi";
+    /// The multi-uprobe form of [`PROG_ALLOC_RETURN`].
+    pub const PROG_ALLOC_RETURN_MULTI: &str = "alloc_return_multi";
 
     /// The entry uprobe program of an allocator kind.
     pub const fn entry_program(kind: crate::AllocKind) -> &'static str {

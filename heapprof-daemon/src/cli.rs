@@ -71,6 +71,12 @@ pub struct Cli {
     #[arg(long, value_name = "MODE", value_enum, default_value_t = PlacementMode::Auto)]
     pub probe_placement: PlacementMode,
 
+    /// How uprobes are attached: `auto` uses multi-uprobe links where the kernel has them
+    /// (Linux 6.6+; with --pid, kernels whose link filter covers a whole process), and
+    /// one perf event per probe otherwise; `perf-events` forces the latter.
+    #[arg(long, value_name = "METHOD", value_enum, default_value_t = AttachChoice::Auto)]
+    pub attach: AttachChoice,
+
     /// Record a sample of allocations instead of every one: on average one per BYTES
     /// allocated (Poisson by bytes, as Go's heap profiler; e.g. 512KiB). Values are scaled
     /// back to estimates. Default: every allocation, exact.
@@ -88,6 +94,15 @@ pub struct Cli {
     /// Command to launch and trace from its first allocation; heapprofd exits with its status.
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+/// How to attach uprobes (`--attach`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttachChoice {
+    /// Multi-uprobe links when the kernel supports them, perf events otherwise.
+    Auto,
+    /// One perf event per probe, on any kernel.
+    PerfEvents,
 }
 
 /// What to trace.

@@ -20,7 +20,7 @@ use heapprof_common::{
     },
 };
 
-use crate::programs::count_drop;
+use crate::maps::count_drop;
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 #[map(name = "KERNEL_SITES")]

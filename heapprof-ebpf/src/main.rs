@@ -1,11 +1,12 @@
 //! heapprofd's BPF programs.
 //!
-//! Entry uprobes on the libc allocator functions record the outermost call of a
-//! thread in `IN_FLIGHT`; one shared uretprobe completes it: it takes the user
-//! stack (at return the caller's frame is intact, so the immediate caller is the
-//! first frame), counts the allocation per site in `SITES` and remembers the block
-//! in `LIVE`. A uprobe on free finds the block and credits the free to its site.
-//! Everything stays in maps; the daemon reads and aggregates them on its interval.
+//! Entry uprobes on the allocator functions record the outermost call of a thread in
+//! `IN_FLIGHT` (`calls`); one shared uretprobe completes it: it takes the user stack
+//! (`stack`; at return the caller's frame is intact, so the immediate caller is the
+//! first frame), counts the allocation per site in `SITES` and remembers the block in
+//! `LIVE` (`sites`). A uprobe on free finds the block and credits the free to its site.
+//! Everything stays in maps (`maps`); the daemon reads and aggregates them on its
+//! interval. The programs themselves are in `user`.
 //!
 //! Kernel mode (`kernel`) does the same for the kernel heap from the `kmem:*`
 //! tracepoints, with kernel stacks and per-object live tracking.
@@ -13,9 +14,21 @@
 #![cfg_attr(target_arch = "bpf", no_main)]
 
 #[cfg(target_arch = "bpf")]
+mod calls;
+#[cfg(target_arch = "bpf")]
 mod kernel;
 #[cfg(target_arch = "bpf")]
-mod programs;
+mod maps;
+#[cfg(target_arch = "bpf")]
+mod regs;
+#[cfg(target_arch = "bpf")]
+mod sampling;
+#[cfg(target_arch = "bpf")]
+mod sites;
+#[cfg(target_arch = "bpf")]
+mod stack;
+#[cfg(target_arch = "bpf")]
+mod user;
 
 #[cfg(not(target_arch = "bpf"))]
 fn main() {}

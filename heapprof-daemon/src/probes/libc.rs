@@ -42,11 +42,14 @@ pub struct Libc {
     pub aliases: Vec<(AllocKind, AllocKind)>,
     /// `free`.
     pub free: Function,
+    /// The library's executable code, as file offsets `[start, end)`: return addresses
+    /// in it belong to the allocator's own calls (see the BPF side's call matching).
+    pub text: (u64, u64),
 }
 
 impl Libc {
-    /// File offset of the function of `kind` (aliases resolve to their first name).
-    pub fn offset_of(&self, kind: AllocKind) -> Option<u64> {
+    /// The function of `kind` (aliases resolve to their first name).
+    fn function(&self, kind: AllocKind) -> Option<&Function> {
         let kind = self
             .aliases
             .iter()
@@ -55,7 +58,17 @@ impl Libc {
         self.allocators
             .iter()
             .find(|(k, _)| *k == kind)
-            .map(|(_, f)| f.offset)
+            .map(|(_, f)| f)
+    }
+
+    /// File offset of the function of `kind` (aliases resolve to their first name).
+    pub fn offset_of(&self, kind: AllocKind) -> Option<u64> {
+        self.function(kind).map(|f| f.offset)
+    }
+
+    /// File offset of the probe spot of `kind`'s function.
+    pub fn probe_offset_of(&self, kind: AllocKind) -> Option<u64> {
+        self.function(kind).map(Function::probe_offset)
     }
 }
 
@@ -228,13 +241,36 @@ pub fn resolve(path: &Path, display: &str, mode: PlacementMode) -> Result<Libc> 
             }
         }
     }
+    let text = executable_file_range(&file).with_context(|| {
+        format!("{display} has no executable segment; point --libc at a shared library")
+    })?;
     Ok(Libc {
         path: path.to_owned(),
         display: display.to_owned(),
         allocators,
         aliases,
         free,
+        text,
     })
+}
+
+/// The file range `[start, end)` covered by the ELF file's executable load segments.
+fn executable_file_range(file: &[u8]) -> Option<(u64, u64)> {
+    use object::{
+        Endianness,
+        elf::{PF_X, PT_LOAD},
+        read::elf::{ElfFile64, ProgramHeader as _},
+    };
+    let elf = ElfFile64::<Endianness>::parse(file).ok()?;
+    let endian = elf.endian();
+    elf.elf_program_headers()
+        .iter()
+        .filter(|ph| ph.p_type(endian) == PT_LOAD && ph.p_flags(endian).contains(PF_X))
+        .map(|ph| {
+            let start = ph.p_offset(endian);
+            (start, start.saturating_add(ph.p_filesz(endian)))
+        })
+        .reduce(|(a, b), (c, d)| (a.min(c), b.max(d)))
 }
 
 #[cfg(test)]
@@ -267,6 +303,14 @@ mod tests {
             "one probe per distinct address"
         );
         assert!(libc.free.offset > 0);
+        let (start, end) = libc.text;
+        assert!(
+            libc.allocators
+                .iter()
+                .chain([(AllocKind::Malloc, libc.free.clone())].iter())
+                .all(|(_, f)| (start..end).contains(&f.probe_offset())),
+            "the probed functions lie in the executable range {start:#x}..{end:#x}"
+        );
     }
 
     #[test]

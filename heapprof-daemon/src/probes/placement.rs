@@ -7,9 +7,10 @@
 //! entry:
 //! - every instruction before it falls through (no branch, call or return), so every
 //!   call passes the new spot, before anything else happens;
-//! - none of them writes an argument register (the programs read the arguments), nor
-//!   the stack pointer or the return-address register when a return probe shares the
-//!   spot (the kernel hijacks the return address at the probe);
+//! - none of them writes an argument register (the programs read the arguments) or the
+//!   stack pointer (the programs match calls and returns by it, and the kernel hijacks
+//!   the return address at the stack pointer when a return probe shares the spot), nor
+//!   arm64's return-address register when a return probe shares the spot;
 //! - no branch in the function lands inside the skipped bytes or on the new spot, so it
 //!   fires once per call. An indirect jump makes that unknowable: entry.
 //!
@@ -84,7 +85,8 @@ const MAX_SKIPPED_INSTRUCTIONS: usize = 8;
 /// `return_probe` says whether a return probe shares the spot.
 pub fn place(arch: Arch, code: &[u8], return_probe: bool) -> Placement {
     match arch {
-        Arch::X86_64 => x86::place(code, return_probe),
+        // x86-64 keeps only the stack pointer for a return probe, which is always kept.
+        Arch::X86_64 => x86::place(code),
         Arch::Aarch64 => arm64::place(code, return_probe),
     }
 }
@@ -135,7 +137,7 @@ mod x86 {
         Some(instructions)
     }
 
-    pub(super) fn place(code: &[u8], return_probe: bool) -> Placement {
+    pub(super) fn place(code: &[u8]) -> Placement {
         let Some(instructions) = decode_all(code) else {
             return Placement::entry("entry: the function does not decode");
         };
@@ -152,8 +154,7 @@ mod x86 {
                 return Placement::entry("entry: a branch comes before any emulated instruction");
             }
             let protected = |register: Register| {
-                ARGUMENT_REGISTERS.contains(&register)
-                    || (return_probe && register == Register::RSP)
+                ARGUMENT_REGISTERS.contains(&register) || register == Register::RSP
             };
             let clobbers =
                 info.info(instruction).used_registers().iter().any(|used| {
@@ -340,11 +341,12 @@ mod tests {
             place(Arch::X86_64, &[0x48, 0x89, 0xf7, 0x53, 0xc3], false).offset,
             0
         );
-        // sub $8,%rsp; push %rbx: the return address is no longer at the stack pointer.
+        // sub $8,%rsp; push %rbx: the return address is no longer at the stack pointer,
+        // and the stack pointer no longer tells where the call began (with or without
+        // a return probe: free's nesting check uses it too).
         let code = [0x48, 0x83, 0xec, 0x08, 0x53, 0xc3];
         assert_eq!(place(Arch::X86_64, &code, true).offset, 0);
-        // ...which does not matter without a return probe.
-        assert_eq!(place(Arch::X86_64, &code, false).offset, 4);
+        assert_eq!(place(Arch::X86_64, &code, false).offset, 0);
     }
 
     #[test]

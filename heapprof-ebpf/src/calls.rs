@@ -1,0 +1,178 @@
+//! Which probe hits are the user's allocator calls: matching returns to entries.
+//!
+//! Allocator functions call each other (glibc's realloc calls malloc and free, and
+//! jumps to malloc for `realloc(NULL, n)`; reallocarray jumps to realloc), and only the
+//! outermost call of a thread is the user's. Each thread keeps one [`InFlight`]: the
+//! call in progress, with the stack pointer at its entry.
+//!
+//! Why stack pointers, not a nesting depth: a depth counts on every return arriving.
+//! Returns go missing: a call that entered between the attachment of the entry probes
+//! and of the return probe, a `longjmp` or a cancellation out of the allocator, a return
+//! probe the kernel could not arm. A depth then stays above zero and every later call
+//! of the thread looks nested, silencing it for good. Stack pointers say for themselves
+//! whether a call can be inside another, so a missed return costs at most that call:
+//! - **Entry, below the recorded call's entry** (deeper on the same stack, within
+//!   [`MAX_NESTING_SPAN`]) **and called from the allocator's own code** (the return
+//!   address is in the library's text): nested, not the user's call.
+//! - **Entry at the same stack pointer:** the same return-address slot. Either a tail
+//!   call from the recorded call, which forwards its arguments (the recorded call stays
+//!   the user's; the kernel reports its return where the callee returns), or a new
+//!   call from the same frame after a missed return (it replaces the record).
+//! - **Any other entry** (above the recorded entry, on another stack, or from the
+//!   user's code, as a signal handler's call would be): the recorded call is gone or
+//!   interrupted; this call replaces it.
+//! - **Return at the recorded call's stack pointer** completes it. A return deeper
+//!   down is a nested call's; a return above it means the recorded call's return was
+//!   missed (its frame is gone), which clears the record.
+//! - **free below the recorded entry, from the allocator's code:** realloc's internal
+//!   free, not counted (the realloc is).
+//!
+//! Besides, the programs stay inert until the daemon has attached every probe (the
+//! `CONTROL` flag), so that attaching to a busy process starts with whole calls only,
+//! and a thread's record is removed when the thread exits.
+
+use aya_ebpf::{
+    helpers::bpf_get_current_pid_tgid,
+    programs::{ProbeContext, RetProbeContext},
+};
+use heapprof_common::{AllocKind, DropReason, InFlight, MAX_NESTING_SPAN, ProbeSlot};
+
+use crate::{
+    maps::{IN_FLIGHT, allocator_text, armed, count_drop, ignored, probe_offset},
+    regs::{self, RETURN_SP_OFFSET},
+    sampling::sampled,
+};
+
+/// The arguments of an allocator call that matter for counting.
+#[derive(Clone, Copy)]
+pub struct Call {
+    /// The function called.
+    pub kind: AllocKind,
+    /// Bytes requested (after calloc's multiplication, pvalloc's rounding).
+    pub size: u64,
+    /// The block being resized, or 0.
+    pub old_ptr: u64,
+    /// posix_memalign's out-pointer, or 0.
+    pub out_ptr: u64,
+}
+
+/// Whether the call being entered was made by the allocator library's own code: its
+/// return address, placed in the library's file through the probe's own address and
+/// file offset, lies in the library's executable code.
+#[inline(always)]
+fn called_by_allocator(ctx: &ProbeContext, slot: ProbeSlot, ip: u64, sp: u64) -> bool {
+    let return_address = regs::return_address_at_entry(ctx, sp);
+    let offset = probe_offset(slot).wrapping_add(return_address.wrapping_sub(ip));
+    let (start, end) = allocator_text();
+    offset >= start && offset < end
+}
+
+/// Whether an entry at `sp` is nested in the call recorded at `entry_sp` (see the
+/// module documentation).
+#[inline(always)]
+fn nested(ctx: &ProbeContext, slot: ProbeSlot, ip: u64, sp: u64, entry_sp: u64) -> bool {
+    sp < entry_sp && entry_sp - sp <= MAX_NESTING_SPAN && called_by_allocator(ctx, slot, ip, sp)
+}
+
+/// An allocator function's entry probe: records the call if it is the user's.
+#[inline(always)]
+pub fn enter(ctx: &ProbeContext, slot: ProbeSlot, call: Call) {
+    let tid = bpf_get_current_pid_tgid();
+    if ignored(tid) || !armed() {
+        return;
+    }
+    let (ip, sp) = regs::at_entry(ctx);
+    let existing = IN_FLIGHT.get_ptr_mut(&tid);
+    if let Some(state) = existing {
+        // SAFETY: the entry belongs to this thread; nothing else writes it.
+        let state = unsafe { &*state };
+        if state.active != 0 {
+            if sp == state.entry_sp {
+                if call.size == state.size && call.old_ptr == state.old_ptr {
+                    return; // a tail call forwarding the recorded call's arguments
+                }
+            } else if nested(ctx, slot, ip, sp, state.entry_sp) {
+                return;
+            }
+        }
+    }
+    let state = InFlight {
+        size: call.size,
+        old_ptr: call.old_ptr,
+        out_ptr: call.out_ptr,
+        entry_sp: sp,
+        active: 1,
+        kind: call.kind as u32,
+        sampled: sampled(call.size) as u32,
+        _pad: 0,
+    };
+    match existing {
+        // SAFETY: as above.
+        Some(slot) => unsafe { *slot = state },
+        None => {
+            if IN_FLIGHT.insert(&tid, &state, 0).is_err() {
+                count_drop(DropReason::InFlightFull);
+            }
+        }
+    }
+}
+
+/// The shared return probe: the recorded call, if this is its return.
+#[inline(always)]
+pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
+    let state = IN_FLIGHT.get_ptr_mut(&pid_tgid)?;
+    // SAFETY: this thread's own entry.
+    let state = unsafe { &mut *state };
+    if state.active == 0 {
+        return None; // a call that entered before the probes were armed
+    }
+    let (_, _, sp) = regs::at_return(ctx);
+    let expected = state.entry_sp.wrapping_add(RETURN_SP_OFFSET);
+    if sp != expected {
+        if sp > expected {
+            // The recorded call's frame is gone: its return was missed.
+            state.active = 0;
+        }
+        return None; // a nested call's return, or one whose entry was not seen
+    }
+    state.active = 0;
+    Some(*state)
+}
+
+/// free's entry probe: whether this free is the allocator's own (realloc's), which the
+/// enclosing call accounts for.
+#[inline(always)]
+pub fn free_is_nested(ctx: &ProbeContext, slot: ProbeSlot, pid_tgid: u64) -> bool {
+    let Some(state) = IN_FLIGHT.get_ptr_mut(&pid_tgid) else {
+        return false;
+    };
+    // SAFETY: this thread's own entry.
+    let state = unsafe { &mut *state };
+    if state.active == 0 {
+        return false;
+    }
+    let (ip, sp) = regs::at_entry(ctx);
+    if nested(ctx, slot, ip, sp, state.entry_sp) {
+        return true;
+    }
+    if sp >= state.entry_sp {
+        // A call from the recorded call's frame or above: the recorded call is over.
+        state.active = 0;
+    }
+    false
+}
+
+/// A thread leaves an allocator call for good (exec): its record must not survive.
+#[inline(always)]
+pub fn abandon(pid_tgid: u64) {
+    if let Some(state) = IN_FLIGHT.get_ptr_mut(&pid_tgid) {
+        // SAFETY: this thread's own entry.
+        unsafe { (*state).active = 0 };
+    }
+}
+
+/// A thread exits: its record goes (a later thread may reuse its id).
+#[inline(always)]
+pub fn forget(pid_tgid: u64) {
+    let _ = IN_FLIGHT.remove(&pid_tgid);
+}

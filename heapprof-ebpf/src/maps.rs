@@ -1,0 +1,121 @@
+//! The user-mode maps, the daemon's settings, and the drop counters.
+
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    macros::map,
+    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+};
+use heapprof_common::{
+    CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey, PROBE_SLOTS,
+    ProbeSlot, SiteCounters, StackKey, UserStack,
+};
+
+// Capacities are placeholders: the daemon sets them from its flags before loading.
+#[map(name = "IN_FLIGHT")]
+pub static IN_FLIGHT: HashMap<u64, InFlight> = HashMap::with_max_entries(16384, 0);
+#[map(name = "PROBE_OFFSETS")]
+pub static PROBE_OFFSETS: Array<u64> = Array::with_max_entries(PROBE_SLOTS as u32, 0);
+#[map(name = "CONTROL")]
+pub static CONTROL: Array<u32> = Array::with_max_entries(CONTROL_SLOTS, 0);
+#[map(name = "LIVE")]
+pub static LIVE: HashMap<LiveKey, LiveBlock> = HashMap::with_max_entries(1 << 20, 0);
+#[map(name = "SITES")]
+pub static SITES: PerCpuHashMap<StackKey, SiteCounters> = PerCpuHashMap::with_max_entries(65536, 0);
+// Written only when a site is new, so allocated on demand rather than preallocated
+// (a preallocated table of 1 KiB stacks would pin tens of MiB of kernel memory).
+#[map(name = "STACKS")]
+pub static STACKS: HashMap<u64, UserStack> = HashMap::with_max_entries(65536, BPF_F_NO_PREALLOC);
+/// Per-CPU room to assemble a stack (too big for the 512-byte BPF stack).
+#[map(name = "STACK_SCRATCH")]
+pub static STACK_SCRATCH: PerCpuArray<UserStack> = PerCpuArray::with_max_entries(1, 0);
+#[map(name = "DROPS")]
+pub static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT, 0);
+#[map(name = "SAMPLER")]
+pub static SAMPLER: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+#[map(name = "EXEC_GEN")]
+pub static EXEC_GEN: HashMap<u32, u32> = HashMap::with_max_entries(16384, 0);
+#[map(name = "EXEC_EVENTS")]
+pub static EXEC_EVENTS: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
+
+/// Written by the daemon before loading (read-only data).
+#[unsafe(no_mangle)]
+static CONFIG: Config = Config {
+    page_size: 4096,
+    ignore_tgid: 0,
+    target_tgid: 0,
+    sample_rate: 0,
+    text_start: 0,
+    text_end: 0,
+};
+
+// CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
+// above into the code, and the loader's values would never be seen.
+
+/// Page size of the traced system.
+#[inline(always)]
+pub fn page_size() -> u64 {
+    // SAFETY: a plain global (see above).
+    let page = unsafe { core::ptr::read_volatile(&CONFIG.page_size) };
+    if page == 0 { 4096 } else { page }
+}
+
+/// The process to ignore (the daemon), or 0.
+#[inline(always)]
+pub fn ignored_tgid() -> u32 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.ignore_tgid) }
+}
+
+/// The one process traced, or 0 for all.
+#[inline(always)]
+pub fn target_tgid() -> u32 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.target_tgid) }
+}
+
+/// Mean bytes between sampled allocations; 0 records every one.
+#[inline(always)]
+pub fn sample_rate() -> u64 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.sample_rate) }
+}
+
+/// File offset of a probed function's probe spot in the allocator library.
+#[inline(always)]
+pub fn probe_offset(slot: ProbeSlot) -> u64 {
+    PROBE_OFFSETS.get(slot).copied().unwrap_or(0)
+}
+
+/// The allocator library's executable code, as file offsets `[start, end)`.
+#[inline(always)]
+pub fn allocator_text() -> (u64, u64) {
+    // SAFETY: a plain global (see above).
+    unsafe {
+        (
+            core::ptr::read_volatile(&CONFIG.text_start),
+            core::ptr::read_volatile(&CONFIG.text_end),
+        )
+    }
+}
+
+/// Whether the daemon has attached every probe (see [`CONTROL_ARMED`]).
+#[inline(always)]
+pub fn armed() -> bool {
+    CONTROL.get(CONTROL_ARMED).is_some_and(|flag| *flag != 0)
+}
+
+/// Whether the calling process is the one the daemon asked to ignore (itself).
+#[inline(always)]
+pub fn ignored(pid_tgid: u64) -> bool {
+    let ignore = ignored_tgid();
+    ignore != 0 && (pid_tgid >> 32) as u32 == ignore
+}
+
+/// Counts an event that could not be fully recorded.
+#[inline(always)]
+pub fn count_drop(reason: DropReason) {
+    if let Some(slot) = DROPS.get_ptr_mut(reason as u32) {
+        // SAFETY: per-CPU slot, no concurrent writer on this CPU.
+        unsafe { *slot += 1 };
+    }
+}

@@ -1,0 +1,85 @@
+//! The registers a probe sees, per architecture.
+
+#[cfg(not(bpf_target_arch = "aarch64"))]
+use aya_ebpf::helpers::bpf_probe_read_user;
+use aya_ebpf::programs::{ProbeContext, RetProbeContext};
+
+/// Where the stack pointer is at a call's return, relative to its entry: x86-64's
+/// `ret` pops the return address; arm64 keeps it in the link register.
+#[cfg(bpf_target_arch = "aarch64")]
+pub const RETURN_SP_OFFSET: u64 = 0;
+/// Where the stack pointer is at a call's return, relative to its entry: x86-64's
+/// `ret` pops the return address; arm64 keeps it in the link register.
+#[cfg(not(bpf_target_arch = "aarch64"))]
+pub const RETURN_SP_OFFSET: u64 = 8;
+
+/// User addresses fit in 48 bits; arm64 return addresses signed with pointer
+/// authentication carry the code above them.
+#[cfg(bpf_target_arch = "aarch64")]
+const ADDRESS_MASK: u64 = (1 << 48) - 1;
+
+/// The instruction pointer (the probe's address) and stack pointer at an entry probe.
+/// Probes sit where the stack pointer still has its value at the function's entry
+/// (probe placement never skips an instruction that writes it).
+#[inline(always)]
+pub fn at_entry(ctx: &ProbeContext) -> (u64, u64) {
+    #[cfg(bpf_target_arch = "x86_64")]
+    // SAFETY: ctx.regs is the probe's pt_regs, readable by the program.
+    unsafe {
+        let regs = &*ctx.regs;
+        (regs.rip, regs.rsp)
+    }
+    #[cfg(bpf_target_arch = "aarch64")]
+    // SAFETY: the kernel's arm64 pt_regs begins with user_pt_regs.
+    unsafe {
+        let regs = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
+        (regs.pc, regs.sp)
+    }
+    #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
+    {
+        let _ = ctx;
+        (0, 0)
+    }
+}
+
+/// The return address of the call being entered (0 if unreadable): at the stack
+/// pointer on x86-64, in the link register on arm64.
+#[inline(always)]
+pub fn return_address_at_entry(ctx: &ProbeContext, sp: u64) -> u64 {
+    #[cfg(bpf_target_arch = "aarch64")]
+    // SAFETY: the kernel's arm64 pt_regs begins with user_pt_regs.
+    unsafe {
+        let _ = sp;
+        let regs = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
+        regs.regs[30] & ADDRESS_MASK
+    }
+    #[cfg(not(bpf_target_arch = "aarch64"))]
+    {
+        let _ = ctx;
+        // SAFETY: bpf_probe_read_user checks the user address.
+        unsafe { bpf_probe_read_user(sp as *const u64) }.unwrap_or(0)
+    }
+}
+
+/// The caller's state at a return probe: the return address (the caller's next
+/// instruction), frame pointer and stack pointer, all restored by then.
+#[inline(always)]
+pub fn at_return(ctx: &RetProbeContext) -> (u64, u64, u64) {
+    #[cfg(bpf_target_arch = "x86_64")]
+    // SAFETY: ctx.regs is the probe's pt_regs, readable by the program.
+    unsafe {
+        let regs = &*ctx.regs;
+        (regs.rip, regs.rbp, regs.rsp)
+    }
+    #[cfg(bpf_target_arch = "aarch64")]
+    // SAFETY: the kernel's arm64 pt_regs begins with user_pt_regs.
+    unsafe {
+        let regs = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
+        (regs.pc, regs.regs[29], regs.sp)
+    }
+    #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
+    {
+        let _ = ctx;
+        (0, 0, 0)
+    }
+}

@@ -1,0 +1,244 @@
+//! The user-mode programs: allocator entry and return probes, free, process events.
+//!
+//! Each probed function has its own entry program for kernels whose uprobes are
+//! attached one perf event at a time; kernels with multi-uprobe links (6.6+) get one
+//! entry program for all of them, told apart by the attach cookie (a [`ProbeSlot`]).
+//! Both forms run the same code: [`on_entry`] with the slot constant or from the cookie.
+
+use aya_ebpf::{
+    EbpfContext as _,
+    helpers::{bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_probe_read_user},
+    macros::{raw_tracepoint, uprobe, uretprobe},
+    programs::{ProbeContext, RawTracePointContext, RetProbeContext},
+};
+use heapprof_common::{AllocKind, DropReason, ExecEvent, FREE_SLOT, ProbeSlot};
+
+use crate::{
+    calls::{self, Call},
+    maps::{EXEC_EVENTS, EXEC_GEN, armed, count_drop, ignored, page_size, target_tgid},
+    sites, stack,
+};
+
+#[inline(always)]
+fn arg(ctx: &ProbeContext, n: usize) -> u64 {
+    ctx.arg::<u64>(n).unwrap_or(0)
+}
+
+/// An entry probe of the function in `slot`: its arguments, then the call matching.
+#[inline(always)]
+fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
+    let Some(kind) = AllocKind::from_u32(slot) else {
+        if slot == FREE_SLOT {
+            on_free(ctx);
+        }
+        return;
+    };
+    let (size, old_ptr, out_ptr) = match kind {
+        AllocKind::Malloc | AllocKind::Valloc => (arg(ctx, 0), 0, 0),
+        AllocKind::Calloc => (arg(ctx, 0).wrapping_mul(arg(ctx, 1)), 0, 0),
+        AllocKind::Realloc => (arg(ctx, 1), arg(ctx, 0), 0),
+        AllocKind::Reallocarray => (arg(ctx, 1).wrapping_mul(arg(ctx, 2)), arg(ctx, 0), 0),
+        AllocKind::PosixMemalign => (arg(ctx, 2), 0, arg(ctx, 0)),
+        AllocKind::AlignedAlloc | AllocKind::Memalign => (arg(ctx, 1), 0, 0),
+        AllocKind::Pvalloc => {
+            // glibc hands out whole pages (and one page for a request of 0).
+            let page = page_size();
+            let size = arg(ctx, 0);
+            let pages = if size == 0 { 1 } else { size.div_ceil(page) };
+            (pages * page, 0, 0)
+        }
+    };
+    calls::enter(
+        ctx,
+        slot,
+        Call {
+            kind,
+            size,
+            old_ptr,
+            out_ptr,
+        },
+    );
+}
+
+/// free's probe: credits the block to its site, unless realloc called it.
+#[inline(always)]
+fn on_free(ctx: &ProbeContext) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if ignored(pid_tgid) || !armed() || calls::free_is_nested(ctx, FREE_SLOT, pid_tgid) {
+        return;
+    }
+    sites::release((pid_tgid >> 32) as u32, arg(ctx, 0));
+}
+
+/// The shared return probe: counts the user's call when it returns.
+#[inline(always)]
+fn on_return(ctx: &RetProbeContext) {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let Some(state) = calls::returned(ctx, pid_tgid) else {
+        return;
+    };
+    let tgid = (pid_tgid >> 32) as u32;
+    let returned: u64 = ctx.ret();
+    let Some(kind) = AllocKind::from_u32(state.kind) else {
+        return;
+    };
+    let resizes = matches!(kind, AllocKind::Realloc | AllocKind::Reallocarray);
+    if state.sampled == 0 && !resizes {
+        return;
+    }
+    let ptr = match kind {
+        AllocKind::PosixMemalign => {
+            if returned != 0 {
+                return; // an error code: nothing allocated
+            }
+            // SAFETY: bpf_probe_read_user checks the user address.
+            match unsafe { bpf_probe_read_user(state.out_ptr as *const u64) } {
+                Ok(ptr) => ptr,
+                Err(_) => {
+                    count_drop(DropReason::OutPtrUnreadable);
+                    return;
+                }
+            }
+        }
+        AllocKind::Realloc | AllocKind::Reallocarray => {
+            // Success (or realloc(p, 0), which frees p and returns NULL): the old block is gone.
+            if state.old_ptr != 0 && (returned != 0 || state.size == 0) {
+                sites::release(tgid, state.old_ptr);
+            }
+            returned
+        }
+        _ => returned,
+    };
+    if ptr == 0 || state.sampled == 0 {
+        return;
+    }
+    if let Some((site, stack)) = stack::record_stack(ctx, tgid, kind) {
+        sites::allocated(tgid, ptr, state.size, &site, stack);
+    }
+}
+
+/// The attach cookie of a multi-uprobe: the probed function's slot.
+#[inline(always)]
+fn cookie_slot(ctx: &ProbeContext) -> ProbeSlot {
+    // SAFETY: the helper reads the cookie of the link that ran this program.
+    unsafe { bpf_get_attach_cookie(ctx.as_ptr()) as ProbeSlot }
+}
+
+#[uprobe]
+pub fn malloc_enter(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, AllocKind::Malloc as ProbeSlot);
+    0
+}
+
+#[uprobe]
+pub fn calloc_enter(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, AllocKind::Calloc as ProbeSlot);
+    0
+}
+
+#[uprobe]
+pub fn realloc_enter(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, AllocKind::Realloc as ProbeSlot);
+    0
+}
+
+#[uprobe]
+pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, AllocKind::Reallocarray as ProbeSlot);
+    0
+}
+
+#[uprobe]
+pub fn posix_memalign_enter(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, AllocKind::PosixMemalign as ProbeSlot);
+    0
+}
+
+#[uprobe]
+pub fn aligned_alloc_enter(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, AllocKind::AlignedAlloc as ProbeSlot);
+    0
+}
+
+#[uprobe]
+pub fn memalign_enter(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, AllocKind::Memalign as ProbeSlot);
+    0
+}
+
+#[uprobe]
+pub fn valloc_enter(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, AllocKind::Valloc as ProbeSlot);
+    0
+}
+
+#[uprobe]
+pub fn pvalloc_enter(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, AllocKind::Pvalloc as ProbeSlot);
+    0
+}
+
+#[uprobe]
+pub fn free_enter(ctx: ProbeContext) -> u32 {
+    on_free(&ctx);
+    0
+}
+
+#[uprobe(multi)]
+pub fn entry_multi(ctx: ProbeContext) -> u32 {
+    on_entry(&ctx, cookie_slot(&ctx));
+    0
+}
+
+#[uretprobe]
+pub fn alloc_return(ctx: RetProbeContext) -> u32 {
+    on_return(&ctx);
+    0
+}
+
+#[uretprobe(multi)]
+pub fn alloc_return_multi(ctx: RetProbeContext) -> u32 {
+    on_return(&ctx);
+    0
+}
+
+/// A process replaced its image: later allocations get the next exec generation, so
+/// that their frames are read with the new mappings and the old image's with the old.
+/// A raw tracepoint, so that user mode needs no tracefs.
+#[raw_tracepoint(tracepoint = "sched_process_exec")]
+pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    let target = target_tgid();
+    if ignored(pid_tgid) || (target != 0 && target != tgid) {
+        return 0;
+    }
+    let exec_gen = match EXEC_GEN.get_ptr_mut(&tgid) {
+        // SAFETY: only this process's exec writes its entry, and it runs once at a time.
+        Some(slot) => unsafe {
+            *slot += 1;
+            *slot
+        },
+        None => {
+            if EXEC_GEN.insert(&tgid, &1, 0).is_err() {
+                count_drop(DropReason::ExecTableFull);
+                return 0;
+            }
+            1
+        }
+    };
+    // The exec kills the other threads, possibly inside an allocator call: the thread
+    // now holding the leader's id must not inherit a call in progress from one of them.
+    calls::abandon(pid_tgid);
+    // Lost only when the daemon is far behind; it then reads the maps on its next dump.
+    let _ = EXEC_EVENTS.output(&ExecEvent { tgid, exec_gen }, 0);
+    0
+}
+
+/// A thread exits: its call record goes with it, so that a thread reusing its id later
+/// starts clean (the thread may have died inside an allocator call).
+#[raw_tracepoint(tracepoint = "sched_process_exit")]
+pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
+    calls::forget(bpf_get_current_pid_tgid());
+    0
+}
