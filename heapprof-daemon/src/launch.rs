@@ -14,6 +14,8 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use std::time::{Duration, Instant};
+
 use anyhow::{Context as _, Result, bail};
 use tokio::sync::{mpsc, oneshot};
 
@@ -198,8 +200,16 @@ impl PausedChild {
                 }
                 unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
             } else if event == libc::PTRACE_EVENT_STOP {
-                // Group stop under PTRACE_SEIZE: stay stopped, as without a tracer.
-                unsafe { libc::ptrace(libc::PTRACE_LISTEN, pid, 0, 0) };
+                if is_stop_signal(libc::WSTOPSIG(status)) {
+                    // A group stop (SIGSTOP, SIGTSTP...): stay stopped, as without a tracer.
+                    unsafe { libc::ptrace(libc::PTRACE_LISTEN, pid, 0, 0) };
+                } else {
+                    // A notification trap (WSTOPSIG is SIGTRAP): a seized tracee traps like
+                    // this when it gets SIGCONT, as `timeout` sends after its signal. It is
+                    // not a group stop: answering with PTRACE_LISTEN would hold it stopped
+                    // for good, with its pending SIGINT/SIGTERM never delivered.
+                    unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
+                }
             } else {
                 // A signal on its way to the child: deliver it unchanged.
                 let signal = libc::WSTOPSIG(status);
@@ -207,6 +217,113 @@ impl PausedChild {
             }
         }
     }
+}
+
+/// How long a launched command may take to end after a passed signal before heapprofd
+/// says that it has not.
+pub const SIGNAL_GRACE: Duration = Duration::from_secs(2);
+
+/// Repeats of a signal this soon after the first are the same request: `timeout`
+/// signals its child and then the child's process group, so heapprofd gets two copies;
+/// a person pressing Ctrl-C again to stop at once takes longer than this.
+pub const REPEAT_WINDOW: Duration = Duration::from_millis(250);
+
+/// Launch mode's answer to SIGINT and SIGTERM: the first is passed to the command,
+/// whose exit then ends the run (final profile, the command's status); a second one
+/// stops heapprofd at once.
+#[derive(Debug)]
+pub struct SignalRelay {
+    pid: u32,
+    passed: Option<PassedSignal>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PassedSignal {
+    signal: i32,
+    at: Instant,
+    warned: bool,
+}
+
+/// What to do about a signal, per [`SignalRelay::on_signal`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Relayed {
+    /// Passed to the command: wait for it to end.
+    Passed,
+    /// A copy of the signal already passed: nothing more to do.
+    Repeat,
+    /// A second request: stop now.
+    StopNow,
+}
+
+impl SignalRelay {
+    /// A relay to the launched command `pid`.
+    pub fn new(pid: u32) -> Self {
+        Self { pid, passed: None }
+    }
+
+    /// Handles SIGINT/SIGTERM received at `now`.
+    pub fn on_signal(&mut self, signal: i32, now: Instant) -> Relayed {
+        match self.passed {
+            None => {
+                log::info!(
+                    "passing signal {signal} to pid {}; a second one stops heapprofd at once",
+                    self.pid
+                );
+                pass_signal(self.pid, signal);
+                self.passed = Some(PassedSignal {
+                    signal,
+                    at: now,
+                    warned: false,
+                });
+                Relayed::Passed
+            }
+            Some(passed) if now.duration_since(passed.at) < REPEAT_WINDOW => {
+                log::debug!("signal {signal} again right away: the same request");
+                Relayed::Repeat
+            }
+            Some(_) => Relayed::StopNow,
+        }
+    }
+
+    /// When to say that the command has not ended, if that is still to be said.
+    pub fn warning_due(&self) -> Option<Instant> {
+        self.passed
+            .filter(|passed| !passed.warned)
+            .map(|passed| passed.at + SIGNAL_GRACE)
+    }
+
+    /// Says that the command has not ended after the signal (once).
+    pub fn warn_still_running(&mut self) {
+        if let Some(passed) = self.passed.as_mut().filter(|passed| !passed.warned) {
+            passed.warned = true;
+            log::warn!(
+                "the command (pid {}) is still running {} s after signal {} (it ignores or \
+                 handles it); heapprofd traces it until it exits; send the signal again to \
+                 stop heapprofd now",
+                self.pid,
+                SIGNAL_GRACE.as_secs(),
+                passed.signal
+            );
+        }
+    }
+}
+
+/// Passes SIGINT/SIGTERM to the launched command, then SIGCONT as `timeout` does: a
+/// stopped command would otherwise keep the signal pending and never end.
+fn pass_signal(pid: u32, signal: i32) {
+    // SAFETY: plain kill(2) of our own child.
+    unsafe {
+        libc::kill(pid as libc::pid_t, signal);
+        libc::kill(pid as libc::pid_t, libc::SIGCONT);
+    }
+}
+
+/// The signals whose default action is to stop the process (a group stop).
+fn is_stop_signal(signal: i32) -> bool {
+    matches!(
+        signal,
+        libc::SIGSTOP | libc::SIGTSTP | libc::SIGTTIN | libc::SIGTTOU
+    )
 }
 
 fn report_exec_error(exec_error: &OwnedFd) {
@@ -223,6 +340,40 @@ fn report_exec_error(exec_error: &OwnedFd) {
         log::error!(
             "cannot execute the command: {}",
             io::Error::from_raw_os_error(errno)
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relay_passes_the_first_signal_takes_quick_copies_as_one_and_stops_on_a_second() {
+        let mut command = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("starting sleep");
+        let mut relay = SignalRelay::new(command.id());
+        let start = Instant::now();
+        assert_eq!(relay.on_signal(libc::SIGTERM, start), Relayed::Passed);
+        let status = command.wait().expect("waiting for sleep");
+        assert_eq!(
+            std::os::unix::process::ExitStatusExt::signal(&status),
+            Some(libc::SIGTERM),
+            "the command got the signal"
+        );
+        assert_eq!(
+            relay.on_signal(libc::SIGTERM, start + REPEAT_WINDOW / 2),
+            Relayed::Repeat,
+            "timeout's second copy"
+        );
+        assert_eq!(relay.warning_due(), Some(start + SIGNAL_GRACE));
+        relay.warn_still_running();
+        assert_eq!(relay.warning_due(), None, "said once");
+        assert_eq!(
+            relay.on_signal(libc::SIGINT, start + REPEAT_WINDOW * 2),
+            Relayed::StopNow
         );
     }
 }

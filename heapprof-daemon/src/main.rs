@@ -22,7 +22,7 @@ use tokio::{
 
 use heapprof_daemon::{
     cli::{Cli, Target},
-    launch::{self, ChildEvent, PausedChild},
+    launch::{self, ChildEvent, PausedChild, Relayed, SignalRelay},
     pprof, preflight, probes,
     session::{
         self, Session, SessionConfig,
@@ -265,8 +265,11 @@ fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<Start
         (Target::Launch(_), Some(child)) => Some(child.pid),
         _ => None,
     };
-    let mut ebpf = probes::load(capacities, sample_rate, pid)?;
-    let probes = probes::attach(&mut ebpf, &libc, pid)?;
+    let mut ebpf = probes::load(capacities, sample_rate, pid, &libc)?;
+    let attached = probes::attach(&mut ebpf, &libc, pid, cli.attach)?;
+    log::debug!("uprobes attached as {:?}", attached.method);
+    probes::arm(&mut ebpf, &libc)?;
+    let probes = attached.probes;
     let config = SessionConfig {
         target: target.clone(),
         output: cli.output.clone(),
@@ -431,7 +434,7 @@ async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCode> {
     let deadline = cli.duration.map(|d| Instant::now() + d);
     let far_future = Instant::now() + Duration::from_secs(100 * 365 * 86400);
     let mut exit_code = ExitCode::SUCCESS;
-    let mut stop_requested = false;
+    let mut relay = child_pid.map(SignalRelay::new);
     let mut exec_events = session.take_exec_events();
 
     loop {
@@ -452,15 +455,15 @@ async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCode> {
                 session.tidy(target);
             }
             signal = async { tokio::select! { _ = sigint.recv() => libc::SIGINT, _ = sigterm.recv() => libc::SIGTERM } } => {
-                match child_pid {
-                    // Launch mode: pass the signal on and write the final profile when the command ends.
-                    Some(pid) if !stop_requested => {
-                        log::info!("passing signal {signal} to pid {pid}; a second one stops heapprofd at once");
-                        // SAFETY: plain kill(2).
-                        unsafe { libc::kill(pid as libc::pid_t, signal) };
-                        stop_requested = true;
-                    }
-                    _ => break,
+                // Launch mode passes the signal on: the command's exit ends the run.
+                match relay.as_mut().map(|relay| relay.on_signal(signal, Instant::now().into_std())) {
+                    Some(Relayed::Passed | Relayed::Repeat) => {}
+                    Some(Relayed::StopNow) | None => break,
+                }
+            }
+            _ = tokio::time::sleep_until(relay.as_ref().and_then(SignalRelay::warning_due).map_or(far_future, Instant::from_std)), if relay.as_ref().is_some_and(|r| r.warning_due().is_some()) => {
+                if let Some(relay) = relay.as_mut() {
+                    relay.warn_still_running();
                 }
             }
             _ = tokio::time::sleep_until(deadline.unwrap_or(far_future)), if deadline.is_some() => {
