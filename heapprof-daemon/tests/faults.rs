@@ -9,7 +9,7 @@ mod common;
 use std::{
     io::Write as _,
     path::Path,
-    process::{Child, Command},
+    process::Command,
     sync::Mutex,
     time::{Duration, Instant},
 };
@@ -19,11 +19,14 @@ use common::*;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Names of heapprofd's BPF programs as the kernel lists them (truncated to 15 characters).
-const PROGRAM_NAMES: [&str; 7] = [
+const PROGRAM_NAMES: [&str; 10] = [
+    "entry_multi",
+    "alloc_return_mu",
     "malloc_enter",
     "alloc_return",
     "free_enter",
     "process_exec",
+    "thread_exit",
     "kmalloc",
     "kmem_cache_allo",
     "kfree",
@@ -76,11 +79,6 @@ fn wait_unloaded() -> Vec<String> {
 fn start_waiter(dir: &Path) -> Driven {
     let binary = compile(dir, "waiter", "waiter", &["-O0"]);
     Driven::start(&binary, &["1000", "48"])
-}
-
-fn signal(child: &Child, signal: i32) {
-    // SAFETY: plain kill(2) on our own child.
-    unsafe { libc::kill(child.id() as libc::pid_t, signal) };
 }
 
 fn sigkill_leaves_nothing_behind(mode: &[&str]) {

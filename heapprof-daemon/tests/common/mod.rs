@@ -254,6 +254,12 @@ pub fn start_heapprofd(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
     panic!("{failure}");
 }
 
+/// Sends `signal` to our child `child`.
+pub fn signal(child: &Child, signal: i32) {
+    // SAFETY: plain kill(2) on our own child.
+    unsafe { libc::kill(child.id() as libc::pid_t, signal) };
+}
+
 /// Waits for heapprofd to exit successfully; on failure the panic shows its log.
 pub fn wait_success(child: &mut Child, log: &mpsc::Receiver<String>, what: &str) {
     let status = child.wait().expect("waiting for heapprofd");
@@ -312,11 +318,14 @@ impl Driven {
 
     /// Lets it take one step and waits for it to print `reply`.
     pub fn step(&mut self, reply: &str) {
+        self.command("go", reply);
+    }
+
+    /// Sends it the line `command` and waits for it to print `reply`.
+    pub fn command(&mut self, command: &str, reply: &str) {
         use std::io::Write as _;
         let stdin = self.stdin.as_mut().expect("stdin open");
-        stdin
-            .write_all(b"go\n")
-            .expect("writing to the test program");
+        writeln!(stdin, "{command}").expect("writing to the test program");
         stdin.flush().expect("flush");
         self.expect_line(reply);
     }
