@@ -472,6 +472,39 @@ impl Bench {
         Ok((timing(&dumps[0]), timing(&dumps[1]), rss))
     }
 
+    /// Shutdown with `--attach METHOD`: (end-to-end seconds of `heapprofd -- true`,
+    /// seconds from the final profile's write to heapprofd's exit after SIGINT on a
+    /// `--pid` session).
+    fn shutdown(&self, method: &str, waiting: &Path) -> Result<(f64, f64)> {
+        let started = Instant::now();
+        let status = Command::new(&self.heapprofd)
+            .arg("-o")
+            .arg(self.dir.join("profiles"))
+            .args(["--attach", method, "--", "true"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .context("running heapprofd -- true")?;
+        let end_to_end = started.elapsed().as_secs_f64();
+        if !status.success() {
+            bail!("heapprofd --attach {method} -- true failed: {status}");
+        }
+        let mut target = start_workload(Command::new(waiting).arg("1").stdout(Stdio::null()))?;
+        let Daemon {
+            child,
+            lines,
+            mut log,
+        } = self.start_heapprofd(&["--interval", "1h", "--attach", method], target.id())?;
+        interrupt(&child);
+        wait_for_line(&lines, " wrote ", &mut log)?;
+        let written = Instant::now();
+        wait_with_usage(child.id())?;
+        let after_write = written.elapsed().as_secs_f64();
+        send_go(&mut target)?;
+        target.wait()?;
+        Ok((end_to_end, after_write))
+    }
+
     /// heapprofd's own CPU share over a long churn at the default 10 s interval.
     fn daemon_load(&self, program: &Path, seconds: u32) -> Result<(f64, f64, u64)> {
         let mut target = start_workload(
@@ -709,6 +742,35 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         ));
     }
 
+    step("shutdown: heapprofd -- true, and final profile to exit after SIGINT");
+    let _ = writeln!(
+        text,
+        "\n## Shutdown ({} runs each; median, min-max)\n",
+        options.runs
+    );
+    let mut json_shutdown = Vec::new();
+    for method in ["auto", "perf-events"] {
+        let mut end_to_end = Vec::new();
+        let mut after_write = Vec::new();
+        for _ in 0..options.runs {
+            let (total, tail) = bench.shutdown(method, &pairs)?;
+            end_to_end.push(total);
+            after_write.push(tail);
+        }
+        let (total, tail) = (spread(&end_to_end), spread(&after_write));
+        let _ = writeln!(
+            text,
+            "--attach {method:<12} heapprofd -- true: {:.3} s ({:.3}-{:.3}); final profile written to exit: {:.3} s ({:.3}-{:.3})",
+            total.median, total.min, total.max, tail.median, tail.min, tail.max
+        );
+        json_shutdown.push(format!(
+            "{}: {{\"end_to_end_true_s\": {}, \"write_to_exit_s\": {}}}",
+            json_string(method),
+            json_number(total.median),
+            json_number(tail.median)
+        ));
+    }
+
     let seconds = if options.quick { 12 } else { 35 };
     step(&format!(
         "daemon load: {seconds} s of churn, profiles every 10 s (exact)"
@@ -721,9 +783,10 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         rss / 1024
     );
     let json = format!(
-        "{{\n  \"workloads\": [\n    {}\n  ],\n  \"dumps\": [{}],\n  \"daemon_load\": {{\"seconds\": {}, \"cpu_s\": {}, \"cpu_percent_of_core\": {}, \"peak_rss_kib\": {rss}}}\n}}\n",
+        "{{\n  \"workloads\": [\n    {}\n  ],\n  \"dumps\": [{}],\n  \"shutdown\": {{{}}},\n  \"daemon_load\": {{\"seconds\": {}, \"cpu_s\": {}, \"cpu_percent_of_core\": {}, \"peak_rss_kib\": {rss}}}\n}}\n",
         json_workloads.join(",\n    "),
         json_dumps.join(", "),
+        json_shutdown.join(", "),
         json_number(wall),
         json_number(cpu),
         json_number(cpu / wall * 100.0),
