@@ -7,6 +7,7 @@
 #![no_std]
 
 pub mod kernel;
+pub mod unwind;
 
 /// Maximum number of user-space frames recorded per stack.
 pub const MAX_STACK_DEPTH: u32 = 127;
@@ -290,6 +291,10 @@ pub struct Config {
     pub text_start: u64,
     /// End of the executable code (exclusive).
     pub text_end: u64,
+    /// How user stacks are unwound: an [`unwind::UnwindMode`].
+    pub unwind_mode: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
@@ -349,6 +354,21 @@ pub mod names {
     pub const PROG_EXEC: &str = "process_exec";
     /// The tracepoint it attaches to.
     pub const EXEC_TRACEPOINT: &str = "sched_process_exec";
+    /// Executable mappings per process (`HashMap<u32, unwind::ProcessMappings>`).
+    pub const PROCESS_MAPPINGS: &str = "PROCESS_MAPPINGS";
+    /// Where each object's rows are (`Array<unwind::UnwindObject>`).
+    pub const UNWIND_OBJECTS: &str = "UNWIND_OBJECTS";
+    /// Every object's rows (`Array<unwind::UnwindRow>`).
+    pub const UNWIND_ROWS: &str = "UNWIND_ROWS";
+    /// The deduplicated rules (`Array<unwind::UnwindRule>`).
+    pub const UNWIND_RULES: &str = "UNWIND_RULES";
+    /// Where stacks were cut short (`LruHashMap<unwind::UnwindGap, u64>`, counts).
+    pub const UNWIND_GAPS: &str = "UNWIND_GAPS";
+    /// [`crate::unwind::MappingsRequest`]s for the daemon (`RingBuf`).
+    pub const MAPPINGS_REQUESTS: &str = "MAPPINGS_REQUESTS";
+    /// Uprobe on the dynamic loader's `_dl_debug_state`, which it calls after mapping
+    /// or unmapping objects (the debuggers' hook).
+    pub const PROG_LOADER_STATE: &str = "loader_state";
     /// Raw tracepoint on `sched_process_exit`: a thread's call state goes with it.
     pub const PROG_THREAD_EXIT: &str = "thread_exit";
     /// The tracepoint it attaches to.
@@ -390,4 +410,11 @@ mod pod {
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::UserStack {}
     unsafe impl aya::Pod for super::ExecEvent {}
+    unsafe impl aya::Pod for super::unwind::UnwindRule {}
+    unsafe impl aya::Pod for super::unwind::UnwindRow {}
+    unsafe impl aya::Pod for super::unwind::UnwindObject {}
+    unsafe impl aya::Pod for super::unwind::ExecMapping {}
+    unsafe impl aya::Pod for super::unwind::ProcessMappings {}
+    unsafe impl aya::Pod for super::unwind::UnwindGap {}
+    unsafe impl aya::Pod for super::unwind::MappingsRequest {}
 }

@@ -46,6 +46,8 @@ static CONFIG: Config = Config {
     sample_rate: 0,
     text_start: 0,
     text_end: 0,
+    unwind_mode: 0,
+    _pad: 0,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults

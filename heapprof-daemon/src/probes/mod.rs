@@ -56,6 +56,8 @@ pub fn load(
         sample_rate,
         text_start: libc.text.0,
         text_end: libc.text.1,
+        unwind_mode: 0,
+        _pad: 0,
     };
     EbpfLoader::new()
         .override_global(names::CONFIG, &config, true)

@@ -1,0 +1,250 @@
+//! Call-frame unwinding tables: built by the daemon from each object's CFI
+//! (`.eh_frame`, `.debug_frame`), read by the BPF unwinder at every recorded allocation.
+//!
+//! The layout, from an address in a process to the rule that unwinds its frame:
+//! - `PROCESS_MAPPINGS[tgid]`: the process's executable mappings, sorted by address
+//!   ([`ProcessMappings`]); each names an object and its load bias.
+//! - `UNWIND_OBJECTS[object]`: where the object's rows are in `UNWIND_ROWS`
+//!   ([`UnwindObject`]). One table per object file, shared by every process mapping it.
+//! - `UNWIND_ROWS`: per object, [`UnwindRow`]s sorted by address: each row's rule holds
+//!   from its address up to the next row's. Gaps (code without CFI) are rows whose rule
+//!   is [`RULE_NONE`].
+//! - `UNWIND_RULES[rule]`: the deduplicated rules ([`UnwindRule`]); a few thousand
+//!   distinct ones cover a whole system.
+
+/// Most executable mappings recorded per process.
+pub const MAX_PROCESS_MAPPINGS: usize = 256;
+
+/// Binary-search steps over one object's rows: objects have at most 2^22 rows.
+pub const ROW_SEARCH_STEPS: u32 = 22;
+
+/// Largest number of rows of one object (`2^ROW_SEARCH_STEPS`).
+pub const MAX_OBJECT_ROWS: u32 = 1 << ROW_SEARCH_STEPS;
+
+/// Binary-search steps over a process's mappings (`2^9 > MAX_PROCESS_MAPPINGS`).
+pub const MAPPING_SEARCH_STEPS: u32 = 9;
+
+/// Rule index of a row that starts a range no CFI covers.
+pub const RULE_NONE: u32 = u32::MAX;
+
+/// Object index of a mapping that has no unwind table (no CFI, not loaded yet, or the
+/// table did not fit): frames in it are unwound with frame pointers, when allowed.
+pub const NO_OBJECT: u32 = u32::MAX;
+
+/// How the canonical frame address (CFA, the caller's stack pointer) is found.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CfaRule {
+    /// CFA = stack pointer + `cfa_offset`.
+    SpOffset = 0,
+    /// CFA = frame pointer (rbp, x29) + `cfa_offset`.
+    FpOffset = 1,
+    /// x86-64 PLT entries: CFA = rsp + 8, + 8 more past the entry's `push` (when the
+    /// address's low four bits are 11 or more): the one DWARF expression compilers emit
+    /// for ordinary code.
+    PltX86 = 2,
+    /// The return address is undefined: the outermost frame (`_start`, a thread's start).
+    End = 3,
+    /// A rule the unwinder cannot follow (another base register, a DWARF expression).
+    Unsupported = 4,
+}
+
+impl CfaRule {
+    /// Converts a value read from a map back into a rule.
+    pub const fn from_u8(value: u8) -> Option<CfaRule> {
+        Some(match value {
+            0 => CfaRule::SpOffset,
+            1 => CfaRule::FpOffset,
+            2 => CfaRule::PltX86,
+            3 => CfaRule::End,
+            4 => CfaRule::Unsupported,
+            _ => return None,
+        })
+    }
+}
+
+/// Where a register of the caller (its frame pointer, or on arm64 its return address)
+/// is found.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RegRule {
+    /// Unchanged: the register still holds the caller's value (on arm64, a return
+    /// address still in the link register, as in a leaf function).
+    Same = 0,
+    /// Saved on the stack at CFA + offset.
+    AtCfa = 1,
+    /// Unknown (not recoverable, or a rule the unwinder cannot follow).
+    Undefined = 2,
+}
+
+impl RegRule {
+    /// Converts a value read from a map back into a rule.
+    pub const fn from_u8(value: u8) -> Option<RegRule> {
+        Some(match value {
+            0 => RegRule::Same,
+            1 => RegRule::AtCfa,
+            2 => RegRule::Undefined,
+            _ => return None,
+        })
+    }
+}
+
+/// How to unwind one frame: find the CFA, then the caller's return address and frame
+/// pointer. On x86-64 the return address is always at CFA - 8 (`ra` is [`RegRule::AtCfa`]
+/// with offset -8).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UnwindRule {
+    /// A [`CfaRule`].
+    pub cfa: u8,
+    /// A [`RegRule`] for the frame pointer.
+    pub fp: u8,
+    /// A [`RegRule`] for the return address.
+    pub ra: u8,
+    /// Explicit padding, always zero.
+    pub _pad: u8,
+    /// Added to the CFA's base register.
+    pub cfa_offset: i32,
+    /// Where the frame pointer is saved, from the CFA (with [`RegRule::AtCfa`]).
+    pub fp_offset: i32,
+    /// Where the return address is saved, from the CFA (with [`RegRule::AtCfa`]).
+    pub ra_offset: i32,
+}
+
+/// One row of an object's table: from `pc` (an address in the object as its ELF file
+/// gives it, i.e. before the load bias) the rule `rule` holds, up to the next row.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UnwindRow {
+    /// First address covered.
+    pub pc: u32,
+    /// Index into `UNWIND_RULES`, or [`RULE_NONE`].
+    pub rule: u32,
+}
+
+/// Where an object's rows are in `UNWIND_ROWS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnwindObject {
+    /// Index of its first row.
+    pub first_row: u32,
+    /// Number of rows (at most [`MAX_OBJECT_ROWS`]).
+    pub rows: u32,
+}
+
+/// One executable mapping of a process.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExecMapping {
+    /// First address.
+    pub start: u64,
+    /// One past the last address.
+    pub end: u64,
+    /// Load bias: an address minus the bias is the address in the object's file.
+    pub bias: u64,
+    /// Index into `UNWIND_OBJECTS`, or [`NO_OBJECT`].
+    pub object: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+}
+
+/// A process's executable mappings, sorted by `start`; `count` are in use.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct ProcessMappings {
+    /// Mappings in use.
+    pub count: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+    /// The mappings, sorted by address.
+    pub mappings: [ExecMapping; MAX_PROCESS_MAPPINGS],
+}
+
+/// How user stacks are unwound (`--unwind`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnwindMode {
+    /// CFI where a table covers the address, frame pointers elsewhere (JIT code).
+    Auto = 0,
+    /// CFI only: a frame without a rule ends the stack.
+    Cfi = 1,
+    /// Frame pointers only (the kernel's way; the code must keep them).
+    FramePointers = 2,
+}
+
+/// Key of the table of addresses where stacks were cut short (`UNWIND_GAPS`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct UnwindGap {
+    /// The process.
+    pub tgid: u32,
+    /// Why the stack ended there: a [`GapReason`].
+    pub reason: u32,
+    /// The address (in the process) that had no rule.
+    pub pc: u64,
+}
+
+/// Why a stack was cut short at an address.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GapReason {
+    /// No executable mapping of the process is known there (not loaded yet, or JIT
+    /// code without frame pointers).
+    NoMapping = 0,
+    /// The mapping's object has no table, and frame pointers did not lead on.
+    NoTable = 1,
+    /// The object's table has no rule for the address.
+    NoRule = 2,
+    /// The rule cannot be followed (see [`CfaRule::Unsupported`]).
+    Unsupported = 3,
+    /// A saved register could not be read from the stack.
+    Unreadable = 4,
+}
+
+impl GapReason {
+    /// Converts a value read from a map back into a reason.
+    pub const fn from_u32(value: u32) -> Option<GapReason> {
+        Some(match value {
+            0 => GapReason::NoMapping,
+            1 => GapReason::NoTable,
+            2 => GapReason::NoRule,
+            3 => GapReason::Unsupported,
+            4 => GapReason::Unreadable,
+            _ => return None,
+        })
+    }
+
+    /// A short description for logs and profile comments.
+    pub const fn describe(self) -> &'static str {
+        match self {
+            GapReason::NoMapping => "no executable mapping known at the address",
+            GapReason::NoTable => "no unwind table for the object",
+            GapReason::NoRule => "no CFI rule for the address",
+            GapReason::Unsupported => "a CFI rule the unwinder cannot follow",
+            GapReason::Unreadable => "a saved register could not be read",
+        }
+    }
+}
+
+/// A request from the BPF side for the daemon to read a process's mappings (again):
+/// the dynamic loader mapped or unmapped objects, or a stack met an unknown address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MappingsRequest {
+    /// The process.
+    pub tgid: u32,
+    /// Why: a [`RequestReason`].
+    pub reason: u32,
+}
+
+/// Why the BPF side asks for a process's mappings.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestReason {
+    /// The dynamic loader reported a change (`_dl_debug_state`): libraries were loaded
+    /// (at start-up or by `dlopen`) or unloaded.
+    Loader = 0,
+    /// A stack met an address outside every known mapping (a new process, code mapped
+    /// without the loader).
+    UnknownAddress = 1,
+}
