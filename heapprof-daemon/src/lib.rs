@@ -13,3 +13,4 @@ mod proptests;
 pub mod session;
 pub mod symbolize;
 pub mod tracefs;
+pub mod unwind;
