@@ -232,14 +232,17 @@ pub enum DropReason {
     /// The exec-generation table was full: a process's allocations after an exec are
     /// counted as its previous image's, whose mappings may not symbolize them.
     ExecTableFull = 7,
+    /// A user stack could not be unwound to its end: counted with the frames found,
+    /// and the address where it stopped is reported (`UNWIND_GAPS`).
+    StackIncomplete = 8,
 }
 
 impl DropReason {
     /// Number of reasons (size of the `DROPS` array).
-    pub const COUNT: u32 = 8;
+    pub const COUNT: u32 = 9;
 
     /// Every reason, indexed by discriminant.
-    pub const ALL: [DropReason; 8] = [
+    pub const ALL: [DropReason; 9] = [
         DropReason::LiveTableFull,
         DropReason::SiteTableFull,
         DropReason::StackTableFull,
@@ -248,6 +251,7 @@ impl DropReason {
         DropReason::OutPtrUnreadable,
         DropReason::StackUnavailable,
         DropReason::ExecTableFull,
+        DropReason::StackIncomplete,
     ];
 
     /// A short description for logs and profile comments.
@@ -266,6 +270,9 @@ impl DropReason {
             DropReason::StackUnavailable => "kernel stack not available (counted at the call site)",
             DropReason::ExecTableFull => {
                 "exec-generation table full (allocations after an exec may be mis-symbolized)"
+            }
+            DropReason::StackIncomplete => {
+                "stacks not unwound to their end (counted with the frames found)"
             }
         }
     }
@@ -293,8 +300,10 @@ pub struct Config {
     pub text_end: u64,
     /// How user stacks are unwound: an [`unwind::UnwindMode`].
     pub unwind_mode: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// Launch mode: at each loader event of `target_tgid` the programs hold the command
+    /// (a SIGCONT the tracer intercepts) until the daemon has loaded its mappings, so
+    /// that code runs only once its unwind tables are in place.
+    pub hold_at_loader_events: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
@@ -366,6 +375,13 @@ pub mod names {
     pub const UNWIND_GAPS: &str = "UNWIND_GAPS";
     /// [`crate::unwind::MappingsRequest`]s for the daemon (`RingBuf`).
     pub const MAPPINGS_REQUESTS: &str = "MAPPINGS_REQUESTS";
+    /// When each process last asked for its mappings (`LruHashMap<u32, u64>`, ns).
+    pub const MAPPINGS_REQUESTED: &str = "MAPPINGS_REQUESTED";
+    /// Signals sent to hold a launched command at a loader event (`Array<u64>`, one
+    /// slot): the tracer tells its own from any other SIGCONT by this count.
+    pub const LOADER_SYNCS: &str = "LOADER_SYNCS";
+    /// The multi-uprobe form of [`PROG_LOADER_STATE`].
+    pub const PROG_LOADER_STATE_MULTI: &str = "loader_state_multi";
     /// Uprobe on the dynamic loader's `_dl_debug_state`, which it calls after mapping
     /// or unmapping objects (the debuggers' hook).
     pub const PROG_LOADER_STATE: &str = "loader_state";

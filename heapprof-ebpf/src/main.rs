@@ -28,6 +28,8 @@ mod sites;
 #[cfg(target_arch = "bpf")]
 mod stack;
 #[cfg(target_arch = "bpf")]
+mod unwind;
+#[cfg(target_arch = "bpf")]
 mod user;
 
 #[cfg(not(target_arch = "bpf"))]

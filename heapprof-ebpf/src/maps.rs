@@ -3,11 +3,12 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use heapprof_common::{
     CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey, PROBE_SLOTS,
     ProbeSlot, SiteCounters, StackKey, UserStack,
+    unwind::{ProcessMappings, UnwindGap, UnwindObject, UnwindRow, UnwindRule},
 };
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
@@ -37,6 +38,26 @@ pub static EXEC_GEN: HashMap<u32, u32> = HashMap::with_max_entries(16384, 0);
 #[map(name = "EXEC_EVENTS")]
 pub static EXEC_EVENTS: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
 
+// Unwind tables (see heapprof_common::unwind). Mappings are written per process, so
+// allocated on demand; the tables are sized by the daemon's flags.
+#[map(name = "PROCESS_MAPPINGS")]
+pub static PROCESS_MAPPINGS: HashMap<u32, ProcessMappings> =
+    HashMap::with_max_entries(1024, BPF_F_NO_PREALLOC);
+#[map(name = "UNWIND_OBJECTS")]
+pub static UNWIND_OBJECTS: Array<UnwindObject> = Array::with_max_entries(4096, 0);
+#[map(name = "UNWIND_ROWS")]
+pub static UNWIND_ROWS: Array<UnwindRow> = Array::with_max_entries(1 << 21, 0);
+#[map(name = "UNWIND_RULES")]
+pub static UNWIND_RULES: Array<UnwindRule> = Array::with_max_entries(65536, 0);
+#[map(name = "UNWIND_GAPS")]
+pub static UNWIND_GAPS: LruHashMap<UnwindGap, u64> = LruHashMap::with_max_entries(4096, 0);
+#[map(name = "MAPPINGS_REQUESTED")]
+pub static MAPPINGS_REQUESTED: LruHashMap<u32, u64> = LruHashMap::with_max_entries(4096, 0);
+#[map(name = "MAPPINGS_REQUESTS")]
+pub static MAPPINGS_REQUESTS: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
+#[map(name = "LOADER_SYNCS")]
+pub static LOADER_SYNCS: Array<u64> = Array::with_max_entries(1, 0);
+
 /// Written by the daemon before loading (read-only data).
 #[unsafe(no_mangle)]
 static CONFIG: Config = Config {
@@ -47,7 +68,7 @@ static CONFIG: Config = Config {
     text_start: 0,
     text_end: 0,
     unwind_mode: 0,
-    _pad: 0,
+    hold_at_loader_events: 0,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
@@ -80,6 +101,20 @@ pub fn target_tgid() -> u32 {
 pub fn sample_rate() -> u64 {
     // SAFETY: a plain global (see above).
     unsafe { core::ptr::read_volatile(&CONFIG.sample_rate) }
+}
+
+/// How user stacks are unwound: an `UnwindMode`.
+#[inline(always)]
+pub fn unwind_mode() -> u32 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.unwind_mode) }
+}
+
+/// Whether loader events of the target hold it until its mappings are loaded.
+#[inline(always)]
+pub fn hold_at_loader_events() -> bool {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.hold_at_loader_events) != 0 }
 }
 
 /// File offset of a probed function's probe spot in the allocator library.

@@ -7,17 +7,31 @@
 
 use aya_ebpf::{
     EbpfContext as _,
-    helpers::{bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_probe_read_user},
+    helpers::{
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_probe_read_user,
+        bpf_send_signal_thread,
+    },
     macros::{raw_tracepoint, uprobe, uretprobe},
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
-use heapprof_common::{AllocKind, DropReason, ExecEvent, FREE_SLOT, ProbeSlot};
+use heapprof_common::{
+    AllocKind, DropReason, ExecEvent, FREE_SLOT, ProbeSlot,
+    unwind::{MappingsRequest, RequestReason},
+};
 
 use crate::{
     calls::{self, Call},
-    maps::{EXEC_EVENTS, EXEC_GEN, armed, count_drop, ignored, page_size, target_tgid},
+    maps::{
+        EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, armed,
+        count_drop, hold_at_loader_events, ignored, page_size, target_tgid,
+    },
     sites, stack,
 };
+
+/// The signal that holds a launched command at a loader event. Its tracer intercepts
+/// it (a ptraced process stops before any signal is delivered) and suppresses it; were
+/// it ever delivered, SIGCONT's default action does nothing.
+const SIGCONT: u32 = 18;
 
 #[inline(always)]
 fn arg(ctx: &ProbeContext, n: usize) -> u64 {
@@ -202,6 +216,47 @@ pub fn alloc_return_multi(ctx: RetProbeContext) -> u32 {
     0
 }
 
+/// The dynamic loader mapped or unmapped objects (it calls `_dl_debug_state`, the
+/// debuggers' hook, at start-up once the program's libraries are mapped and around
+/// every `dlopen`/`dlclose`, before the new objects' code runs): the daemon reads the
+/// process's mappings. A launched command is held until they are loaded.
+#[inline(always)]
+fn on_loader_event() {
+    let pid_tgid = bpf_get_current_pid_tgid();
+    let tgid = (pid_tgid >> 32) as u32;
+    if ignored(pid_tgid) || !armed() {
+        return;
+    }
+    if hold_at_loader_events() && tgid == target_tgid() {
+        if let Some(count) = LOADER_SYNCS.get_ptr_mut(0) {
+            // SAFETY: the loader serializes its events (its load lock).
+            unsafe { *count += 1 };
+        }
+        // SAFETY: signals the current thread, the one in the loader.
+        unsafe { bpf_send_signal_thread(SIGCONT) };
+        return;
+    }
+    let _ = MAPPINGS_REQUESTS.output(
+        &MappingsRequest {
+            tgid,
+            reason: RequestReason::Loader as u32,
+        },
+        0,
+    );
+}
+
+#[uprobe]
+pub fn loader_state(_ctx: ProbeContext) -> u32 {
+    on_loader_event();
+    0
+}
+
+#[uprobe(multi)]
+pub fn loader_state_multi(_ctx: ProbeContext) -> u32 {
+    on_loader_event();
+    0
+}
+
 /// A process replaced its image: later allocations get the next exec generation, so
 /// that their frames are read with the new mappings and the old image's with the old.
 /// A raw tracepoint, so that user mode needs no tracefs.
@@ -230,6 +285,8 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     // The exec kills the other threads, possibly inside an allocator call: the thread
     // now holding the leader's id must not inherit a call in progress from one of them.
     calls::abandon(pid_tgid);
+    // The old image's mappings are gone; the daemon loads the new ones.
+    let _ = PROCESS_MAPPINGS.remove(&tgid);
     // Lost only when the daemon is far behind; it then reads the maps on its next dump.
     let _ = EXEC_EVENTS.output(&ExecEvent { tgid, exec_gen }, 0);
     0

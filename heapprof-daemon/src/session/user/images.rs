@@ -1,0 +1,334 @@
+//! What a session knows of the traced processes: one entry per image (what a process
+//! runs between two execs) with its mappings, read from `/proc` when they may have
+//! changed, and kept after the image is gone so that its allocations stay symbolized.
+
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    time::{Duration, Instant},
+};
+
+use heapprof_common::ExecEvent;
+
+use crate::{
+    aggregate::{Maps, Site},
+    cli::Target,
+    pprof::builder::AddressSpace,
+    procmaps::{ObjectCache, ProcessMaps, process_name},
+};
+
+/// One image of a process: what runs between two execs. Addresses mean something
+/// only within one image, so mappings are kept per image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(super) struct Image {
+    pub pid: u32,
+    pub exec_gen: u32,
+}
+
+impl Image {
+    /// The image a site's allocations were made in.
+    pub fn of(key: &heapprof_common::StackKey) -> Self {
+        Self {
+            pid: key.tgid,
+            exec_gen: key.exec_gen,
+        }
+    }
+
+    /// The image's address space, as the profile builder keys locations.
+    pub fn space(self) -> AddressSpace {
+        u64::from(self.exec_gen) << 32 | u64::from(self.pid)
+    }
+}
+
+/// What the session knows of a process image; kept after the process exits or
+/// replaces the image, so that its allocations stay symbolized in later profiles.
+#[derive(Debug, Default)]
+pub(super) struct ProcessInfo {
+    pub maps: ProcessMaps,
+    pub comm: String,
+    pub exe: Option<String>,
+    /// The process is alive and this is still its image: its mappings can be re-read.
+    pub current: bool,
+}
+
+/// After an exec, the new image's mappings are read at these delays: at once (the
+/// program and the dynamic loader), for an image that exits or execs again quickly,
+/// and later, once the loader has mapped the libraries. Until the probed C library
+/// shows up; the last read tells that it did not.
+const EXEC_READ_DELAYS: [Duration; 3] = [
+    Duration::ZERO,
+    Duration::from_millis(100),
+    Duration::from_secs(2),
+];
+
+/// A read of an image's mappings, due at a time after its exec.
+#[derive(Debug, Clone, Copy)]
+struct ExecRead {
+    due: Instant,
+    image: Image,
+    attempt: usize,
+}
+
+/// The traced processes' images.
+pub(super) struct Images {
+    target: Target,
+    /// The probed C library: its device and inode, and its name for messages.
+    libc_id: Option<(u64, u64)>,
+    libc_display: String,
+    objects: ObjectCache,
+    /// Ordered by pid, then generation: a process's images are one range.
+    processes: BTreeMap<Image, ProcessInfo>,
+    exec_reads: Vec<ExecRead>,
+    /// Images that exec'd into a program not using the probed C library (not traced).
+    untraced: Vec<(Image, String)>,
+}
+
+impl Images {
+    /// No image known yet.
+    pub fn new(target: Target, libc_id: Option<(u64, u64)>, libc_display: String) -> Self {
+        Self {
+            target,
+            libc_id,
+            libc_display,
+            objects: ObjectCache::default(),
+            processes: BTreeMap::new(),
+            exec_reads: Vec::new(),
+            untraced: Vec::new(),
+        }
+    }
+
+    /// What is known of `image`.
+    pub fn get(&self, image: &Image) -> Option<&ProcessInfo> {
+        self.processes.get(image)
+    }
+
+    /// Images that exec'd into a program without the probed C library, and the program.
+    pub fn untraced(&self) -> &[(Image, String)] {
+        &self.untraced
+    }
+
+    /// Reads the mappings of the processes that exist at attach time, so that
+    /// their stacks can be symbolized even if they exit before the first interval.
+    pub fn prime(&mut self, maps: &Maps) {
+        match self.target {
+            Target::Pid(pid) => {
+                self.refresh(pid, maps);
+            }
+            Target::All => {
+                let own = std::process::id();
+                let pids: Vec<u32> = std::fs::read_dir("/proc")
+                    .map(|dir| {
+                        dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                            .filter(|pid| *pid != own)
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                for pid in pids {
+                    self.refresh(pid, maps);
+                }
+                // Kernel threads map nothing.
+                self.processes
+                    .retain(|_, info| !info.maps.regions.is_empty());
+            }
+            // A launched command is read when its loader has mapped it, and at its exit.
+            Target::Launch(_) => {}
+        }
+    }
+
+    /// Reads the mappings of `pid`'s current image (the cached ones of its earlier
+    /// images, and of an exited process, are kept). Returns the image read.
+    pub fn refresh(&mut self, pid: u32, maps: &Maps) -> Option<Image> {
+        // The generation is read before and after: an exec in between would give
+        // the mappings of one image under the number of another.
+        for _ in 0..3 {
+            let before = maps.exec_generation(pid);
+            let read = self.objects.read_process(pid);
+            let comm = process_name(pid);
+            let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+                .ok()
+                .map(|p| p.display().to_string());
+            let after = maps.exec_generation(pid);
+            if before != after {
+                continue;
+            }
+            let image = Image {
+                pid,
+                exec_gen: after,
+            };
+            self.mark_replaced(pid, after);
+            match read {
+                // An exited process not yet reaped shows no mappings: keep what was read.
+                Ok(read) if read.regions.is_empty() && self.processes.contains_key(&image) => {
+                    if let Some(info) = self.processes.get_mut(&image) {
+                        info.current = false;
+                    }
+                    return None;
+                }
+                Ok(read) => {
+                    let info = self.processes.entry(image).or_default();
+                    info.maps = read;
+                    info.comm = comm;
+                    info.exe = exe;
+                    info.current = true;
+                    return Some(image);
+                }
+                Err(err) => {
+                    log::debug!(
+                        "pid {pid}: mappings not readable ({err}); keeping the cached ones"
+                    );
+                    if let Some(info) = self.processes.get_mut(&image) {
+                        info.current = false;
+                    }
+                    return None;
+                }
+            }
+        }
+        log::debug!("pid {pid}: exec'ing too fast to read its mappings");
+        None
+    }
+
+    /// Marks the images of `pid` before generation `current` as replaced.
+    fn mark_replaced(&mut self, pid: u32, current: u32) {
+        let earlier = Image { pid, exec_gen: 0 }..Image {
+            pid,
+            exec_gen: current,
+        };
+        for info in self.processes.range_mut(earlier).map(|(_, info)| info) {
+            info.current = false;
+        }
+    }
+
+    /// Marks every image of the processes `pids` as gone.
+    pub fn mark_exited(&mut self, pids: &HashSet<u32>) {
+        for pid in pids {
+            let images = Image {
+                pid: *pid,
+                exec_gen: 0,
+            }..=Image {
+                pid: *pid,
+                exec_gen: u32::MAX,
+            };
+            for info in self.processes.range_mut(images).map(|(_, info)| info) {
+                info.current = false;
+            }
+        }
+    }
+
+    /// A traced process called exec: its earlier images are final, the new one is
+    /// read shortly (see [`EXEC_READ_DELAYS`]).
+    pub fn exec_seen(&mut self, event: ExecEvent) {
+        log::debug!("pid {} exec'd (generation {})", event.tgid, event.exec_gen);
+        self.mark_replaced(event.tgid, event.exec_gen);
+        let now = Instant::now();
+        self.exec_reads.push(ExecRead {
+            due: now + EXEC_READ_DELAYS[0],
+            image: Image {
+                pid: event.tgid,
+                exec_gen: event.exec_gen,
+            },
+            attempt: 0,
+        });
+    }
+
+    /// When the next read of an exec'd image is due, if any.
+    pub fn next_exec_read(&self) -> Option<Instant> {
+        self.exec_reads.iter().map(|r| r.due).min()
+    }
+
+    /// Reads the mappings of exec'd images whose time has come, and tells when one
+    /// of them does not use the probed C library (its allocations are not traced).
+    /// Returns the images read.
+    pub fn read_due(&mut self, maps: &Maps) -> Vec<Image> {
+        let now = Instant::now();
+        let (due, later): (Vec<ExecRead>, Vec<ExecRead>) =
+            self.exec_reads.drain(..).partition(|r| r.due <= now);
+        self.exec_reads = later;
+        let mut read_images = Vec::new();
+        for read in due {
+            let image = read.image;
+            if maps.exec_generation(image.pid) != image.exec_gen {
+                continue; // replaced again, or gone
+            }
+            read_images.extend(self.refresh(image.pid, maps));
+            let Some(info) = self.processes.get(&image) else {
+                continue;
+            };
+            let uses_libc = info
+                .maps
+                .regions
+                .iter()
+                .any(|r| Some(r.object.id) == self.libc_id);
+            log::debug!(
+                "pid {} (exec generation {}): mappings read, {} executable regions, {}",
+                image.pid,
+                image.exec_gen,
+                info.maps.regions.len(),
+                if uses_libc {
+                    "with the probed C library"
+                } else {
+                    "without the probed C library (yet)"
+                }
+            );
+            if uses_libc {
+                continue;
+            }
+            match EXEC_READ_DELAYS.get(read.attempt + 1) {
+                Some(delay) => self.exec_reads.push(ExecRead {
+                    due: now + *delay,
+                    attempt: read.attempt + 1,
+                    ..read
+                }),
+                None => {
+                    let program = info.exe.clone().unwrap_or_else(|| info.comm.clone());
+                    let message = format!(
+                        "pid {} exec'd {program}, which does not use {}: its allocations are no \
+                         longer traced (profiles keep everything counted before the exec); to \
+                         profile it, run heapprofd --pid {} --libc PATH with the allocator it uses",
+                        image.pid, self.libc_display, image.pid
+                    );
+                    if matches!(self.target, Target::All) {
+                        log::debug!("{message}");
+                    } else {
+                        log::warn!("{message}");
+                        self.untraced.push((image, program));
+                    }
+                }
+            }
+        }
+        read_images
+    }
+
+    /// Reads the mappings of every process with sites whose stacks are not all mapped.
+    /// Returns the images read.
+    pub fn refresh_unmapped(&mut self, sites: &[Site], maps: &mut Maps) -> Vec<Image> {
+        let mut checked = HashSet::new();
+        let mut generations = HashMap::new();
+        let mut read_images = Vec::new();
+        for site in sites {
+            let image = Image::of(&site.key);
+            if checked.contains(&image.pid) {
+                continue;
+            }
+            let stack = maps.stack(site.key.stack);
+            let needs_refresh = match self.processes.get(&image) {
+                // Only the current image can be read: an earlier one's mappings are gone.
+                None => {
+                    *generations
+                        .entry(image.pid)
+                        .or_insert_with(|| maps.exec_generation(image.pid))
+                        == image.exec_gen
+                }
+                Some(info) => {
+                    info.current
+                        && stack
+                            .iter()
+                            .any(|&ret| info.maps.find(ret.wrapping_sub(1)).is_none())
+                }
+            };
+            if needs_refresh {
+                read_images.extend(self.refresh(image.pid, maps));
+                checked.insert(image.pid);
+            }
+        }
+        read_images
+    }
+}

@@ -1,0 +1,246 @@
+//! Building a profile from the site table: samples, locations, mappings, comments;
+//! and the `--top` summary.
+
+use std::{sync::Arc, time::{SystemTime, UNIX_EPOCH}};
+
+use anyhow::{Context as _, Result};
+use heapprof_common::AllocKind;
+
+use super::{
+    Session,
+    images::{Image, ProcessInfo},
+};
+use crate::{
+    aggregate::Site,
+    cli::Target,
+    pprof::{
+        LabelValue, MappingKey, ProfileBuilder,
+        builder::SAMPLE_TYPES,
+    },
+    session::{Drops, TopSite, TopSites, comment_drops},
+    symbolize::Frame,
+};
+
+/// Location tags: real frames, the allocator entry point of each kind, an unknown stack.
+const TAG_FRAME: u16 = 0;
+const TAG_UNKNOWN_STACK: u16 = u16::MAX;
+
+impl Session {
+    pub(super) fn build_profile(
+        &mut self,
+        sites: &[Site],
+        drops: &Drops,
+    ) -> Result<crate::pprof::proto::Profile> {
+        let now = SystemTime::now();
+        let nanos = |t: SystemTime| {
+            t.duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as i64)
+        };
+        let mut builder = ProfileBuilder::new(
+            nanos(now),
+            self.started_at.elapsed().as_nanos() as i64,
+            &SAMPLE_TYPES,
+        );
+        builder.comment(&format!("heapprofd {}", env!("CARGO_PKG_VERSION")));
+        builder.comment(&match &self.config.target {
+            Target::Pid(pid) => format!("target: pid {pid}"),
+            Target::Launch(cmd) => format!("target: {}", cmd.join(" ")),
+            Target::All => "target: all processes".to_owned(),
+        });
+        builder.comment(&format!("libc: {}", self.config.libc.display));
+        let rate = self.config.sample_rate;
+        if rate > 0 {
+            builder.period(rate);
+            builder.comment(&format!(
+                "sampled: one allocation per {rate} bytes on average (Poisson); values are scaled estimates"
+            ));
+        }
+        builder.comment(&format!(
+            "traced since {} ns after the epoch",
+            nanos(self.started)
+        ));
+        comment_drops(&mut builder, drops);
+        for (image, program) in self.images.untraced() {
+            builder.comment(&format!(
+                "pid {}: not traced after it exec'd {program}, which does not use {}",
+                image.pid, self.config.libc.display
+            ));
+        }
+
+        // The main binary of each image first: pprof takes the first mapping as the program.
+        let images: std::collections::BTreeSet<Image> =
+            sites.iter().map(|s| Image::of(&s.key)).collect();
+        let mut unread = 0;
+        for image in &images {
+            match self.images.get(image) {
+                Some(info) => {
+                    for region in &info.maps.regions {
+                        if Some(&region.object.path) == info.exe.as_ref() {
+                            add_mapping(&mut builder, *image, region);
+                        }
+                    }
+                }
+                None => unread += 1,
+            }
+        }
+        if unread > 0 {
+            builder.comment(&format!(
+                "{unread} process image(s) exec'd or exited before their mappings could be read: \
+                 their frames are shown as addresses"
+            ));
+        }
+
+        for site in sites {
+            if site.counters.alloc_objects == 0 {
+                continue;
+            }
+            let image = Image::of(&site.key);
+            let pid = image.pid;
+            let space = image.space();
+            let stack = self.maps.stack(site.key.stack);
+            let empty = ProcessInfo::default();
+            let info = self.images.get(&image).unwrap_or(&empty);
+            let mut locations = Vec::with_capacity(stack.len() + 1);
+            locations.push(self.allocator_location(&mut builder, image, info, site.key.kind));
+            // Frame-pointer walks end in code without frame pointers (libc's start
+            // code); frames below the last mapped one are noise.
+            let mapped_len = stack
+                .iter()
+                .rposition(|&ret| info.maps.find(ret.wrapping_sub(1)).is_some())
+                .map_or(0, |i| i + 1);
+            for &ret in &stack[..mapped_len] {
+                // Return addresses point after the call; the call instruction is one byte back.
+                let addr = ret.wrapping_sub(1);
+                let id = match info.maps.find(addr) {
+                    Some(region) => {
+                        let frames = self.symbolizer.frames(region, region.file_offset(addr));
+                        let key = add_mapping(&mut builder, image, region);
+                        builder.location(space, addr, TAG_FRAME, Some(key), &frames)
+                    }
+                    None => builder.location(space, addr, TAG_FRAME, None, &[]),
+                };
+                locations.push(id);
+            }
+            if stack.is_empty() {
+                let frame = Frame {
+                    function: "[stack not recorded]".into(),
+                    file: None,
+                    line: 0,
+                };
+                locations.push(builder.location(space, 0, TAG_UNKNOWN_STACK, None, &[frame]));
+            }
+            let labels = [
+                ("pid", LabelValue::Num(i64::from(pid))),
+                ("comm", LabelValue::Str(info.comm.clone())),
+            ];
+            builder.sample(locations, &site.values(rate), &labels);
+        }
+        builder.finish().context("building the profile")
+    }
+
+    /// The leaf location of a sample: the allocator function the program called,
+    /// at its exact entry address in the process.
+    fn allocator_location(
+        &self,
+        builder: &mut ProfileBuilder,
+        image: Image,
+        info: &ProcessInfo,
+        kind: u32,
+    ) -> u64 {
+        let kind = AllocKind::from_u32(kind).unwrap_or(AllocKind::Malloc);
+        let frame = Frame {
+            function: kind.symbol().to_owned(),
+            file: None,
+            line: 0,
+        };
+        let file_offset = self.config.libc.offset_of(kind);
+        let region = file_offset.and_then(|offset| {
+            info.maps
+                .regions
+                .iter()
+                .find(|r| {
+                    (Some(r.object.id) == self.libc_id
+                        || r.object.path == self.config.libc_maps_path)
+                        && (r.offset..r.offset + (r.end - r.start)).contains(&offset)
+                })
+                .map(|r| (r, r.start + offset - r.offset))
+        });
+        let tag = 1 + kind as u16;
+        match region {
+            Some((region, address)) => {
+                let key = add_mapping(builder, image, region);
+                builder.location(image.space(), address, tag, Some(key), &[frame])
+            }
+            None => builder.location(image.space(), 0, tag, None, &[frame]),
+        }
+    }
+}
+
+impl Session {
+    /// The `limit` call sites holding the most memory (then allocating the most),
+    /// sites with the same description merged.
+    pub fn top_sites(&mut self, limit: usize) -> Result<Vec<TopSite>> {
+        let mut merged = TopSites::default();
+        for site in self.maps.read_sites()? {
+            let stack = self.maps.stack(site.key.stack);
+            let kind = AllocKind::from_u32(site.key.kind).map_or("?", AllocKind::symbol);
+            let mut names = Vec::new();
+            if let Some(info) = self.images.get(&Image::of(&site.key)) {
+                // Innermost first, inlined functions included: the first one made the call.
+                'frames: for &ret in stack.iter() {
+                    let addr = ret.wrapping_sub(1);
+                    let Some(region) = info.maps.find(addr) else {
+                        break;
+                    };
+                    let frames = self.symbolizer.frames(region, region.file_offset(addr));
+                    if frames.is_empty() {
+                        names.push(format!("{addr:#x}"));
+                    }
+                    for frame in frames.iter() {
+                        if names.is_empty() {
+                            let file = frame
+                                .file
+                                .as_deref()
+                                .map(|f| f.rsplit('/').next().unwrap_or(f));
+                            names.push(match file {
+                                Some(file) => format!("{} ({file}:{})", frame.function, frame.line),
+                                None => frame.function.clone(),
+                            });
+                        } else {
+                            names.push(frame.function.clone());
+                        }
+                        if names.len() == 4 {
+                            break 'frames;
+                        }
+                    }
+                }
+            }
+            if names.is_empty() {
+                names.push("[unknown]".into());
+            }
+            let description = format!("{kind} in {}", names.join(" <- "));
+            merged.add(description, site.values(self.config.sample_rate));
+        }
+        Ok(merged.top(limit))
+    }
+}
+
+fn add_mapping(
+    builder: &mut ProfileBuilder,
+    image: Image,
+    region: &crate::procmaps::Region,
+) -> MappingKey {
+    let key = MappingKey {
+        space: image.space(),
+        start: region.start,
+    };
+    let object: &Arc<_> = &region.object;
+    builder.mapping(
+        key,
+        region.end,
+        region.offset,
+        &object.path,
+        object.build_id.as_deref(),
+    );
+    key
+}
