@@ -178,15 +178,19 @@ pub enum UnwindMode {
 pub struct UnwindGap {
     /// The process.
     pub tgid: u32,
-    /// Why the stack ended there: a [`GapReason`].
-    pub reason: u32,
+    /// Its image (see `StackKey::exec_gen`): the address belongs to it.
+    pub exec_gen: u32,
     /// The address (in the process) that had no rule.
     pub pc: u64,
+    /// Why the stack ended there: a [`GapReason`].
+    pub reason: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Why a stack was cut short at an address.
 #[repr(u32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum GapReason {
     /// No executable mapping of the process is known there (not loaded yet, or JIT
     /// code without frame pointers).

@@ -71,6 +71,31 @@ pub struct Cli {
     #[arg(long, value_name = "MODE", value_enum, default_value_t = PlacementMode::Auto)]
     pub probe_placement: PlacementMode,
 
+    /// How user stacks are unwound: `auto` follows each object's call-frame information
+    /// (.eh_frame, .debug_frame), and frame pointers where none covers an address (JIT
+    /// code); `cfi` follows CFI only; `fp` follows frame pointers only (the code must
+    /// keep them).
+    #[arg(long, value_name = "METHOD", value_enum, default_value_t = UnwindChoice::Auto)]
+    pub unwind: UnwindChoice,
+
+    /// Capacity of the unwind rows: the CFI tables of every object together (8 bytes
+    /// each, allocated at start; a C++ program with libstdc++ needs ~60k, python3 ~120k).
+    #[arg(long, value_name = "N", default_value_t = 1 << 21, value_parser = parse_capacity)]
+    pub max_unwind_rows: u32,
+
+    /// Capacity of the distinct unwind rules of all objects (16 bytes each).
+    #[arg(long, value_name = "N", default_value_t = 65536, value_parser = parse_capacity)]
+    pub max_unwind_rules: u32,
+
+    /// Capacity of the objects (executables, libraries) with an unwind table.
+    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = parse_capacity)]
+    pub max_unwind_objects: u32,
+
+    /// Capacity of the processes whose mappings the unwinder knows (with --all; 8 KiB
+    /// each, allocated when used).
+    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = parse_capacity)]
+    pub max_processes: u32,
+
     /// How uprobes are attached: `auto` uses multi-uprobe links where the kernel has them
     /// (Linux 6.6+; with --pid, kernels whose link filter covers a whole process), and
     /// one perf event per probe otherwise; `perf-events` forces the latter.
@@ -94,6 +119,29 @@ pub struct Cli {
     /// Command to launch and trace from its first allocation; heapprofd exits with its status.
     #[arg(last = true, value_name = "COMMAND")]
     pub command: Vec<String>,
+}
+
+/// How to unwind user stacks (`--unwind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum UnwindChoice {
+    /// CFI where it covers an address, frame pointers elsewhere.
+    Auto,
+    /// CFI only.
+    Cfi,
+    /// Frame pointers only.
+    Fp,
+}
+
+impl UnwindChoice {
+    /// The mode the BPF programs read.
+    pub fn mode(self) -> heapprof_common::unwind::UnwindMode {
+        use heapprof_common::unwind::UnwindMode;
+        match self {
+            UnwindChoice::Auto => UnwindMode::Auto,
+            UnwindChoice::Cfi => UnwindMode::Cfi,
+            UnwindChoice::Fp => UnwindMode::FramePointers,
+        }
+    }
 }
 
 /// How to attach uprobes (`--attach`).

@@ -29,6 +29,13 @@ pub enum ChildEvent {
     },
     /// The child is gone; its exit status as a shell reports it (128+N for signal N).
     Exited(i32),
+    /// The child stopped at a SIGCONT sent by the kernel, which the BPF programs send to
+    /// hold it at a loader event until its mappings are loaded. Answer whether it was
+    /// such a hold (the signal is then suppressed) or another SIGCONT (delivered).
+    KernelSigcont {
+        /// Answer `true` to suppress the signal; dropping it delivers the signal.
+        resume: oneshot::Sender<bool>,
+    },
 }
 
 /// A forked child waiting for the go signal before exec.
@@ -211,8 +218,17 @@ impl PausedChild {
                     unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
                 }
             } else {
-                // A signal on its way to the child: deliver it unchanged.
-                let signal = libc::WSTOPSIG(status);
+                // A signal on its way to the child: deliver it unchanged, unless it is the
+                // programs' hold at a loader event (answered by the session).
+                let mut signal = libc::WSTOPSIG(status);
+                if signal == libc::SIGCONT && sent_by_kernel(pid) {
+                    let (resume, resumed) = oneshot::channel();
+                    if events.send(ChildEvent::KernelSigcont { resume }).is_ok()
+                        && resumed.blocking_recv() == Ok(true)
+                    {
+                        signal = 0;
+                    }
+                }
                 unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, signal as libc::c_long) };
             }
         }
@@ -316,6 +332,16 @@ fn pass_signal(pid: u32, signal: i32) {
         libc::kill(pid as libc::pid_t, signal);
         libc::kill(pid as libc::pid_t, libc::SIGCONT);
     }
+}
+
+/// Whether the signal the stopped tracee `pid` is about to receive was sent by the
+/// kernel (`SI_KERNEL`), as BPF's `bpf_send_signal` does, rather than by a process.
+fn sent_by_kernel(pid: libc::pid_t) -> bool {
+    // SAFETY: zeroed siginfo is a valid out-parameter.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: a request on our own stopped tracee, writing into `info`.
+    let read = unsafe { libc::ptrace(libc::PTRACE_GETSIGINFO, pid, 0, &raw mut info) };
+    read == 0 && info.si_code == libc::SI_KERNEL
 }
 
 /// The signals whose default action is to stop the process (a group stop).

@@ -2,6 +2,7 @@
 //! together; the integration tests use them to decode and check profiles.
 
 pub mod aggregate;
+pub mod app;
 pub mod cli;
 pub mod launch;
 pub mod pprof;

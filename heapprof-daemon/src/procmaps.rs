@@ -108,8 +108,11 @@ impl Region {
 /// The executable regions of one process, sorted by address.
 #[derive(Debug, Default, Clone)]
 pub struct ProcessMaps {
-    /// Sorted, non-overlapping.
+    /// File-backed: sorted, non-overlapping.
     pub regions: Vec<Region>,
+    /// Executable memory without a file (JIT code), `(start, end)`, sorted. The
+    /// kernel's own (`[vdso]`, `[uprobes]`) are left out.
+    pub anonymous_code: Vec<(u64, u64)>,
 }
 
 impl ProcessMaps {
@@ -132,12 +135,17 @@ impl ObjectCache {
     pub fn read_process(&mut self, pid: u32) -> io::Result<ProcessMaps> {
         let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
         let mut regions = Vec::new();
+        let mut anonymous_code = Vec::new();
         for line in text.lines() {
             let Ok(line) = parse_maps_line(line) else {
                 log::debug!("pid {pid}: skipping unparsable maps line {line:?}");
                 continue;
             };
-            if !line.executable || line.inode == 0 || line.path.starts_with('[') {
+            if !line.executable || line.path.starts_with('[') {
+                continue;
+            }
+            if line.inode == 0 {
+                anonymous_code.push((line.start, line.end));
                 continue;
             }
             let map_file = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
@@ -152,7 +160,11 @@ impl ObjectCache {
             }
         }
         regions.sort_by_key(|r| r.start);
-        Ok(ProcessMaps { regions })
+        anonymous_code.sort_unstable();
+        Ok(ProcessMaps {
+            regions,
+            anonymous_code,
+        })
     }
 
     fn open(&mut self, map_file: &Path, label: &str) -> io::Result<Arc<ObjectFile>> {

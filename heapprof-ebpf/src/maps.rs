@@ -1,7 +1,7 @@
 //! The user-mode maps, the daemon's settings, and the drop counters.
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
+    bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
@@ -45,10 +45,11 @@ pub static PROCESS_MAPPINGS: HashMap<u32, ProcessMappings> =
     HashMap::with_max_entries(1024, BPF_F_NO_PREALLOC);
 #[map(name = "UNWIND_OBJECTS")]
 pub static UNWIND_OBJECTS: Array<UnwindObject> = Array::with_max_entries(4096, 0);
+// Memory-mapped by the daemon, which copies whole tables in.
 #[map(name = "UNWIND_ROWS")]
-pub static UNWIND_ROWS: Array<UnwindRow> = Array::with_max_entries(1 << 21, 0);
+pub static UNWIND_ROWS: Array<UnwindRow> = Array::with_max_entries(1 << 21, BPF_F_MMAPABLE);
 #[map(name = "UNWIND_RULES")]
-pub static UNWIND_RULES: Array<UnwindRule> = Array::with_max_entries(65536, 0);
+pub static UNWIND_RULES: Array<UnwindRule> = Array::with_max_entries(65536, BPF_F_MMAPABLE);
 #[map(name = "UNWIND_GAPS")]
 pub static UNWIND_GAPS: LruHashMap<UnwindGap, u64> = LruHashMap::with_max_entries(4096, 0);
 #[map(name = "MAPPINGS_REQUESTED")]

@@ -23,7 +23,7 @@ pub fn record_stack(
     let scratch = STACK_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's scratch slot; programs on one CPU do not interleave.
     let stack = unsafe { &mut *scratch };
-    let hash = unwind::unwind(tgid, unwind_mode(), regs::at_return(ctx), stack);
+    let hash = unwind::unwind(tgid, exec_gen, unwind_mode(), regs::at_return(ctx), stack);
     let site = StackKey {
         tgid,
         exec_gen,

@@ -199,6 +199,19 @@ fn fp_step(frame: &mut Frame) -> bool {
     true
 }
 
+/// A frame-pointer step taken where CFI could not help; kept only if it leads to an
+/// address in a known executable mapping (code without frame pointers keeps anything
+/// in its frame-pointer register, and the chain then yields garbage, not frames).
+#[inline(always)]
+fn fallback_step(mappings: Option<&ProcessMappings>, frame: &mut Frame) -> bool {
+    let before = *frame;
+    if fp_step(frame) && mappings.is_none_or(|m| find_mapping(m, frame.lookup).is_some()) {
+        return true;
+    }
+    *frame = before;
+    false
+}
+
 /// One frame: CFI where a table covers it; else, unless `cfi_only`, frame pointers.
 #[inline(always)]
 fn step(mappings: Option<&ProcessMappings>, frame: &mut Frame, cfi_only: bool) -> Result<(), Stop> {
@@ -209,7 +222,7 @@ fn step(mappings: Option<&ProcessMappings>, frame: &mut Frame, cfi_only: bool) -
                 return match cfi_step(frame, &rule) {
                     // An SP-based rule after a frame-pointer step on arm64: frame pointers on.
                     Err(Stop::Cut(GapReason::Unsupported))
-                        if !frame.sp_known && !cfi_only && fp_step(frame) =>
+                        if !frame.sp_known && !cfi_only && fallback_step(mappings, frame) =>
                     {
                         Ok(())
                     }
@@ -219,20 +232,22 @@ fn step(mappings: Option<&ProcessMappings>, frame: &mut Frame, cfi_only: bool) -
             Err(reason) => reason,
         },
     };
-    if !cfi_only && fp_step(frame) {
+    if !cfi_only && fallback_step(mappings, frame) {
         return Ok(());
     }
     Err(Stop::Cut(gap))
 }
 
-/// Counts a stack cut short at `pc` of process `tgid`.
+/// Counts a stack cut short at `pc` of process `tgid`'s image `exec_gen`.
 #[inline(always)]
-fn record_gap(tgid: u32, reason: GapReason, pc: u64) {
+fn record_gap(tgid: u32, exec_gen: u32, reason: GapReason, pc: u64) {
     count_drop(DropReason::StackIncomplete);
     let key = UnwindGap {
         tgid,
-        reason: reason as u32,
+        exec_gen,
         pc,
+        reason: reason as u32,
+        _pad: 0,
     };
     match UNWIND_GAPS.get_ptr_mut(&key) {
         // SAFETY: a counter; a lost increment under a race only undercounts a report.
@@ -267,7 +282,13 @@ pub fn request_mappings(tgid: u32, reason: RequestReason) {
 /// Unwinds the stack of `tgid` from the caller's registers at the allocator's return
 /// (`pc`, `fp`, `sp`) into `stack`; returns the stack's hash (seeded with the process).
 #[inline(always)]
-pub fn unwind(tgid: u32, mode: u32, (pc, fp, sp): (u64, u64, u64), stack: &mut UserStack) -> u64 {
+pub fn unwind(
+    tgid: u32,
+    exec_gen: u32,
+    mode: u32,
+    (pc, fp, sp): (u64, u64, u64),
+    stack: &mut UserStack,
+) -> u64 {
     let frame_pointers_only = mode == UnwindMode::FramePointers as u32;
     let cfi_only = mode == UnwindMode::Cfi as u32;
     // SAFETY: the value is only read; the daemon replaces whole entries.
@@ -310,7 +331,7 @@ pub fn unwind(tgid: u32, mode: u32, (pc, fp, sp): (u64, u64, u64), stack: &mut U
                 if reason == GapReason::NoMapping && mappings.is_some() {
                     request_mappings(tgid, RequestReason::UnknownAddress);
                 }
-                record_gap(tgid, reason, frame.pc);
+                record_gap(tgid, exec_gen, reason, frame.pc);
                 break;
             }
         }

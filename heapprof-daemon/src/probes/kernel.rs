@@ -199,6 +199,12 @@ pub fn load(
         .map_max_entries(names::STACKS, 1)
         .map_max_entries(names::IN_FLIGHT, 1)
         .map_max_entries(names::EXEC_GEN, 1)
+        .map_max_entries(names::PROCESS_MAPPINGS, 1)
+        .map_max_entries(names::UNWIND_OBJECTS, 1)
+        .map_max_entries(names::UNWIND_ROWS, 1)
+        .map_max_entries(names::UNWIND_RULES, 1)
+        .map_max_entries(names::UNWIND_GAPS, 1)
+        .map_max_entries(names::MAPPINGS_REQUESTED, 1)
         .load(BPF_OBJECT)
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
 }

@@ -131,7 +131,7 @@ pub fn find_in_process(pid: u32) -> Result<(PathBuf, String)> {
 /// symlink in its root could point anywhere, the host's files included. The file stays
 /// open for the daemon's lifetime, and its `/proc/self/fd/N` path, which cannot be
 /// swapped any more, is returned for reading and attaching.
-fn open_mapped(pid: u32, line: &crate::procmaps::MapsLine) -> Result<PathBuf> {
+pub(crate) fn open_mapped(pid: u32, line: &crate::procmaps::MapsLine) -> Result<PathBuf> {
     use std::os::{fd::IntoRawFd as _, unix::fs::MetadataExt as _};
     let path = format!("/proc/{pid}/root{}", line.path);
     let file = std::fs::File::open(&path).with_context(|| {

@@ -2,6 +2,7 @@
 
 pub mod kernel;
 pub mod libc;
+pub mod loader;
 pub mod placement;
 pub mod stats;
 
@@ -19,10 +20,11 @@ use aya::{
 };
 use heapprof_common::{
     AllocKind, CONTROL_ARMED, Config, FREE_SLOT, ProbeSlot, kernel::names as kernel_names, names,
+    unwind::UnwindMode,
 };
 
-pub use self::libc::Libc;
-use crate::cli::AttachChoice;
+pub use self::{libc::Libc, loader::DynamicLoader};
+use crate::{cli::AttachChoice, unwind::loader::TableCapacities};
 
 /// The BPF object built by aya-build from heapprof-ebpf.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
@@ -40,6 +42,19 @@ pub struct Capacities {
     pub threads: u32,
 }
 
+/// How user stacks are unwound, and the unwind tables' capacities.
+#[derive(Debug, Clone, Copy)]
+pub struct UnwindSettings {
+    /// The unwinding method.
+    pub mode: UnwindMode,
+    /// Capacities of the tables.
+    pub tables: TableCapacities,
+    /// Processes whose mappings the unwinder keeps.
+    pub processes: u32,
+    /// Launch mode: hold the command at each loader event until its mappings are loaded.
+    pub hold_at_loader_events: bool,
+}
+
 /// Loads the BPF object for user mode with the given capacities and sampling rate
 /// (0: every allocation), tracing process `target` or all (`None`), with the probe
 /// spots of `libc`. Nothing is attached yet.
@@ -48,6 +63,7 @@ pub fn load(
     sample_rate: u64,
     target: Option<u32>,
     libc: &Libc,
+    unwind: UnwindSettings,
 ) -> Result<Ebpf> {
     let config = Config {
         page_size: page_size(),
@@ -56,8 +72,22 @@ pub fn load(
         sample_rate,
         text_start: libc.text.0,
         text_end: libc.text.1,
-        unwind_mode: 0,
-        _pad: 0,
+        unwind_mode: unwind.mode as u32,
+        hold_at_loader_events: u32::from(unwind.hold_at_loader_events),
+    };
+    // Frame pointers need no tables: one entry each.
+    let tables = if unwind.mode == UnwindMode::FramePointers {
+        TableCapacities {
+            rows: 1,
+            rules: 1,
+            objects: 1,
+        }
+    } else {
+        unwind.tables
+    };
+    let processes = match target {
+        Some(_) => 1,
+        None => unwind.processes,
     };
     EbpfLoader::new()
         .override_global(names::CONFIG, &config, true)
@@ -74,6 +104,11 @@ pub fn load(
                 capacities.threads
             },
         )
+        .map_max_entries(names::PROCESS_MAPPINGS, processes)
+        .map_max_entries(names::UNWIND_ROWS, tables.rows)
+        .map_max_entries(names::UNWIND_RULES, tables.rules)
+        .map_max_entries(names::UNWIND_OBJECTS, tables.objects)
+        .map_max_entries(names::MAPPINGS_REQUESTED, processes.max(16))
         // The kernel-mode tables are not used: one entry each.
         .map_max_entries(kernel_names::KERNEL_LIVE, 1)
         .map_max_entries(kernel_names::KERNEL_SITES, 1)
@@ -163,11 +198,13 @@ pub struct Attached {
 }
 
 /// Attaches entry probes on every allocator function of `libc`, the shared return
-/// probe at the same spots, the probe on free and the process tracepoints. `pid`
-/// limits the uprobes to one process. The programs stay inert until [`arm`].
+/// probe at the same spots, the probe on free, the dynamic loader's hook (when there is
+/// a loader to probe) and the process tracepoints. `pid` limits the uprobes to one
+/// process. The programs stay inert until [`arm`].
 pub fn attach(
     ebpf: &mut Ebpf,
     libc: &Libc,
+    loader: Option<&DynamicLoader>,
     pid: Option<u32>,
     choice: AttachChoice,
 ) -> Result<Attached> {
@@ -232,6 +269,16 @@ pub fn attach(
             }
             attach_one(ebpf, names::PROG_FREE, at(free.1))?;
         }
+    }
+    if let Some(loader) = loader {
+        let name = match method {
+            AttachMethod::MultiLink => names::PROG_LOADER_STATE_MULTI,
+            AttachMethod::PerfEvents => names::PROG_LOADER_STATE,
+        };
+        probes += 1;
+        uprobe(ebpf, name)?
+            .attach([loader.hook_offset], &loader.path, scope)
+            .with_context(|| format!("attaching a uprobe to {}", loader.display))?;
     }
     raw_tracepoint(ebpf, names::PROG_EXEC, names::EXEC_TRACEPOINT)?;
     raw_tracepoint(ebpf, names::PROG_THREAD_EXIT, names::EXIT_TRACEPOINT)?;

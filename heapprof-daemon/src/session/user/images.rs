@@ -14,6 +14,7 @@ use crate::{
     cli::Target,
     pprof::builder::AddressSpace,
     procmaps::{ObjectCache, ProcessMaps, process_name},
+    unwind::loader::TableLoader,
 };
 
 /// One image of a process: what runs between two execs. Addresses mean something
@@ -80,11 +81,18 @@ pub(super) struct Images {
     exec_reads: Vec<ExecRead>,
     /// Images that exec'd into a program not using the probed C library (not traced).
     untraced: Vec<(Image, String)>,
+    /// The unwind tables, fed with every current image read (none with `--unwind fp`).
+    unwinder: Option<TableLoader>,
 }
 
 impl Images {
     /// No image known yet.
-    pub fn new(target: Target, libc_id: Option<(u64, u64)>, libc_display: String) -> Self {
+    pub fn new(
+        target: Target,
+        libc_id: Option<(u64, u64)>,
+        libc_display: String,
+        unwinder: Option<TableLoader>,
+    ) -> Self {
         Self {
             target,
             libc_id,
@@ -93,6 +101,34 @@ impl Images {
             processes: BTreeMap::new(),
             exec_reads: Vec::new(),
             untraced: Vec::new(),
+            unwinder,
+        }
+    }
+
+    /// The unwind tables, if stacks are unwound with CFI.
+    pub fn unwinder(&self) -> Option<&TableLoader> {
+        self.unwinder.as_ref()
+    }
+
+    /// Where address `pc` of `image` is, for people: `object+0xOFFSET` (the file
+    /// offset, which means the same in every run), or the bare address.
+    pub fn place(&self, image: Image, pc: u64) -> String {
+        match self
+            .processes
+            .get(&image)
+            .and_then(|info| info.maps.find(pc))
+        {
+            Some(region) => format!(
+                "{}+{:#x}",
+                region
+                    .object
+                    .path
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or(&region.object.path),
+                region.file_offset(pc)
+            ),
+            None => format!("{pc:#x} (pid {}, outside its known mappings)", image.pid),
         }
     }
 
@@ -169,6 +205,15 @@ impl Images {
                     info.comm = comm;
                     info.exe = exe;
                     info.current = true;
+                    if let Some(unwinder) = self.unwinder.as_mut() {
+                        if let Err(err) = unwinder.load_process(pid, &info.maps) {
+                            log::warn!("pid {pid}: {err:#}");
+                        }
+                        // An exec since the read: those were the old image's mappings.
+                        if maps.exec_generation(pid) != image.exec_gen {
+                            unwinder.forget_process(pid);
+                        }
+                    }
                     return Some(image);
                 }
                 Err(err) => {
@@ -200,6 +245,9 @@ impl Images {
     /// Marks every image of the processes `pids` as gone.
     pub fn mark_exited(&mut self, pids: &HashSet<u32>) {
         for pid in pids {
+            if let Some(unwinder) = self.unwinder.as_mut() {
+                unwinder.forget_process(*pid);
+            }
             let images = Image {
                 pid: *pid,
                 exec_gen: 0,

@@ -15,9 +15,12 @@ use std::{
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
-    maps::{MapData, RingBuf},
+    maps::{Array, MapData, RingBuf},
 };
-use heapprof_common::{ExecEvent, names};
+use heapprof_common::{
+    ExecEvent, names,
+    unwind::{GapReason, MappingsRequest, RequestReason},
+};
 
 use self::images::{Image, Images};
 use super::DropLog;
@@ -30,6 +33,7 @@ use crate::{
         stats::{self, RunTimeStats},
     },
     symbolize::Symbolizer,
+    unwind::loader::{TableCapacities, TableLoader},
 };
 
 /// Settings of a session.
@@ -46,6 +50,8 @@ pub struct SessionConfig {
     pub sample_rate: u64,
     /// Log the BPF programs' run time with every profile.
     pub bpf_stats: bool,
+    /// Capacities of the unwind tables; `None` with `--unwind fp`, which needs none.
+    pub unwind_tables: Option<TableCapacities>,
 }
 
 /// A running session. Dropping it detaches every probe.
@@ -57,6 +63,12 @@ pub struct Session {
     images: Images,
     /// Exec notifications from the BPF side, until `take_exec_events` hands them out.
     exec_events: Option<RingBuf<MapData>>,
+    /// Requests for processes' mappings, until `take_mapping_requests` hands them out.
+    mapping_requests: Option<RingBuf<MapData>>,
+    /// How many times the programs held a launched command at a loader event, and how
+    /// many of those the session has answered.
+    loader_syncs: Array<MapData, u64>,
+    loader_syncs_answered: u64,
     /// Exec generations when images were last retired.
     retired_generations: HashMap<u32, u32>,
     /// Device and inode of the probed C library.
@@ -66,6 +78,36 @@ pub struct Session {
     started_at: Instant,
     sequence: u32,
     drop_log: DropLog,
+    gap_log: GapLog,
+}
+
+/// Where stacks were cut short, merged over processes: (place, reason) -> count.
+pub(super) type StackGaps = Vec<((String, GapReason), u64)>;
+
+/// Logs the places where stacks are cut short, each once.
+#[derive(Debug, Default)]
+struct GapLog {
+    reported: HashSet<(String, GapReason)>,
+}
+
+impl GapLog {
+    /// Most places logged per profile; the profile's comments list the top ones.
+    const PER_DUMP: usize = 5;
+
+    fn report(&mut self, gaps: &StackGaps) {
+        let new: Vec<_> = gaps
+            .iter()
+            .filter(|(place, _)| !self.reported.contains(place))
+            .take(Self::PER_DUMP)
+            .collect();
+        for ((place, reason), count) in new {
+            log::warn!(
+                "{count} stacks cut short at {place}: {} (see the profile's comments; --unwind fp follows frame pointers instead)",
+                reason.describe()
+            );
+            self.reported.insert((place.clone(), *reason));
+        }
+    }
 }
 
 impl Session {
@@ -77,6 +119,18 @@ impl Session {
             .with_context(|| format!("BPF map {} missing from the object", names::EXEC_EVENTS))?;
         let exec_events = RingBuf::try_from(exec_events)
             .with_context(|| format!("BPF map {} has an unexpected type", names::EXEC_EVENTS))?;
+        let mapping_requests = ebpf
+            .take_map(names::MAPPINGS_REQUESTS)
+            .and_then(|map| RingBuf::try_from(map).ok())
+            .with_context(|| format!("BPF map {} missing or mistyped", names::MAPPINGS_REQUESTS))?;
+        let loader_syncs = ebpf
+            .take_map(names::LOADER_SYNCS)
+            .and_then(|map| Array::try_from(map).ok())
+            .with_context(|| format!("BPF map {} missing or mistyped", names::LOADER_SYNCS))?;
+        let unwinder = match config.unwind_tables {
+            Some(capacities) => Some(TableLoader::new(&mut ebpf, capacities)?),
+            None => None,
+        };
         let libc_id = std::fs::metadata(&config.libc.path).ok().map(|m| {
             (
                 std::os::unix::fs::MetadataExt::dev(&m),
@@ -92,6 +146,7 @@ impl Session {
             config.target.clone(),
             libc_id,
             config.libc.display.clone(),
+            unwinder,
         );
         Ok(Self {
             config,
@@ -100,6 +155,9 @@ impl Session {
             maps,
             images,
             exec_events: Some(exec_events),
+            mapping_requests: Some(mapping_requests),
+            loader_syncs,
+            loader_syncs_answered: 0,
             retired_generations: HashMap::new(),
             libc_id,
             symbolizer: Symbolizer::new(),
@@ -107,6 +165,7 @@ impl Session {
             started_at: Instant::now(),
             sequence: 0,
             drop_log: DropLog::default(),
+            gap_log: GapLog::default(),
         })
     }
 
@@ -124,6 +183,40 @@ impl Session {
     /// Reads the mappings of `pid`'s current image.
     pub fn refresh_process(&mut self, pid: u32) {
         self.images.refresh(pid, &self.maps);
+    }
+
+    /// Hands out the requests for mappings, to be watched by the caller's event loop.
+    pub fn take_mapping_requests(&mut self) -> Option<RingBuf<MapData>> {
+        self.mapping_requests.take()
+    }
+
+    /// The BPF side asked for a process's mappings (a loader event, or a stack met an
+    /// unknown address): reads them, which loads new objects' unwind tables.
+    pub fn mappings_requested(&mut self, request: MappingsRequest) {
+        log::debug!(
+            "pid {}: mappings requested ({})",
+            request.tgid,
+            if request.reason == RequestReason::Loader as u32 {
+                "loader event"
+            } else {
+                "unknown address"
+            }
+        );
+        self.images.refresh(request.tgid, &self.maps);
+    }
+
+    /// A launched command `pid` stopped at a SIGCONT from the kernel: if the programs
+    /// sent it at a loader event, its mappings are read (and its new objects' tables
+    /// loaded) before it goes on. Returns whether it was such a hold, whose signal the
+    /// caller suppresses.
+    pub fn loader_hold(&mut self, pid: u32) -> bool {
+        let sent = self.loader_syncs.get(&0, 0).unwrap_or(0);
+        if sent <= self.loader_syncs_answered {
+            return false;
+        }
+        self.loader_syncs_answered = sent;
+        self.images.refresh(pid, &self.maps);
+        true
     }
 
     /// A traced process called exec: its new image is read shortly.
@@ -164,6 +257,34 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// Where stacks were cut short, most frequent first.
+    fn stack_gaps(&self) -> StackGaps {
+        let Some(unwinder) = self.images.unwinder() else {
+            return Vec::new();
+        };
+        let mut merged: HashMap<(String, GapReason), u64> = HashMap::new();
+        for (gap, count) in unwinder.gaps() {
+            let Some(reason) = GapReason::from_u32(gap.reason) else {
+                continue;
+            };
+            *merged
+                .entry((
+                    self.images.place(
+                        Image {
+                            pid: gap.tgid,
+                            exec_gen: gap.exec_gen,
+                        },
+                        gap.pc,
+                    ),
+                    reason,
+                ))
+                .or_default() += count;
+        }
+        let mut gaps: StackGaps = merged.into_iter().collect();
+        gaps.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.0.cmp(&b.0.0)));
+        gaps
     }
 
     /// Hands out the exec notifications, to be watched by the caller's event loop.
@@ -217,8 +338,10 @@ impl Session {
         self.refresh_unmapped_sites(&sites);
         let drops = self.maps.read_drops()?;
         self.drop_log.report(&drops);
+        let gaps = self.stack_gaps();
+        self.gap_log.report(&gaps);
         let read = started.elapsed();
-        let profile = self.build_profile(&sites, &drops)?;
+        let profile = self.build_profile(&sites, &drops, &gaps)?;
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
@@ -250,5 +373,4 @@ impl Session {
         }
         Ok(path)
     }
-
 }

@@ -1,25 +1,28 @@
 //! Building a profile from the site table: samples, locations, mappings, comments;
 //! and the `--top` summary.
 
-use std::{sync::Arc, time::{SystemTime, UNIX_EPOCH}};
+use std::{
+    sync::Arc,
+    time::{SystemTime, UNIX_EPOCH},
+};
 
 use anyhow::{Context as _, Result};
 use heapprof_common::AllocKind;
 
 use super::{
-    Session,
+    Session, StackGaps,
     images::{Image, ProcessInfo},
 };
 use crate::{
     aggregate::Site,
     cli::Target,
-    pprof::{
-        LabelValue, MappingKey, ProfileBuilder,
-        builder::SAMPLE_TYPES,
-    },
+    pprof::{LabelValue, MappingKey, ProfileBuilder, builder::SAMPLE_TYPES},
     session::{Drops, TopSite, TopSites, comment_drops},
     symbolize::Frame,
 };
+
+/// Places where stacks were cut short listed in a profile's comments.
+const MAX_GAP_COMMENTS: usize = 20;
 
 /// Location tags: real frames, the allocator entry point of each kind, an unknown stack.
 const TAG_FRAME: u16 = 0;
@@ -30,6 +33,7 @@ impl Session {
         &mut self,
         sites: &[Site],
         drops: &Drops,
+        gaps: &StackGaps,
     ) -> Result<crate::pprof::proto::Profile> {
         let now = SystemTime::now();
         let nanos = |t: SystemTime| {
@@ -60,6 +64,18 @@ impl Session {
             nanos(self.started)
         ));
         comment_drops(&mut builder, drops);
+        for ((place, reason), count) in gaps.iter().take(MAX_GAP_COMMENTS) {
+            builder.comment(&format!(
+                "stacks cut short: {count} at {place} ({})",
+                reason.describe()
+            ));
+        }
+        if gaps.len() > MAX_GAP_COMMENTS {
+            builder.comment(&format!(
+                "stacks cut short at {} more places",
+                gaps.len() - MAX_GAP_COMMENTS
+            ));
+        }
         for (image, program) in self.images.untraced() {
             builder.comment(&format!(
                 "pid {}: not traced after it exec'd {program}, which does not use {}",

@@ -1,0 +1,134 @@
+//! The daemon's life: starting a session (checks, C library, load, attach) and
+//! running it (profiles on an interval, signals, the target's exit, exec and loader
+//! events) until it ends with a final profile.
+
+mod run;
+mod start;
+
+use anyhow::Result;
+use aya::maps::{MapData, RingBuf};
+use heapprof_common::{ExecEvent, unwind::MappingsRequest};
+use tokio::{io::unix::AsyncFd, time::Instant};
+
+pub use self::{
+    run::run,
+    start::{Started, start},
+};
+use crate::{
+    cli::Target,
+    session::{self, Session, kernel::KernelSession},
+};
+
+/// A user-space or a kernel session.
+pub(crate) enum AnySession {
+    User(Box<Session>),
+    Kernel(Box<KernelSession>),
+}
+
+impl AnySession {
+    fn dump(&mut self) -> Result<std::path::PathBuf> {
+        match self {
+            AnySession::User(session) => session.dump(),
+            AnySession::Kernel(session) => session.dump(),
+        }
+    }
+
+    fn top_sites(&mut self, limit: usize) -> Result<Vec<session::TopSite>> {
+        match self {
+            AnySession::User(session) => session.top_sites(limit),
+            AnySession::Kernel(session) => session.top_sites(limit),
+        }
+    }
+
+    /// Housekeeping on each interval: user mode forgets exited threads and processes.
+    /// (Kernel objects outlive the processes that allocated them: nothing to retire.)
+    fn tidy(&mut self, target: &Target) {
+        if let AnySession::User(session) = self {
+            session.remove_exited_threads();
+            if matches!(target, Target::All)
+                && let Err(err) = session.retire_exited()
+            {
+                log::warn!("cannot clear exited processes: {err:#}");
+            }
+        }
+    }
+
+    /// User mode: the BPF side's exec notifications, for the event loop to watch.
+    fn take_exec_events(&mut self) -> Option<AsyncFd<RingBuf<MapData>>> {
+        let AnySession::User(session) = self else {
+            return None;
+        };
+        watch_ring(
+            session.take_exec_events()?,
+            "execs; images are read on each interval instead",
+        )
+    }
+
+    /// User mode: the BPF side's requests for mappings, for the event loop to watch.
+    fn take_mapping_requests(&mut self) -> Option<AsyncFd<RingBuf<MapData>>> {
+        let AnySession::User(session) = self else {
+            return None;
+        };
+        watch_ring(
+            session.take_mapping_requests()?,
+            "requests for mappings; new objects' unwind tables load on each interval instead",
+        )
+    }
+
+    fn mappings_requested(&mut self, request: MappingsRequest) {
+        if let AnySession::User(session) = self {
+            session.mappings_requested(request);
+        }
+    }
+
+    /// A launched command stopped at a kernel-sent SIGCONT: whether it was the
+    /// programs' hold at a loader event (now answered).
+    fn loader_hold(&mut self, pid: u32) -> bool {
+        match self {
+            AnySession::User(session) => session.loader_hold(pid),
+            AnySession::Kernel(_) => false,
+        }
+    }
+
+    fn exec_seen(&mut self, event: ExecEvent) {
+        if let AnySession::User(session) = self {
+            session.exec_seen(event);
+        }
+    }
+
+    fn next_exec_read(&self) -> Option<Instant> {
+        match self {
+            AnySession::User(session) => session.next_exec_read().map(Instant::from_std),
+            AnySession::Kernel(_) => None,
+        }
+    }
+
+    fn read_due_images(&mut self) {
+        if let AnySession::User(session) = self {
+            session.read_due_images();
+        }
+    }
+
+    /// Called while a launched command is held at its exit.
+    fn before_exit(&mut self) {
+        if let AnySession::User(session) = self
+            && let Err(err) = session.refresh_unmapped()
+        {
+            log::warn!("cannot read the exiting process's mappings: {err:#}");
+        }
+    }
+}
+
+/// An event-loop watch on a ring buffer of the BPF side, or `None` (said once) if it
+/// cannot be watched.
+fn watch_ring(ring: RingBuf<MapData>, what: &str) -> Option<AsyncFd<RingBuf<MapData>>> {
+    // SAFETY: the AsyncFd owns the ring buffer, whose descriptor stays open and
+    // unchanged until it is dropped.
+    match unsafe { AsyncFd::register(ring) } {
+        Ok(fd) => Some(fd),
+        Err(err) => {
+            log::warn!("cannot watch for {what} ({err})");
+            None
+        }
+    }
+}

@@ -1,0 +1,148 @@
+//! The event loop of a running session.
+
+use std::{process::ExitCode, time::Duration};
+
+use anyhow::{Context as _, Result};
+use aya::maps::{MapData, RingBuf};
+use heapprof_common::{ExecEvent, unwind::MappingsRequest};
+use tokio::{io::unix::AsyncFd, time::Instant};
+
+use super::Started;
+use crate::{
+    cli::{Cli, Target},
+    launch::{ChildEvent, PausedChild, Relayed, SignalRelay},
+    session,
+};
+
+fn print_top(top: &[session::TopSite]) {
+    println!("\nTop allocation sites (in use at the end / allocated in total):");
+    println!(
+        "{:>12} {:>9} {:>13} {:>10}  SITE",
+        "LIVE BYTES", "LIVE", "TOTAL BYTES", "TOTAL"
+    );
+    for site in top {
+        println!(
+            "{:>12} {:>9} {:>13} {:>10}  {}",
+            site.inuse_bytes,
+            site.inuse_objects,
+            site.alloc_bytes,
+            site.alloc_objects,
+            site.description
+        );
+    }
+}
+
+/// Waits for records in a ring buffer of the BPF side and takes every one that is
+/// ready. `T` must be the plain-integer record the BPF side writes.
+async fn drain_ring<T: Copy>(fd: &mut AsyncFd<RingBuf<MapData>>) -> Vec<T> {
+    let mut guard = match fd.readable_mut().await {
+        Ok(guard) => guard,
+        Err(err) => {
+            log::warn!("cannot watch a BPF ring buffer: {err}");
+            return std::future::pending().await;
+        }
+    };
+    let mut records = Vec::new();
+    while let Some(item) = guard.get_inner_mut().next() {
+        if item.len() >= std::mem::size_of::<T>() {
+            // SAFETY: the BPF side writes whole records of plain integers; read unaligned.
+            records.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<T>()) });
+        }
+    }
+    guard.clear_ready();
+    records
+}
+
+/// Runs a started session until it ends; returns the exit status.
+pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCode> {
+    let Started {
+        mut session,
+        child,
+        target_exit,
+        mut sigint,
+        mut sigterm,
+    } = started;
+    let child_pid = child.as_ref().map(|c| c.pid);
+    let mut child_events = child.map(PausedChild::release);
+    let mut ticks = tokio::time::interval_at(Instant::now() + cli.interval, cli.interval);
+    let deadline = cli.duration.map(|d| Instant::now() + d);
+    let far_future = Instant::now() + Duration::from_secs(100 * 365 * 86400);
+    let mut exit_code = ExitCode::SUCCESS;
+    let mut relay = child_pid.map(SignalRelay::new);
+    let mut exec_events = session.take_exec_events();
+    let mut mapping_requests = session.take_mapping_requests();
+
+    loop {
+        let next_exec_read = session.next_exec_read();
+        tokio::select! {
+            events = async { match exec_events.as_mut() { Some(fd) => drain_ring::<ExecEvent>(fd).await, None => std::future::pending().await } } => {
+                for event in events {
+                    session.exec_seen(event);
+                }
+            }
+            requests = async { match mapping_requests.as_mut() { Some(fd) => drain_ring::<MappingsRequest>(fd).await, None => std::future::pending().await } } => {
+                for request in requests {
+                    session.mappings_requested(request);
+                }
+            }
+            _ = tokio::time::sleep_until(next_exec_read.unwrap_or(far_future)), if next_exec_read.is_some() => {
+                session.read_due_images();
+            }
+            _ = ticks.tick() => {
+                if let Err(err) = session.dump() {
+                    log::error!("cannot write a profile: {err:#}");
+                }
+                session.tidy(target);
+            }
+            signal = async { tokio::select! { _ = sigint.recv() => libc::SIGINT, _ = sigterm.recv() => libc::SIGTERM } } => {
+                // Launch mode passes the signal on: the command's exit ends the run.
+                match relay.as_mut().map(|relay| relay.on_signal(signal, Instant::now().into_std())) {
+                    Some(Relayed::Passed | Relayed::Repeat) => {}
+                    Some(Relayed::StopNow) | None => break,
+                }
+            }
+            _ = tokio::time::sleep_until(relay.as_ref().and_then(SignalRelay::warning_due).map_or(far_future, Instant::from_std)), if relay.as_ref().is_some_and(|r| r.warning_due().is_some()) => {
+                if let Some(relay) = relay.as_mut() {
+                    relay.warn_still_running();
+                }
+            }
+            _ = tokio::time::sleep_until(deadline.unwrap_or(far_future)), if deadline.is_some() => {
+                log::info!("--duration reached");
+                break;
+            }
+            event = async { match child_events.as_mut() { Some(events) => events.recv().await, None => std::future::pending().await } } => {
+                match event {
+                    Some(ChildEvent::KernelSigcont { resume }) => {
+                        let hold = child_pid.is_some_and(|pid| session.loader_hold(pid));
+                        let _ = resume.send(hold);
+                    }
+                    Some(ChildEvent::Exiting { resume }) => {
+                        // The process still has its address space: read its mappings now.
+                        session.before_exit();
+                        drop(resume);
+                    }
+                    Some(ChildEvent::Exited(code)) => {
+                        log::info!("the command exited with status {code}");
+                        exit_code = ExitCode::from(u8::try_from(code).unwrap_or(1));
+                        break;
+                    }
+                    None => break,
+                }
+            }
+            _ = async { match &target_exit { Some(fd) => { let _ = fd.readable().await; }, None => std::future::pending().await } } => {
+                log::info!("the target process exited");
+                break;
+            }
+        }
+    }
+    let written = session.dump();
+    if cli.top > 0 {
+        match session.top_sites(cli.top) {
+            Ok(top) => print_top(&top),
+            Err(err) => log::warn!("cannot summarize the sites: {err:#}"),
+        }
+    }
+    drop(session); // detaches every probe
+    written.context("writing the final profile")?;
+    Ok(exit_code)
+}
