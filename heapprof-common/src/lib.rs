@@ -254,6 +254,23 @@ impl DropReason {
         DropReason::StackIncomplete,
     ];
 
+    /// What the user can do about it, for logs.
+    pub const fn remedy(self) -> &'static str {
+        match self {
+            DropReason::LiveTableFull => "raise --max-live-blocks",
+            DropReason::SiteTableFull => "raise --max-sites",
+            DropReason::StackTableFull => "raise --max-stacks",
+            DropReason::StackTruncated => "the frame limit is fixed",
+            DropReason::InFlightFull => "raise --max-threads",
+            DropReason::OutPtrUnreadable => "the program passed an unreadable pointer",
+            DropReason::StackUnavailable => "the kernel could not walk the stack",
+            DropReason::ExecTableFull => "raise --max-threads",
+            DropReason::StackIncomplete => {
+                "where they stop is logged and in the profile's comments"
+            }
+        }
+    }
+
     /// A short description for logs and profile comments.
     pub const fn describe(self) -> &'static str {
         match self {
@@ -304,6 +321,11 @@ pub struct Config {
     /// (a SIGCONT the tracer intercepts) until the daemon has loaded its mappings, so
     /// that code runs only once its unwind tables are in place.
     pub hold_at_loader_events: u32,
+    /// Benchmark baseline: the uprobe programs return at once, so only the traps cost
+    /// (the read-only value lets the verifier drop everything else as dead code).
+    pub empty_programs: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
@@ -371,6 +393,8 @@ pub mod names {
     pub const UNWIND_ROWS: &str = "UNWIND_ROWS";
     /// The deduplicated rules (`Array<unwind::UnwindRule>`).
     pub const UNWIND_RULES: &str = "UNWIND_RULES";
+    /// Per-CPU cache of resolved rules (`PerCpuArray<unwind::CachedRule>`).
+    pub const RULE_CACHE: &str = "RULE_CACHE";
     /// Where stacks were cut short (`LruHashMap<unwind::UnwindGap, u64>`, counts).
     pub const UNWIND_GAPS: &str = "UNWIND_GAPS";
     /// [`crate::unwind::MappingsRequest`]s for the daemon (`RingBuf`).

@@ -154,8 +154,9 @@ pub struct ExecMapping {
 pub struct ProcessMappings {
     /// Mappings in use.
     pub count: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// Changes with every write of a process's mappings (a counter of the daemon's):
+    /// rules cached for an address of the process are valid for one version.
+    pub version: u32,
     /// The mappings, sorted by address.
     pub mappings: [ExecMapping; MAX_PROCESS_MAPPINGS],
 }
@@ -252,3 +253,28 @@ pub enum RequestReason {
     /// without the loader).
     UnknownAddress = 1,
 }
+
+/// Entries of the per-CPU cache of resolved rules (a power of two).
+pub const RULE_CACHE_ENTRIES: u32 = 4096;
+
+/// One entry of the per-CPU cache of resolved rules: what unwinding found at an
+/// address of a process, for one version of its mappings.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CachedRule {
+    /// The address looked up.
+    pub pc: u64,
+    /// The process.
+    pub tgid: u32,
+    /// [`ProcessMappings::version`] when it was resolved.
+    pub version: u32,
+    /// The rule, when `gap` is [`CACHED_RULE_FOUND`].
+    pub rule: UnwindRule,
+    /// [`CACHED_RULE_FOUND`], or the [`GapReason`] why no rule applies.
+    pub gap: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+}
+
+/// [`CachedRule::gap`] of an entry holding a rule.
+pub const CACHED_RULE_FOUND: u32 = u32::MAX;

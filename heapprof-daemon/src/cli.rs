@@ -112,6 +112,11 @@ pub struct Cli {
     #[arg(long)]
     pub bpf_stats: bool,
 
+    /// Benchmark baseline (`cargo xtask bench`): the probes are attached where they
+    /// always are, but their programs do nothing, so only the uprobe traps cost.
+    #[arg(long, hide = true)]
+    pub empty_programs: bool,
+
     /// After the final profile, print the N allocation sites holding the most memory.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub top: usize,

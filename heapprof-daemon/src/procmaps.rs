@@ -103,6 +103,14 @@ impl Region {
     pub fn file_offset(&self, addr: u64) -> u64 {
         addr - self.start + self.offset
     }
+
+    /// `addr` for people when it has no symbol: `object+0xOFFSET`, the object's file
+    /// name and the file offset, which mean the same in every run.
+    pub fn describe(&self, addr: u64) -> String {
+        let path = &self.object.path;
+        let name = path.rsplit('/').next().unwrap_or(path);
+        format!("{name}+{:#x}", self.file_offset(addr))
+    }
 }
 
 /// The executable regions of one process, sorted by address.

@@ -8,7 +8,10 @@ use aya_ebpf::{
 use heapprof_common::{
     CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey, PROBE_SLOTS,
     ProbeSlot, SiteCounters, StackKey, UserStack,
-    unwind::{ProcessMappings, UnwindGap, UnwindObject, UnwindRow, UnwindRule},
+    unwind::{
+        CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
+        UnwindRule,
+    },
 };
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
@@ -50,6 +53,24 @@ pub static UNWIND_OBJECTS: Array<UnwindObject> = Array::with_max_entries(4096, 0
 pub static UNWIND_ROWS: Array<UnwindRow> = Array::with_max_entries(1 << 21, BPF_F_MMAPABLE);
 #[map(name = "UNWIND_RULES")]
 pub static UNWIND_RULES: Array<UnwindRule> = Array::with_max_entries(65536, BPF_F_MMAPABLE);
+/// Words of a stack window (4 KiB: 98% of python3's allocations are within 4 KiB of
+/// the stack pointer at malloc).
+pub const STACK_WINDOW_WORDS: usize = 512;
+/// Bytes of a stack window.
+pub const STACK_WINDOW_BYTES: usize = STACK_WINDOW_WORDS * 8;
+
+/// A copy of part of a user stack (see `unwind::stack_read`).
+#[repr(C)]
+pub struct StackWindow {
+    /// The stack's words.
+    pub words: [u64; STACK_WINDOW_WORDS],
+}
+
+#[map(name = "STACK_WINDOW")]
+pub static STACK_WINDOW: PerCpuArray<StackWindow> = PerCpuArray::with_max_entries(1, 0);
+#[map(name = "RULE_CACHE")]
+pub static RULE_CACHE: PerCpuArray<CachedRule> =
+    PerCpuArray::with_max_entries(RULE_CACHE_ENTRIES, 0);
 #[map(name = "UNWIND_GAPS")]
 pub static UNWIND_GAPS: LruHashMap<UnwindGap, u64> = LruHashMap::with_max_entries(4096, 0);
 #[map(name = "MAPPINGS_REQUESTED")]
@@ -70,6 +91,8 @@ static CONFIG: Config = Config {
     text_end: 0,
     unwind_mode: 0,
     hold_at_loader_events: 0,
+    empty_programs: 0,
+    _pad: 0,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
@@ -116,6 +139,13 @@ pub fn unwind_mode() -> u32 {
 pub fn hold_at_loader_events() -> bool {
     // SAFETY: a plain global (see above).
     unsafe { core::ptr::read_volatile(&CONFIG.hold_at_loader_events) != 0 }
+}
+
+/// Whether the uprobe programs are to do nothing (the benchmark's trap floor).
+#[inline(always)]
+pub fn empty_programs() -> bool {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.empty_programs) != 0 }
 }
 
 /// File offset of a probed function's probe spot in the allocator library.

@@ -9,19 +9,22 @@
 //! the frames found so far, and the address where it stopped is counted in
 //! `UNWIND_GAPS` with the reason, so the daemon can name the object and offset.
 
-use aya_ebpf::helpers::{bpf_ktime_get_ns, bpf_probe_read_user};
+use core::ffi::c_void;
+
+use aya_ebpf::helpers::{bpf_ktime_get_ns, bpf_loop, bpf_probe_read_user, bpf_probe_read_user_buf};
 use heapprof_common::{
     DropReason, MAX_STACK_DEPTH, MAX_STACK_SPAN, UserStack,
     unwind::{
-        CfaRule, ExecMapping, GapReason, MAPPING_SEARCH_STEPS, MAX_PROCESS_MAPPINGS,
-        MappingsRequest, NO_OBJECT, ProcessMappings, ROW_SEARCH_STEPS, RULE_NONE, RegRule,
-        RequestReason, UnwindGap, UnwindMode, UnwindRule,
+        CACHED_RULE_FOUND, CfaRule, ExecMapping, GapReason, MAPPING_SEARCH_STEPS,
+        MAX_PROCESS_MAPPINGS, MappingsRequest, NO_OBJECT, ProcessMappings, ROW_SEARCH_STEPS,
+        RULE_CACHE_ENTRIES, RULE_NONE, RegRule, RequestReason, UnwindGap, UnwindMode, UnwindRule,
     },
 };
 
 use crate::maps::{
-    MAPPINGS_REQUESTED, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, UNWIND_GAPS, UNWIND_OBJECTS,
-    UNWIND_ROWS, UNWIND_RULES, count_drop,
+    MAPPINGS_REQUESTED, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, RULE_CACHE, STACK_SCRATCH,
+    STACK_WINDOW, STACK_WINDOW_BYTES, STACK_WINDOW_WORDS, UNWIND_GAPS, UNWIND_OBJECTS, UNWIND_ROWS,
+    UNWIND_RULES, count_drop,
 };
 
 /// Multiplier of the stack hash (2^64 / golden ratio).
@@ -46,6 +49,7 @@ const FP_STEP_KNOWS_SP: bool = false;
 const FP_STEP_KNOWS_SP: bool = true;
 
 /// The registers of the frame being unwound.
+#[repr(C)]
 #[derive(Clone, Copy)]
 struct Frame {
     /// Where the frame executes (a return address, except for the first frame).
@@ -70,6 +74,50 @@ enum Stop {
 fn read_user(address: u64) -> Option<u64> {
     // SAFETY: bpf_probe_read_user checks the user address.
     unsafe { bpf_probe_read_user(address as *const u64) }.ok()
+}
+
+/// Reads the 8 bytes at `address` of the user stack through the walk's window: a copy
+/// of the stack made with one `bpf_probe_read_user` (each call costs ~250 ns here,
+/// copying 4 KiB barely more). An address beyond it refills the window with the rest
+/// of the address's page (mapped, as the stack reaches it).
+#[inline(always)]
+fn stack_read(walk: &mut Walk, address: u64) -> Option<u64> {
+    if address & 7 != 0 {
+        return read_user(address);
+    }
+    let mut offset = address.wrapping_sub(walk.window_base);
+    if offset >= u64::from(walk.window_len) {
+        let to_page_end = 4096 - (address & 4095);
+        if !fill_window(walk, address, to_page_end as usize) {
+            return read_user(address);
+        }
+        offset = 0;
+    }
+    let window = STACK_WINDOW.get(0)?;
+    Some(window.words[(offset / 8) as usize & (STACK_WINDOW_WORDS - 1)])
+}
+
+/// Copies `len` bytes (at most the window's size) of the stack from `address` into this
+/// CPU's window. A read that faults anywhere fails whole.
+#[inline(always)]
+fn fill_window(walk: &mut Walk, address: u64, len: usize) -> bool {
+    if len > STACK_WINDOW_BYTES {
+        return false;
+    }
+    let Some(window) = STACK_WINDOW.get_ptr_mut(0) else {
+        return false;
+    };
+    // SAFETY: a prefix of this CPU's slot, viewed as bytes; programs on one CPU do not
+    // interleave.
+    let bytes =
+        unsafe { core::slice::from_raw_parts_mut((*window).words.as_mut_ptr().cast::<u8>(), len) };
+    // SAFETY: bpf_probe_read_user_buf checks the user address.
+    if unsafe { bpf_probe_read_user_buf(address as *const u8, bytes) }.is_err() {
+        return false;
+    }
+    walk.window_base = address;
+    walk.window_len = len as u32;
+    true
 }
 
 /// The mapping holding `address`, by binary search over the sorted mappings.
@@ -133,7 +181,8 @@ fn find_rule(mapping: &ExecMapping, address: u64) -> Result<UnwindRule, GapReaso
 
 /// One step with the frame's CFI rule.
 #[inline(always)]
-fn cfi_step(frame: &mut Frame, rule: &UnwindRule) -> Result<(), Stop> {
+fn cfi_step(walk: &mut Walk, rule: &UnwindRule) -> Result<(), Stop> {
+    let frame = walk.frame;
     let cfa = match CfaRule::from_u8(rule.cfa) {
         Some(CfaRule::SpOffset) if frame.sp_known => {
             frame.sp.wrapping_add(rule.cfa_offset as i64 as u64)
@@ -154,11 +203,11 @@ fn cfi_step(frame: &mut Frame, rule: &UnwindRule) -> Result<(), Stop> {
             Stop::Cut(GapReason::Unsupported)
         });
     }
-    let return_address = read_user(cfa.wrapping_add(rule.ra_offset as i64 as u64))
+    let return_address = stack_read(walk, cfa.wrapping_add(rule.ra_offset as i64 as u64))
         .ok_or(Stop::Cut(GapReason::Unreadable))?
         & ADDRESS_MASK;
-    frame.fp = match RegRule::from_u8(rule.fp) {
-        Some(RegRule::AtCfa) => read_user(cfa.wrapping_add(rule.fp_offset as i64 as u64))
+    let fp = match RegRule::from_u8(rule.fp) {
+        Some(RegRule::AtCfa) => stack_read(walk, cfa.wrapping_add(rule.fp_offset as i64 as u64))
             .ok_or(Stop::Cut(GapReason::Unreadable))?,
         Some(RegRule::Same) => frame.fp,
         _ => 0,
@@ -166,10 +215,13 @@ fn cfi_step(frame: &mut Frame, rule: &UnwindRule) -> Result<(), Stop> {
     if return_address == 0 {
         return Err(Stop::Complete);
     }
-    frame.sp = cfa;
-    frame.sp_known = true;
-    frame.pc = return_address;
-    frame.lookup = return_address - 1;
+    walk.frame = Frame {
+        pc: return_address,
+        lookup: return_address - 1,
+        sp: cfa,
+        fp,
+        sp_known: true,
+    };
     Ok(())
 }
 
@@ -178,24 +230,26 @@ fn cfi_step(frame: &mut Frame, rule: &UnwindRule) -> Result<(), Stop> {
 /// It is followed only while it points into the stack above the stack pointer and
 /// grows: chains end in code built without frame pointers, and their garbage faults.
 #[inline(always)]
-fn fp_step(frame: &mut Frame) -> bool {
-    let fp = frame.fp;
-    if fp < frame.sp || fp - frame.sp > MAX_STACK_SPAN || fp & 7 != 0 {
+fn fp_step(walk: &mut Walk) -> bool {
+    let Frame { sp, fp, .. } = walk.frame;
+    if fp < sp || fp - sp > MAX_STACK_SPAN || fp & 7 != 0 {
         return false;
     }
-    // SAFETY: bpf_probe_read_user checks the user address.
-    let Ok(record) = (unsafe { bpf_probe_read_user(fp as *const [u64; 2]) }) else {
+    let (Some(next_fp), Some(return_address)) = (stack_read(walk, fp), stack_read(walk, fp + 8))
+    else {
         return false;
     };
-    let return_address = record[1] & ADDRESS_MASK;
-    if return_address == 0 || record[0] <= fp {
+    let return_address = return_address & ADDRESS_MASK;
+    if return_address == 0 || next_fp <= fp {
         return false;
     }
-    frame.fp = record[0];
-    frame.sp = fp + 16;
-    frame.sp_known = FP_STEP_KNOWS_SP;
-    frame.pc = return_address;
-    frame.lookup = return_address - 1;
+    walk.frame = Frame {
+        pc: return_address,
+        lookup: return_address - 1,
+        sp: fp + 16,
+        fp: next_fp,
+        sp_known: FP_STEP_KNOWS_SP,
+    };
     true
 }
 
@@ -203,36 +257,87 @@ fn fp_step(frame: &mut Frame) -> bool {
 /// address in a known executable mapping (code without frame pointers keeps anything
 /// in its frame-pointer register, and the chain then yields garbage, not frames).
 #[inline(always)]
-fn fallback_step(mappings: Option<&ProcessMappings>, frame: &mut Frame) -> bool {
-    let before = *frame;
-    if fp_step(frame) && mappings.is_none_or(|m| find_mapping(m, frame.lookup).is_some()) {
-        return true;
+fn fallback_step(walk: &mut Walk) -> bool {
+    let before = walk.frame;
+    if fp_step(walk) {
+        // SAFETY: the value is only read; the daemon replaces whole entries.
+        match unsafe { PROCESS_MAPPINGS.get(&walk.tgid) } {
+            None => return true,
+            Some(mappings) if find_mapping(mappings, walk.frame.lookup).is_some() => return true,
+            Some(_) => {}
+        }
     }
-    *frame = before;
+    walk.frame = before;
     false
+}
+
+/// The rule of `address` in process `tgid`, without the cache.
+#[inline(always)]
+fn resolve_uncached(tgid: u32, address: u64) -> Result<UnwindRule, GapReason> {
+    // SAFETY: the value is only read; the daemon replaces whole entries.
+    let mappings = unsafe { PROCESS_MAPPINGS.get(&tgid) }.ok_or(GapReason::NoMapping)?;
+    let mapping = find_mapping(mappings, address).ok_or(GapReason::NoMapping)?;
+    find_rule(mapping, address)
+}
+
+/// The rule of `address` in process `tgid` (whose mappings are at `version`), from
+/// this CPU's cache when it has it. Most allocations come from few call sites, so a
+/// hit (one array lookup and three comparisons) replaces a hash lookup and two binary
+/// searches for most frames.
+#[inline(always)]
+fn resolve(tgid: u32, version: u32, address: u64) -> Result<UnwindRule, GapReason> {
+    let hash = (address ^ (address >> 17)).wrapping_mul(HASH_MULTIPLIER);
+    let slot = (hash >> 52) as u32 & (RULE_CACHE_ENTRIES - 1);
+    let Some(entry) = RULE_CACHE.get_ptr_mut(slot) else {
+        return resolve_uncached(tgid, address);
+    };
+    // SAFETY: this CPU's slot; programs on one CPU do not interleave.
+    let entry = unsafe { &mut *entry };
+    if entry.pc == address && entry.tgid == tgid && entry.version == version {
+        return if entry.gap == CACHED_RULE_FOUND {
+            Ok(entry.rule)
+        } else {
+            Err(GapReason::from_u32(entry.gap).unwrap_or(GapReason::NoRule))
+        };
+    }
+    let result = resolve_uncached(tgid, address);
+    entry.pc = address;
+    entry.tgid = tgid;
+    entry.version = version;
+    match result {
+        Ok(rule) => {
+            entry.rule = rule;
+            entry.gap = CACHED_RULE_FOUND;
+        }
+        Err(reason) => entry.gap = reason as u32,
+    }
+    result
 }
 
 /// One frame: CFI where a table covers it; else, unless `cfi_only`, frame pointers.
 #[inline(always)]
-fn step(mappings: Option<&ProcessMappings>, frame: &mut Frame, cfi_only: bool) -> Result<(), Stop> {
-    let gap = match mappings.and_then(|m| find_mapping(m, frame.lookup)) {
-        None => GapReason::NoMapping,
-        Some(mapping) => match find_rule(mapping, frame.lookup) {
-            Ok(rule) => {
-                return match cfi_step(frame, &rule) {
-                    // An SP-based rule after a frame-pointer step on arm64: frame pointers on.
-                    Err(Stop::Cut(GapReason::Unsupported))
-                        if !frame.sp_known && !cfi_only && fallback_step(mappings, frame) =>
-                    {
-                        Ok(())
-                    }
-                    other => other,
-                };
-            }
-            Err(reason) => reason,
-        },
+fn step(walk: &mut Walk) -> Result<(), Stop> {
+    let cfi_only = walk.mode == UnwindMode::Cfi as u32;
+    let resolved = if walk.has_mappings != 0 {
+        resolve(walk.tgid, walk.version, walk.frame.lookup)
+    } else {
+        Err(GapReason::NoMapping)
     };
-    if !cfi_only && fallback_step(mappings, frame) {
+    let gap = match resolved {
+        Ok(rule) => {
+            return match cfi_step(walk, &rule) {
+                // An SP-based rule after a frame-pointer step on arm64: frame pointers on.
+                Err(Stop::Cut(GapReason::Unsupported))
+                    if !walk.frame.sp_known && !cfi_only && fallback_step(walk) =>
+                {
+                    Ok(())
+                }
+                other => other,
+            };
+        }
+        Err(reason) => reason,
+    };
+    if !cfi_only && fallback_step(walk) {
         return Ok(());
     }
     Err(Stop::Cut(gap))
@@ -279,8 +384,75 @@ pub fn request_mappings(tgid: u32, reason: RequestReason) {
     );
 }
 
+/// The state of a stack walk, kept in the caller's stack frame while `bpf_loop` calls
+/// [`walk_one`] once per frame: plain scalars, so the callback needs no map lookup
+/// for the process's mappings unless a rule is not in the cache.
+#[repr(C)]
+struct Walk {
+    frame: Frame,
+    hash: u64,
+    tgid: u32,
+    exec_gen: u32,
+    /// The process's mappings' version, when it has mappings (`has_mappings`).
+    version: u32,
+    has_mappings: u32,
+    mode: u32,
+    /// Frames recorded so far.
+    depth: u32,
+    /// The stack addresses `[window_base, window_base + window_len)` are in this CPU's
+    /// `STACK_WINDOW` (see [`stack_read`]).
+    window_base: u64,
+    window_len: u32,
+    _pad: u32,
+}
+
+/// `bpf_loop`'s callback: unwinds one frame and records it; returns 1 to stop. A
+/// callback is verified once, where an unrolled loop of 127 frames made the verifier
+/// follow every frame's branches again, past its limit of a million instructions.
+extern "C" fn walk_one(_index: u64, context: *mut c_void) -> i64 {
+    // SAFETY: `unwind` passes its own `Walk`, alive for the whole loop.
+    let walk = unsafe { &mut *context.cast::<Walk>() };
+    let stepped = if walk.mode == UnwindMode::FramePointers as u32 {
+        if fp_step(walk) {
+            Ok(())
+        } else {
+            Err(Stop::Complete)
+        }
+    } else {
+        step(walk)
+    };
+    match stepped {
+        Ok(()) => {}
+        Err(Stop::Complete) => return 1,
+        Err(Stop::Cut(reason)) => {
+            if reason == GapReason::NoMapping {
+                request_mappings(walk.tgid, RequestReason::UnknownAddress);
+            }
+            record_gap(walk.tgid, walk.exec_gen, reason, walk.frame.pc);
+            return 1;
+        }
+    }
+    let Some(stack) = STACK_SCRATCH.get_ptr_mut(0) else {
+        return 1;
+    };
+    // SAFETY: this CPU's scratch slot; programs on one CPU do not interleave.
+    let stack = unsafe { &mut *stack };
+    let depth = walk.depth as usize;
+    if depth >= MAX_STACK_DEPTH as usize {
+        count_drop(DropReason::StackTruncated);
+        return 1;
+    }
+    stack.frames[depth] = walk.frame.pc;
+    stack.len = walk.depth + 1;
+    walk.depth += 1;
+    let hash = (walk.hash ^ walk.frame.pc).wrapping_mul(HASH_MULTIPLIER);
+    walk.hash = hash ^ (hash >> 29);
+    0
+}
+
 /// Unwinds the stack of `tgid` from the caller's registers at the allocator's return
-/// (`pc`, `fp`, `sp`) into `stack`; returns the stack's hash (seeded with the process).
+/// (`pc`, `fp`, `sp`) into `stack` (this CPU's `STACK_SCRATCH` slot); returns the
+/// stack's hash (seeded with the process).
 #[inline(always)]
 pub fn unwind(
     tgid: u32,
@@ -289,10 +461,8 @@ pub fn unwind(
     (pc, fp, sp): (u64, u64, u64),
     stack: &mut UserStack,
 ) -> u64 {
-    let frame_pointers_only = mode == UnwindMode::FramePointers as u32;
-    let cfi_only = mode == UnwindMode::Cfi as u32;
     // SAFETY: the value is only read; the daemon replaces whole entries.
-    let mappings = if frame_pointers_only {
+    let mappings = if mode == UnwindMode::FramePointers as u32 {
         None
     } else {
         let mappings = unsafe { PROCESS_MAPPINGS.get(&tgid) };
@@ -301,47 +471,41 @@ pub fn unwind(
         }
         mappings
     };
-    let mut frame = Frame {
-        pc,
-        lookup: pc,
-        sp,
-        fp,
-        sp_known: true,
-    };
     stack.frames[0] = pc;
     stack.len = 1;
-    let mut hash = (u64::from(tgid) ^ pc).wrapping_mul(HASH_MULTIPLIER);
-    // The depth lives in the scratch memory, not in a register that outlives the loop:
-    // every way out of the loop then leaves the verifier the same state to continue
-    // from, so it checks the rest of the program once instead of once per exit.
-    for depth in 1..MAX_STACK_DEPTH as usize {
-        let stepped = if frame_pointers_only {
-            if fp_step(&mut frame) {
-                Ok(())
-            } else {
-                Err(Stop::Complete)
-            }
-        } else {
-            step(mappings, &mut frame, cfi_only)
-        };
-        match stepped {
-            Ok(()) => {}
-            Err(Stop::Complete) => break,
-            Err(Stop::Cut(reason)) => {
-                if reason == GapReason::NoMapping && mappings.is_some() {
-                    request_mappings(tgid, RequestReason::UnknownAddress);
-                }
-                record_gap(tgid, exec_gen, reason, frame.pc);
-                break;
-            }
-        }
-        stack.frames[depth] = frame.pc;
-        stack.len = depth as u32 + 1;
-        hash = (hash ^ frame.pc).wrapping_mul(HASH_MULTIPLIER);
-        hash ^= hash >> 29;
-        if depth == MAX_STACK_DEPTH as usize - 1 {
-            count_drop(DropReason::StackTruncated);
-        }
+    let mut walk = Walk {
+        frame: Frame {
+            pc,
+            lookup: pc,
+            sp,
+            fp,
+            sp_known: true,
+        },
+        hash: (u64::from(tgid) ^ pc).wrapping_mul(HASH_MULTIPLIER),
+        tgid,
+        exec_gen,
+        version: mappings.map_or(0, |m| m.version),
+        has_mappings: u32::from(mappings.is_some()),
+        mode,
+        depth: 1,
+        window_base: 0,
+        window_len: 0,
+        _pad: 0,
+    };
+    // The window starts with 4 KiB above the stack pointer (most stacks whole), or the
+    // rest of its page where the stack ends sooner.
+    if !fill_window(&mut walk, sp, STACK_WINDOW_BYTES) {
+        fill_window(&mut walk, sp, (4096 - (sp & 4095)) as usize);
     }
-    hash
+    // SAFETY: the callback is a BPF subprogram taking the context pointer given here,
+    // which stays valid for the call.
+    unsafe {
+        bpf_loop(
+            MAX_STACK_DEPTH,
+            walk_one as *mut c_void,
+            (&raw mut walk).cast(),
+            0,
+        );
+    }
+    walk.hash
 }

@@ -23,7 +23,7 @@ use crate::{
     calls::{self, Call},
     maps::{
         EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, armed,
-        count_drop, hold_at_loader_events, ignored, page_size, target_tgid,
+        count_drop, empty_programs, hold_at_loader_events, ignored, page_size, target_tgid,
     },
     sites, stack,
 };
@@ -140,78 +140,117 @@ fn cookie_slot(ctx: &ProbeContext) -> ProbeSlot {
 
 #[uprobe]
 pub fn malloc_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, AllocKind::Malloc as ProbeSlot);
     0
 }
 
 #[uprobe]
 pub fn calloc_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, AllocKind::Calloc as ProbeSlot);
     0
 }
 
 #[uprobe]
 pub fn realloc_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, AllocKind::Realloc as ProbeSlot);
     0
 }
 
 #[uprobe]
 pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, AllocKind::Reallocarray as ProbeSlot);
     0
 }
 
 #[uprobe]
 pub fn posix_memalign_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, AllocKind::PosixMemalign as ProbeSlot);
     0
 }
 
 #[uprobe]
 pub fn aligned_alloc_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, AllocKind::AlignedAlloc as ProbeSlot);
     0
 }
 
 #[uprobe]
 pub fn memalign_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, AllocKind::Memalign as ProbeSlot);
     0
 }
 
 #[uprobe]
 pub fn valloc_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, AllocKind::Valloc as ProbeSlot);
     0
 }
 
 #[uprobe]
 pub fn pvalloc_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, AllocKind::Pvalloc as ProbeSlot);
     0
 }
 
 #[uprobe]
 pub fn free_enter(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_free(&ctx);
     0
 }
 
 #[uprobe(multi)]
 pub fn entry_multi(ctx: ProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_entry(&ctx, cookie_slot(&ctx));
     0
 }
 
 #[uretprobe]
 pub fn alloc_return(ctx: RetProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_return(&ctx);
     0
 }
 
 #[uretprobe(multi)]
 pub fn alloc_return_multi(ctx: RetProbeContext) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
     on_return(&ctx);
     0
 }

@@ -97,7 +97,10 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
         mode: unwind_mode,
         tables,
         processes: cli.max_processes,
-        hold_at_loader_events: child.is_some() && unwind_mode != UnwindMode::FramePointers,
+        hold_at_loader_events: child.is_some()
+            && unwind_mode != UnwindMode::FramePointers
+            && !cli.empty_programs,
+        empty_programs: cli.empty_programs,
     };
     // The loader's hook tells when objects are mapped; frame pointers need no tables.
     let loader = match (unwind_mode, target) {

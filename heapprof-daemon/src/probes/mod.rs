@@ -53,6 +53,8 @@ pub struct UnwindSettings {
     pub processes: u32,
     /// Launch mode: hold the command at each loader event until its mappings are loaded.
     pub hold_at_loader_events: bool,
+    /// The benchmark's trap floor: the uprobe programs do nothing.
+    pub empty_programs: bool,
 }
 
 /// Loads the BPF object for user mode with the given capacities and sampling rate
@@ -74,6 +76,8 @@ pub fn load(
         text_end: libc.text.1,
         unwind_mode: unwind.mode as u32,
         hold_at_loader_events: u32::from(unwind.hold_at_loader_events),
+        empty_programs: u32::from(unwind.empty_programs),
+        _pad: 0,
     };
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {

@@ -30,9 +30,10 @@ impl DropLog {
             let (now, before) = (drops[reason as usize], self.reported[reason as usize]);
             if now > before {
                 log::warn!(
-                    "{} events: {} (see the --max-* flags)",
+                    "{} events: {} ({})",
                     now - before,
-                    reason.describe()
+                    reason.describe(),
+                    reason.remedy()
                 );
             }
         }

@@ -250,8 +250,10 @@ pub struct TableLoader {
     objects: HashMap<(u64, u64), ObjectState>,
     rule_index: HashMap<UnwindRule, u32>,
     usage: TableUsage,
-    /// Names of the objects that did not fit, for one warning each.
+    /// Whether the tables' filling up was said.
     warned_full: bool,
+    /// The version of the last mappings written (see `ProcessMappings::version`).
+    version: u32,
 }
 
 impl TableLoader {
@@ -278,6 +280,7 @@ impl TableLoader {
             rule_index: HashMap::new(),
             usage: TableUsage::default(),
             warned_full: false,
+            version: 0,
         })
     }
 
@@ -320,9 +323,10 @@ impl TableLoader {
             );
             mappings.truncate(MAX_PROCESS_MAPPINGS);
         }
+        self.version = self.version.wrapping_add(1);
         let mut value = Box::new(ProcessMappings {
             count: mappings.len() as u32,
-            _pad: 0,
+            version: self.version,
             mappings: [ExecMapping::default(); MAX_PROCESS_MAPPINGS],
         });
         value.mappings[..mappings.len()].copy_from_slice(&mappings);

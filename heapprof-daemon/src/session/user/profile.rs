@@ -210,7 +210,8 @@ impl Session {
                     };
                     let frames = self.symbolizer.frames(region, region.file_offset(addr));
                     if frames.is_empty() {
-                        names.push(format!("{addr:#x}"));
+                        // No symbol: the object and file offset mean the same in every run.
+                        names.push(region.describe(addr));
                     }
                     for frame in frames.iter() {
                         if names.is_empty() {
