@@ -2,6 +2,8 @@
 //! running heapprofd, decoding and checking its profiles.
 #![allow(dead_code)] // Each test binary uses a different subset.
 
+pub mod dhat;
+
 use std::{
     collections::HashMap,
     io::{BufRead as _, BufReader, Read as _},
@@ -57,6 +59,33 @@ pub fn compile_with(
         .status()
         .unwrap_or_else(|e| panic!("running {compiler} ({e}); install it: cargo xtask setup"));
     assert!(status.success(), "gcc failed on {}", source.display());
+    binary
+}
+
+/// Compiles `tests/programs/SOURCE` (file name with its extension) into `dir/OUTPUT_NAME`
+/// with `compiler` and exactly `flags`: unlike [`compile_with`], nothing is added, so the
+/// code is built as a distribution builds it (no `-fno-omit-frame-pointer`).
+pub fn compile_exact(
+    compiler: &str,
+    dir: &Path,
+    source: &str,
+    output_name: &str,
+    flags: &[&str],
+) -> PathBuf {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/programs/{source}"));
+    let binary = dir.join(output_name);
+    let status = Command::new(compiler)
+        .args(flags)
+        .arg("-o")
+        .arg(&binary)
+        .arg(&source)
+        .status()
+        .unwrap_or_else(|e| panic!("running {compiler} ({e}); install it: cargo xtask setup"));
+    assert!(
+        status.success(),
+        "{compiler} {flags:?} failed on {}",
+        source.display()
+    );
     binary
 }
 
