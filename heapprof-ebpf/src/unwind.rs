@@ -495,9 +495,7 @@ pub fn unwind(
     // With CFI the window starts with 4 KiB above the stack pointer (most stacks
     // whole), or the rest of its page where the stack ends sooner. A frame-pointer walk
     // often stops after a frame or two: it fills the window when it first reads.
-    if mode != UnwindMode::FramePointers as u32
-        && !fill_window(&mut walk, sp, STACK_WINDOW_BYTES)
-    {
+    if mode != UnwindMode::FramePointers as u32 && !fill_window(&mut walk, sp, STACK_WINDOW_BYTES) {
         fill_window(&mut walk, sp, (4096 - (sp & 4095)) as usize);
     }
     // SAFETY: the callback is a BPF subprogram taking the context pointer given here,

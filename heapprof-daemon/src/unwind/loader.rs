@@ -239,6 +239,23 @@ pub struct TableUsage {
     pub build_ms: u64,
 }
 
+impl TableUsage {
+    /// One log line: what the tables hold and cost.
+    pub fn describe(&self) -> String {
+        format!(
+            "unwind tables: {} objects, {} rows, {} rules, {} KiB of BPF map memory in use, \
+             built in {} ms; {} objects without CFI, {} that did not fit",
+            self.objects,
+            self.rows,
+            self.rules,
+            self.bytes.div_ceil(1024),
+            self.build_ms,
+            self.without_cfi,
+            self.not_fitting
+        )
+    }
+}
+
 /// The unwind tables and process mappings in the BPF maps.
 pub struct TableLoader {
     process_mappings: BpfHashMap<MapData, u32, ProcessMappings>,

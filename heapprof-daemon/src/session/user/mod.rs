@@ -33,7 +33,7 @@ use crate::{
         stats::{self, RunTimeStats},
     },
     symbolize::Symbolizer,
-    unwind::loader::{TableCapacities, TableLoader},
+    unwind::loader::{TableCapacities, TableLoader, TableUsage},
 };
 
 /// Settings of a session.
@@ -79,6 +79,8 @@ pub struct Session {
     sequence: u32,
     drop_log: DropLog,
     gap_log: GapLog,
+    /// The unwind tables' usage when it was last logged.
+    logged_usage: TableUsage,
 }
 
 /// Where stacks were cut short, merged over processes: (place, reason) -> count.
@@ -166,6 +168,7 @@ impl Session {
             sequence: 0,
             drop_log: DropLog::default(),
             gap_log: GapLog::default(),
+            logged_usage: TableUsage::default(),
         })
     }
 
@@ -370,6 +373,13 @@ impl Session {
         );
         if let Some(stats) = &self.run_time_stats {
             log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
+        }
+        if let Some(unwinder) = self.images.unwinder() {
+            let usage = unwinder.usage();
+            if usage != self.logged_usage {
+                log::info!("{}", usage.describe());
+                self.logged_usage = usage;
+            }
         }
         Ok(path)
     }
