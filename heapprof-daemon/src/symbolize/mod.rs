@@ -30,10 +30,28 @@ pub struct Frame {
 /// Frames of one address, innermost inlined function first, the containing function last.
 pub type Frames = Arc<[Frame]>;
 
+/// Directories holding separate debug files by build-id (`.build-id/xx/yyyy.debug`),
+/// as GDB looks them up; blazesym itself consults them only to resolve a
+/// `.gnu_debuglink`, which a plainly stripped file lacks.
+const DEBUG_DIRS: [&str; 2] = ["/usr/lib/debug", "/lib/debug"];
+
+/// How an object is symbolized: itself, by file offset; or its separate debug file,
+/// by virtual address (a debug file's sections are not where the object's are).
+#[derive(Debug, Clone)]
+enum SymbolSource {
+    Object,
+    DebugFile {
+        path: std::path::PathBuf,
+        /// `(file offset, size, virtual address)` of the object's loadable segments.
+        segments: Vec<(u64, u64, u64)>,
+    },
+}
+
 /// Caches symbolization per (object, file offset).
 pub struct Symbolizer {
     blazesym: Blazesym,
     cache: HashMap<(usize, u64), Frames>,
+    sources: HashMap<usize, SymbolSource>,
 }
 
 impl Default for Symbolizer {
@@ -55,7 +73,40 @@ impl Symbolizer {
         Self {
             blazesym,
             cache: HashMap::new(),
+            sources: HashMap::new(),
         }
+    }
+
+    /// Where `object`'s symbols come from: its debug file by build-id, if one is
+    /// installed, else the object itself (with its own symbols, DWARF and debug link).
+    fn source_of(&mut self, object: &ObjectFile) -> SymbolSource {
+        let key = object as *const ObjectFile as usize;
+        if let Some(source) = self.sources.get(&key) {
+            return source.clone();
+        }
+        let source = object
+            .build_id
+            .as_deref()
+            .filter(|id| id.len() > 2)
+            .and_then(|id| {
+                DEBUG_DIRS
+                    .iter()
+                    .map(|dir| {
+                        std::path::Path::new(dir)
+                            .join(".build-id")
+                            .join(&id[..2])
+                            .join(format!("{}.debug", &id[2..]))
+                    })
+                    .find(|path| path.is_file())
+            })
+            .and_then(|path| {
+                let segments = loadable_segments(&object.open_path)?;
+                log::debug!("{}: symbols from {}", object.path, path.display());
+                Some(SymbolSource::DebugFile { path, segments })
+            })
+            .unwrap_or(SymbolSource::Object);
+        self.sources.insert(key, source.clone());
+        source
     }
 
     /// Symbolizes the given file offsets of one object, filling the cache.
@@ -71,11 +122,27 @@ impl Symbolizer {
         if missing.is_empty() {
             return;
         }
-        let source = Source::Elf(Elf::new(&object.open_path));
-        let results = match self
-            .blazesym
-            .symbolize(&source, Input::FileOffset(&missing))
-        {
+        let symbolized = match self.source_of(object) {
+            SymbolSource::Object => self.blazesym.symbolize(
+                &Source::Elf(Elf::new(&object.open_path)),
+                Input::FileOffset(&missing),
+            ),
+            SymbolSource::DebugFile { path, segments } => {
+                // An offset outside every segment maps to 0, which has no symbol.
+                let addresses: Vec<u64> = missing
+                    .iter()
+                    .map(|&offset| {
+                        segments
+                            .iter()
+                            .find(|(start, size, _)| (*start..start + size).contains(&offset))
+                            .map_or(0, |(start, _, vaddr)| vaddr + (offset - start))
+                    })
+                    .collect();
+                self.blazesym
+                    .symbolize(&Source::Elf(Elf::new(&path)), Input::VirtOffset(&addresses))
+            }
+        };
+        let results = match symbolized {
             Ok(results) => results,
             Err(err) => {
                 log::debug!("cannot symbolize {}: {err:#}", object.path);
@@ -110,6 +177,35 @@ impl Symbolizer {
             .cloned()
             .unwrap_or_else(|| Arc::from(Vec::new()))
     }
+}
+
+/// `(file offset, size in the file, virtual address)` of an ELF file's `PT_LOAD`s.
+/// The program headers are near the start of the file: only that much is read.
+fn loadable_segments(path: &std::path::Path) -> Option<Vec<(u64, u64, u64)>> {
+    use std::io::Read as _;
+
+    use object::{
+        Endianness,
+        elf::{FileHeader64, PT_LOAD},
+        read::elf::{FileHeader as _, ProgramHeader as _},
+    };
+    let mut head = Vec::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(64 << 10)
+        .read_to_end(&mut head)
+        .ok()?;
+    let header = FileHeader64::<Endianness>::parse(head.as_slice()).ok()?;
+    let endian = header.endian().ok()?;
+    Some(
+        header
+            .program_headers(endian, head.as_slice())
+            .ok()?
+            .iter()
+            .filter(|ph| ph.p_type(endian) == PT_LOAD)
+            .map(|ph| (ph.p_offset(endian), ph.p_filesz(endian), ph.p_vaddr(endian)))
+            .collect(),
+    )
 }
 
 fn frame(name: &str, code_info: Option<&blazesym::symbolize::CodeInfo<'_>>) -> Frame {
