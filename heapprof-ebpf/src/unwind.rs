@@ -120,26 +120,85 @@ fn fill_window(walk: &mut Walk, address: u64, len: usize) -> bool {
     true
 }
 
+/// A binary search in progress: the last entry whose start is at most `key` lies in
+/// `[low, low + len)`. Its steps run as a `bpf_loop` callback: a loop unrolled by the
+/// verifier would be verified again on every path through the frame step.
+#[repr(C)]
+struct Search {
+    /// The process's mappings (mapping search) or unused (row search).
+    mappings: *const ProcessMappings,
+    /// The object's first row (row search).
+    first_row: u32,
+    /// Entries left to search.
+    len: u32,
+    /// First candidate.
+    low: u32,
+    /// Explicit padding.
+    _pad: u32,
+    /// What is searched for.
+    key: u64,
+}
+
+/// One step of the search over a process's mappings.
+extern "C" fn mapping_step(_index: u64, context: *mut c_void) -> i64 {
+    // SAFETY: `find_mapping` passes its own `Search`, alive for the whole loop.
+    let search = unsafe { &mut *context.cast::<Search>() };
+    if search.len <= 1 {
+        return 1;
+    }
+    let half = search.len / 2;
+    let middle = (search.low + half) as usize & (MAX_PROCESS_MAPPINGS - 1);
+    // SAFETY: a map value pointer, valid while the program runs.
+    let start = unsafe { (*search.mappings).mappings[middle].start };
+    // Branch-free: one path per step.
+    search.low += half * u32::from(start <= search.key);
+    search.len -= half;
+    0
+}
+
+/// One step of the search over an object's rows.
+extern "C" fn row_step(_index: u64, context: *mut c_void) -> i64 {
+    // SAFETY: `find_rule` passes its own `Search`, alive for the whole loop.
+    let search = unsafe { &mut *context.cast::<Search>() };
+    if search.len <= 1 {
+        return 1;
+    }
+    let half = search.len / 2;
+    let Some(row) = UNWIND_ROWS.get(search.first_row.wrapping_add(search.low + half)) else {
+        search.len = 0;
+        return 1;
+    };
+    search.low += half * u32::from(u64::from(row.pc) <= search.key);
+    search.len -= half;
+    0
+}
+
 /// The mapping holding `address`, by binary search over the sorted mappings.
 #[inline(always)]
 fn find_mapping(mappings: &ProcessMappings, address: u64) -> Option<&ExecMapping> {
-    let count = mappings.count as usize;
-    if count == 0 || count > MAX_PROCESS_MAPPINGS {
+    let count = mappings.count;
+    if count == 0 || count as usize > MAX_PROCESS_MAPPINGS {
         return None;
     }
-    let mut low = 0usize;
-    let mut len = count;
-    for _ in 0..MAPPING_SEARCH_STEPS {
-        if len <= 1 {
-            break;
-        }
-        let half = len / 2;
-        let middle = (low + half) & (MAX_PROCESS_MAPPINGS - 1);
-        // Branch-free, so the verifier follows one path through the loop.
-        low += half * usize::from(mappings.mappings[middle].start <= address);
-        len -= half;
+    let mut search = Search {
+        mappings,
+        first_row: 0,
+        len: count,
+        low: 0,
+        _pad: 0,
+        key: address,
+    };
+    // SAFETY: the callback is a BPF subprogram taking the context pointer given here,
+    // which stays valid for the call.
+    unsafe {
+        bpf_loop(
+            MAPPING_SEARCH_STEPS,
+            mapping_step as *mut c_void,
+            (&raw mut search).cast(),
+            0,
+        );
     }
-    let mapping = &mappings.mappings[low & (MAX_PROCESS_MAPPINGS - 1)];
+    let mapping = &mappings.mappings[search.low as usize & (MAX_PROCESS_MAPPINGS - 1)];
     (mapping.start <= address && address < mapping.end).then_some(mapping)
 }
 
@@ -156,24 +215,30 @@ fn find_rule(mapping: &ExecMapping, address: u64) -> Result<UnwindRule, GapReaso
     if object.rows == 0 || vaddr > u64::from(u32::MAX) {
         return Err(GapReason::NoRule);
     }
-    let vaddr = vaddr as u32;
-    let mut low = 0u32;
-    let mut len = object.rows;
-    for _ in 0..ROW_SEARCH_STEPS {
-        if len <= 1 {
-            break;
-        }
-        let half = len / 2;
-        let Some(row) = UNWIND_ROWS.get(object.first_row.wrapping_add(low + half)) else {
-            return Err(GapReason::NoRule);
-        };
-        low += half * u32::from(row.pc <= vaddr);
-        len -= half;
+    let mut search = Search {
+        mappings: core::ptr::null(),
+        first_row: object.first_row,
+        len: object.rows,
+        low: 0,
+        _pad: 0,
+        key: vaddr,
+    };
+    // SAFETY: as in `find_mapping`.
+    unsafe {
+        bpf_loop(
+            ROW_SEARCH_STEPS,
+            row_step as *mut c_void,
+            (&raw mut search).cast(),
+            0,
+        );
+    }
+    if search.len == 0 {
+        return Err(GapReason::NoRule);
     }
     let row = UNWIND_ROWS
-        .get(object.first_row.wrapping_add(low))
+        .get(object.first_row.wrapping_add(search.low))
         .ok_or(GapReason::NoRule)?;
-    if row.pc > vaddr || row.rule == RULE_NONE {
+    if u64::from(row.pc) > vaddr || row.rule == RULE_NONE {
         return Err(GapReason::NoRule);
     }
     UNWIND_RULES.get(row.rule).copied().ok_or(GapReason::NoRule)
@@ -388,7 +453,7 @@ pub fn request_mappings(tgid: u32, reason: RequestReason) {
 /// [`walk_one`] once per frame: plain scalars, so the callback needs no map lookup
 /// for the process's mappings unless a rule is not in the cache.
 #[repr(C)]
-struct Walk {
+pub struct Walk {
     frame: Frame,
     hash: u64,
     tgid: u32,
@@ -406,12 +471,30 @@ struct Walk {
     _pad: u32,
 }
 
-/// `bpf_loop`'s callback: unwinds one frame and records it; returns 1 to stop. A
-/// callback is verified once, where an unrolled loop of 127 frames made the verifier
-/// follow every frame's branches again, past its limit of a million instructions.
+/// `bpf_loop`'s callback: one frame (see [`heapprof_unwind_frame`]).
 extern "C" fn walk_one(_index: u64, context: *mut c_void) -> i64 {
-    // SAFETY: `unwind` passes its own `Walk`, alive for the whole loop.
-    let walk = unsafe { &mut *context.cast::<Walk>() };
+    // The verifier wants a callback's return known to be 0 or 1; a global function's
+    // is any number to it. The compiler knows better and would drop the mask: a
+    // volatile read hides the value from it.
+    let stop = heapprof_unwind_frame(context.cast::<Walk>());
+    // SAFETY: reads a local.
+    unsafe { core::ptr::read_volatile(&stop) & 1 }
+}
+
+/// Unwinds one frame of `walk` and records it; returns 1 to stop.
+///
+/// A global function (public, unmangled): the verifier checks it once, on its own,
+/// where a loop's body, or a static function, is checked again in every context it is
+/// reached from. Unrolled over 127 frames the body passed the verifier's limit of a
+/// million instructions; as a `bpf_loop` callback it took the verifier 2 s.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn heapprof_unwind_frame(walk: *mut Walk) -> i64 {
+    if walk.is_null() {
+        return 1;
+    }
+    // SAFETY: the caller's own `Walk`, alive for the whole loop.
+    let walk = unsafe { &mut *walk };
     let stepped = if walk.mode == UnwindMode::FramePointers as u32 {
         if fp_step(walk) {
             Ok(())
