@@ -2,8 +2,19 @@
 //!
 //! Each workload waits on stdin until the tool under test has attached to it (`--pid`,
 //! `bpftrace -p`), then the clock runs from "go" to the workload's exit. Modes are
-//! interleaved run by run so that drift on a noisy machine hits all of them alike;
-//! medians and ranges are reported, and ratios only between medians of one run.
+//! interleaved run by run (each round in a rotated order) so that drift on a noisy
+//! machine hits all of them alike; medians and ranges are reported, and ratios only
+//! between medians of one run. Other tracers active between runs (a test suite's
+//! `heapprofd --all` traps the bare runs too) are detected and reported as warnings.
+//!
+//! The trap floor is heapprofd itself with `--empty-programs`: the same probes at the
+//! same spots, with BPF programs that return at once. Every mode's added time per
+//! allocation is also given as a multiple of the floor's, and the goals (figures, not
+//! pass/fail) are stated against it. Two workloads have deep stacks without frame
+//! pointers (C++ STL code built `g++ -O2`, Debian's python3), where only CFI unwinding
+//! finds the callers; for each workload the mean frames per allocation of heapprofd's
+//! profiles (CFI and frame pointers) and the unwind tables' BPF map memory are given,
+//! and a last section times the unwind-table build of the machine's largest library.
 
 use std::{
     collections::BTreeMap,
@@ -32,28 +43,35 @@ enum Mode {
     Bare,
     EmptyProbes,
     Bpftrace,
+    /// heapprofd --empty-programs: the trap floor.
+    Floor,
     HeapprofdEntry,
     Heapprofd,
+    HeapprofdFp,
     HeapprofdSampled,
 }
 
 impl Mode {
-    const ALL: [Mode; 6] = [
+    const ALL: [Mode; 8] = [
         Mode::Bare,
         Mode::EmptyProbes,
         Mode::Bpftrace,
+        Mode::Floor,
         Mode::HeapprofdEntry,
         Mode::Heapprofd,
+        Mode::HeapprofdFp,
         Mode::HeapprofdSampled,
     ];
 
     fn name(self) -> &'static str {
         match self {
             Mode::Bare => "bare",
-            Mode::EmptyProbes => "empty entry probes",
+            Mode::EmptyProbes => "empty entry probes (bpftrace)",
             Mode::Bpftrace => "bpftrace memleak",
+            Mode::Floor => "trap floor (--empty-programs)",
             Mode::HeapprofdEntry => "heapprofd exact, entry probes",
             Mode::Heapprofd => "heapprofd exact",
+            Mode::HeapprofdFp => "heapprofd exact --unwind fp",
             Mode::HeapprofdSampled => "heapprofd sampled 512KiB",
         }
     }
@@ -63,17 +81,50 @@ impl Mode {
             Mode::Bare => "bare",
             Mode::EmptyProbes => "empty_entry_probes",
             Mode::Bpftrace => "bpftrace_memleak",
+            Mode::Floor => "heapprofd_empty_programs",
             Mode::HeapprofdEntry => "heapprofd_exact_entry",
             Mode::Heapprofd => "heapprofd_exact",
+            Mode::HeapprofdFp => "heapprofd_exact_fp",
             Mode::HeapprofdSampled => "heapprofd_sampled",
         }
     }
+
+    /// heapprofd's flags in this mode; `None` for the modes that do not run heapprofd.
+    fn heapprofd_flags(self) -> Option<&'static [&'static str]> {
+        match self {
+            Mode::Bare | Mode::EmptyProbes | Mode::Bpftrace => None,
+            Mode::Floor => Some(&["--interval", "1h", "--empty-programs"]),
+            Mode::HeapprofdEntry => Some(&["--interval", "1h", "--probe-placement", "entry"]),
+            Mode::Heapprofd => Some(&["--interval", "1h"]),
+            Mode::HeapprofdFp => Some(&["--interval", "1h", "--unwind", "fp"]),
+            Mode::HeapprofdSampled => Some(&["--interval", "1h", "--sample-rate", "512KiB"]),
+        }
+    }
+
+    fn is_bpftrace(self) -> bool {
+        matches!(self, Mode::EmptyProbes | Mode::Bpftrace)
+    }
+}
+
+/// What a workload's figures are held against (see the issue's goals).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Goal {
+    /// No stated goal.
+    None,
+    /// Shallow stacks: heapprofd exact at most 1.25x the trap floor.
+    Shallow,
+    /// Deep stacks without frame pointers, full CFI unwinding: heapprofd exact at most
+    /// 2x the trap floor, and cheaper than the bpftrace memleak-style script.
+    Deep,
 }
 
 /// A workload: a command that reads one line on stdin before it starts.
 struct Workload {
     name: &'static str,
+    /// Its name in summary.json.
+    key: &'static str,
     command: Vec<String>,
+    goal: Goal,
 }
 
 impl Workload {
@@ -89,10 +140,65 @@ impl Workload {
 #[derive(Default, Clone)]
 struct Run {
     wall: f64,
+    /// Seconds from starting the tool to its saying it is ready (probes attached).
+    start: Option<f64>,
     /// heapprofd only: its CPU seconds, peak RSS (KiB) and the allocations it counted.
     daemon_cpu: Option<f64>,
     daemon_rss_kib: Option<u64>,
     allocations: Option<u64>,
+    /// heapprofd only: the profile it wrote at the end.
+    profile: Option<PathBuf>,
+    /// heapprofd only: its last `unwind tables:` log line.
+    unwind_tables: Option<String>,
+}
+
+/// Debian's python3 (a `python3` on PATH may be a pyenv shim or another build).
+const PYTHON: &str = "/usr/bin/python3";
+
+/// A goal of the issue and this run's figure for it.
+struct GoalFigure {
+    text: String,
+    value: f64,
+    limit: f64,
+    /// How `value` must relate to `limit`, as said: "at most", "below ...".
+    relation: &'static str,
+    unit: &'static str,
+}
+
+impl GoalFigure {
+    fn met(&self) -> Option<bool> {
+        (self.value.is_finite() && self.limit.is_finite()).then_some(self.value <= self.limit)
+    }
+
+    fn describe(&self) -> String {
+        let unit = self.unit;
+        format!(
+            "{}: {:.2}{unit} (goal: {} {:.2}{unit}): {}",
+            self.text,
+            self.value,
+            self.relation,
+            self.limit,
+            match self.met() {
+                Some(true) => "met",
+                Some(false) => "not met",
+                None => "no figure",
+            }
+        )
+    }
+
+    fn json(&self, workload: &str) -> String {
+        format!(
+            "{{\"workload\": {}, \"goal\": {}, \"value\": {}, \"limit\": {}, \"met\": {}}}",
+            json_string(workload),
+            json_string(&format!(
+                "{} {} {}{}",
+                self.text, self.relation, self.limit, self.unit
+            )),
+            json_number(self.value),
+            json_number(self.limit),
+            self.met().map_or("null".into(), |m| m.to_string())
+        )
+    }
 }
 
 /// The allocator functions heapprofd probes, for the baselines.
@@ -110,14 +216,18 @@ const FAMILY: [&str; 10] = [
 ];
 
 fn compile(source: &str, output: &Path, flags: &[&str]) -> Result<()> {
+    compile_with("gcc", source, output, flags)
+}
+
+fn compile_with(compiler: &str, source: &str, output: &Path, flags: &[&str]) -> Result<()> {
     let root = workspace_root();
-    let status = Command::new("gcc")
+    let status = Command::new(compiler)
         .args(flags)
         .arg("-o")
         .arg(output)
         .arg(root.join("xtask/workloads").join(source))
         .status()
-        .context("running gcc")?;
+        .with_context(|| format!("running {compiler}"))?;
     if !status.success() {
         bail!("compiling {source} failed");
     }
@@ -251,6 +361,187 @@ fn counted_allocations(log: &[String]) -> Option<u64> {
     before.rsplit(' ').next()?.parse().ok()
 }
 
+/// The profile named by heapprofd's last "wrote PATH: ..." line.
+fn written_profile(log: &[String]) -> Option<PathBuf> {
+    let line = log.iter().rev().find(|l| l.contains(" wrote "))?;
+    let rest = line.split(" wrote ").nth(1)?;
+    Some(PathBuf::from(rest.split(": ").next()?))
+}
+
+/// heapprofd's last `unwind tables: ...` log line, from "unwind tables" on.
+fn unwind_tables_line(log: &[String]) -> Option<String> {
+    log.iter()
+        .rev()
+        .find_map(|l| l.split_once("unwind tables: "))
+        .map(|(_, rest)| format!("unwind tables: {rest}"))
+}
+
+/// The figures of an `unwind tables:` line: `7 objects, 72345 rows, 812 rules, 600 KiB
+/// of BPF map memory in use, built in 30 ms; 0 objects without CFI, 0 that did not fit`.
+#[derive(Clone, Copy, Debug, Default)]
+struct Tables {
+    objects: u64,
+    rows: u64,
+    rules: u64,
+    kib: u64,
+    build_ms: u64,
+    not_fitting: u64,
+}
+
+impl Tables {
+    fn parse(line: &str) -> Option<Tables> {
+        // The number just before `label`.
+        let before = |label: &str| -> Option<u64> {
+            let head = line.split(label).next().filter(|h| h.len() < line.len())?;
+            head.rsplit(' ').next()?.parse().ok()
+        };
+        let build_ms = line
+            .split("built in ")
+            .nth(1)?
+            .split(' ')
+            .next()?
+            .parse()
+            .ok()?;
+        Some(Tables {
+            objects: before(" objects,")?,
+            rows: before(" rows,")?,
+            rules: before(" rules,")?,
+            kib: before(" KiB of BPF map memory")?,
+            build_ms,
+            not_fitting: before(" that did not fit").unwrap_or(0),
+        })
+    }
+
+    fn json(&self) -> String {
+        format!(
+            "{{\"objects\": {}, \"rows\": {}, \"rules\": {}, \"bpf_map_kib\": {}, \"build_ms\": {}, \"not_fitting\": {}}}",
+            self.objects, self.rows, self.rules, self.kib, self.build_ms, self.not_fitting
+        )
+    }
+}
+
+/// The mean number of frames (locations, the allocator's own included) per allocation of
+/// a profile, weighted by `alloc_objects`; from `go tool pprof -raw`. `None` when go is
+/// missing or the profile has no allocations.
+fn frames_per_allocation(profile: &Path) -> Option<f64> {
+    let output = Command::new("go")
+        .args(["tool", "pprof", "-raw"])
+        .arg(profile)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    let (mut objects, mut frames) = (0u64, 0u64);
+    // Sample lines: `alloc_objects alloc_space inuse_objects inuse_space: LOC LOC ...`,
+    // each followed by label lines (`comm:[...]`), whose key is not a number.
+    let samples = text
+        .lines()
+        .skip_while(|l| !l.starts_with("Samples:"))
+        .take_while(|l| !l.starts_with("Locations"));
+    for line in samples {
+        let Some((values, locations)) = line.split_once(':') else {
+            continue;
+        };
+        let Some(Ok(count)) = values.split_whitespace().next().map(str::parse::<u64>) else {
+            continue;
+        };
+        objects += count;
+        frames += count * locations.split_whitespace().count() as u64;
+    }
+    (objects > 0).then(|| frames as f64 / objects as f64)
+}
+
+/// The total of a `BPF run time X ms: ...` line, in nanoseconds.
+fn bpf_total_ns(stats: &str) -> Option<f64> {
+    let ms: f64 = stats
+        .split("BPF run time ")
+        .nth(1)?
+        .split(' ')
+        .next()?
+        .parse()
+        .ok()?;
+    Some(ms * 1e6)
+}
+
+/// Other users of uprobes on the machine, checked between runs (when none of this
+/// benchmark's tools is running): heapprofd and bpftrace processes, uprobe_multi BPF
+/// links, perf-event uprobes (per bpftool, when installed). A tracer on the C library
+/// (a test suite's `heapprofd --all`) traps the workloads' allocator calls too, bare runs
+/// included, and makes the figures meaningless. Empty when there are none.
+fn foreign_tracers() -> Vec<String> {
+    let mut found = Vec::new();
+    let me = std::process::id();
+    for entry in std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+    {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(entry.path().join("comm")).unwrap_or_default();
+        let comm = comm.trim();
+        if pid != me && (comm == "heapprofd" || comm == "bpftrace") {
+            found.push(format!("{comm} (pid {pid})"));
+        }
+    }
+    let bpftool = |object: &str| -> Option<String> {
+        let output = Command::new("bpftool")
+            .args(["-j", object, "show"])
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())?;
+        Some(String::from_utf8_lossy(&output.stdout).into_owned())
+    };
+    if let Some(links) = bpftool("link") {
+        // Older bpftools print the link type as a number: 12 is BPF_LINK_TYPE_UPROBE_MULTI.
+        let numeric = links
+            .match_indices("\"type\":12")
+            .filter(|(at, m)| !links[at + m.len()..].starts_with(|c: char| c.is_ascii_digit()))
+            .count();
+        let multi = numeric + links.matches("\"type\":\"uprobe_multi\"").count();
+        if multi > 0 {
+            found.push(format!("{multi} uprobe_multi BPF links"));
+        }
+    }
+    if let Some(perf) = bpftool("perf") {
+        let uprobes = perf.matches("uprobe\"").count();
+        if uprobes > 0 {
+            found.push(format!("{uprobes} perf-event uprobes with BPF programs"));
+        }
+    }
+    found
+}
+
+/// Adds a warning to `warnings` when other tracers are active before a section.
+fn note_foreign_tracers(section: &str, warnings: &mut Vec<String>) {
+    let foreign = foreign_tracers();
+    if !foreign.is_empty() {
+        eprintln!(
+            "xtask:   warning: other tracers are active: {}",
+            foreign.join(", ")
+        );
+        warnings.push(format!(
+            "{section}: WARNING: other tracers were active at its start ({})",
+            foreign.join(", ")
+        ));
+    }
+}
+
+/// The 1-minute load average.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
+
 /// Starts a workload and waits until it blocks on its "go" line.
 fn start_workload(command: &mut Command) -> Result<Child> {
     let target = command
@@ -311,9 +602,10 @@ impl Bench {
         let mut target = start_workload(&mut workload.command())
             .with_context(|| format!("starting {}", workload.name))?;
         let pid = target.id();
-        let mut tool = match mode {
-            Mode::Bare => None,
-            Mode::EmptyProbes | Mode::Bpftrace => {
+        let tool_started = Instant::now();
+        let mut tool = match mode.heapprofd_flags() {
+            None if mode == Mode::Bare => None,
+            None => {
                 let libc = libc_of(pid)?;
                 let script = if mode == Mode::EmptyProbes {
                     empty_probes_script(&libc)
@@ -329,14 +621,9 @@ impl Bench {
                     .context("starting bpftrace")?;
                 Some(child)
             }
-            Mode::HeapprofdEntry | Mode::Heapprofd | Mode::HeapprofdSampled => {
-                let extra: &[&str] = match mode {
-                    Mode::HeapprofdEntry => &["--interval", "1h", "--probe-placement", "entry"],
-                    Mode::HeapprofdSampled => &["--interval", "1h", "--sample-rate", "512KiB"],
-                    _ => &["--interval", "1h"],
-                };
+            Some(flags) => {
                 let child = self
-                    .heapprofd_command(extra, pid)
+                    .heapprofd_command(flags, pid)
                     .spawn()
                     .context("starting heapprofd")?;
                 Some(child)
@@ -350,7 +637,7 @@ impl Bench {
                     (None, Some(err)) => lines_of(err),
                     (None, None) => bail!("no output from the tool"),
                 };
-                let ready = if mode == Mode::EmptyProbes || mode == Mode::Bpftrace {
+                let ready = if mode.is_bpftrace() {
                     "ready"
                 } else {
                     "probes on"
@@ -364,6 +651,7 @@ impl Bench {
             }
             None => None,
         };
+        let start = tool.is_some().then(|| tool_started.elapsed().as_secs_f64());
 
         let started = Instant::now();
         send_go(&mut target)?;
@@ -374,33 +662,42 @@ impl Bench {
         }
         let mut run = Run {
             wall,
+            start,
             ..Run::default()
         };
         if let Some(child) = tool {
-            if matches!(mode, Mode::EmptyProbes | Mode::Bpftrace) {
+            if mode.is_bpftrace() {
                 interrupt(&child);
             }
             let (cpu, rss) = wait_with_usage(child.id())?;
             if let Some(lines) = lines {
                 log.extend(lines.try_iter());
             }
-            if !matches!(mode, Mode::EmptyProbes | Mode::Bpftrace) {
+            if !mode.is_bpftrace() {
                 run.daemon_cpu = Some(cpu);
                 run.daemon_rss_kib = Some(rss);
                 run.allocations = counted_allocations(&log);
+                run.profile = written_profile(&log);
+                run.unwind_tables = unwind_tables_line(&log);
             }
         }
         Ok(run)
     }
 
-    /// heapprofd with --bpf-stats on one run of `workload`: its log line of run times.
-    fn bpf_stats(&self, workload: &Workload) -> Result<String> {
+    /// heapprofd in `mode` with --bpf-stats on one run of `workload`: its log line of run
+    /// times.
+    fn bpf_stats(&self, workload: &Workload, mode: Mode) -> Result<String> {
+        let mut flags = mode
+            .heapprofd_flags()
+            .context("--bpf-stats is heapprofd's")?
+            .to_vec();
+        flags.push("--bpf-stats");
         let mut target = start_workload(&mut workload.command())?;
         let Daemon {
             mut child,
             lines,
             mut log,
-        } = self.start_heapprofd(&["--interval", "1h", "--bpf-stats"], target.id())?;
+        } = self.start_heapprofd(&flags, target.id())?;
         send_go(&mut target)?;
         target.wait()?;
         child.wait()?;
@@ -520,6 +817,222 @@ impl Bench {
         let wall = started.elapsed().as_secs_f64();
         Ok((cpu, wall, rss))
     }
+
+    /// One launch-mode run of `heapprofd -- bench_dlopen LIBRARIES...`: its unwind tables.
+    fn dlopen_tables(&self, program: &Path, libraries: &[String]) -> Result<Tables> {
+        let output = Command::new(&self.heapprofd)
+            .arg("-o")
+            .arg(self.dir.join("profiles"))
+            .args([
+                "--interval",
+                "1h",
+                "--max-unwind-rows",
+                &LIBRARY_ROWS.to_string(),
+            ])
+            .arg("--")
+            .arg(program)
+            .args(libraries)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .output()
+            .context("running heapprofd -- bench_dlopen")?;
+        let log: Vec<String> = String::from_utf8_lossy(&output.stderr)
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        if !output.status.success() {
+            bail!(
+                "heapprofd -- bench_dlopen failed ({}):\n{}",
+                output.status,
+                log.join("\n")
+            );
+        }
+        let line = unwind_tables_line(&log).with_context(|| {
+            format!(
+                "heapprofd logged no `unwind tables:` line:\n{}",
+                log.join("\n")
+            )
+        })?;
+        Tables::parse(&line).with_context(|| format!("cannot read the figures of `{line}`"))
+    }
+
+    /// The unwind-table build of the largest library that dlopen() loads, isolated: runs
+    /// that load only its dependencies against runs that load them and it, interleaved.
+    fn largest_library(&self, program: &Path, runs: usize) -> Result<LibraryBuild> {
+        let mut skipped = Vec::new();
+        for (path, size) in libraries_by_size().into_iter().take(5) {
+            let library = path.display().to_string();
+            let listed = Command::new(program)
+                .args(["--new-objects", &library])
+                .stdin(Stdio::null())
+                .output()
+                .context("running bench_dlopen --new-objects")?;
+            if !listed.status.success() {
+                skipped.push(format!(
+                    "{library} ({} MiB): dlopen failed: {}",
+                    size >> 20,
+                    String::from_utf8_lossy(&listed.stderr).trim()
+                ));
+                continue;
+            }
+            let dependencies: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+                .lines()
+                .map(str::to_owned)
+                .collect();
+            let mut all = dependencies.clone();
+            all.push(library.clone());
+            let (mut without, mut with) = (Vec::new(), Vec::new());
+            for _ in 0..runs {
+                without.push(self.dlopen_tables(program, &dependencies)?);
+                with.push(self.dlopen_tables(program, &all)?);
+            }
+            return Ok(LibraryBuild {
+                library,
+                size,
+                dependencies: dependencies.len(),
+                without,
+                with,
+                skipped,
+            });
+        }
+        bail!(
+            "no library of the machine could be dlopen()ed: {}",
+            skipped.join("; ")
+        )
+    }
+}
+
+/// Unwind-row capacity of the largest-library runs (64 MiB of map; the default is 2^21).
+const LIBRARY_ROWS: u32 = 1 << 23;
+/// heapprofd's default `--max-unwind-rows`.
+const DEFAULT_ROWS: u64 = 1 << 21;
+
+/// The largest library's table build (see `Bench::largest_library`).
+struct LibraryBuild {
+    library: String,
+    size: u64,
+    dependencies: usize,
+    without: Vec<Tables>,
+    with: Vec<Tables>,
+    /// Larger libraries that could not be loaded, and why.
+    skipped: Vec<String>,
+}
+
+impl LibraryBuild {
+    /// The summary's section and the JSON object.
+    fn report(&self, runs: usize) -> (String, String) {
+        let median = |tables: &[Tables], field: fn(&Tables) -> u64| {
+            spread(&tables.iter().map(|t| field(t) as f64).collect::<Vec<_>>())
+        };
+        let build_with = median(&self.with, |t| t.build_ms);
+        let build_without = median(&self.without, |t| t.build_ms);
+        let build = build_with.median - build_without.median;
+        let more = |field: fn(&Tables) -> u64| {
+            median(&self.with, field).median - median(&self.without, field).median
+        };
+        let (rows, rules, kib) = (more(|t| t.rows), more(|t| t.rules), more(|t| t.kib));
+        let rows_with = median(&self.with, |t| t.rows).median;
+        let not_fitting = self.with.iter().map(|t| t.not_fitting).max().unwrap_or(0);
+        let objects = (
+            median(&self.without, |t| t.objects).median,
+            median(&self.with, |t| t.objects).median,
+        );
+        let mut text = String::new();
+        let _ = writeln!(
+            text,
+            "## Unwind-table build of the largest library ({runs} runs with it, {runs} without, interleaved)\n"
+        );
+        for skipped in &self.skipped {
+            let _ = writeln!(text, "skipped (larger, not loadable): {skipped}");
+        }
+        let _ = writeln!(
+            text,
+            "{} ({} MiB, the largest {}*.so* of {}), dlopen()ed by bench_dlopen under heapprofd (launch mode) after its {} dependencies; the baseline runs load the dependencies only",
+            self.library,
+            self.size >> 20,
+            if self.skipped.is_empty() {
+                ""
+            } else {
+                "loadable "
+            },
+            Path::new(&self.library)
+                .parent()
+                .map_or("?".into(), |p| p.display().to_string()),
+            self.dependencies
+        );
+        let _ = writeln!(
+            text,
+            "its table: {rows:.0} rows, {rules:.0} more rules, {kib:.0} KiB more BPF map memory (objects {:.0} -> {:.0}; {rows_with:.0} rows in all, {} the default --max-unwind-rows {DEFAULT_ROWS}{})",
+            objects.0,
+            objects.1,
+            if rows_with <= DEFAULT_ROWS as f64 {
+                "within"
+            } else {
+                "beyond"
+            },
+            if not_fitting > 0 {
+                format!("; {not_fitting} objects did not fit")
+            } else {
+                String::new()
+            }
+        );
+        let _ = writeln!(
+            text,
+            "build and load of its table: {build:.0} ms = {:.0} ms with it ({:.0}-{:.0}) - {:.0} ms without it ({:.0}-{:.0}), medians of heapprofd's `built in` figure",
+            build_with.median,
+            build_with.min,
+            build_with.max,
+            build_without.median,
+            build_without.min,
+            build_without.max
+        );
+        let list = |tables: &[Tables]| {
+            tables
+                .iter()
+                .map(Tables::json)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let json = format!(
+            "{{\"library\": {}, \"size_bytes\": {}, \"dependencies\": {}, \"rows\": {}, \"rules\": {}, \"bpf_map_kib\": {}, \"build_ms\": {}, \"build_ms_with\": {}, \"build_ms_without\": {}, \"with\": [{}], \"without\": [{}], \"skipped\": [{}]}}",
+            json_string(&self.library),
+            self.size,
+            self.dependencies,
+            json_number(rows),
+            json_number(rules),
+            json_number(kib),
+            json_number(build),
+            json_number(build_with.median),
+            json_number(build_without.median),
+            list(&self.with),
+            list(&self.without),
+            self.skipped
+                .iter()
+                .map(|s| json_string(s))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        (text, json)
+    }
+}
+
+/// The shared objects (`*.so*`) of the machine's library directory, largest first;
+/// symbolic links are left out.
+fn libraries_by_size() -> Vec<(PathBuf, u64)> {
+    let dir = format!("/usr/lib/{}-linux-gnu", std::env::consts::ARCH);
+    let mut found: Vec<(PathBuf, u64)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().contains(".so"))
+        .filter_map(|e| {
+            let meta = std::fs::symlink_metadata(e.path()).ok()?;
+            meta.is_file().then(|| (e.path(), meta.len()))
+        })
+        .collect();
+    found.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    found
 }
 
 #[derive(Clone, Copy)]
@@ -580,12 +1093,26 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         bail!("--runs must be at least 1");
     }
     ensure_tracefs()?;
+    ensure_gxx()?;
+    let python = Path::new(PYTHON);
+    if !python.exists() {
+        bail!("the python workload needs Debian's {PYTHON} (apt-get install python3)");
+    }
     let dir = workspace_root().join("target/bench");
     std::fs::create_dir_all(&dir)?;
-    step("compiling the benchmark workloads (xtask/workloads/bench_*.c)");
+    // Profiles of earlier benchmark runs: this run's are read back (frames per allocation).
+    match std::fs::remove_dir_all(dir.join("profiles")) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+            return Err(err).context("removing target/bench/profiles");
+        }
+        _ => {}
+    }
+    step("compiling the benchmark workloads (xtask/workloads/bench_*)");
     let pairs = dir.join("bench_pairs");
     let churn = dir.join("bench_churn");
     let stacks = dir.join("bench_stacks");
+    let stl = dir.join("bench_stl");
+    let dlopen = dir.join("bench_dlopen");
     compile("bench_pairs.c", &pairs, &["-O2"])?;
     compile("bench_churn.c", &churn, &["-O2", "-pthread"])?;
     compile(
@@ -597,27 +1124,55 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
             "-fno-optimize-sibling-calls",
         ],
     )?;
+    // Plain -O2: no frame pointers (the x86-64 default), as the true-stacks test builds it.
+    compile_with("g++", "bench_stl.cpp", &stl, &["-O2"])?;
+    compile("bench_dlopen.c", &dlopen, &["-O2"])?;
     let scale = if options.quick { 1 } else { 4 };
     let perl_script = format!(
         "<STDIN>; my %h; for my $i (1..{}) {{ $h{{\"key$i\"}} = \"v\" x ($i % 200); delete $h{{\"key\" . ($i - 1000)}} if $i > 1000; }}",
         25_000 * scale
     );
+    let python_script = workspace_root().join("xtask/workloads/bench_python.py");
     let workloads = [
         Workload {
             name: "malloc/free pairs (1 thread)",
+            key: "pairs",
             command: vec![pairs.display().to_string(), (50_000 * scale).to_string()],
+            goal: Goal::Shallow,
         },
         Workload {
             name: "family churn (2 threads)",
+            key: "churn",
             command: vec![
                 churn.display().to_string(),
                 "2".into(),
                 (10_000 * scale).to_string(),
             ],
+            goal: Goal::None,
         },
         Workload {
             name: "perl hash churn",
+            key: "perl",
             command: vec!["perl".into(), "-e".into(), perl_script],
+            goal: Goal::None,
+        },
+        // About 4,650 allocations a round.
+        Workload {
+            name: "C++ STL, g++ -O2 without frame pointers (deep stacks)",
+            key: "cxx_stl",
+            command: vec![stl.display().to_string(), (10 * scale).to_string()],
+            goal: Goal::Deep,
+        },
+        // About 8,800 allocations a round (blocks above pymalloc's 512 bytes).
+        Workload {
+            name: "Debian /usr/bin/python3 (deep stacks)",
+            key: "python3",
+            command: vec![
+                PYTHON.into(),
+                python_script.display().to_string(),
+                (6 * scale).to_string(),
+            ],
+            goal: Goal::Deep,
         },
     ];
     let bench = Bench {
@@ -625,8 +1180,13 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         dir: dir.clone(),
     };
 
+    let load_before = load_average();
+    let mut warnings: Vec<String> = Vec::new();
     let mut text = String::new();
+    let mut goals_text = String::new();
+    let mut tables_text = String::new();
     let mut json_workloads = Vec::new();
+    let mut json_goals = Vec::new();
     for workload in &workloads {
         step(&format!(
             "{}: {} runs x {} modes",
@@ -635,8 +1195,22 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
             Mode::ALL.len()
         ));
         let mut runs: BTreeMap<Mode, Vec<Run>> = BTreeMap::new();
+        let (mut disturbed, mut foreign_seen) = (0usize, Vec::new());
         for round in 0..options.runs {
-            for mode in Mode::ALL {
+            // Each round starts one mode later: no mode always follows the same one.
+            for i in 0..Mode::ALL.len() {
+                let mode = Mode::ALL[(i + round) % Mode::ALL.len()];
+                let foreign = foreign_tracers();
+                if !foreign.is_empty() {
+                    eprintln!(
+                        "xtask:   warning: other tracers are active: {}",
+                        foreign.join(", ")
+                    );
+                    disturbed += 1;
+                    if foreign_seen.is_empty() {
+                        foreign_seen = foreign;
+                    }
+                }
                 let run = bench
                     .run(workload, mode)
                     .with_context(|| format!("{} under {}", workload.name, mode.name()))?;
@@ -657,6 +1231,15 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
             .context("heapprofd did not report its allocation count")?;
         let bare = spread(&walls(Mode::Bare)).median;
         let added = |mode: Mode| (spread(&walls(mode)).median - bare) / allocations as f64 * 1e6;
+        let floor = added(Mode::Floor);
+        // A floor that noise made zero or negative gives no ratio.
+        let to_floor = |mode: Mode| {
+            if floor > 0.0 {
+                added(mode) / floor
+            } else {
+                f64::NAN
+            }
+        };
         let _ = writeln!(
             text,
             "\n## {} ({allocations} allocations counted by heapprofd)\n",
@@ -664,23 +1247,57 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         );
         let _ = writeln!(
             text,
-            "{:<32} {:>9} {:>9} {:>9} {:>13} {:>10} {:>9}",
-            "mode", "median s", "min s", "max s", "added us/pair", "daemon cpu", "peak RSS"
+            "{:<32} {:>9} {:>9} {:>9} {:>14} {:>8} {:>8} {:>10} {:>9}",
+            "mode",
+            "median s",
+            "min s",
+            "max s",
+            "added us/alloc",
+            "x floor",
+            "start s",
+            "daemon cpu",
+            "peak RSS"
         );
+        if disturbed > 0 {
+            let warning = format!(
+                "WARNING: other tracers were active before {disturbed} of {} runs (first seen: {}); they trap this workload's allocator calls too, bare runs included: these figures do not measure heapprofd alone",
+                options.runs * Mode::ALL.len(),
+                foreign_seen.join(", ")
+            );
+            let _ = writeln!(text, "{warning}\n");
+            warnings.push(format!("{}: {warning}", workload.key));
+        }
         let mut json_modes = Vec::new();
         for mode in Mode::ALL {
             let s = spread(&walls(mode));
             let cpu: Vec<f64> = runs[&mode].iter().filter_map(|r| r.daemon_cpu).collect();
             let rss = runs[&mode].iter().filter_map(|r| r.daemon_rss_kib).max();
             let cpu_median = spread(&cpu).median;
+            let start: Vec<f64> = runs[&mode].iter().filter_map(|r| r.start).collect();
+            let start_median = spread(&start).median;
+            let ratio = if mode == Mode::Bare {
+                f64::NAN
+            } else {
+                to_floor(mode)
+            };
             let _ = writeln!(
                 text,
-                "{:<32} {:>9.3} {:>9.3} {:>9.3} {:>13.3} {:>10} {:>9}",
+                "{:<32} {:>9.3} {:>9.3} {:>9.3} {:>14.3} {:>8} {:>8} {:>10} {:>9}",
                 mode.name(),
                 s.median,
                 s.min,
                 s.max,
                 added(mode),
+                if ratio.is_finite() {
+                    format!("{ratio:.2}x")
+                } else {
+                    "-".into()
+                },
+                if start.is_empty() {
+                    "-".into()
+                } else {
+                    format!("{start_median:.2}")
+                },
                 if cpu.is_empty() {
                     "-".into()
                 } else {
@@ -689,12 +1306,14 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
                 rss.map_or("-".into(), |r| format!("{} MiB", r / 1024)),
             );
             json_modes.push(format!(
-                "{}: {{\"median_s\": {}, \"min_s\": {}, \"max_s\": {}, \"added_us_per_pair\": {}, \"daemon_cpu_s\": {}, \"daemon_peak_rss_kib\": {}}}",
+                "{}: {{\"median_s\": {}, \"min_s\": {}, \"max_s\": {}, \"added_us_per_alloc\": {}, \"ratio_to_floor\": {}, \"start_s\": {}, \"daemon_cpu_s\": {}, \"daemon_peak_rss_kib\": {}}}",
                 json_string(mode.key()),
                 json_number(s.median),
                 json_number(s.min),
                 json_number(s.max),
                 json_number(added(mode)),
+                json_number(ratio),
+                json_number(start_median),
                 json_number(cpu_median),
                 rss.map_or("null".into(), |r| r.to_string())
             ));
@@ -703,23 +1322,154 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         let ratio_bpftrace = exact / added(Mode::Bpftrace);
         let ratio_empty = exact / added(Mode::EmptyProbes);
         let ratio_sampled_empty = added(Mode::HeapprofdSampled) / added(Mode::EmptyProbes);
-        let stats = bench.bpf_stats(workload)?;
+
+        // The goals, next to the figures.
+        let mut goals = Vec::new();
+        match workload.goal {
+            Goal::None => {}
+            Goal::Shallow => goals.push(GoalFigure {
+                text: "shallow stacks, heapprofd exact / trap floor".into(),
+                value: to_floor(Mode::Heapprofd),
+                limit: 1.25,
+                relation: "at most",
+                unit: "x",
+            }),
+            Goal::Deep => {
+                goals.push(GoalFigure {
+                    text: "deep stacks, full CFI unwinding (--unwind auto), heapprofd exact / trap floor"
+                        .into(),
+                    value: to_floor(Mode::Heapprofd),
+                    limit: 2.0,
+                    relation: "at most",
+                    unit: "x",
+                });
+                goals.push(GoalFigure {
+                    text: "deep stacks, heapprofd exact added time per allocation".into(),
+                    value: exact,
+                    limit: added(Mode::Bpftrace),
+                    relation: "below bpftrace memleak's",
+                    unit: " us",
+                });
+            }
+        }
+        if !goals.is_empty() {
+            let _ = writeln!(text);
+        }
+        for goal in &goals {
+            let line = goal.describe();
+            let _ = writeln!(text, "goal: {line}");
+            let _ = writeln!(goals_text, "{}: {line}", workload.key);
+            json_goals.push(goal.json(workload.key));
+        }
         let _ = writeln!(
             text,
-            "\nheapprofd exact / bpftrace memleak: {ratio_bpftrace:.3}x   heapprofd exact / empty entry probes: {ratio_empty:.3}x   sampled / empty entry probes: {ratio_sampled_empty:.3}x\nheapprofd --bpf-stats: {stats}"
+            "\nheapprofd exact / bpftrace memleak: {ratio_bpftrace:.3}x   heapprofd exact / empty entry probes: {ratio_empty:.3}x   sampled / empty entry probes: {ratio_sampled_empty:.3}x"
+        );
+
+        // Frames per allocation, from the last profile of each unwinding method.
+        let frames = |mode: Mode| {
+            runs[&mode]
+                .iter()
+                .rev()
+                .find_map(|r| r.profile.as_deref())
+                .and_then(frames_per_allocation)
+        };
+        let (frames_cfi, frames_fp) = (frames(Mode::Heapprofd), frames(Mode::HeapprofdFp));
+        let show = |f: Option<f64>| f.map_or("-".into(), |f| format!("{f:.1}"));
+        let _ = writeln!(
+            text,
+            "mean frames per allocation (final profile, allocator frame included): exact --unwind auto {}, --unwind fp {}",
+            show(frames_cfi),
+            show(frames_fp)
+        );
+
+        // The unwind tables heapprofd exact built for this process.
+        let tables_line = runs[&Mode::Heapprofd]
+            .iter()
+            .rev()
+            .find_map(|r| r.unwind_tables.clone());
+        let tables = tables_line.as_deref().and_then(Tables::parse);
+        let tables_shown = tables_line
+            .clone()
+            .unwrap_or_else(|| "no `unwind tables:` line logged".into());
+        let _ = writeln!(text, "heapprofd exact: {tables_shown}");
+        let _ = writeln!(tables_text, "{:<10} {tables_shown}", workload.key);
+
+        // Where the time goes: the BPF programs' own run time per allocation.
+        let stats_modes = [Mode::Floor, Mode::Heapprofd, Mode::HeapprofdFp];
+        let mut json_stats = Vec::new();
+        let mut bpf_ns = BTreeMap::new();
+        for mode in stats_modes {
+            let stats = bench
+                .bpf_stats(workload, mode)
+                .with_context(|| format!("{} under {} --bpf-stats", workload.name, mode.name()))?;
+            let ns = bpf_total_ns(&stats).map_or(f64::NAN, |ns| ns / allocations as f64);
+            bpf_ns.insert(mode, ns);
+            let _ = writeln!(text, "--bpf-stats, {}: {stats}", mode.name());
+            json_stats.push(format!(
+                "{}: {{\"line\": {}, \"bpf_ns_per_alloc\": {}}}",
+                json_string(mode.key()),
+                json_string(&stats),
+                json_number(ns)
+            ));
+        }
+        let wall_ns = |mode: Mode| added(mode) * 1e3;
+        let over_floor = |mode: Mode| {
+            format!(
+                "{} +{:.0} wall, +{:.0} BPF",
+                mode.name(),
+                wall_ns(mode) - wall_ns(Mode::Floor),
+                bpf_ns[&mode] - bpf_ns[&Mode::Floor]
+            )
+        };
+        let _ = writeln!(
+            text,
+            "where the time goes (ns per allocation; wall: medians above, BPF: the --bpf-stats runs): floor {:.0} wall, of which {:.0} BPF, so ~{:.0} in the traps; over the floor: {}; {}",
+            wall_ns(Mode::Floor),
+            bpf_ns[&Mode::Floor],
+            wall_ns(Mode::Floor) - bpf_ns[&Mode::Floor],
+            over_floor(Mode::Heapprofd),
+            over_floor(Mode::HeapprofdFp)
         );
         json_workloads.push(format!(
-            "{{\"name\": {}, \"allocations\": {allocations}, \"runs\": {}, \"modes\": {{{}}}, \"ratio_exact_to_bpftrace\": {}, \"ratio_exact_to_empty_probes\": {}, \"ratio_sampled_to_empty_probes\": {}, \"bpf_stats\": {}}}",
+            "{{\"name\": {}, \"key\": {}, \"allocations\": {allocations}, \"runs\": {}, \"modes\": {{{}}}, \"ratio_exact_to_bpftrace\": {}, \"ratio_exact_to_empty_probes\": {}, \"ratio_sampled_to_empty_probes\": {}, \"runs_with_other_tracers\": {disturbed}, \"goals\": [{}], \"frames_per_alloc\": {{\"heapprofd_exact\": {}, \"heapprofd_exact_fp\": {}}}, \"unwind_tables\": {}, \"unwind_tables_line\": {}, \"bpf_stats\": {{{}}}}}",
             json_string(workload.name),
+            json_string(workload.key),
             options.runs,
             json_modes.join(", "),
             json_number(ratio_bpftrace),
             json_number(ratio_empty),
             json_number(ratio_sampled_empty),
-            json_string(&stats)
+            goals
+                .iter()
+                .map(|g| g.json(workload.key))
+                .collect::<Vec<_>>()
+                .join(", "),
+            json_number(frames_cfi.unwrap_or(f64::NAN)),
+            json_number(frames_fp.unwrap_or(f64::NAN)),
+            tables.map_or("null".into(), |t| t.json()),
+            tables_line.as_deref().map_or("null".into(), json_string),
+            json_stats.join(", ")
         ));
     }
+    let _ = writeln!(
+        text,
+        "\n## Goals (figures of this run, never pass/fail; ratios of added time per allocation, medians)\n\n{goals_text}"
+    );
+    let _ = writeln!(
+        text,
+        "## Unwind tables of heapprofd exact, per workload (BPF map memory)\n\n{tables_text}"
+    );
 
+    note_foreign_tracers("largest library", &mut warnings);
+    step(
+        "unwind tables of the machine's largest library: dlopen() under heapprofd, with and without it",
+    );
+    let library = bench.largest_library(&dlopen, options.runs)?;
+    let (library_text, library_json) = library.report(options.runs);
+    let _ = write!(text, "{library_text}");
+
+    note_foreign_tracers("profile dumps", &mut warnings);
     let mut json_dumps = Vec::new();
     let stack_counts: &[u32] = if options.quick {
         &[10_000]
@@ -742,6 +1492,7 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         ));
     }
 
+    note_foreign_tracers("shutdown", &mut warnings);
     step("shutdown: heapprofd -- true, and final profile to exit after SIGINT");
     let _ = writeln!(
         text,
@@ -771,6 +1522,7 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         ));
     }
 
+    note_foreign_tracers("daemon load", &mut warnings);
     let seconds = if options.quick { 12 } else { 35 };
     step(&format!(
         "daemon load: {seconds} s of churn, profiles every 10 s (exact)"
@@ -783,18 +1535,32 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         rss / 1024
     );
     let json = format!(
-        "{{\n  \"workloads\": [\n    {}\n  ],\n  \"dumps\": [{}],\n  \"shutdown\": {{{}}},\n  \"daemon_load\": {{\"seconds\": {}, \"cpu_s\": {}, \"cpu_percent_of_core\": {}, \"peak_rss_kib\": {rss}}}\n}}\n",
+        "{{\n  \"load_average\": {{\"start\": {}, \"end\": {}}},\n  \"warnings\": [{}],\n  \"workloads\": [\n    {}\n  ],\n  \"goals\": [\n    {}\n  ],\n  \"largest_library\": {},\n  \"dumps\": [{}],\n  \"shutdown\": {{{}}},\n  \"daemon_load\": {{\"seconds\": {}, \"cpu_s\": {}, \"cpu_percent_of_core\": {}, \"peak_rss_kib\": {rss}}}\n}}\n",
+        json_string(&load_before),
+        json_string(&load_average()),
+        warnings
+            .iter()
+            .map(|w| json_string(w))
+            .collect::<Vec<_>>()
+            .join(", "),
         json_workloads.join(",\n    "),
+        json_goals.join(",\n    "),
+        library_json,
         json_dumps.join(", "),
         json_shutdown.join(", "),
         json_number(wall),
         json_number(cpu),
         json_number(cpu / wall * 100.0),
     );
-    let heading = format!(
-        "# heapprofd benchmark ({} runs per mode; added time per pair = (median - bare median) / allocations)\n",
-        options.runs
+    let mut heading = format!(
+        "# heapprofd benchmark ({} runs per mode{}; load average {load_before} at the start, {} at the end)\n# added us/alloc = (median - bare median) / allocations counted by heapprofd exact\n# x floor = added / added of the trap floor (heapprofd --empty-programs: same probes, programs that do nothing)\n",
+        options.runs,
+        if options.quick { ", --quick" } else { "" },
+        load_average()
     );
+    for warning in &warnings {
+        let _ = writeln!(heading, "# {warning}");
+    }
     std::fs::write(dir.join("summary.txt"), format!("{heading}{text}"))?;
     std::fs::write(dir.join("summary.json"), json)?;
     println!("{heading}{text}");
@@ -803,6 +1569,36 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         dir.join("summary.txt").display(),
         dir.join("summary.json").display()
     );
+    Ok(())
+}
+
+/// The C++ workload needs g++ (the `gcc` package has no C++ compiler).
+fn ensure_gxx() -> Result<()> {
+    let works = || {
+        Command::new("g++")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if works() {
+        return Ok(());
+    }
+    step("installing g++ (the C++ workload) with apt-get");
+    let install = || {
+        Command::new("apt-get")
+            .args(["install", "-y", "--no-install-recommends", "g++"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !install() {
+        let _ = Command::new("apt-get").arg("update").status();
+        if !install() {
+            bail!("cannot install g++ with apt-get; install it and run again");
+        }
+    }
     Ok(())
 }
 
