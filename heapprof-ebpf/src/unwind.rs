@@ -325,8 +325,11 @@ fn fp_step(walk: &mut Walk) -> bool {
 fn fallback_step(walk: &mut Walk) -> bool {
     let before = walk.frame;
     if fp_step(walk) {
+        // The key must be on this function's stack: `walk` is a global function's
+        // argument, memory that Linux 6.1's verifier refuses as a map key.
+        let tgid = walk.tgid;
         // SAFETY: the value is only read; the daemon replaces whole entries.
-        match unsafe { PROCESS_MAPPINGS.get(&walk.tgid) } {
+        match unsafe { PROCESS_MAPPINGS.get(&tgid) } {
             None => return true,
             Some(mappings) if find_mapping(mappings, walk.frame.lookup).is_some() => return true,
             Some(_) => {}
