@@ -6,6 +6,15 @@
 //! hidden (an empty file bind-mounted over it), and prints each profile as base64
 //! between markers; this test decodes them and checks them like the x86 tests do.
 //!
+//! CFI unwinding on aarch64: the true-stacks programs (tests/programs/cxx_stl.cpp and
+//! wrappers.c) are cross-built with `-O2 -g -fomit-frame-pointer` and profiled in the
+//! VM; meanwhile the host builds them natively with the same flags and runs them under
+//! valgrind's DHAT (which the VM does not have). Inlining differs between the two
+//! compilers, so each stack is reduced to the program's own functions (see
+//! [`CfiProgram::reduce`]): the arm64 chains, with their bytes and blocks, must equal
+//! DHAT's, and every arm64 stack must be unwound to its end: through main to the
+//! program's `_start`, or, for code run before main, to the loader's start code.
+//!
 //! `cargo xtask test` and `cargo xtask vm-test` provide the static binary and the VM's
 //! kernel and libraries (HEAPPROFD_AARCH64_BINARY, HEAPPROFD_ARM64_VM_ASSETS).
 
@@ -19,7 +28,7 @@ use std::{
 };
 
 use base64::Engine as _;
-use common::*;
+use common::{dhat, *};
 
 /// The VM's script: two rounds of the scenarios, then power off.
 const INIT: &str = r#"#!/bin/busybox sh
@@ -62,6 +71,15 @@ scenarios() {
     wait $heapprofd
     echo "==STATUS $round pid $?"
     cat /tmp/pid.log
+    # CFI unwinding: the true-stacks programs built without frame pointers. Their
+    # stdout goes to a file, as the host's DHAT run gives them a pipe: stdio sizes a
+    # stream's buffer by its st_blksize, 4096 for a file, a pipe (and this console),
+    # so printf's buffer is the same on both sides.
+    /heapprofd -o $out/cxx_stl -- /t/cxx_stl > /tmp/cxx_stl.out
+    echo "==STATUS $round cxx_stl $?"
+    mkdir -p /tmp/wrappers
+    /heapprofd -o $out/wrappers -- /t/wrappers /tmp/wrappers > /tmp/wrappers.out
+    echo "==STATUS $round wrappers $?"
     # Kernel mode, launch: the pipes workload opens 50 pipes, closes them, exits.
     printf 'open\nclose\n' | /heapprofd --kernel -o $out/kernel -- /t/pipes 50 2>&1
     echo "==STATUS $round kernel $?"
@@ -98,6 +116,125 @@ fn copy(from: &Path, to: &Path) {
         .unwrap_or_else(|e| panic!("copying {} to {}: {e}", from.display(), to.display()));
 }
 
+/// A program of the true-stacks tests (tests/true_stacks.rs), built with [`CFI_FLAGS`]
+/// for the VM and for the host: without frame pointers, its stacks on arm64 come only
+/// from CFI, and DHAT's on the host are the expected ones.
+struct CfiProgram {
+    /// Its name: `/t/NAME` in the VM, its profiles in `/tmp/out/ROUND/NAME/`.
+    name: &'static str,
+    /// Its source in tests/programs.
+    source: &'static str,
+    /// The host's compiler and the cross compiler.
+    compilers: (&'static str, &'static str),
+    /// The program's own functions (last components of the names): what stays of a
+    /// stack when it is reduced to the architecture-independent chain.
+    own: &'static [&'static str],
+    /// It takes a directory to write its files in (the VM passes `/tmp/wrappers`).
+    takes_dir: bool,
+}
+
+const CFI_FLAGS: &[&str] = &["-O2", "-g", "-fomit-frame-pointer"];
+
+/// The reduced chain of a stack without any of the program's functions.
+const NONE_OF_THE_PROGRAM: &str = "(none of the program's functions)";
+
+const CFI_PROGRAMS: [CfiProgram; 2] = [
+    CfiProgram {
+        name: "cxx_stl",
+        source: "cxx_stl.cpp",
+        compilers: ("g++", "aarch64-linux-gnu-g++"),
+        // `workload::*` (each noinline except make_values, which either compiler may
+        // inline: both tools then name it from the debug info's inline records) and main.
+        own: &[
+            "main",
+            "run",
+            "build_records",
+            "make_record",
+            "make_name",
+            "make_values",
+            "make_tags",
+            "index_records",
+            "queue_work",
+            "summarize",
+        ],
+        takes_dir: false,
+    },
+    CfiProgram {
+        name: "wrappers",
+        source: "wrappers.c",
+        compilers: ("gcc", "aarch64-linux-gnu-gcc"),
+        own: &[
+            "main",
+            "run",
+            "write_input",
+            "read_lines",
+            "remember_line",
+            "format_lines",
+            "tag_line",
+        ],
+        takes_dir: true,
+    },
+];
+
+impl CfiProgram {
+    /// Whether a normalized frame name is one of the program's own functions: a C name,
+    /// `main`, a `workload::` function, or an inlined frame's bare name.
+    fn is_own(&self, name: &str) -> bool {
+        let last = name.rsplit("::").next().unwrap_or(name);
+        self.own.contains(&last) && (name == last || name.starts_with("workload::"))
+    }
+
+    /// `stacks` reduced to the program's own frames (last components), bytes and
+    /// blocks summed per reduced chain. A stack without any (code run before main)
+    /// becomes [`NONE_OF_THE_PROGRAM`].
+    fn reduce(&self, stacks: &dhat::StackMap) -> dhat::StackMap {
+        let mut reduced = dhat::StackMap::new();
+        for (stack, (bytes, blocks)) in stacks {
+            let mut chain: Vec<String> = stack
+                .iter()
+                .filter(|f| self.is_own(f))
+                .map(|f| f.rsplit("::").next().unwrap_or(f).to_owned())
+                .collect();
+            if chain.is_empty() {
+                chain.push(NONE_OF_THE_PROGRAM.to_owned());
+            }
+            let entry = reduced.entry(chain).or_default();
+            entry.0 += bytes;
+            entry.1 += blocks;
+        }
+        reduced
+    }
+}
+
+/// The expected chains: each [`CfiProgram`] built for the host and run under DHAT,
+/// its normalized stacks (for messages) and their reduction, by program name.
+fn host_dhat_stacks(dir: &Path) -> BTreeMap<&'static str, (dhat::StackMap, dhat::StackMap)> {
+    CFI_PROGRAMS
+        .iter()
+        .map(|program| {
+            let work = dir.join(format!("x86-{}", program.name));
+            std::fs::create_dir_all(&work).expect("creating the DHAT directory");
+            let binary = compile_exact(
+                program.compilers.0,
+                &work,
+                program.source,
+                program.name,
+                CFI_FLAGS,
+            );
+            let files = work.join("files");
+            std::fs::create_dir_all(&files).expect("creating the program's directory");
+            let args: Vec<&std::ffi::OsStr> = if program.takes_dir {
+                vec![files.as_os_str()]
+            } else {
+                Vec::new()
+            };
+            let truth = dhat::run(&binary, &args, &[], &work).stacks();
+            let reduced = program.reduce(&truth);
+            (program.name, (truth, reduced))
+        })
+        .collect()
+}
+
 /// Builds the initramfs: busybox, the C library, heapprofd, the test programs, /init.
 fn initramfs(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
     let root = dir.join("root");
@@ -105,6 +242,13 @@ fn initramfs(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
         std::fs::create_dir_all(root.join(sub)).expect("mkdir");
     }
     copy(&assets.join("bin/busybox"), &root.join("bin/busybox"));
+    let libstdcxx = assets.join("lib/aarch64-linux-gnu/libstdc++.so.6");
+    assert!(
+        libstdcxx.exists(),
+        "{} is missing: the VM's assets predate the C++ program; `cargo xtask vm-test` \
+         fetches them again",
+        libstdcxx.display()
+    );
     let status = Command::new("cp")
         .arg("-a")
         .arg(assets.join("lib"))
@@ -123,6 +267,16 @@ fn initramfs(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
     ] {
         let binary = compile_with(cc, dir, source, name, &[flags]);
         copy(&binary, &root.join("t").join(name));
+    }
+    for program in &CFI_PROGRAMS {
+        let binary = compile_exact(
+            program.compilers.1,
+            dir,
+            program.source,
+            program.name,
+            CFI_FLAGS,
+        );
+        copy(&binary, &root.join("t").join(program.name));
     }
     let init = root.join("init");
     std::fs::write(&init, INIT).expect("writing /init");
@@ -164,8 +318,9 @@ fn boot(kernel: &Path, initramfs: &Path) -> String {
     let stdout = child.stdout.take().expect("stdout");
     let lines = forward_lines(stdout);
     let mut console = Vec::new();
-    // TCG emulation: about 20 s per round here; the VM's own watchdog powers it off at
-    // 480 s, this bound only covers a VM that does not boot at all.
+    // TCG emulation: about 90 s per round here (each heapprofd start takes ~11 s, most
+    // of it the BPF verifier); the VM's own watchdog powers it off at 480 s, this bound
+    // only covers a VM that does not boot at all.
     let deadline = std::time::Instant::now() + Duration::from_secs(600);
     loop {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
@@ -224,7 +379,144 @@ fn last<'a>(
         .unwrap_or_else(|| panic!("no profile of {round}/{scenario}"))
 }
 
-fn check_round(profiles: &BTreeMap<String, heapprof_daemon::pprof::proto::Profile>, round: &str) {
+/// The reason heapprofd counts a stack under when its unwinder stopped before the end.
+const CUT_STACKS: &str = "stacks not unwound to their end";
+
+/// The dynamic loader, in the VM and in the assets.
+const LOADER: &str = "lib/aarch64-linux-gnu/ld-linux-aarch64.so.1";
+
+/// How far past the loader's entry point (`_start`) its `_dl_start_user` calls
+/// `_dl_init` at most: glibc's aarch64 `_start` (sysdeps/aarch64/dl-start.S) is a few
+/// instructions before that call, which returns to entry + 0x38 in Debian's 2.36.
+const LOADER_START_SPAN: u64 = 0x80;
+
+/// The loader's entry point (an address of the file: its first segment maps offset 0
+/// at address 0), read from the assets' copy of the VM's loader.
+fn loader_entry(assets: &Path) -> u64 {
+    use object::Object as _;
+    let path = assets.join(LOADER);
+    let data = std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    object::File::parse(data.as_slice())
+        .unwrap_or_else(|e| panic!("{} is not an ELF file: {e}", path.display()))
+        .entry()
+}
+
+/// Checks that every stack of `profile` (a run of `program`) was unwound to its end: its
+/// outermost frame is the program's `_start` and the stack goes through `main`, or,
+/// for code run before main (libstdc++'s emergency exception pool, allocated by its
+/// initializer, which `_dl_init` calls), the loader's own start code after its entry
+/// point. The loader in the VM has no symbols, so that frame is known by its address.
+fn check_stack_ends(
+    what: &str,
+    profile: &heapprof_daemon::pprof::proto::Profile,
+    program: &CfiProgram,
+    loader_entry: u64,
+) {
+    let string = |i: i64| profile.string_table[i as usize].as_str();
+    let points = dhat::heapprofd_points(profile);
+    let aliases = dhat::Aliases::default();
+    let mut wrong = Vec::new();
+    for (sample, point) in profile.sample.iter().zip(&points) {
+        let stack = dhat::normalize_stack(&point.frames, &aliases);
+        let outermost = sample
+            .location_id
+            .last()
+            .and_then(|id| profile.location.iter().find(|l| l.id == *id))
+            .expect("a sample's locations are in the profile");
+        let mapping = profile
+            .mapping
+            .iter()
+            .find(|m| m.id == outermost.mapping_id);
+        let file = mapping.map_or("", |m| string(m.filename));
+        let name = outermost
+            .line
+            .last()
+            .and_then(|line| profile.function.iter().find(|f| f.id == line.function_id))
+            .map_or("", |f| string(f.name));
+        let at_program_start = file == format!("/t/{}", program.name) && name == "_start";
+        let at_loader_start = file == format!("/{LOADER}")
+            && mapping.is_some_and(|m| {
+                let address = outermost
+                    .address
+                    .wrapping_sub(m.memory_start)
+                    .wrapping_add(m.file_offset);
+                (loader_entry..loader_entry + LOADER_START_SPAN).contains(&address)
+            });
+        if at_program_start && stack.last().is_some_and(|f| f == "main") {
+            continue;
+        }
+        if at_loader_start && !stack.iter().any(|f| f == "main") {
+            continue;
+        }
+        wrong.push(format!(
+            "  {} B in {} blocks, outermost frame {name:?} at {:#x} in {file:?}: {}",
+            point.bytes,
+            point.blocks,
+            outermost.address,
+            dhat::show(&stack)
+        ));
+    }
+    assert!(
+        wrong.is_empty(),
+        "{what}: stacks that end neither at the program's _start through main nor at the \
+         loader's start code (entry {loader_entry:#x} + {LOADER_START_SPAN:#x}):\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// The CFI scenarios of one round: every stack unwound to its end (no stack counted as
+/// cut short, the outermost frame a start routine, see [`check_stack_ends`]), and the
+/// program's own call chains with the bytes and blocks of x86 DHAT's. Nothing is left
+/// out: the one allocation sized by the environment, stdout's buffer (by st_blksize,
+/// under `_IO_file_doallocate`), is the same in the VM and on the host (see [`INIT`]).
+fn check_cfi(
+    profiles: &BTreeMap<String, heapprof_daemon::pprof::proto::Profile>,
+    round: &str,
+    expected: &BTreeMap<&str, (dhat::StackMap, dhat::StackMap)>,
+    loader_entry: u64,
+) {
+    for program in &CFI_PROGRAMS {
+        let what = format!(
+            "{round}: {} ({} {})",
+            program.name,
+            program.compilers.1,
+            CFI_FLAGS.join(" ")
+        );
+        let profile = last(profiles, round, program.name);
+        let stacks = dhat::normalize(&dhat::heapprofd_points(profile), &dhat::Aliases::default());
+        assert_eq!(
+            drop_count(profile, CUT_STACKS),
+            0,
+            "{what}: the unwinder stopped early; its stacks:\n{}",
+            dhat::render(&stacks)
+        );
+        check_stack_ends(&what, profile, program, loader_entry);
+        let (truth, chains) = &expected[program.name];
+        let ours = program.reduce(&stacks);
+        if ours == *chains {
+            eprintln!(
+                "{what}: reduced chains, arm64 heapprofd = x86 DHAT:\n{}",
+                dhat::render(&ours)
+            );
+        } else {
+            eprintln!(
+                "{what}: whole stacks, arm64 heapprofd:\n{}x86 DHAT:\n{}",
+                dhat::render(&stacks),
+                dhat::render(truth)
+            );
+        }
+        dhat::assert_same_stacks(&what, chains, &ours, program.own);
+    }
+}
+
+fn check_round(
+    profiles: &BTreeMap<String, heapprof_daemon::pprof::proto::Profile>,
+    round: &str,
+    expected: &BTreeMap<&str, (dhat::StackMap, dhat::StackMap)>,
+    loader_entry: u64,
+) {
+    check_cfi(profiles, round, expected, loader_entry);
+
     // Exact totals of every family function (tests/exact.rs has the derivation).
     let family = samples(last(profiles, round, "family"));
     let (threads, iterations, page) = (2i64, 100i64, 4096i64);
@@ -286,15 +578,20 @@ fn arm64_vm_with_and_without_btf() {
     let heapprofd = env_path("HEAPPROFD_AARCH64_BINARY");
     let assets = env_path("HEAPPROFD_ARM64_VM_ASSETS");
     let dir = scratch();
-    let image = initramfs(dir.path(), &heapprofd, &assets);
-    let console = boot(&assets.join("vmlinuz"), &image);
+    // The expected chains come from DHAT on the host, while the VM runs.
+    let (expected, console) = std::thread::scope(|scope| {
+        let host = scope.spawn(|| host_dhat_stacks(dir.path()));
+        let image = initramfs(dir.path(), &heapprofd, &assets);
+        let console = boot(&assets.join("vmlinuz"), &image);
+        (host.join().expect("the host's DHAT runs failed"), console)
+    });
     let statuses: Vec<&str> = console
         .lines()
         .filter(|l| l.starts_with("==STATUS"))
         .collect();
     assert_eq!(
         statuses.len(),
-        10,
+        14,
         "scenario statuses: {statuses:?}\n{console}"
     );
     for status in &statuses {
@@ -309,7 +606,7 @@ fn arm64_vm_with_and_without_btf() {
     );
     let profiles = profiles_from(&console, dir.path());
     for round in ["btf", "nobtf"] {
-        check_round(&profiles, round);
+        check_round(&profiles, round, &expected, loader_entry(&assets));
     }
     eprintln!(
         "arm64 VM: {} profiles checked; {}",

@@ -35,11 +35,12 @@ pub fn ensure(needs: Needs) -> Result<()> {
     let mut packages = vec!["gcc", "libc6-dev"];
     if needs != Needs::Build {
         packages.extend(["golang-go", "valgrind", "bpftrace", "bpftool"]);
-        // The arm64 VM test: the emulator, a cross compiler for its test programs, cpio
-        // for its initramfs; ssh for `xtask run --host`.
+        // The arm64 VM test: the emulator, cross compilers (C and C++) for its test
+        // programs, cpio for its initramfs; ssh for `xtask run --host`.
         packages.extend([
             "qemu-system-arm",
             "gcc-aarch64-linux-gnu",
+            "g++-aarch64-linux-gnu",
             "libc6-dev-arm64-cross",
             "cpio",
             "openssh-client",

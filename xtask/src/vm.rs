@@ -1,6 +1,7 @@
 //! What the arm64 VM test boots: Debian's arm64 6.1 kernel (the Rock 5B BSP line),
-//! busybox and the arm64 C library, fetched as .debs under a private apt configuration
-//! (the host needs no foreign architecture) and unpacked into `target/arm64-vm/assets`.
+//! busybox and the arm64 C and C++ libraries, fetched as .debs under a private apt
+//! configuration (the host needs no foreign architecture) and unpacked into
+//! `target/arm64-vm/assets`.
 //!
 //! The test itself (heapprof-daemon/tests/arm64_vm.rs) builds the initramfs from these
 //! and the static aarch64 heapprofd, boots it under qemu-system-aarch64 and checks
@@ -17,19 +18,25 @@ use crate::{CmdExt as _, step, workspace_root};
 
 /// The kernel's metapackage: its dependency names the current 6.1 image.
 const KERNEL_METAPACKAGE: &str = "linux-image-arm64";
-/// Packages unpacked next to the kernel image.
-const PACKAGES: [&str; 3] = ["busybox-static", "libc6", "libgcc-s1"];
+/// Packages unpacked next to the kernel image: libc6 brings libm, libstdc++6 is what
+/// the C++ test program links (with libgcc_s).
+const PACKAGES: [&str; 4] = ["busybox-static", "libc6", "libgcc-s1", "libstdc++6"];
 
 /// The assets directory, fetched and unpacked if it is not complete yet: it holds
-/// `vmlinuz`, `bin/busybox` and the C library under `lib/`.
+/// `vmlinuz`, `bin/busybox` and the C and C++ libraries under `lib/`.
+///
+/// `.complete` names the kernel package and then [`PACKAGES`]: assets fetched for
+/// another list of packages are fetched again.
 pub fn ensure_assets() -> Result<PathBuf> {
     let base = workspace_root().join("target/arm64-vm");
     let assets = base.join("assets");
     let complete = assets.join(".complete");
-    if complete.exists() {
+    if std::fs::read_to_string(&complete)
+        .is_ok_and(|marker| marker.lines().skip(1).eq(PACKAGES.iter().copied()))
+    {
         return Ok(assets);
     }
-    step("fetching Debian's arm64 kernel, busybox and C library for the VM test");
+    step("fetching Debian's arm64 kernel, busybox and C and C++ libraries for the VM test");
     let apt = PrivateApt::new(&base.join("apt"))?;
     apt.update()?;
     let kernel = apt.kernel_package()?;
@@ -69,7 +76,35 @@ pub fn ensure_assets() -> Result<PathBuf> {
         .arg(&assets)
         .run()?;
     let _ = std::fs::remove_dir_all(assets.join("lib/modules"));
-    std::fs::write(&complete, kernel)?;
+    // libstdc++ is under /usr/lib/aarch64-linux-gnu: next to the C library, where the
+    // dynamic loader looks first (the VM has no ld.so.cache), it needs no other path.
+    let usr_lib = unpacked.join("usr/lib/aarch64-linux-gnu");
+    let libstdcxx: Vec<PathBuf> = std::fs::read_dir(&usr_lib)
+        .with_context(|| format!("reading {}", usr_lib.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libstdc++.so.6"))
+        })
+        .collect();
+    if libstdcxx.is_empty() {
+        bail!(
+            "libstdc++6 unpacked no {}/libstdc++.so.6*",
+            usr_lib.display()
+        );
+    }
+    Command::new("cp")
+        .arg("-a")
+        .args(&libstdcxx)
+        .arg(assets.join("lib/aarch64-linux-gnu"))
+        .run()?;
+    let mut marker = kernel;
+    for package in PACKAGES {
+        marker.push('\n');
+        marker.push_str(package);
+    }
+    std::fs::write(&complete, marker)?;
     let _ = std::fs::remove_dir_all(&unpacked);
     Ok(assets)
 }
