@@ -35,6 +35,10 @@ pub fn ensure(needs: Needs) -> Result<()> {
     let mut packages = vec!["gcc", "libc6-dev"];
     if needs != Needs::Build {
         packages.extend(["golang-go", "valgrind", "bpftrace", "bpftool"]);
+        // The true-stacks tests: a C++ program (g++), Debian's python3 and sqlite3 as
+        // real targets, glibc's separate debug symbols (valgrind depends on them too),
+        // binutils for stripping a program and splitting its debug file.
+        packages.extend(["g++", "python3", "sqlite3", "libc6-dbg", "binutils"]);
         // The arm64 VM test: the emulator, cross compilers (C and C++) for its test
         // programs, cpio for its initramfs; ssh for `xtask run --host`.
         packages.extend([
