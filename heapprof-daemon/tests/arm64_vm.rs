@@ -145,33 +145,14 @@ const CFI_PROGRAMS: [CfiProgram; 2] = [
         compilers: ("g++", "aarch64-linux-gnu-g++"),
         // `workload::*` (each noinline except make_values, which either compiler may
         // inline: both tools then name it from the debug info's inline records) and main.
-        own: &[
-            "main",
-            "run",
-            "build_records",
-            "make_record",
-            "make_name",
-            "make_values",
-            "make_tags",
-            "index_records",
-            "queue_work",
-            "summarize",
-        ],
+        own: dhat::CXX_STL_FUNCTIONS,
         takes_dir: false,
     },
     CfiProgram {
         name: "wrappers",
         source: "wrappers.c",
         compilers: ("gcc", "aarch64-linux-gnu-gcc"),
-        own: &[
-            "main",
-            "run",
-            "write_input",
-            "read_lines",
-            "remember_line",
-            "format_lines",
-            "tag_line",
-        ],
+        own: dhat::WRAPPERS_FUNCTIONS,
         takes_dir: true,
     },
 ];

@@ -12,31 +12,6 @@ use std::{ffi::OsStr, path::Path};
 
 use common::{dhat, *};
 
-/// The functions of tests/programs/cxx_stl.cpp (`make_values` is inlined).
-const CXX_FUNCTIONS: &[&str] = &[
-    "main",
-    "run",
-    "build_records",
-    "make_record",
-    "make_name",
-    "make_values",
-    "make_tags",
-    "index_records",
-    "queue_work",
-    "summarize",
-];
-
-/// The functions of tests/programs/wrappers.c.
-const C_FUNCTIONS: &[&str] = &[
-    "main",
-    "run",
-    "write_input",
-    "read_lines",
-    "remember_line",
-    "format_lines",
-    "tag_line",
-];
-
 /// Runs `program args` (environment `env`) under DHAT and under heapprofd (launch mode);
 /// returns DHAT's normalized stacks and heapprofd's, after checking that both counted the
 /// same totals (a difference there is a counting problem, not an unwinding one).
@@ -94,7 +69,7 @@ fn cxx_stl_at_o2_has_dhat_stacks() {
     let program = compile_exact("g++", dir.path(), "cxx_stl.cpp", "cxx_stl", &["-O2", "-g"]);
     let (truth, ours) = dhat_and_heapprofd(dir.path(), &program, &[], &[]);
     check_ground_truth("cxx_stl (g++ -O2)", &truth, "make_values");
-    dhat::assert_same_stacks("cxx_stl (g++ -O2)", &truth, &ours, CXX_FUNCTIONS);
+    dhat::assert_same_stacks("cxx_stl (g++ -O2)", &truth, &ours, dhat::CXX_STL_FUNCTIONS);
 }
 
 #[test]
@@ -118,7 +93,7 @@ fn c_wrappers_at_o2_without_frame_pointers_have_dhat_stacks() {
         "wrappers (gcc -O2 -fomit-frame-pointer)",
         &truth,
         &ours,
-        C_FUNCTIONS,
+        dhat::WRAPPERS_FUNCTIONS,
     );
 }
 

@@ -1257,21 +1257,8 @@ fn code_beyond_4_gib_is_an_error() {
 // ---------------------------------------------------------------------------------
 // Damaged objects
 
-/// xorshift64*, seeded per case so a failure names its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
+// The property tests' generator, seeded per case so a failure names its seed.
+use crate::proptests::Rng;
 
 fn cases() -> u64 {
     std::env::var("HEAPPROFD_PROPTEST_CASES")

@@ -909,3 +909,29 @@ pub fn assert_same_stacks(what: &str, truth: &StackMap, ours: &StackMap, user_fu
     }
     panic!("{message}");
 }
+
+/// The functions of tests/programs/cxx_stl.cpp: `main` and its `workload::*` functions
+/// (`make_values` is inlined).
+pub const CXX_STL_FUNCTIONS: &[&str] = &[
+    "main",
+    "run",
+    "build_records",
+    "make_record",
+    "make_name",
+    "make_values",
+    "make_tags",
+    "index_records",
+    "queue_work",
+    "summarize",
+];
+
+/// The functions of tests/programs/wrappers.c.
+pub const WRAPPERS_FUNCTIONS: &[&str] = &[
+    "main",
+    "run",
+    "write_input",
+    "read_lines",
+    "remember_line",
+    "format_lines",
+    "tag_line",
+];

@@ -47,19 +47,10 @@ pub fn compile_with(
     output_name: &str,
     flags: &[&str],
 ) -> PathBuf {
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/programs/{name}.c"));
-    let binary = dir.join(output_name);
     // -fno-builtin: keep every allocator call as written (gcc folds realloc(NULL, n) into malloc).
-    let status = Command::new(compiler)
-        .args(["-g", "-fno-builtin", "-fno-omit-frame-pointer", "-pthread"])
-        .args(flags)
-        .arg("-o")
-        .arg(&binary)
-        .arg(&source)
-        .status()
-        .unwrap_or_else(|e| panic!("running {compiler} ({e}); install it: cargo xtask setup"));
-    assert!(status.success(), "gcc failed on {}", source.display());
-    binary
+    let mut all = vec!["-g", "-fno-builtin", "-fno-omit-frame-pointer", "-pthread"];
+    all.extend_from_slice(flags);
+    compile_exact(compiler, dir, &format!("{name}.c"), output_name, &all)
 }
 
 /// Compiles `tests/programs/SOURCE` (file name with its extension) into `dir/OUTPUT_NAME`
