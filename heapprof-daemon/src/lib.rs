@@ -5,12 +5,14 @@ pub mod aggregate;
 pub mod app;
 pub mod cli;
 pub mod launch;
+pub mod memstats;
 pub mod pprof;
 pub mod preflight;
 pub mod probes;
 pub mod procmaps;
 #[cfg(test)]
 mod proptests;
+pub mod report;
 pub mod session;
 pub mod symbolize;
 pub mod tracefs;
