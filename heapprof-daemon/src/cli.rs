@@ -13,7 +13,8 @@ use crate::probes::placement::PlacementMode;
     version,
     after_help = "Exactly one target: --pid N, --all, or -- COMMAND [ARGS...] (with --kernel, none\n\
                   means every process).\n\
-                  Open a profile with: go tool pprof -http=: FILE"
+                  Open a profile with: go tool pprof -http=: FILE, or read it with heapprofd report FILE\n\
+                  (heapprofd report --help: flamegraphs, diffs, leak suspects, an HTML page)"
 )]
 pub struct Cli {
     /// Attach to the running process PID (all of its threads).

@@ -10,13 +10,19 @@ use clap::Parser as _;
 use heapprof_daemon::{
     app::{run, start},
     cli::{Cli, Target},
-    launch,
+    launch, report,
 };
 
 /// Exit status for bad input and unmet requirements.
 const EXIT_USAGE: u8 = 2;
 
 fn main() -> ExitCode {
+    if std::env::args_os()
+        .nth(1)
+        .is_some_and(|arg| arg == "report")
+    {
+        return report();
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(err) => return command_line_error(err),
@@ -56,6 +62,18 @@ fn main() -> ExitCode {
     })
 }
 
+/// `heapprofd report ...`: reads profiles back; needs no privileges and starts no runtime.
+fn report() -> ExitCode {
+    let args = match report::ReportArgs::try_parse_from(std::env::args_os().skip(1)) {
+        Ok(args) => args,
+        Err(err) => return command_line_error(err),
+    };
+    match report::run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => usage_error(err),
+    }
+}
+
 /// A bad command line gets one line (clap's own message names the flag and the value)
 /// and status 2; help and version are printed as clap prints them.
 fn command_line_error(err: clap::Error) -> ExitCode {
@@ -78,7 +96,7 @@ fn command_line_error(err: clap::Error) -> ExitCode {
         .collect::<Vec<_>>()
         .join(" ");
     let message = message.strip_prefix("error: ").unwrap_or(&message);
-    eprintln!("heapprofd: error: {message}; see heapprofd --help");
+    eprintln!("heapprofd: error: {message}; see heapprofd --help or heapprofd report --help");
     ExitCode::from(EXIT_USAGE)
 }
 
