@@ -235,14 +235,17 @@ pub enum DropReason {
     /// A user stack could not be unwound to its end: counted with the frames found,
     /// and the address where it stopped is reported (`UNWIND_GAPS`).
     StackIncomplete = 8,
+    /// The per-process usage table was full: a process's in-use total and peak are
+    /// not recorded (its sites are counted as usual).
+    UsageTableFull = 9,
 }
 
 impl DropReason {
     /// Number of reasons (size of the `DROPS` array).
-    pub const COUNT: u32 = 9;
+    pub const COUNT: u32 = 10;
 
     /// Every reason, indexed by discriminant.
-    pub const ALL: [DropReason; 9] = [
+    pub const ALL: [DropReason; 10] = [
         DropReason::LiveTableFull,
         DropReason::SiteTableFull,
         DropReason::StackTableFull,
@@ -252,6 +255,7 @@ impl DropReason {
         DropReason::StackUnavailable,
         DropReason::ExecTableFull,
         DropReason::StackIncomplete,
+        DropReason::UsageTableFull,
     ];
 
     /// What the user can do about it, for logs.
@@ -268,6 +272,7 @@ impl DropReason {
             DropReason::StackIncomplete => {
                 "where they stop is logged and in the profile's comments"
             }
+            DropReason::UsageTableFull => "raise --max-processes",
         }
     }
 
@@ -291,8 +296,24 @@ impl DropReason {
             DropReason::StackIncomplete => {
                 "stacks not unwound to their end (counted with the frames found)"
             }
+            DropReason::UsageTableFull => {
+                "process usage table full (in-use peak not recorded for some processes)"
+            }
         }
     }
+}
+
+/// One process's in-use bytes as the programs count them (blocks allocated while
+/// tracing and not yet freed), and the highest value they reached. Updated with
+/// atomic operations, so the peak is exact across CPUs: every allocation's new total
+/// is compared with it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProcessUsage {
+    /// Bytes in use now.
+    pub inuse_bytes: u64,
+    /// The most bytes ever in use at once since tracing began.
+    pub peak_bytes: u64,
 }
 
 /// Settings written by the daemon into the BPF programs' read-only data before loading.
@@ -324,8 +345,9 @@ pub struct Config {
     /// Benchmark baseline: the uprobe programs return at once, so only the traps cost
     /// (the read-only value lets the verifier drop everything else as dead code).
     pub empty_programs: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// Keep each process's in-use bytes and their high-water mark (`PROCESS_USAGE`):
+    /// exact mode only, since sampled sizes are not the process's bytes.
+    pub track_peak: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
@@ -379,6 +401,8 @@ pub mod names {
     pub const SAMPLER: &str = "SAMPLER";
     /// Exec generation per process (`HashMap<u32, u32>`, keyed by tgid; absent = 0).
     pub const EXEC_GEN: &str = "EXEC_GEN";
+    /// Per-process in-use bytes and peak ([`crate::ProcessUsage`]), keyed by tgid.
+    pub const PROCESS_USAGE: &str = "PROCESS_USAGE";
     /// [`crate::ExecEvent`]s for the daemon (`RingBuf`).
     pub const EXEC_EVENTS: &str = "EXEC_EVENTS";
     /// Raw tracepoint on `sched_process_exec` (needs no tracefs).
@@ -450,6 +474,7 @@ mod pod {
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::UserStack {}
     unsafe impl aya::Pod for super::ExecEvent {}
+    unsafe impl aya::Pod for super::ProcessUsage {}
     unsafe impl aya::Pod for super::unwind::UnwindRule {}
     unsafe impl aya::Pod for super::unwind::UnwindRow {}
     unsafe impl aya::Pod for super::unwind::UnwindObject {}

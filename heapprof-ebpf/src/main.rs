@@ -5,6 +5,7 @@
 //! (`stack`; at return the caller's frame is intact, so the immediate caller is the
 //! first frame), counts the allocation per site in `SITES` and remembers the block in
 //! `LIVE` (`sites`). A uprobe on free finds the block and credits the free to its site.
+//! Each process's in-use total and its exact peak are kept beside (`usage`).
 //! Everything stays in maps (`maps`); the daemon reads and aggregates them on its
 //! interval. The programs themselves are in `user`.
 //!
@@ -12,6 +13,8 @@
 //! tracepoints, with kernel stacks and per-object live tracking.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
+// `usage` writes two atomic instructions the BPF target's types do not offer.
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
 #[cfg(target_arch = "bpf")]
 mod calls;
@@ -29,6 +32,8 @@ mod sites;
 mod stack;
 #[cfg(target_arch = "bpf")]
 mod unwind;
+#[cfg(target_arch = "bpf")]
+mod usage;
 #[cfg(target_arch = "bpf")]
 mod user;
 

@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use heapprof_common::{
     CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey, PROBE_SLOTS,
-    ProbeSlot, SiteCounters, StackKey, UserStack,
+    ProbeSlot, ProcessUsage, SiteCounters, StackKey, UserStack,
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
         UnwindRule,
@@ -38,6 +38,9 @@ pub static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::C
 pub static SAMPLER: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "EXEC_GEN")]
 pub static EXEC_GEN: HashMap<u32, u32> = HashMap::with_max_entries(16384, 0);
+/// Per-process in-use bytes and peak (exact mode), keyed by tgid.
+#[map(name = "PROCESS_USAGE")]
+pub static PROCESS_USAGE: HashMap<u32, ProcessUsage> = HashMap::with_max_entries(4096, 0);
 #[map(name = "EXEC_EVENTS")]
 pub static EXEC_EVENTS: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
 
@@ -92,7 +95,7 @@ static CONFIG: Config = Config {
     unwind_mode: 0,
     hold_at_loader_events: 0,
     empty_programs: 0,
-    _pad: 0,
+    track_peak: 0,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
@@ -146,6 +149,13 @@ pub fn hold_at_loader_events() -> bool {
 pub fn empty_programs() -> bool {
     // SAFETY: a plain global (see above).
     unsafe { core::ptr::read_volatile(&CONFIG.empty_programs) != 0 }
+}
+
+/// Whether each process's in-use total and peak are kept.
+#[inline(always)]
+pub fn track_peak() -> bool {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.track_peak) != 0 }
 }
 
 /// File offset of a probed function's probe spot in the allocator library.

@@ -3,7 +3,10 @@
 use aya_ebpf::bindings::BPF_NOEXIST;
 use heapprof_common::{DropReason, LiveBlock, LiveKey, SiteCounters, StackKey, UserStack};
 
-use crate::maps::{LIVE, SITES, STACKS, count_drop};
+use crate::{
+    maps::{LIVE, SITES, STACKS, count_drop},
+    usage,
+};
 
 const EEXIST: i32 = 17;
 
@@ -62,6 +65,7 @@ pub fn release(tgid: u32, ptr: u64) {
     };
     let _ = LIVE.remove(&key);
     add_to_site(&block.site, None, 0, 0, 1, block.size);
+    usage::shrink(tgid, block.size);
 }
 
 /// Counts a new block at `site` and remembers it until its free.
@@ -86,5 +90,7 @@ pub fn allocated(tgid: u32, ptr: u64, size: u64, site: &StackKey, stack: &UserSt
         // what is tracked instead of growing by blocks that may be long gone.
         count_drop(DropReason::LiveTableFull);
         add_to_site(site, None, 0, 0, 1, size);
+        return;
     }
+    usage::grow(tgid, size);
 }

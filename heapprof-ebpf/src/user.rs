@@ -326,6 +326,8 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     calls::abandon(pid_tgid);
     // The old image's mappings are gone; the daemon loads the new ones.
     let _ = PROCESS_MAPPINGS.remove(&tgid);
+    // So are its blocks (the daemon retires them from the live table).
+    crate::usage::reset(tgid);
     // Lost only when the daemon is far behind; it then reads the maps on its next dump.
     let _ = EXEC_EVENTS.output(&ExecEvent { tgid, exec_gen }, 0);
     0

@@ -16,7 +16,8 @@ use aya::{
     maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap},
 };
 use heapprof_common::{
-    DropReason, InFlight, LiveBlock, LiveKey, SiteCounters, StackKey, UserStack, names,
+    DropReason, InFlight, LiveBlock, LiveKey, ProcessUsage, SiteCounters, StackKey, UserStack,
+    names,
 };
 
 /// Counts of one site, summed over CPUs.
@@ -64,6 +65,7 @@ pub struct Maps {
     drops: PerCpuArray<MapData, u64>,
     in_flight: BpfHashMap<MapData, u64, InFlight>,
     exec_gen: BpfHashMap<MapData, u32, u32>,
+    usage: BpfHashMap<MapData, u32, ProcessUsage>,
     /// Stacks already read, by hash; an entry is never replaced while its process lives.
     stack_cache: HashMap<u64, std::sync::Arc<[u64]>>,
     /// Sites of processes that have exited: allocations kept, in-use cleared.
@@ -104,6 +106,7 @@ impl Maps {
             drops: take(ebpf, names::DROPS)?,
             in_flight: take(ebpf, names::IN_FLIGHT)?,
             exec_gen: take(ebpf, names::EXEC_GEN)?,
+            usage: take(ebpf, names::PROCESS_USAGE)?,
             stack_cache: HashMap::new(),
             retired: HashMap::new(),
         })
@@ -189,6 +192,11 @@ impl Maps {
         let _ = self.exec_gen.remove(&pid);
     }
 
+    /// Each process's in-use total and peak as the programs keep them (exact mode).
+    pub fn process_usage(&self) -> HashMap<u32, ProcessUsage> {
+        self.usage.iter().filter_map(|e| e.ok()).collect()
+    }
+
     /// Every process that has called exec while traced, with its current generation.
     pub fn exec_generations(&self) -> HashMap<u32, u32> {
         self.exec_gen.iter().filter_map(|e| e.ok()).collect()
@@ -210,6 +218,7 @@ impl Maps {
         let sites = self.retire_sites(|key| dead.contains(&key.tgid))?;
         for pid in dead {
             let _ = self.exec_gen.remove(pid);
+            let _ = self.usage.remove(pid);
         }
         let removed = self.remove_live(&stale_live);
         log::debug!(

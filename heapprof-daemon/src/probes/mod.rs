@@ -77,7 +77,7 @@ pub fn load(
         unwind_mode: unwind.mode as u32,
         hold_at_loader_events: u32::from(unwind.hold_at_loader_events),
         empty_programs: u32::from(unwind.empty_programs),
-        _pad: 0,
+        track_peak: u32::from(sample_rate == 0),
     };
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {
@@ -109,6 +109,8 @@ pub fn load(
             },
         )
         .map_max_entries(names::PROCESS_MAPPINGS, processes)
+        // Every traced process, forked children of a launched command included.
+        .map_max_entries(names::PROCESS_USAGE, unwind.processes)
         .map_max_entries(names::UNWIND_ROWS, tables.rows)
         .map_max_entries(names::UNWIND_RULES, tables.rules)
         .map_max_entries(names::UNWIND_OBJECTS, tables.objects)

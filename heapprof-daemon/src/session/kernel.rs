@@ -269,6 +269,11 @@ impl KernelSession {
             nanos(self.started)
         ));
         comment_drops(&mut builder, drops);
+        // The slab totals beside the traced heap: what the kernel holds in all.
+        match crate::memstats::KernelMemory::read() {
+            Ok(memory) => builder.comment(&memory.to_comment()),
+            Err(err) => log::debug!("cannot read /proc/meminfo: {err}"),
+        }
         // The core kernel first: pprof takes the first mapping as the program.
         if let Some(start) = self.kernel_text_start() {
             self.add_mapping(&mut builder, start);

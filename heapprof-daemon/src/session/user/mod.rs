@@ -1,9 +1,11 @@
 //! A user-space session: allocator probes in processes to profiles on disk.
 //!
 //! `images` keeps what is known of the traced processes (their images and mappings);
-//! `profile` turns the site table into profiles and the `--top` summary.
+//! `memory` their RSS and peaks; `profile` turns the site table into profiles and the
+//! `--top` summary.
 
 mod images;
+mod memory;
 mod profile;
 
 use std::{
@@ -22,7 +24,10 @@ use heapprof_common::{
     unwind::{GapReason, MappingsRequest, RequestReason},
 };
 
-use self::images::{Image, Images};
+use self::{
+    images::{Image, Images},
+    memory::MemoryRecords,
+};
 use super::DropLog;
 use crate::{
     aggregate::{Maps, Site},
@@ -81,6 +86,8 @@ pub struct Session {
     gap_log: GapLog,
     /// The unwind tables' usage when it was last logged.
     logged_usage: TableUsage,
+    /// Each process's RSS and in-use peak, for the profiles' comments.
+    memory: MemoryRecords,
 }
 
 /// Where stacks were cut short, merged over processes: (place, reason) -> count.
@@ -169,6 +176,7 @@ impl Session {
             drop_log: DropLog::default(),
             gap_log: GapLog::default(),
             logged_usage: TableUsage::default(),
+            memory: MemoryRecords::default(),
         })
     }
 
@@ -242,7 +250,15 @@ impl Session {
     pub fn refresh_unmapped(&mut self) -> Result<()> {
         let sites = self.maps.read_sites()?;
         self.refresh_unmapped_sites(&sites);
+        // Its last figures, while it still has its memory.
+        self.refresh_memory(&sites);
         Ok(())
+    }
+
+    /// Reads the RSS and peak of every process with sites.
+    fn refresh_memory(&mut self, sites: &[Site]) {
+        let pids: std::collections::BTreeSet<u32> = sites.iter().map(|s| s.key.tgid).collect();
+        self.memory.refresh(pids, &self.maps.process_usage());
     }
 
     /// Reads what is unmapped, then symbolizes every site's frames now, while the
@@ -313,6 +329,8 @@ impl Session {
             }
         }
         self.images.mark_exited(&dead);
+        // Their peaks, before their entries go.
+        self.memory.take_peaks(&self.maps.process_usage());
         self.maps.retire_processes(&dead)
     }
 
@@ -339,6 +357,7 @@ impl Session {
         self.retire_replaced_images()?;
         let sites = self.maps.read_sites()?;
         self.refresh_unmapped_sites(&sites);
+        self.refresh_memory(&sites);
         let drops = self.maps.read_drops()?;
         self.drop_log.report(&drops);
         let gaps = self.stack_gaps();

@@ -86,6 +86,13 @@ impl Session {
         // The main binary of each image first: pprof takes the first mapping as the program.
         let images: std::collections::BTreeSet<Image> =
             sites.iter().map(|s| Image::of(&s.key)).collect();
+        // RSS beside the heap (and the exact peak), one line per process.
+        let pids: std::collections::BTreeSet<u32> = images.iter().map(|i| i.pid).collect();
+        for pid in pids {
+            if let Some(memory) = self.memory.get(pid) {
+                builder.comment(&memory.to_comment());
+            }
+        }
         let mut unread = 0;
         for image in &images {
             match self.images.get(image) {

@@ -1,0 +1,123 @@
+//! Each process's in-use bytes and their high-water mark (`PROCESS_USAGE`).
+//!
+//! Sites are per-CPU counters, summed by the daemon when it reads them; a peak cannot
+//! be summed that way, since the CPUs' highs happen at different moments. So the
+//! process total is one shared counter changed with atomic adds: the value each add
+//! returns is the exact total at that instant, and the peak is the largest of them,
+//! kept with compare-and-swap.
+
+use aya_ebpf::bindings::BPF_NOEXIST;
+use heapprof_common::{DropReason, ProcessUsage};
+
+use crate::maps::{PROCESS_USAGE, count_drop, track_peak};
+
+/// Compare-and-swap attempts to raise the peak: each failure means another CPU moved
+/// it, and its value is re-read; more than a few in a row is contention the next
+/// allocation settles.
+const PEAK_ATTEMPTS: usize = 4;
+
+/// Adds a new block's bytes to `tgid`'s total and raises its peak.
+#[inline(always)]
+pub fn grow(tgid: u32, bytes: u64) {
+    if !track_peak() {
+        return;
+    }
+    let mut usage = PROCESS_USAGE.get_ptr_mut(&tgid);
+    if usage.is_none() {
+        // Another CPU may create it first: NOEXIST then fails harmlessly.
+        let _ = PROCESS_USAGE.insert(&tgid, &ProcessUsage::default(), BPF_NOEXIST as u64);
+        usage = PROCESS_USAGE.get_ptr_mut(&tgid);
+    }
+    let Some(usage) = usage else {
+        count_drop(DropReason::UsageTableFull);
+        return;
+    };
+    // SAFETY: a map value, valid for the program's run.
+    unsafe { add_and_raise_peak(usage, bytes) };
+}
+
+/// The atomic part of [`grow`]: adds `bytes` and raises the peak to the new total.
+///
+/// # Safety
+/// `usage` points to a live map value whose fields are only accessed atomically.
+#[inline(always)]
+unsafe fn add_and_raise_peak(usage: *mut ProcessUsage, bytes: u64) {
+    // SAFETY (each block): as the caller promises.
+    let (inuse, peak) = unsafe { (&raw mut (*usage).inuse_bytes, &raw mut (*usage).peak_bytes) };
+    let total = unsafe { fetch_add(inuse, bytes) }.wrapping_add(bytes);
+    let mut seen = unsafe { core::ptr::read_volatile(peak) };
+    for _ in 0..PEAK_ATTEMPTS {
+        if total <= seen {
+            break;
+        }
+        let found = unsafe { compare_exchange(peak, seen, total) };
+        if found == seen {
+            break;
+        }
+        seen = found;
+    }
+}
+
+// The fetching atomics are written as instructions: LLVM selects them only when the
+// whole object is built for BPF v3 (`-C target-cpu`, which aya-build does not pass),
+// while the kernel runs them whatever the object was built for (Linux 5.12+).
+
+/// Atomically adds `value` to `*target`; returns the value before.
+///
+/// # Safety
+/// `target` is valid, aligned, and only accessed atomically.
+#[inline(always)]
+unsafe fn fetch_add(target: *mut u64, value: u64) -> u64 {
+    let before: u64;
+    // SAFETY: as the caller promises.
+    unsafe {
+        core::arch::asm!(
+            "{v} = atomic_fetch_add((u64 *)({p} + 0), {v})",
+            p = in(reg) target,
+            v = inout(reg) value => before,
+            options(nostack),
+        );
+    }
+    before
+}
+
+/// Atomically replaces `*target` with `new` if it holds `expected`; returns what it held.
+///
+/// # Safety
+/// `target` is valid, aligned, and only accessed atomically.
+#[inline(always)]
+unsafe fn compare_exchange(target: *mut u64, expected: u64, new: u64) -> u64 {
+    let found: u64;
+    // SAFETY: as the caller promises. BPF_CMPXCHG compares with and returns in r0.
+    unsafe {
+        core::arch::asm!(
+            "r0 = cmpxchg_64({p} + 0, r0, {n})",
+            p = in(reg) target,
+            n = in(reg) new,
+            inout("r0") expected => found,
+            options(nostack),
+        );
+    }
+    found
+}
+
+/// Takes a freed block's bytes off `tgid`'s total.
+#[inline(always)]
+pub fn shrink(tgid: u32, bytes: u64) {
+    if !track_peak() {
+        return;
+    }
+    if let Some(usage) = PROCESS_USAGE.get_ptr_mut(&tgid) {
+        // SAFETY: as in `grow`.
+        unsafe { fetch_add(&raw mut (*usage).inuse_bytes, bytes.wrapping_neg()) };
+    }
+}
+
+/// A process replaced its image: its blocks went with the old address space.
+#[inline(always)]
+pub fn reset(tgid: u32) {
+    if let Some(usage) = PROCESS_USAGE.get_ptr_mut(&tgid) {
+        // SAFETY: as in `grow`.
+        unsafe { core::ptr::write_volatile(&raw mut (*usage).inuse_bytes, 0) };
+    }
+}
