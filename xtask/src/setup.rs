@@ -3,7 +3,8 @@
 //! - the pinned stable toolchain (host crates) and the pinned nightly with rust-src (BPF crate);
 //! - bpf-linker built against the nightly's own libLLVM (their LLVM majors must match);
 //! - Debian packages: a C compiler, and for the tests golang-go (pprof), valgrind and
-//!   bpftrace (the kernel-mode test's independent count, and the benchmark's baseline).
+//!   bpftrace (the kernel-mode test's independent count, and the benchmark's baseline),
+//!   google-perftools and chromium (the report tests).
 
 use std::{
     path::{Path, PathBuf},
@@ -39,6 +40,9 @@ pub fn ensure(needs: Needs) -> Result<()> {
         // real targets, glibc's separate debug symbols (valgrind depends on them too),
         // binutils for stripping a program and splitting its debug file.
         packages.extend(["g++", "python3", "sqlite3", "libc6-dbg", "binutils"]);
+        // The report tests: google-pprof reads the legacy text format; headless
+        // chromium renders the HTML page.
+        packages.extend(["google-perftools", "chromium"]);
         // The arm64 VM test: the emulator, cross compilers (C and C++) for its test
         // programs, cpio for its initramfs; ssh for `xtask run --host`.
         packages.extend([

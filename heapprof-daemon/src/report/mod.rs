@@ -5,11 +5,17 @@
 //! output format; [`directory`] handles a session's directory of profiles.
 
 pub mod cli;
+pub mod collapsed;
 pub mod directory;
 pub mod flamegraph;
+pub mod input;
+pub mod legacy;
 pub mod model;
 pub mod single;
 pub mod stacks;
+#[cfg(test)]
+pub mod test_profiles;
+pub mod top;
 
 use std::io::Write;
 
@@ -19,25 +25,26 @@ pub use cli::{Format, ReportArgs};
 
 /// Runs `heapprofd report`.
 pub fn run(args: &ReportArgs) -> Result<()> {
-    let mut output = open_output(args)?;
+    // Rendered whole before anything is written: a failed report leaves no partial
+    // or empty -o file behind.
+    let mut rendered = Vec::new();
     let session_wide =
         args.html.is_some() || matches!(args.format, Format::Timeline | Format::Suspects);
     if session_wide {
-        directory::run(args, &mut output)?;
+        directory::run(args, &mut rendered)?;
     } else {
-        single::run(args, &mut output)?;
+        single::run(args, &mut rendered)?;
     }
-    output.flush().context("writing the report")
-}
-
-/// Standard output, or the `-o` file.
-fn open_output(args: &ReportArgs) -> Result<Box<dyn Write>> {
-    Ok(match &args.output {
-        Some(path) => Box::new(std::io::BufWriter::new(
-            std::fs::File::create(path).with_context(|| {
-                format!("cannot create {}; choose another -o OUT", path.display())
-            })?,
-        )),
-        None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
-    })
+    match &args.output {
+        Some(path) => std::fs::write(path, &rendered)
+            .with_context(|| format!("cannot write {}; choose another -o OUT", path.display())),
+        None => {
+            let mut stdout = std::io::stdout().lock();
+            match stdout.write_all(&rendered).and_then(|()| stdout.flush()) {
+                // A reader that stopped early (`| head`) is not an error.
+                Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+                other => other.context("writing the report"),
+            }
+        }
+    }
 }

@@ -18,8 +18,9 @@ use crate::{
 /// Why a profile could not be read.
 #[derive(Debug, Error)]
 pub enum LoadError {
-    /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
+    /// The file could not be read. The cause is the error's source (not repeated here:
+    /// `{:#}` prints the chain).
+    #[error("cannot read {path}")]
     Io {
         /// The file.
         path: PathBuf,

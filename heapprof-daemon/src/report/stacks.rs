@@ -19,7 +19,8 @@ pub enum ProcessFilter {
 }
 
 impl ProcessFilter {
-    fn admits(self, sample: &Sample) -> bool {
+    /// Whether `sample` is one of the samples to report.
+    pub fn admits(self, sample: &Sample) -> bool {
         match self {
             ProcessFilter::All => true,
             ProcessFilter::Pid(pid) => sample.pid == Some(pid),
