@@ -109,6 +109,11 @@ pub struct Cli {
     #[arg(long, value_name = "BYTES", value_parser = parse_sample_rate, conflicts_with = "kernel")]
     pub sample_rate: Option<u64>,
 
+    /// Do not keep each process's exact in-use peak (recorded in every profile; it
+    /// costs an atomic add per allocation and free). Sampled runs never keep it.
+    #[arg(long)]
+    pub no_peak: bool,
+
     /// Log the run time of heapprofd's BPF programs (kernel BPF statistics) with each profile.
     #[arg(long)]
     pub bpf_stats: bool,

@@ -36,6 +36,8 @@ pub struct Options {
     pub runs: usize,
     /// Smaller workloads and a shorter daemon-load run.
     pub quick: bool,
+    /// Only the workloads with these keys (`pairs`, `churn`, ...); empty: all.
+    pub only: Vec<String>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
@@ -47,18 +49,20 @@ enum Mode {
     Floor,
     HeapprofdEntry,
     Heapprofd,
+    HeapprofdNoPeak,
     HeapprofdFp,
     HeapprofdSampled,
 }
 
 impl Mode {
-    const ALL: [Mode; 8] = [
+    const ALL: [Mode; 9] = [
         Mode::Bare,
         Mode::EmptyProbes,
         Mode::Bpftrace,
         Mode::Floor,
         Mode::HeapprofdEntry,
         Mode::Heapprofd,
+        Mode::HeapprofdNoPeak,
         Mode::HeapprofdFp,
         Mode::HeapprofdSampled,
     ];
@@ -71,6 +75,7 @@ impl Mode {
             Mode::Floor => "trap floor (--empty-programs)",
             Mode::HeapprofdEntry => "heapprofd exact, entry probes",
             Mode::Heapprofd => "heapprofd exact",
+            Mode::HeapprofdNoPeak => "heapprofd exact --no-peak",
             Mode::HeapprofdFp => "heapprofd exact --unwind fp",
             Mode::HeapprofdSampled => "heapprofd sampled 512KiB",
         }
@@ -84,6 +89,7 @@ impl Mode {
             Mode::Floor => "heapprofd_empty_programs",
             Mode::HeapprofdEntry => "heapprofd_exact_entry",
             Mode::Heapprofd => "heapprofd_exact",
+            Mode::HeapprofdNoPeak => "heapprofd_exact_no_peak",
             Mode::HeapprofdFp => "heapprofd_exact_fp",
             Mode::HeapprofdSampled => "heapprofd_sampled",
         }
@@ -96,6 +102,7 @@ impl Mode {
             Mode::Floor => Some(&["--interval", "1h", "--empty-programs"]),
             Mode::HeapprofdEntry => Some(&["--interval", "1h", "--probe-placement", "entry"]),
             Mode::Heapprofd => Some(&["--interval", "1h"]),
+            Mode::HeapprofdNoPeak => Some(&["--interval", "1h", "--no-peak"]),
             Mode::HeapprofdFp => Some(&["--interval", "1h", "--unwind", "fp"]),
             Mode::HeapprofdSampled => Some(&["--interval", "1h", "--sample-rate", "512KiB"]),
         }
@@ -1187,7 +1194,19 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
     let mut tables_text = String::new();
     let mut json_workloads = Vec::new();
     let mut json_goals = Vec::new();
-    for workload in &workloads {
+    let chosen = |w: &&Workload| options.only.is_empty() || options.only.iter().any(|k| k == w.key);
+    if let Some(unknown) = options
+        .only
+        .iter()
+        .find(|k| !workloads.iter().any(|w| &w.key == k))
+    {
+        let keys: Vec<&str> = workloads.iter().map(|w| w.key).collect();
+        bail!(
+            "no workload {unknown:?}; the workloads are {}",
+            keys.join(", ")
+        );
+    }
+    for workload in workloads.iter().filter(chosen) {
         step(&format!(
             "{}: {} runs x {} modes",
             workload.name,

@@ -83,6 +83,9 @@ enum Cmd {
         /// Smaller workloads and a shorter daemon-load run.
         #[arg(long)]
         quick: bool,
+        /// Only this workload (repeatable): pairs, churn, perl, cxx_stl, python3.
+        #[arg(long, value_name = "WORKLOAD")]
+        only: Vec<String>,
     },
 }
 
@@ -170,10 +173,10 @@ fn run(args: Args) -> Result<()> {
             let heapprofd = build_release()?;
             soak::soak(&heapprofd, minutes)
         }
-        Cmd::Bench { runs, quick } => {
+        Cmd::Bench { runs, quick, only } => {
             setup::ensure(setup::Needs::Bench)?;
             let heapprofd = build_release()?;
-            bench::bench(&heapprofd, &bench::Options { runs, quick })
+            bench::bench(&heapprofd, &bench::Options { runs, quick, only })
         }
     }
 }

@@ -125,7 +125,7 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
         ),
         None => {}
     }
-    let mut ebpf = probes::load(capacities, sample_rate, pid, &libc, unwinding)?;
+    let mut ebpf = probes::load(capacities, sample_rate, !cli.no_peak, pid, &libc, unwinding)?;
     let attached = probes::attach(&mut ebpf, &libc, loader.as_ref(), pid, cli.attach)?;
     log::debug!("uprobes attached as {:?}", attached.method);
     probes::arm(&mut ebpf, &libc)?;

@@ -58,11 +58,13 @@ pub struct UnwindSettings {
 }
 
 /// Loads the BPF object for user mode with the given capacities and sampling rate
-/// (0: every allocation), tracing process `target` or all (`None`), with the probe
-/// spots of `libc`. Nothing is attached yet.
+/// (0: every allocation), keeping each process's in-use peak if `track_peak` (exact
+/// mode only), tracing process `target` or all (`None`), with the probe spots of
+/// `libc`. Nothing is attached yet.
 pub fn load(
     capacities: Capacities,
     sample_rate: u64,
+    track_peak: bool,
     target: Option<u32>,
     libc: &Libc,
     unwind: UnwindSettings,
@@ -77,7 +79,7 @@ pub fn load(
         unwind_mode: unwind.mode as u32,
         hold_at_loader_events: u32::from(unwind.hold_at_loader_events),
         empty_programs: u32::from(unwind.empty_programs),
-        track_peak: u32::from(sample_rate == 0),
+        track_peak: u32::from(track_peak && sample_rate == 0),
     };
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {
