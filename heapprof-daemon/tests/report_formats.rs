@@ -11,21 +11,6 @@ use std::{
 
 use common::*;
 
-/// stacks.c without its call of b from main: the same functions, 100 bytes less.
-const LESS_C: &str = r#"#include <stdlib.h>
-void *volatile sink[4];
-__attribute__((noinline)) void b(int slot) { sink[slot] = malloc(100); }
-__attribute__((noinline)) void a(void) {
-    sink[0] = malloc(1000);
-    b(1);
-    sink[3] = sink[0];
-}
-int main(void) {
-    a();
-    return sink[3] == NULL;
-}
-"#;
-
 /// `heapprofd report ARGS`'s output, whatever its status.
 fn report(args: &[&OsStr]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_heapprofd"))
@@ -389,16 +374,8 @@ fn base_gives_the_difference_from_a_run_that_allocated_less() {
     require_root();
     let dir = scratch();
     let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
-    let source = dir.path().join("less.c");
-    std::fs::write(&source, LESS_C).expect("writing less.c");
-    let less = dir.path().join("less");
-    let status = Command::new("gcc")
-        .args(["-g", "-O0", "-fno-builtin", "-fno-omit-frame-pointer", "-o"])
-        .arg(&less)
-        .arg(&source)
-        .status()
-        .expect("running gcc");
-    assert!(status.success(), "gcc less.c failed");
+    // stacks.c without main's call of b: the same functions, 100 bytes less.
+    let less = compile(dir.path(), "stacks", "less", &["-O0", "-DWITHOUT_MAIN_B"]);
     let new = profile_run(&program, &dir.path().join("new"));
     let old = profile_run(&less, &dir.path().join("old"));
     let base = ["--base".as_ref(), old.as_os_str()];

@@ -40,13 +40,7 @@ pub fn write_diff(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::test_profiles::{abc_profile, build, profile_of};
-
-    fn text(write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> String {
-        let mut out = Vec::new();
-        write(&mut out).expect("writing to memory");
-        String::from_utf8(out).expect("utf8")
-    }
+    use crate::report::test_profiles::{abc_profile, build, profile_of, text};
 
     #[test]
     fn one_sorted_line_per_stack_summing_to_the_total() {

@@ -4,18 +4,23 @@
 //! [`model`] reads a file; [`stacks`] names its stacks and sites; one module per
 //! output format; [`directory`] handles a session's directory of profiles.
 
+pub mod chart;
 pub mod cli;
 pub mod collapsed;
 pub mod directory;
 pub mod flamegraph;
+pub mod html;
 pub mod input;
 pub mod legacy;
 pub mod model;
 pub mod single;
 pub mod stacks;
+pub mod suspects;
 #[cfg(test)]
 pub mod test_profiles;
+pub mod timeline;
 pub mod top;
+pub mod units;
 
 use std::io::Write;
 

@@ -130,3 +130,10 @@ pub fn abc_profile() -> Profile {
         (&["malloc", "b", "main"], [1, 100, 1, 100]),
     ])
 }
+
+/// What a writer wrote into memory, as text.
+pub fn text(write: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>) -> String {
+    let mut out = Vec::new();
+    write(&mut out).expect("writing to memory");
+    String::from_utf8(out).expect("utf8")
+}

@@ -126,13 +126,7 @@ fn print(out: &mut dyn Write, table: &Table, sample_type: &str) -> io::Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::test_profiles::{PID, abc_profile, profile_of};
-
-    fn text(write: impl FnOnce(&mut dyn Write) -> io::Result<()>) -> String {
-        let mut out = Vec::new();
-        write(&mut out).expect("writing to memory");
-        String::from_utf8(out).expect("utf8")
-    }
+    use crate::report::test_profiles::{PID, abc_profile, profile_of, text};
 
     #[test]
     fn prints_the_daemon_table_sorted_by_the_chosen_type() {

@@ -13,6 +13,8 @@ __attribute__((noinline)) void a(void) {
 }
 int main(void) {
     a();
+#ifndef WITHOUT_MAIN_B /* the report tests' base: the same program, 100 bytes less */
     b(2);
+#endif
     return sink[3] == NULL;
 }

@@ -1,0 +1,895 @@
+//! `heapprofd report DIR --html OUT.html`: one self-contained page of a session.
+//!
+//! The page fetches nothing (no CDN, fonts or scripts from elsewhere): the charts are
+//! inline SVG drawn here ([`super::chart`]), the flamegraphs are inferno's SVGs
+//! embedded as `data:` URLs in an `<iframe>` (their own script keeps working there:
+//! click to zoom, search), and a few lines of inline script switch between them.
+//!
+//! Sections, top to bottom:
+//! - the in-use timeline: the total, with the top sites (or, for a session of several
+//!   processes without `--pid`, the top processes) stacked, and the peak marked;
+//! - RSS (`VmRSS`, `RssAnon`) and the `[heap]` segment beside the heap's in-use bytes;
+//! - the peak: heapprofd's exact peak when recorded, else the largest profile;
+//! - the leak suspects ([`super::suspects`]);
+//! - a flamegraph of any profile: at most [`MAX_FLAMEGRAPHS`] evenly spaced ones plus
+//!   the last, which is shown first;
+//! - the top sites of the last profile, and with several processes, a table of them.
+//!
+//! The charts sit at fixed places ([`LAYOUT`]) so that a test can find them in a
+//! screenshot. The page's script records errors in the DOM (`window.onerror` fills
+//! `#errors` and sets `data-errors` on `<html>`) and sets `data-report-ready="yes"` on
+//! `<html>` when it finished.
+
+use std::{collections::BTreeSet, fmt::Write as _, path::Path};
+
+use anyhow::{Context as _, Result};
+
+use super::{
+    ReportArgs,
+    chart::{self, Chart, Marker, Series, Unit},
+    directory::{self, Session},
+    flamegraph,
+    model::Profile,
+    stacks::{self, ProcessFilter},
+    suspects,
+    timeline::{self, memory_sum},
+    units::{self, escape_html},
+};
+
+/// Flamegraphs embedded besides the last profile's (evenly spaced over the session).
+pub const MAX_FLAMEGRAPHS: usize = 30;
+
+/// Bands stacked on the in-use chart; the rest is one "other" band.
+const MAX_BANDS: usize = 8;
+
+/// Colours of the bands, saturated enough to tell apart (and to find in a screenshot).
+const PALETTE: [&str; MAX_BANDS] = [
+    "#e4572e", "#2e86ab", "#f3a712", "#4caf50", "#9c27b0", "#00897b", "#d81b60", "#3f51b5",
+];
+/// The colour of the "other" band.
+const OTHER_COLOR: &str = "#c9b98f";
+
+/// A rectangle on the page, in CSS pixels from its top left corner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rect {
+    /// Left edge.
+    pub left: u32,
+    /// Top edge.
+    pub top: u32,
+    /// Width.
+    pub width: u32,
+    /// Height.
+    pub height: u32,
+}
+
+/// Where the page puts its charts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// The in-use timeline chart.
+    pub inuse: Rect,
+    /// The RSS chart.
+    pub rss: Rect,
+}
+
+/// The charts' fixed places: side by side under a header of fixed height, for a
+/// window at least 1260 pixels wide.
+pub const LAYOUT: Layout = Layout {
+    inuse: Rect {
+        left: 12,
+        top: 76,
+        width: 610,
+        height: 330,
+    },
+    rss: Rect {
+        left: 636,
+        top: 76,
+        width: 610,
+        height: 330,
+    },
+};
+
+impl Rect {
+    /// The plot inside a chart at this place: the chart less its margins.
+    pub fn plot(&self) -> Rect {
+        let (left, right, top, bottom) = chart::MARGINS;
+        Rect {
+            left: self.left + left,
+            top: self.top + top,
+            width: self.width - left - right,
+            height: self.height - top - bottom,
+        }
+    }
+}
+
+/// One embedded flamegraph.
+struct Flame {
+    /// The `<select>` label.
+    label: String,
+    /// `data:image/svg+xml;base64,...`.
+    url: String,
+    /// The SVG's height in pixels (the frame is sized to it).
+    height: u32,
+}
+
+/// Reads the session of `args.input` and writes its page to `page`.
+pub fn write_page(args: &ReportArgs, filter: ProcessFilter, page: &Path) -> Result<()> {
+    let mut flames = Vec::new();
+    let mut first_time = None;
+    let tracked = args.sample_index.as_str();
+    let session = directory::load(&args.input, tracked, filter, |index, count, profile| {
+        let start = *first_time.get_or_insert(profile.time_nanos);
+        // The last file is drawn after loading: it may be unreadable, and then the
+        // last readable profile is the one shown first.
+        if index + 1 < count && embedded(index, count) {
+            flames.push(flame(profile, tracked, filter, start)?);
+        }
+        Ok(())
+    })?;
+    let start = first_time.unwrap_or(session.last.time_nanos);
+    let last_flame = flame(&session.last, tracked, filter, start)?;
+    if flames.last().is_some_and(|f| f.label == last_flame.label) {
+        flames.pop();
+    }
+    flames.push(last_flame);
+    let html = render(&session, args.top, filter, &flames)?;
+    std::fs::write(page, html).with_context(|| {
+        format!(
+            "cannot write {}; choose another --html OUT.html",
+            page.display()
+        )
+    })
+}
+
+/// Whether file `index` of `count` gets a flamegraph: [`MAX_FLAMEGRAPHS`] evenly spaced.
+fn embedded(index: usize, count: usize) -> bool {
+    if count <= MAX_FLAMEGRAPHS + 1 {
+        return true;
+    }
+    let chosen: BTreeSet<usize> = (0..MAX_FLAMEGRAPHS)
+        .map(|k| k * (count - 1) / MAX_FLAMEGRAPHS)
+        .collect();
+    chosen.contains(&index)
+}
+
+/// The flamegraph of one profile, ready to embed.
+fn flame(profile: &Profile, tracked: &str, filter: ProcessFilter, start: i64) -> Result<Flame> {
+    let index = profile.sample_index(tracked)?;
+    let stacks: Vec<(String, i64)> = stacks::folded(profile, index, filter).into_iter().collect();
+    let name = profile
+        .path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    let when = units::seconds((profile.time_nanos - start) as f64 / 1e9);
+    let title = format!("{tracked} at {when} ({name})");
+    let unit = if tracked.ends_with("space") {
+        "bytes"
+    } else {
+        "objects"
+    };
+    let svg = flamegraph::render(&stacks, &title, unit)
+        .with_context(|| format!("drawing the flamegraph of {name}"))?;
+    let svg = framed(&String::from_utf8_lossy(&svg));
+    Ok(Flame {
+        label: format!("{when}: {name}"),
+        height: svg_height(&svg).unwrap_or(600),
+        url: format!("data:image/svg+xml;base64,{}", base64(svg.as_bytes())),
+    })
+}
+
+/// inferno's script saves the zoom in the URL with `history.replaceState`, which a
+/// `data:` frame may not do (the browser throws): the calls are made to fail quietly.
+fn framed(svg: &str) -> String {
+    const CALL: &str = "history.replaceState(";
+    if !svg.contains(CALL) {
+        return svg.to_owned();
+    }
+    let replaced = svg.replace(CALL, "heapprofdReplaceState(");
+    let helper = "function heapprofdReplaceState(state, title, url) {\n\
+                  try { history.replaceState(state, title, url); } catch (e) { /* a data: frame */ }\n\
+                  }\n";
+    match replaced.find("function init(") {
+        Some(at) => format!("{}{helper}{}", &replaced[..at], &replaced[at..]),
+        None => svg.to_owned(),
+    }
+}
+
+/// The `height` of the first `<svg>` element.
+fn svg_height(svg: &str) -> Option<u32> {
+    let tag_start = svg.find("<svg")?;
+    let tag = &svg[tag_start..tag_start + svg[tag_start..].find('>')?];
+    let value = tag.split(" height=\"").nth(1)?.split('"').next()?;
+    value
+        .trim_end_matches("px")
+        .parse::<f64>()
+        .ok()
+        .map(|h| h.ceil() as u32)
+}
+
+/// Standard base64 with padding (for `data:` URLs).
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// The peak to report: its value, when, and how it was found.
+#[derive(Debug, Clone, PartialEq)]
+struct Peak {
+    value: f64,
+    seconds: f64,
+    /// Seconds of the profile before it (the peak happened in between), if any.
+    after: Option<f64>,
+    exact: bool,
+}
+
+/// heapprofd's exact peak (one process, in bytes) when the last profile recorded it;
+/// else the largest total among the profiles.
+fn peak(session: &Session, single: Option<u32>) -> Option<Peak> {
+    let snapshots = &session.snapshots;
+    if let Some(pid) = single
+        && session.tracked == "inuse_space"
+    {
+        let recorded = |i: usize| {
+            snapshots[i]
+                .processes
+                .get(&pid)
+                .and_then(|p| p.memory.as_ref())
+                .and_then(|m| m.peak_inuse)
+        };
+        let last = (0..snapshots.len()).rev().find_map(recorded);
+        if let Some(value) = last {
+            // The first profile whose recorded peak reached it: it happened in the
+            // interval before.
+            let index = (0..snapshots.len())
+                .find(|&i| recorded(i).is_some_and(|p| p >= value))
+                .unwrap_or(snapshots.len() - 1);
+            return Some(Peak {
+                value: value as f64,
+                seconds: snapshots[index].seconds,
+                after: index.checked_sub(1).map(|i| snapshots[i].seconds),
+                exact: true,
+            });
+        }
+    }
+    let (index, value) = snapshots
+        .iter()
+        .enumerate()
+        .map(|(i, s)| (i, s.total().tracked))
+        .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)))?;
+    Some(Peak {
+        value: value as f64,
+        seconds: snapshots[index].seconds,
+        after: None,
+        exact: false,
+    })
+}
+
+/// The in-use chart: the top sites of the one process, or the top processes, stacked.
+fn inuse_chart(session: &Session, single: Option<u32>, peak: Option<&Peak>) -> Chart {
+    let times: Vec<f64> = session.snapshots.iter().map(|s| s.seconds).collect();
+    let tracked = |v: directory::Values| v.tracked as f64;
+    let mut stacked = Vec::new();
+    let mut named = vec![0.0; times.len()];
+    let mut push = |label: String, values: Vec<f64>, stacked: &mut Vec<Series>| {
+        for (sum, v) in named.iter_mut().zip(&values) {
+            *sum += v;
+        }
+        let color = PALETTE[stacked.len() % PALETTE.len()].to_owned();
+        stacked.push(Series {
+            label,
+            values: values.into_iter().map(Some).collect(),
+            color,
+            dashed: false,
+        });
+    };
+    let other_label = match single {
+        Some(pid) => {
+            for key in timeline::top_sites(session, Some(pid), MAX_BANDS) {
+                let values = session
+                    .snapshots
+                    .iter()
+                    .map(|s| tracked(s.site(key)))
+                    .collect();
+                push(session.site_name(key.site).to_owned(), values, &mut stacked);
+            }
+            "other sites"
+        }
+        None => {
+            for pid in timeline::top_processes(session, MAX_BANDS) {
+                let values = session
+                    .snapshots
+                    .iter()
+                    .map(|s| s.processes.get(&pid).map_or(0.0, |p| tracked(p.inuse)))
+                    .collect();
+                push(
+                    format!("{} ({pid})", session.comm(pid)),
+                    values,
+                    &mut stacked,
+                );
+            }
+            "other processes"
+        }
+    };
+    let totals: Vec<f64> = session
+        .snapshots
+        .iter()
+        .map(|s| tracked(s.total()))
+        .collect();
+    let other: Vec<Option<f64>> = totals
+        .iter()
+        .zip(&named)
+        .map(|(t, n)| Some((t - n).max(0.0)))
+        .collect();
+    if other.iter().flatten().any(|&v| v > 0.0) {
+        stacked.push(Series {
+            label: other_label.into(),
+            values: other,
+            color: OTHER_COLOR.into(),
+            dashed: false,
+        });
+    }
+    let unit = if session.tracked.ends_with("space") {
+        Unit::Bytes
+    } else {
+        Unit::Count
+    };
+    Chart {
+        id: "chart-inuse".into(),
+        title: format!("In use ({})", session.tracked),
+        width: LAYOUT.inuse.width,
+        height: LAYOUT.inuse.height,
+        lines: vec![Series {
+            label: "total".into(),
+            values: totals.into_iter().map(Some).collect(),
+            color: "#222".into(),
+            dashed: false,
+        }],
+        times,
+        stacked,
+        marker: peak.map(|p| Marker {
+            seconds: p.seconds,
+            value: p.value,
+            label: format!("peak {}", suspects::amount(&session.tracked, p.value)),
+        }),
+        note: None,
+        unit,
+    }
+}
+
+/// The RSS chart: heap in-use bytes filled, RSS, anonymous RSS and the `[heap]`
+/// segment as lines (summed over processes unless one is chosen).
+fn rss_chart(session: &Session, single: Option<u32>) -> Chart {
+    let times: Vec<f64> = session.snapshots.iter().map(|s| s.seconds).collect();
+    let memory: Vec<Option<crate::memstats::ProcessMemory>> = session
+        .snapshots
+        .iter()
+        .map(|s| match single {
+            Some(pid) => s.processes.get(&pid).and_then(|p| p.memory.clone()),
+            None => memory_sum(s),
+        })
+        .collect();
+    let inuse: Vec<Option<f64>> = session
+        .snapshots
+        .iter()
+        .map(|s| {
+            Some(match single {
+                Some(pid) => s.processes.get(&pid).map_or(0.0, |p| p.inuse.bytes as f64),
+                None => s.total().bytes as f64,
+            })
+        })
+        .collect();
+    let line = |label: &str,
+                color: &str,
+                dashed: bool,
+                field: fn(&crate::memstats::ProcessMemory) -> u64| Series {
+        label: label.into(),
+        values: memory
+            .iter()
+            .map(|m| m.as_ref().map(|m| field(m) as f64))
+            .collect(),
+        color: color.into(),
+        dashed,
+    };
+    let recorded = memory.iter().any(Option::is_some);
+    let whose = match single {
+        Some(pid) => format!("{} ({pid})", session.comm(pid)),
+        None => "all processes".into(),
+    };
+    Chart {
+        id: "chart-rss".into(),
+        title: format!("RSS beside the heap: {whose}"),
+        width: LAYOUT.rss.width,
+        height: LAYOUT.rss.height,
+        stacked: vec![Series {
+            label: "heap in use (inuse_space)".into(),
+            values: inuse,
+            color: "#7fb3d5".into(),
+            dashed: false,
+        }],
+        lines: if recorded {
+            vec![
+                line("VmRSS", "#c0392b", false, |m| m.vm_rss),
+                line("RssAnon", "#e67e22", false, |m| m.rss_anon),
+                line("[heap] segment", "#8e44ad", true, |m| m.heap),
+            ]
+        } else {
+            vec![]
+        },
+        times,
+        marker: None,
+        note: (!recorded).then(|| "no RSS recorded in these profiles".to_owned()),
+        unit: Unit::Bytes,
+    }
+}
+
+/// A legend: a swatch and a label per series.
+fn legend(chart: &Chart) -> String {
+    let mut html = String::from("<ul class=\"legend\">");
+    for series in chart.lines.iter().chain(chart.stacked.iter().rev()) {
+        let style = if series.dashed {
+            format!("border-top:3px dashed {}", series.color)
+        } else {
+            format!("background:{}", series.color)
+        };
+        let _ = write!(
+            html,
+            "<li><span class=\"swatch\" style=\"{}\"></span>{}</li>",
+            escape_html(&style),
+            escape_html(&series.label)
+        );
+    }
+    html.push_str("</ul>");
+    html
+}
+
+/// The one process the page follows (`--pid`, or the session's only one).
+fn single_process(session: &Session, filter: ProcessFilter) -> Option<u32> {
+    match filter {
+        ProcessFilter::Pid(pid) => Some(pid),
+        ProcessFilter::All => match session.pids().as_slice() {
+            [pid] => Some(*pid),
+            _ => None,
+        },
+    }
+}
+
+/// The whole page.
+fn render(
+    session: &Session,
+    top: usize,
+    filter: ProcessFilter,
+    flames: &[Flame],
+) -> Result<String> {
+    let single = single_process(session, filter);
+    let peak = peak(session, single);
+    let inuse = inuse_chart(session, single, peak.as_ref());
+    let rss = rss_chart(session, single);
+    let tracked = &session.tracked;
+    let mut html = String::new();
+    let title = format!("heapprofd report: {}", session.dir.display());
+    let _ = write!(
+        html,
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
+         <title>{}</title><style>{STYLE}</style>\
+         <script>{ERROR_SCRIPT}</script></head><body>",
+        escape_html(&title)
+    );
+    let who = match single {
+        Some(pid) => format!("process {pid} ({})", session.comm(pid)),
+        None => format!("{} processes", session.pids().len()),
+    };
+    let _ = write!(
+        html,
+        "<div id=\"head\"><h1>{}</h1><p>{} profile{} over {}, {}; values: {}.</p></div>",
+        escape_html(&title),
+        session.snapshots.len(),
+        if session.snapshots.len() == 1 {
+            ""
+        } else {
+            "s"
+        },
+        escape_html(&units::seconds(session.span_seconds())),
+        escape_html(&who),
+        escape_html(tracked)
+    );
+    let _ = write!(
+        html,
+        "<div id=\"charts\"><div class=\"chart\" style=\"left:{}px\">{}</div>\
+         <div class=\"chart\" style=\"left:{}px\">{}</div></div>",
+        LAYOUT.inuse.left,
+        inuse.svg(),
+        LAYOUT.rss.left,
+        rss.svg()
+    );
+    html.push_str("<div id=\"rest\">");
+    let _ = write!(
+        html,
+        "<div class=\"legends\"><div>{}</div><div>{}</div></div>",
+        legend(&inuse),
+        legend(&rss)
+    );
+    peak_section(&mut html, session, peak.as_ref());
+    suspects_section(&mut html, session, top);
+    flame_section(&mut html, flames);
+    top_section(&mut html, session, top, filter)?;
+    if single.is_none() {
+        processes_section(&mut html, session);
+    }
+    let _ = writeln!(
+        html,
+        "<section id=\"error-box\" hidden><h2>Script errors</h2><ul id=\"errors\"></ul></section></div>\
+         <script type=\"application/json\" id=\"flame-data\">{}</script>\
+         <script>{PAGE_SCRIPT}</script></body></html>",
+        flame_json(flames)
+    );
+    Ok(html)
+}
+
+fn peak_section(html: &mut String, session: &Session, peak: Option<&Peak>) {
+    html.push_str("<h2 id=\"peak\">Peak</h2>");
+    let Some(peak) = peak else {
+        html.push_str("<p>No profile.</p>");
+        return;
+    };
+    let amount = suspects::amount(&session.tracked, peak.value);
+    let text = if peak.exact {
+        match peak.after {
+            Some(after) => format!(
+                "{amount} in use at most (heapprofd's exact count), reached between {} and {} after the first profile.",
+                units::seconds(after),
+                units::seconds(peak.seconds)
+            ),
+            None => format!(
+                "{amount} in use at most (heapprofd's exact count), reached by the first profile."
+            ),
+        }
+    } else {
+        format!(
+            "{amount} in use in the largest profile, at {} (between profiles it may have been higher; \
+             heapprofd's exact peak was not recorded).",
+            units::seconds(peak.seconds)
+        )
+    };
+    let _ = write!(html, "<p id=\"peak-text\">{}</p>", escape_html(&text));
+}
+
+fn suspects_section(html: &mut String, session: &Session, top: usize) {
+    let found = suspects::find(session, top);
+    let _ = write!(
+        html,
+        "<h2>Leak suspects</h2><p class=\"note\">Sites whose {} grew steadily: ranked by slope × tau \
+         (Kendall's rank correlation with time); tau ≥ {}, growth ≥ {:.0}% of the mean, still growing \
+         in the later half, at least {} profiles.</p>",
+        escape_html(&session.tracked),
+        suspects::MIN_TAU,
+        suspects::MIN_RELATIVE_GROWTH * 100.0,
+        suspects::MIN_PROFILES
+    );
+    if found.is_empty() {
+        html.push_str("<p id=\"no-suspects\">No suspects.</p>");
+        return;
+    }
+    html.push_str(
+        "<table id=\"suspects\"><tr><th>rank</th><th>pid</th><th>first</th><th>last</th>\
+         <th>growth</th><th>slope</th><th>tau</th><th>site</th></tr>",
+    );
+    let tracked = &session.tracked;
+    for (rank, s) in found.iter().enumerate() {
+        let t = &s.trend;
+        let _ = write!(
+            html,
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}/s</td><td>{:.2}</td><td class=\"site\">{}</td></tr>",
+            rank + 1,
+            s.key.pid,
+            escape_html(&suspects::amount(tracked, t.first)),
+            escape_html(&suspects::amount(tracked, t.last)),
+            escape_html(&suspects::amount(tracked, t.last - t.first)),
+            escape_html(&suspects::amount(tracked, t.slope)),
+            t.tau,
+            escape_html(session.site_name(s.key.site))
+        );
+    }
+    html.push_str("</table>");
+}
+
+fn flame_section(html: &mut String, flames: &[Flame]) {
+    html.push_str("<h2>Flamegraph</h2>");
+    let Some(last) = flames.last() else {
+        return;
+    };
+    let _ = write!(
+        html,
+        "<p class=\"note\">{} of the session's profiles are embedded (at most {MAX_FLAMEGRAPHS} evenly \
+         spaced, and the last). Click a frame to zoom in.</p><select id=\"flame-select\">",
+        flames.len()
+    );
+    for (i, flame) in flames.iter().enumerate() {
+        let selected = if i + 1 == flames.len() {
+            " selected"
+        } else {
+            ""
+        };
+        let _ = write!(
+            html,
+            "<option value=\"{i}\"{selected}>{}</option>",
+            escape_html(&flame.label)
+        );
+    }
+    let _ = write!(
+        html,
+        "</select><br><iframe id=\"flame\" title=\"flamegraph\" src=\"{}\" style=\"height:{}px\"></iframe>",
+        last.url, last.height
+    );
+}
+
+/// The flamegraphs for the script: `[{"url": ..., "height": ...}]`. The URLs are
+/// base64 (no character needs escaping in JSON or before `</script>`).
+fn flame_json(flames: &[Flame]) -> String {
+    let items: Vec<String> = flames
+        .iter()
+        .map(|f| format!("{{\"url\":\"{}\",\"height\":{}}}", f.url, f.height))
+        .collect();
+    format!("[{}]", items.join(","))
+}
+
+fn top_section(
+    html: &mut String,
+    session: &Session,
+    top: usize,
+    filter: ProcessFilter,
+) -> Result<()> {
+    let last = &session.last;
+    let index = last.sample_index(&session.tracked)?;
+    let total = last
+        .samples
+        .iter()
+        .filter(|s| match filter {
+            ProcessFilter::All => true,
+            ProcessFilter::Pid(pid) => s.pid == Some(pid),
+        })
+        .map(|s| s.values[index])
+        .sum::<i64>();
+    let _ = write!(
+        html,
+        "<h2>Top sites of the last profile</h2><p class=\"note\">{}, by {}; total {}.</p>\
+         <table id=\"top\"><tr><th>rank</th><th>{}</th><th>%</th>",
+        escape_html(
+            &session
+                .snapshots
+                .last()
+                .map_or_else(String::new, |s| s.file_name.clone())
+        ),
+        escape_html(&session.tracked),
+        escape_html(&suspects::amount(&session.tracked, total as f64)),
+        escape_html(&session.tracked),
+    );
+    let others: Vec<(usize, &str)> = ["inuse_objects", "alloc_space", "alloc_objects"]
+        .into_iter()
+        .filter(|t| *t != session.tracked)
+        .filter_map(|t| last.sample_index(t).ok().map(|i| (i, t)))
+        .collect();
+    for (_, name) in &others {
+        let _ = write!(html, "<th>{}</th>", escape_html(name));
+    }
+    html.push_str("<th>site</th></tr>");
+    for (rank, site) in stacks::top_sites(last, index, top, filter)
+        .iter()
+        .enumerate()
+    {
+        let value = site.values[index];
+        let share = if total > 0 {
+            100.0 * value as f64 / total as f64
+        } else {
+            0.0
+        };
+        let _ = write!(
+            html,
+            "<tr><td>{}</td><td>{}</td><td>{share:.1}</td>",
+            rank + 1,
+            escape_html(&suspects::amount(&session.tracked, value as f64))
+        );
+        for (i, name) in &others {
+            let _ = write!(
+                html,
+                "<td>{}</td>",
+                escape_html(&suspects::amount(name, site.values[*i] as f64))
+            );
+        }
+        let _ = write!(
+            html,
+            "<td class=\"site\">{}</td></tr>",
+            escape_html(&site.description)
+        );
+    }
+    html.push_str("</table>");
+    Ok(())
+}
+
+fn processes_section(html: &mut String, session: &Session) {
+    html.push_str(
+        "<h2>Processes</h2><table id=\"processes\"><tr><th>pid</th><th>comm</th><th>largest</th>\
+         <th>last</th><th>last VmRSS</th><th>exact peak</th></tr>",
+    );
+    let tracked = &session.tracked;
+    for pid in timeline::top_processes(session, 0) {
+        let largest = session
+            .snapshots
+            .iter()
+            .filter_map(|s| s.processes.get(&pid))
+            .map(|p| p.inuse.tracked)
+            .max()
+            .unwrap_or(0);
+        let last = session
+            .snapshots
+            .iter()
+            .rev()
+            .find_map(|s| s.processes.get(&pid));
+        let memory = last.and_then(|p| p.memory.as_ref());
+        let _ = write!(
+            html,
+            "<tr><td>{pid}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            escape_html(session.comm(pid)),
+            escape_html(&suspects::amount(tracked, largest as f64)),
+            escape_html(&suspects::amount(
+                tracked,
+                last.map_or(0.0, |p| p.inuse.tracked as f64)
+            )),
+            memory.map_or_else(String::new, |m| escape_html(&units::bytes(m.vm_rss as f64))),
+            memory
+                .and_then(|m| m.peak_inuse)
+                .map_or_else(String::new, |p| escape_html(&units::bytes(p as f64))),
+        );
+    }
+    html.push_str("</table>");
+}
+
+const STYLE: &str = "\
+body{margin:0;font:14px sans-serif;color:#222;background:#fff}\
+#head{position:absolute;left:0;top:0;width:1236px;height:72px;padding:0 12px;overflow:hidden}\
+#head h1{font-size:20px;margin:10px 0 4px;white-space:nowrap;overflow:hidden;text-overflow:ellipsis}\
+#head p{margin:0;color:#444}\
+#charts{position:absolute;left:0;top:76px;width:1260px;height:330px}\
+.chart{position:absolute;top:0}\
+#rest{position:absolute;left:0;top:410px;right:0;padding:0 12px 24px}\
+.legends{display:flex;gap:14px}\
+.legends>div{width:610px}\
+ul.legend{list-style:none;margin:0;padding:0;font-size:12px}\
+ul.legend li{margin:2px 0;overflow-wrap:anywhere}\
+.swatch{display:inline-block;width:14px;height:10px;margin-right:6px;vertical-align:middle}\
+h2{font-size:16px;margin:22px 0 6px}\
+.note{color:#555;font-size:12px;margin:4px 0}\
+table{border-collapse:collapse;font-size:12px}\
+th,td{border-bottom:1px solid #ddd;padding:3px 8px;text-align:right;vertical-align:top}\
+td.site,th:last-child{text-align:left;font-family:monospace;overflow-wrap:anywhere}\
+#flame{width:100%;max-width:1240px;border:1px solid #ccc;margin-top:6px}\
+#error-box h2{color:#b00020}";
+
+/// Runs first: errors anywhere on the page are written into it, for people and tests.
+const ERROR_SCRIPT: &str = "\
+window.onerror = function (message, source, line) {\
+  var list = document.getElementById('errors');\
+  var text = String(message) + ' (' + source + ':' + line + ')';\
+  if (list) { var item = document.createElement('li'); item.textContent = text; list.appendChild(item); }\
+  var box = document.getElementById('error-box');\
+  if (box) { box.hidden = false; }\
+  var count = Number(document.documentElement.getAttribute('data-errors') || '0') + 1;\
+  document.documentElement.setAttribute('data-errors', String(count));\
+  document.documentElement.setAttribute('data-last-error', text);\
+};";
+
+/// Switches the flamegraph; marks the page ready when done.
+const PAGE_SCRIPT: &str = "\
+(function () {\
+  'use strict';\
+  var flames = JSON.parse(document.getElementById('flame-data').textContent);\
+  var select = document.getElementById('flame-select');\
+  var frame = document.getElementById('flame');\
+  if (select && frame) {\
+    select.addEventListener('change', function () {\
+      var flame = flames[Number(select.value)];\
+      if (flame) { frame.src = flame.url; frame.style.height = flame.height + 'px'; }\
+    });\
+  }\
+  document.documentElement.setAttribute('data-report-ready', 'yes');\
+})();";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{memstats::ProcessMemory, report::directory::tests::session};
+
+    #[test]
+    fn base64_as_the_standard_says() {
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foobar"), "Zm9vYmFy");
+    }
+
+    #[test]
+    fn evenly_spaced_flamegraphs() {
+        assert!((0..10).all(|i| embedded(i, 10)));
+        let chosen = (0..100).filter(|&i| embedded(i, 100)).count();
+        assert_eq!(chosen, MAX_FLAMEGRAPHS);
+        assert!(embedded(0, 100));
+    }
+
+    #[test]
+    fn the_peak_is_the_exact_one_when_recorded() {
+        let mut s = session(&["a"], &[vec![100, 300, 200, 250]]);
+        assert_eq!(
+            peak(&s, Some(1)),
+            Some(Peak {
+                value: 300.0,
+                seconds: 1.0,
+                after: None,
+                exact: false
+            })
+        );
+        for (i, recorded) in [120, 400, 400, 400].into_iter().enumerate() {
+            s.snapshots[i].processes.get_mut(&1).expect("pid 1").memory = Some(ProcessMemory {
+                pid: 1,
+                peak_inuse: Some(recorded),
+                ..ProcessMemory::default()
+            });
+        }
+        assert_eq!(
+            peak(&s, Some(1)),
+            Some(Peak {
+                value: 400.0,
+                seconds: 1.0,
+                after: Some(0.0),
+                exact: true
+            })
+        );
+    }
+
+    #[test]
+    fn the_page_escapes_names_and_fetches_nothing() {
+        let s = session(
+            &[
+                "operator new in f<std::map<int, int>> <- main",
+                "malloc in <script>alert(1)</script>",
+            ],
+            &[vec![0, 4096, 8192, 12288], vec![10, 10, 10, 10]],
+        );
+        let flames = [Flame {
+            label: "a<b>".into(),
+            url: "data:image/svg+xml;base64,AAAA".into(),
+            height: 100,
+        }];
+        let html = render(&s, 20, ProcessFilter::All, &flames).expect("page");
+        assert!(!html.contains("<script>alert"), "unescaped name");
+        assert!(html.contains("f&lt;std::map&lt;int, int&gt;&gt;"));
+        assert!(html.contains("a&lt;b&gt;"));
+        assert!(html.contains("no RSS recorded"));
+        assert!(html.contains("id=\"suspects\""), "the leak is a suspect");
+        for fetch in ["src=\"http", "href=", "url(", "@import"] {
+            assert!(!html.contains(fetch), "{fetch} in the page");
+        }
+    }
+
+    #[test]
+    fn flamegraph_frames_save_their_zoom_quietly() {
+        let svg = "<svg height=\"342\" width=\"1200\"><script>function init(evt) {}\nhistory.replaceState(null, null, x);</script></svg>";
+        let framed = framed(svg);
+        assert!(framed.contains("heapprofdReplaceState(null, null, x)"));
+        assert!(framed.contains("try { history.replaceState(state"));
+        assert_eq!(svg_height(&framed), Some(342));
+    }
+}
