@@ -38,11 +38,17 @@ pub struct Site {
     pub values: Vec<i64>,
 }
 
-/// The name of a sample's site.
+/// The name of a sample's site: the allocator and up to [`SITE_CALLERS`] callers,
+/// none above `main`.
 pub fn site_description(sample: &Sample) -> String {
     let mut frames = sample.frames();
     let allocator = frames.next().unwrap_or("[unknown]");
-    let callers: Vec<&str> = frames.take(SITE_CALLERS).collect();
+    // The C runtime's start code above `main` says nothing about the site.
+    let mut reached_main = false;
+    let callers: Vec<&str> = frames
+        .take_while(|&frame| !std::mem::replace(&mut reached_main, frame == "main"))
+        .take(SITE_CALLERS)
+        .collect();
     if callers.is_empty() {
         allocator.to_owned()
     } else {
@@ -240,6 +246,18 @@ mod tests {
         assert_eq!(top[0].description, "malloc in b <- a <- main");
         assert_eq!(top[0].values, vec![3, 80, 2, 48]);
         assert_eq!(top[1].description, "calloc in c;d <- main");
+    }
+
+    #[test]
+    fn sites_end_at_main() {
+        let s = sample(
+            1,
+            &["malloc", "a", "main", "__libc_start_call_main", "_start"],
+            [1; 4],
+        );
+        assert_eq!(site_description(&s), "malloc in a <- main");
+        let deep = sample(1, &["malloc", "f1", "f2", "f3", "f4", "f5", "main"], [1; 4]);
+        assert_eq!(site_description(&deep), "malloc in f1 <- f2 <- f3 <- f4");
     }
 
     #[test]
