@@ -302,6 +302,37 @@ fn check_legacy(profile: &OsStr, program: &Path, dir: &Path) {
     }
 }
 
+/// The session formats on a one-profile session: the timeline's rows hold the exact
+/// in-use of the process and of each site; one profile makes no suspect.
+fn check_session_formats(dir: &Path, totals: [i64; 4]) {
+    let csv = report_ok(&[dir.as_os_str(), "--format".as_ref(), "timeline".as_ref()]);
+    let rows: Vec<Vec<&str>> = csv
+        .lines()
+        .skip(1)
+        .map(|l| l.split(',').collect())
+        .collect();
+    let inuse_of = |site: &str| -> Option<i64> {
+        rows.iter()
+            .find(|row| row[4] == site)
+            .and_then(|row| row[5].parse().ok())
+    };
+    assert_eq!(inuse_of("*"), Some(totals[3]), "{csv}");
+    assert_eq!(inuse_of("malloc in a <- main"), Some(1000), "{csv}");
+    assert_eq!(inuse_of("malloc in b <- a <- main"), Some(100), "{csv}");
+    assert_eq!(inuse_of("malloc in b <- main"), Some(100), "{csv}");
+    let process_row = rows
+        .iter()
+        .find(|row| row[4] == "*")
+        .expect("a process row");
+    let vm_rss: i64 = process_row[7].parse().unwrap_or(0);
+    assert!(vm_rss > 0, "the process row carries its RSS: {csv}");
+    let suspects = report_ok(&[dir.as_os_str(), "--format".as_ref(), "suspects".as_ref()]);
+    assert!(
+        suspects.contains("No suspects: a trend needs at least 3 profiles"),
+        "{suspects}"
+    );
+}
+
 #[test]
 fn every_format_of_a_real_profile() {
     require_root();
@@ -313,6 +344,7 @@ fn every_format_of_a_real_profile() {
     check_collapsed(profile.as_os_str(), totals);
     check_flamegraph(profile.as_os_str(), dir.path());
     check_legacy(profile.as_os_str(), &program, dir.path());
+    check_session_formats(&dir.path().join("profiles"), totals);
 
     // A directory: its newest profile, named on standard error.
     let output = report(&[dir.path().join("profiles").as_os_str()]);
