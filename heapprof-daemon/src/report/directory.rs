@@ -79,6 +79,8 @@ pub struct Snapshot {
     pub processes: BTreeMap<u32, ProcessPoint>,
     /// In-use per site; a site absent here held nothing at this time.
     pub sites: HashMap<SiteKey, Values>,
+    /// The kernel's slab totals (kernel-mode profiles).
+    pub kernel_memory: Option<crate::memstats::KernelMemory>,
 }
 
 impl Snapshot {
@@ -293,6 +295,7 @@ fn reduce(
             .path
             .file_name()
             .map_or_else(String::new, |n| n.to_string_lossy().into_owned()),
+        kernel_memory: profile.kernel_memory,
         ..Snapshot::default()
     };
     for sample in &profile.samples {

@@ -406,6 +406,9 @@ fn rss_chart(session: &Session, single: Option<u32>) -> Chart {
         dashed,
     };
     let recorded = memory.iter().any(Option::is_some);
+    if !recorded && session.snapshots.iter().any(|s| s.kernel_memory.is_some()) {
+        return slab_chart(session, times, inuse);
+    }
     let whose = match single {
         Some(pid) => format!("{} ({pid})", session.comm(pid)),
         None => "all processes".into(),
@@ -433,6 +436,42 @@ fn rss_chart(session: &Session, single: Option<u32>) -> Chart {
         times,
         marker: None,
         note: (!recorded).then(|| "no RSS recorded in these profiles".to_owned()),
+        unit: Unit::Bytes,
+    }
+}
+
+/// The kernel-mode counterpart of the RSS chart: the traced kernel heap filled, the
+/// kernel's slab totals (`Slab`, `SUnreclaim`) as lines.
+fn slab_chart(session: &Session, times: Vec<f64>, inuse: Vec<Option<f64>>) -> Chart {
+    let line =
+        |label: &str, color: &str, field: fn(&crate::memstats::KernelMemory) -> u64| Series {
+            label: label.into(),
+            values: session
+                .snapshots
+                .iter()
+                .map(|s| s.kernel_memory.as_ref().map(|m| field(m) as f64))
+                .collect(),
+            color: color.into(),
+            dashed: false,
+        };
+    Chart {
+        id: "chart-rss".into(),
+        title: "Slab beside the traced kernel heap".into(),
+        width: LAYOUT.rss.width,
+        height: LAYOUT.rss.height,
+        stacked: vec![Series {
+            label: "traced kernel heap in use (inuse_space)".into(),
+            values: inuse,
+            color: "#7fb3d5".into(),
+            dashed: false,
+        }],
+        lines: vec![
+            line("Slab", "#c0392b", |m| m.slab),
+            line("SUnreclaim", "#e67e22", |m| m.slab_unreclaimable),
+        ],
+        times,
+        marker: None,
+        note: None,
         unit: Unit::Bytes,
     }
 }
@@ -882,6 +921,21 @@ mod tests {
         for fetch in ["src=\"http", "href=", "url(", "@import"] {
             assert!(!html.contains(fetch), "{fetch} in the page");
         }
+    }
+
+    #[test]
+    fn kernel_sessions_chart_the_slab_instead_of_rss() {
+        let mut s = session(&["kmalloc in f"], &[vec![100, 200]]);
+        for snapshot in &mut s.snapshots {
+            snapshot.kernel_memory = Some(crate::memstats::KernelMemory {
+                slab: 1 << 20,
+                slab_unreclaimable: 1 << 19,
+            });
+        }
+        let html = render(&s, 20, ProcessFilter::All, &[]).expect("page");
+        assert!(html.contains("Slab beside the traced kernel heap"));
+        assert!(html.contains("SUnreclaim"));
+        assert!(!html.contains("no RSS recorded"));
     }
 
     #[test]
