@@ -1,11 +1,12 @@
 //! heapprofd's developer commands: `cargo xtask setup | build | run | test | vm-test |
-//! stress | soak | bench`.
+//! stress | soak | bench | package`.
 //!
 //! Every command first installs what it needs (see `setup`), so the README's two
 //! commands work on a fresh machine with only rustup.
 
 mod bench;
 mod cross;
+mod package;
 mod remote;
 mod setup;
 mod soak;
@@ -59,7 +60,7 @@ enum Cmd {
         args: Vec<String>,
     },
     /// Run the whole test suite: formatting, clippy, unit and BPF integration tests,
-    /// the static aarch64 build and the arm64 VM test.
+    /// the static aarch64 build, the arm64 VM test, and the Debian package.
     Test,
     /// Only the arm64 VM test: the static aarch64 heapprofd under Debian's arm64 6.1
     /// kernel in qemu, with and without BTF.
@@ -86,6 +87,14 @@ enum Cmd {
         /// Only this workload (repeatable): pairs, churn, perl, cxx_stl, python3.
         #[arg(long, value_name = "WORKLOAD")]
         only: Vec<String>,
+    },
+    /// Build a Debian package of heapprofd (release binary, systemd unit, README) into
+    /// target/package/heapprofd_VERSION_ARCH.deb and print its path.
+    Package {
+        /// Also check it: contents, modes, control fields, and `systemd-analyze verify`
+        /// on its unit.
+        #[arg(long)]
+        check: bool,
     },
 }
 
@@ -178,6 +187,12 @@ fn run(args: Args) -> Result<()> {
             let heapprofd = build_release()?;
             bench::bench(&heapprofd, &bench::Options { runs, quick, only })
         }
+        Cmd::Package { check } => {
+            setup::ensure(setup::Needs::Package)?;
+            let deb = package::package(check)?;
+            println!("{}", deb.display());
+            Ok(())
+        }
     }
 }
 
@@ -201,6 +216,15 @@ pub fn cargo_home() -> PathBuf {
 
 fn home() -> PathBuf {
     std::env::var_os("HOME").map_or_else(|| PathBuf::from("/root"), PathBuf::from)
+}
+
+/// Cargo's target directory: `$CARGO_TARGET_DIR` when set (relative to the workspace),
+/// else `target/` in the workspace.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) if !dir.is_empty() => workspace_root().join(dir),
+        _ => workspace_root().join("target"),
+    }
 }
 
 /// The repository's top directory.
@@ -258,7 +282,7 @@ fn build_release() -> Result<PathBuf> {
     cargo()
         .args(["build", "--release", "-p", "heapprof-daemon"])
         .run()?;
-    Ok(workspace_root().join("target/release/heapprofd"))
+    Ok(target_dir().join("release/heapprofd"))
 }
 
 fn run_heapprofd(heapprofd: &Path, args: &[String]) -> Result<std::process::ExitStatus> {
@@ -337,7 +361,11 @@ fn test() -> Result<()> {
         .args(["test", "--workspace"])
         .env("RUST_BACKTRACE", "1")
         .envs(vm_env)
-        .run()
+        .run()?;
+    // The unit tests check the package's layout around a stand-in binary; this is the
+    // real `cargo xtask package`, checked the same way.
+    step("building the Debian package and checking it");
+    package::package(true).map(|_| ())
 }
 
 /// What the arm64 VM test needs, as the environment it reads: the static aarch64

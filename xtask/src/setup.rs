@@ -4,7 +4,8 @@
 //! - bpf-linker built against the nightly's own libLLVM (their LLVM majors must match);
 //! - Debian packages: a C compiler, and for the tests golang-go (pprof), valgrind and
 //!   bpftrace (the kernel-mode test's independent count, and the benchmark's baseline),
-//!   google-perftools and chromium (the report tests).
+//!   google-perftools and chromium (the report tests), dpkg-dev and systemd (the
+//!   Debian package and its unit's check).
 
 use std::{
     path::{Path, PathBuf},
@@ -26,6 +27,8 @@ pub enum Needs {
     Test,
     /// What the benchmark uses (the same as the tests).
     Bench,
+    /// What building and checking the Debian package uses: Build's, dpkg-dev, systemd.
+    Package,
 }
 
 /// Runs every install step that is needed.
@@ -35,6 +38,11 @@ pub fn ensure(needs: Needs) -> Result<()> {
     ensure_bpf_linker()?;
     let mut packages = vec!["gcc", "libc6-dev"];
     if needs != Needs::Build {
+        // The Debian package: dpkg-shlibdeps computes its Depends, systemd-analyze
+        // verifies its unit.
+        packages.extend(["dpkg-dev", "systemd"]);
+    }
+    if matches!(needs, Needs::Test | Needs::Bench) {
         packages.extend(["golang-go", "valgrind", "bpftrace", "bpftool"]);
         // The true-stacks tests: a C++ program (g++), Debian's python3 and sqlite3 as
         // real targets, glibc's separate debug symbols (valgrind depends on them too),
