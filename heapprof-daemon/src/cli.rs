@@ -1,10 +1,10 @@
 //! Command-line interface: flags, their validation and the traced target.
 
-use std::{path::PathBuf, time::Duration};
+use std::{num::NonZeroUsize, path::PathBuf, time::Duration};
 
 use clap::Parser;
 
-use crate::probes::placement::PlacementMode;
+use crate::{pprof::retention::RetentionPolicy, probes::placement::PlacementMode};
 
 /// eBPF heap profiler: live and cumulative heap usage per call stack, written as Go-pprof heap profiles.
 #[derive(Debug, Parser)]
@@ -46,6 +46,22 @@ pub struct Cli {
     /// Stop after this long, writing a final profile (default: until the target exits or SIGINT/SIGTERM).
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub duration: Option<Duration>,
+
+    /// Keep only the N newest profiles in the output directory (those of earlier runs
+    /// included): older ones are deleted after each profile is written.
+    #[arg(long, value_name = "N", value_parser = parse_keep)]
+    pub keep: Option<NonZeroUsize>,
+
+    /// Delete profiles older than this from the output directory (by the time in
+    /// their names) after each profile is written, e.g. 7d, 12h. The newest stays.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub keep_for: Option<Duration>,
+
+    /// With --all: forget processes that exited more than DURATION ago (their sites,
+    /// mappings and figures leave later profiles and the daemon's memory), e.g. 1h.
+    /// Default: kept to the end of the run.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub retain_exited: Option<Duration>,
 
     /// The C library to probe, when it cannot be found from the target's mappings.
     #[arg(long, value_name = "PATH", conflicts_with = "kernel")]
@@ -179,6 +195,27 @@ impl Cli {
     /// The single target the flags name, or a message saying how to name one. In
     /// kernel mode no target means every process.
     pub fn target(&self) -> Result<Target, String> {
+        let target = self.named_target()?;
+        if self.retain_exited.is_some() && (self.kernel || target != Target::All) {
+            return Err(
+                "--retain-exited applies to --all only (with another target, or in kernel \
+                 mode, nothing of exited processes is kept for it to forget): drop it, or \
+                 trace with --all"
+                    .into(),
+            );
+        }
+        Ok(target)
+    }
+
+    /// The retention of the output directory the flags ask for.
+    pub fn retention(&self) -> RetentionPolicy {
+        RetentionPolicy {
+            keep: self.keep,
+            keep_for: self.keep_for,
+        }
+    }
+
+    fn named_target(&self) -> Result<Target, String> {
         if self.kernel && self.pid.is_none() && self.command.is_empty() {
             return Ok(Target::All);
         }
@@ -195,7 +232,7 @@ impl Cli {
     }
 }
 
-/// Parses `10s`, `500ms`, `2m`, `1h` or a bare number of seconds.
+/// Parses `10s`, `500ms`, `2m`, `1h`, `7d` or a bare number of seconds.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let split = text
@@ -210,9 +247,10 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         "ms" => value / 1000.0,
         "m" | "min" => value * 60.0,
         "h" => value * 3600.0,
+        "d" => value * 86400.0,
         _ => {
             return Err(format!(
-                "unknown unit `{unit}` in `{text}`; use ms, s, m or h"
+                "unknown unit `{unit}` in `{text}`; use ms, s, m, h or d"
             ));
         }
     };
@@ -261,6 +299,14 @@ pub fn parse_sample_rate(text: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
+fn parse_keep(text: &str) -> Result<NonZeroUsize, String> {
+    text.trim()
+        .parse::<usize>()
+        .ok()
+        .and_then(NonZeroUsize::new)
+        .ok_or_else(|| format!("`{text}` is not a number of profiles to keep; give 1 or more"))
+}
+
 fn parse_capacity(text: &str) -> Result<u32, String> {
     let value: u32 = text
         .parse()
@@ -283,6 +329,7 @@ mod tests {
         assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
         assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
         assert_eq!(parse_duration("3"), Ok(Duration::from_secs(3)));
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86400)));
         assert!(parse_duration("0s").is_err());
         assert!(parse_duration("ten").is_err());
         assert!(parse_duration("5y").is_err());
@@ -299,6 +346,37 @@ mod tests {
         assert!(parse_sample_rate("2TiB").is_err());
         assert!(parse_sample_rate("lots").is_err());
         assert!(parse_sample_rate("5 parsecs").is_err());
+    }
+
+    #[test]
+    fn retention_flags_parse_and_check_their_target() {
+        let cli = |args: &[&str]| Cli::try_parse_from(args).map(|c| (c.target(), c.retention()));
+        let (target, policy) =
+            cli(&["heapprofd", "--all", "--keep", "3", "--keep-for", "2d"]).expect("valid flags");
+        assert_eq!(target, Ok(Target::All));
+        assert_eq!(policy.keep.map(NonZeroUsize::get), Some(3));
+        assert_eq!(policy.keep_for, Some(Duration::from_secs(2 * 86400)));
+        assert!(cli(&["heapprofd", "--all", "--keep", "0"]).is_err());
+        assert!(cli(&["heapprofd", "--all", "--keep", "-1"]).is_err());
+        assert!(cli(&["heapprofd", "--all", "--keep-for", "0s"]).is_err());
+        assert!(cli(&["heapprofd", "--all", "--retain-exited", "soon"]).is_err());
+        assert!(matches!(
+            cli(&["heapprofd", "--all", "--retain-exited", "10m"]),
+            Ok((Ok(Target::All), _))
+        ));
+        for other in [
+            &["heapprofd", "--pid", "7", "--retain-exited", "1h"][..],
+            &["heapprofd", "--retain-exited", "1h", "--", "ls"],
+            &["heapprofd", "--kernel", "--retain-exited", "1h"],
+        ] {
+            let Ok((Err(message), _)) = cli(other) else {
+                panic!("{other:?} accepted");
+            };
+            assert!(
+                message.contains("--retain-exited applies to --all"),
+                "{message}"
+            );
+        }
     }
 
     #[test]

@@ -175,6 +175,21 @@ impl ObjectCache {
         })
     }
 
+    /// Takes out of the cache the objects nothing else holds (no process known
+    /// maps them any more) and returns them: they close when dropped.
+    pub fn release_unused(&mut self) -> Vec<Arc<ObjectFile>> {
+        let unused: Vec<(u64, u64)> = self
+            .objects
+            .iter()
+            .filter(|(_, object)| Arc::strong_count(object) == 1)
+            .map(|(key, _)| *key)
+            .collect();
+        unused
+            .iter()
+            .filter_map(|key| self.objects.remove(key))
+            .collect()
+    }
+
     fn open(&mut self, map_file: &Path, label: &str) -> io::Result<Arc<ObjectFile>> {
         let file = File::open(map_file)?;
         let meta = file.metadata()?;
@@ -264,5 +279,18 @@ mod tests {
             "test binary has a build-id"
         );
         assert!(maps.find(0).is_none());
+    }
+
+    #[test]
+    fn releases_only_the_objects_nothing_holds() {
+        let mut cache = ObjectCache::default();
+        let maps = cache.read_process(std::process::id()).expect("own maps");
+        assert!(!maps.regions.is_empty());
+        assert!(cache.release_unused().is_empty(), "all mapped");
+        let count = cache.objects.len();
+        drop(maps);
+        let released = cache.release_unused();
+        assert_eq!(released.len(), count);
+        assert!(cache.objects.is_empty());
     }
 }

@@ -228,6 +228,36 @@ impl Maps {
         Ok(())
     }
 
+    /// Forgets the retired sites of processes `pids` (exited long enough ago, see
+    /// `--retain-exited`) and their cached stacks: later profiles no longer show
+    /// them. Returns how many sites were forgotten.
+    pub fn forget_processes(&mut self, pids: &HashSet<u32>) -> usize {
+        let mut stacks = HashSet::new();
+        let before = self.retired.len();
+        self.retired.retain(|key, _| {
+            let forget = pids.contains(&key.tgid);
+            if forget {
+                stacks.insert(key.stack);
+            }
+            !forget
+        });
+        // A stack's hash covers its process: only theirs can go, unless a site kept
+        // shares it (a hash collision).
+        for key in self.retired.keys() {
+            stacks.remove(&key.stack);
+        }
+        for stack in &stacks {
+            self.stack_cache.remove(stack);
+        }
+        // Gone with their retirement already; a process that left no site still
+        // may have entries.
+        for pid in pids {
+            let _ = self.exec_gen.remove(pid);
+            let _ = self.usage.remove(pid);
+        }
+        before - self.retired.len()
+    }
+
     /// Retires the images that processes have replaced by exec: `current` maps each
     /// process to its generation now; sites of earlier generations keep their
     /// allocations, and their memory, gone with the old address space, is no longer

@@ -11,6 +11,7 @@ use super::Started;
 use crate::{
     cli::{Cli, Target},
     launch::{ChildEvent, PausedChild, Relayed, SignalRelay},
+    pprof::retention::Pruner,
     session,
 };
 
@@ -71,6 +72,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     let mut relay = child_pid.map(SignalRelay::new);
     let mut exec_events = session.take_exec_events();
     let mut mapping_requests = session.take_mapping_requests();
+    let mut pruner = Pruner::new(&cli.output, cli.retention());
 
     loop {
         let next_exec_read = session.next_exec_read();
@@ -89,8 +91,11 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
                 session.read_due_images();
             }
             _ = ticks.tick() => {
-                if let Err(err) = session.dump() {
-                    log::error!("cannot write a profile: {err:#}");
+                match session.dump() {
+                    Ok(path) => {
+                        pruner.after_write(&path);
+                    }
+                    Err(err) => log::error!("cannot write a profile: {err:#}"),
                 }
                 session.tidy(target);
             }
@@ -136,6 +141,9 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         }
     }
     let written = session.dump();
+    if let Ok(path) = &written {
+        pruner.after_write(path);
+    }
     if cli.top > 0 {
         match session.top_sites(cli.top) {
             Ok(top) => print_top(&top),

@@ -138,6 +138,7 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
         sample_rate,
         bpf_stats: cli.bpf_stats,
         unwind_tables: (unwind_mode != UnwindMode::FramePointers).then_some(tables),
+        retain_exited: cli.retain_exited,
     };
     let mut session = Session::new(config, ebpf)?;
     session.prime_processes();

@@ -1,7 +1,9 @@
-//! Go-pprof heap profiles: messages, a validating builder and a crash-safe writer.
+//! Go-pprof heap profiles: messages, a validating builder, a crash-safe writer and
+//! the output directory's retention.
 
 pub mod builder;
 pub mod proto;
+pub mod retention;
 pub mod writer;
 
 pub use builder::{LabelValue, MappingKey, ProfileBuilder};

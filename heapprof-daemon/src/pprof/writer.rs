@@ -72,6 +72,56 @@ pub fn profile_file_name(time: SystemTime, sequence: u32) -> String {
     )
 }
 
+/// The time and sequence number in a name [`profile_file_name`] made, or `None` for
+/// any other name (the strict inverse: other files in the directory are not profiles).
+pub fn parse_profile_file_name(name: &str) -> Option<(SystemTime, u32)> {
+    let rest = name.strip_prefix("heap-")?.strip_suffix(".pb.gz")?;
+    let (stamp, sequence) = rest.split_once("Z-")?;
+    let digits = |s: &str, len: usize| -> Option<u64> {
+        if s.len() == len && s.bytes().all(|b| b.is_ascii_digit()) {
+            s.parse().ok()
+        } else {
+            None
+        }
+    };
+    let (date, time) = stamp.split_once('T')?;
+    let (hms, millis) = time.split_once('.')?;
+    let date = digits(date, 8)?;
+    let hms = digits(hms, 6)?;
+    let millis = digits(millis, 3)?;
+    if sequence.len() < 4 || !sequence.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let sequence: u32 = sequence.parse().ok()?;
+    let (year, month, day) = (date / 10_000, date / 100 % 100, date % 100);
+    let (hour, minute, second) = (hms / 10_000, hms / 100 % 100, hms % 100);
+    if !(1..=12).contains(&month)
+        || !(1..=31).contains(&day)
+        || hour > 23
+        || minute > 59
+        || second > 59
+    {
+        return None;
+    }
+    let days = u64::try_from(days_from_civil(year as i64, month as u32, day as u32)).ok()?;
+    let secs = days * 86400 + hour * 3600 + minute * 60 + second;
+    let time = UNIX_EPOCH
+        + std::time::Duration::from_secs(secs)
+        + std::time::Duration::from_millis(millis);
+    Some((time, sequence))
+}
+
+/// (year, month, day) in the proleptic Gregorian calendar to days since 1970-01-01.
+fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
+    let year = if month <= 2 { year - 1 } else { year };
+    let era = year.div_euclid(400);
+    let yoe = year.rem_euclid(400);
+    let month = i64::from(month);
+    let doy = (153 * (if month > 2 { month - 3 } else { month + 9 }) + 2) / 5 + i64::from(day) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
 /// Days since 1970-01-01 to (year, month, day) in the proleptic Gregorian calendar.
 fn civil_from_days(days: i64) -> (i64, u32, u32) {
     let z = days + 719_468;
@@ -170,6 +220,37 @@ mod tests {
         assert!(profile_file_name(t, 7) < later);
         assert_eq!(civil_from_days(0), (1970, 1, 1));
         assert_eq!(civil_from_days(11016), (2000, 2, 29));
+    }
+
+    #[test]
+    fn file_names_parse_back() {
+        let t = UNIX_EPOCH + Duration::from_millis(1_795_000_000_123);
+        assert_eq!(
+            parse_profile_file_name(&profile_file_name(t, 7)),
+            Some((t, 7))
+        );
+        let leap = UNIX_EPOCH + Duration::from_secs(11016 * 86400 + 86399);
+        assert_eq!(
+            parse_profile_file_name(&profile_file_name(leap, 12345)),
+            Some((leap, 12345))
+        );
+        for days in [0, 59, 60, 365, 10_957, 20_000, 50_000] {
+            let (y, m, d) = civil_from_days(days);
+            assert_eq!(days_from_civil(y, m, d), days);
+        }
+        for other in [
+            "heap-20261118T110640.123Z-0007.pb",
+            "heap-20261118T110640.123Z-7.pb.gz",
+            "heap-20261318T110640.123Z-0007.pb.gz",
+            "heap-2026111T110640.123Z-0007.pb.gz",
+            "heap-20261118T110640.12Z-0007.pb.gz",
+            "heap-20261118T116040.123Z-0007.pb.gz",
+            "heap-20261118T110640.123Z-00x7.pb.gz",
+            ".heap-20261118T110640.123Z-0007.pb.gz.1.0.tmp",
+            "notes.txt",
+        ] {
+            assert_eq!(parse_profile_file_name(other), None, "{other}");
+        }
     }
 
     #[test]

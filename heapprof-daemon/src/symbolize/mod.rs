@@ -165,6 +165,40 @@ impl Symbolizer {
         }
     }
 
+    /// Drops everything cached of `objects`, which are about to close: their cached
+    /// frames (keyed by the object's address, which a new object may take) and
+    /// blazesym's parsed files.
+    pub fn forget_objects(&mut self, objects: &[Arc<ObjectFile>]) {
+        if objects.is_empty() {
+            return;
+        }
+        let ids: std::collections::HashSet<usize> =
+            objects.iter().map(|o| Arc::as_ptr(o) as usize).collect();
+        self.cache.retain(|(id, _), _| !ids.contains(id));
+        let mut paths: Vec<std::path::PathBuf> =
+            objects.iter().map(|o| o.open_path.clone()).collect();
+        for id in &ids {
+            if let Some(SymbolSource::DebugFile { path, .. }) = self.sources.remove(id) {
+                paths.push(path);
+            }
+        }
+        // A debug file another object still uses stays.
+        let in_use: std::collections::HashSet<&std::path::Path> = self
+            .sources
+            .values()
+            .filter_map(|source| match source {
+                SymbolSource::DebugFile { path, .. } => Some(path.as_path()),
+                SymbolSource::Object => None,
+            })
+            .collect();
+        for path in paths.iter().filter(|p| !in_use.contains(p.as_path())) {
+            let evict = blazesym::symbolize::evict::Elf::new(path);
+            if let Err(err) = self.blazesym.evict(&evict.into()) {
+                log::debug!("cannot release the symbols of {}: {err}", path.display());
+            }
+        }
+    }
+
     /// Frames for a file offset in `region`'s object (empty when unknown).
     pub fn frames(&mut self, region: &Region, file_offset: u64) -> Frames {
         let id = Arc::as_ptr(&region.object) as usize;

@@ -357,6 +357,20 @@ impl TableLoader {
         let _ = self.process_mappings.remove(&pid);
     }
 
+    /// Forgets where the stacks of processes `pids` were cut short (they are
+    /// forgotten: see `--retain-exited`).
+    pub fn forget_gaps(&mut self, pids: &std::collections::HashSet<u32>) {
+        let keys: Vec<UnwindGap> = self
+            .gaps
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|gap| pids.contains(&gap.tgid))
+            .collect();
+        for key in keys {
+            let _ = self.gaps.remove(&key);
+        }
+    }
+
     /// The addresses where stacks were cut short, with their counts.
     pub fn gaps(&self) -> Vec<(UnwindGap, u64)> {
         self.gaps.iter().filter_map(Result::ok).collect()

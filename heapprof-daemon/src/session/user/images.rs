@@ -3,7 +3,8 @@
 //! changed, and kept after the image is gone so that its allocations stay symbolized.
 
 use std::{
-    collections::{BTreeMap, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -13,7 +14,7 @@ use crate::{
     aggregate::{Maps, Site},
     cli::Target,
     pprof::builder::AddressSpace,
-    procmaps::{ObjectCache, ProcessMaps, process_name},
+    procmaps::{ObjectCache, ObjectFile, ProcessMaps, process_name},
     unwind::loader::TableLoader,
 };
 
@@ -240,6 +241,29 @@ impl Images {
         for info in self.processes.range_mut(earlier).map(|(_, info)| info) {
             info.current = false;
         }
+    }
+
+    /// The processes with an image known.
+    pub fn pids(&self) -> BTreeSet<u32> {
+        self.processes.keys().map(|image| image.pid).collect()
+    }
+
+    /// Forgets everything known of the processes `pids` (gone for good: see
+    /// `--retain-exited`), and closes the object files no image maps any more.
+    /// Returns those objects, whose cached symbols the caller drops.
+    pub fn forget_processes(&mut self, pids: &HashSet<u32>) -> Vec<Arc<ObjectFile>> {
+        self.processes.retain(|image, _| !pids.contains(&image.pid));
+        self.exec_reads
+            .retain(|read| !pids.contains(&read.image.pid));
+        self.untraced
+            .retain(|(image, _)| !pids.contains(&image.pid));
+        if let Some(unwinder) = self.unwinder.as_mut() {
+            for &pid in pids {
+                unwinder.forget_process(pid);
+            }
+            unwinder.forget_gaps(pids);
+        }
+        self.objects.release_unused()
     }
 
     /// Marks every image of the processes `pids` as gone.

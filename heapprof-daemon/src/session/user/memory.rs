@@ -43,6 +43,16 @@ impl MemoryRecords {
         }
     }
 
+    /// The processes with figures.
+    pub(super) fn pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.by_pid.keys().copied()
+    }
+
+    /// Drops the figures of `pids` (forgotten processes).
+    pub(super) fn forget(&mut self, pids: &std::collections::HashSet<u32>) {
+        self.by_pid.retain(|pid, _| !pids.contains(pid));
+    }
+
     /// The figures of `pid`, if any were read.
     pub(super) fn get(&self, pid: u32) -> Option<&ProcessMemory> {
         self.by_pid.get(&pid)

@@ -2,8 +2,10 @@
 //!
 //! `images` keeps what is known of the traced processes (their images and mappings);
 //! `memory` their RSS and peaks; `profile` turns the site table into profiles and the
-//! `--top` summary.
+//! `--top` summary; `expiry` tells when an exited process is forgotten
+//! (`--retain-exited`).
 
+mod expiry;
 mod images;
 mod memory;
 mod profile;
@@ -25,6 +27,7 @@ use heapprof_common::{
 };
 
 use self::{
+    expiry::ExitLedger,
     images::{Image, Images},
     memory::MemoryRecords,
 };
@@ -57,6 +60,9 @@ pub struct SessionConfig {
     pub bpf_stats: bool,
     /// Capacities of the unwind tables; `None` with `--unwind fp`, which needs none.
     pub unwind_tables: Option<TableCapacities>,
+    /// With `--all`: how long an exited process is kept before it is forgotten;
+    /// `None` keeps it to the end.
+    pub retain_exited: Option<Duration>,
 }
 
 /// A running session. Dropping it detaches every probe.
@@ -88,6 +94,8 @@ pub struct Session {
     logged_usage: TableUsage,
     /// Each process's RSS and in-use peak, for the profiles' comments.
     memory: MemoryRecords,
+    /// When the exited processes were found gone (with `--retain-exited`).
+    exits: ExitLedger,
 }
 
 /// Where stacks were cut short, merged over processes: (place, reason) -> count.
@@ -102,6 +110,18 @@ struct GapLog {
 impl GapLog {
     /// Most places logged per profile; the profile's comments list the top ones.
     const PER_DUMP: usize = 5;
+
+    /// Forgets the places of the processes `pids` (addresses outside any known
+    /// mapping name their process: see `Images::place`).
+    fn forget(&mut self, pids: &HashSet<u32>) {
+        self.reported.retain(|(place, _)| {
+            let pid = place
+                .split_once("(pid ")
+                .and_then(|(_, rest)| rest.split_once(','))
+                .and_then(|(pid, _)| pid.parse::<u32>().ok());
+            !pid.is_some_and(|pid| pids.contains(&pid))
+        });
+    }
 
     fn report(&mut self, gaps: &StackGaps) {
         let new: Vec<_> = gaps
@@ -177,6 +197,7 @@ impl Session {
             gap_log: GapLog::default(),
             logged_usage: TableUsage::default(),
             memory: MemoryRecords::default(),
+            exits: ExitLedger::default(),
         })
     }
 
@@ -331,7 +352,47 @@ impl Session {
         self.images.mark_exited(&dead);
         // Their peaks, before their entries go.
         self.memory.take_peaks(&self.maps.process_usage());
-        self.maps.retire_processes(&dead)
+        self.maps.retire_processes(&dead)?;
+        if let Some(retain) = self.config.retain_exited {
+            let now = Instant::now();
+            for &pid in &dead {
+                self.exits.exited(pid, now);
+            }
+            self.forget_expired(retain, now);
+        }
+        Ok(())
+    }
+
+    /// `--retain-exited`: forgets everything kept of the processes gone for `retain`.
+    /// Profiles already written keep their figures.
+    fn forget_expired(&mut self, retain: Duration, now: Instant) {
+        // Processes known without sites (they never allocated while traced, or their
+        // sites did not fit) exit unseen by `retire_exited`: found here.
+        let mut known = self.images.pids();
+        known.extend(self.memory.pids());
+        if let Some(unwinder) = self.images.unwinder() {
+            known.extend(unwinder.gaps().into_iter().map(|(gap, _)| gap.tgid));
+        }
+        for pid in known {
+            if !self.exits.contains(pid) && !expiry::alive(pid) {
+                self.exits.exited(pid, now);
+            }
+        }
+        let expired = self.exits.take_expired(retain, now, expiry::alive);
+        if expired.is_empty() {
+            return;
+        }
+        let sites = self.maps.forget_processes(&expired);
+        let objects = self.images.forget_processes(&expired);
+        // Before the objects close: their cached symbols are keyed by their address.
+        self.symbolizer.forget_objects(&objects);
+        self.memory.forget(&expired);
+        self.gap_log.forget(&expired);
+        log::debug!(
+            "forgot {} process(es) gone for {retain:?} or more: {sites} sites, {} object files closed",
+            expired.len(),
+            objects.len()
+        );
     }
 
     /// Clears the in-use counts of images replaced by exec (their memory went with
