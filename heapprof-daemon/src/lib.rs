@@ -3,6 +3,7 @@
 
 pub mod aggregate;
 pub mod app;
+pub mod cgroup;
 pub mod cli;
 pub mod launch;
 pub mod memstats;

@@ -48,6 +48,8 @@ pub(super) struct ProcessInfo {
     pub maps: ProcessMaps,
     pub comm: String,
     pub exe: Option<String>,
+    /// Its cgroup (and container), for the samples' labels.
+    pub cgroup: Option<crate::cgroup::Cgroup>,
     /// The process is alive and this is still its image: its mappings can be re-read.
     pub current: bool,
 }
@@ -180,6 +182,7 @@ impl Images {
             let before = maps.exec_generation(pid);
             let read = self.objects.read_process(pid);
             let comm = process_name(pid);
+            let cgroup = crate::cgroup::Cgroup::of_process(pid).ok();
             let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
                 .ok()
                 .map(|p| p.display().to_string());
@@ -205,6 +208,10 @@ impl Images {
                     info.maps = read;
                     info.comm = comm;
                     info.exe = exe;
+                    // A process that exited meanwhile keeps what was read before.
+                    if cgroup.is_some() {
+                        info.cgroup = cgroup;
+                    }
                     info.current = true;
                     if let Some(unwinder) = self.unwinder.as_mut() {
                         if let Err(err) = unwinder.load_process(pid, &info.maps) {

@@ -152,10 +152,19 @@ impl Session {
                 };
                 locations.push(builder.location(space, 0, TAG_UNKNOWN_STACK, None, &[frame]));
             }
-            let labels = [
+            let mut labels = vec![
                 ("pid", LabelValue::Num(i64::from(pid))),
                 ("comm", LabelValue::Str(info.comm.clone())),
             ];
+            if let Some(cgroup) = &info.cgroup {
+                labels.push(("cgroup", LabelValue::Str(cgroup.path.clone())));
+                if let Some(container) = &cgroup.container {
+                    labels.push(("container", LabelValue::Str(container.clone())));
+                }
+                if let Some(pod) = &cgroup.pod {
+                    labels.push(("pod", LabelValue::Str(pod.clone())));
+                }
+            }
             builder.sample(locations, &site.values(rate), &labels);
         }
         builder.finish().context("building the profile")
