@@ -166,6 +166,13 @@ pub struct KernelConfig {
     pub ignore_tgid: u32,
     /// Nonzero: only allocations made in the context of a process in `TRACED` count.
     pub filter_processes: u32,
+    /// Nonzero: only allocations in the context of a task in this cgroup v2 subtree
+    /// count (`--cgroup`); see [`crate::Config::cgroup_id`].
+    pub cgroup_id: u64,
+    /// The depth of that cgroup below the hierarchy's root.
+    pub cgroup_level: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Identifies one kernel allocation site.

@@ -348,6 +348,13 @@ pub struct Config {
     /// Keep each process's in-use bytes and their high-water mark (`PROCESS_USAGE`):
     /// exact mode only, since sampled sizes are not the process's bytes.
     pub track_peak: u32,
+    /// Nonzero: only processes in this cgroup v2 subtree are traced (`--cgroup`); the
+    /// id of its root, an ancestor of theirs at [`Config::cgroup_level`].
+    pub cgroup_id: u64,
+    /// The depth of that cgroup below the hierarchy's root (the root is 0).
+    pub cgroup_level: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the

@@ -12,7 +12,13 @@
 //! Kubernetes pods add their uid (`podUID`, or `kubepods-QOS-podUID.slice` with the
 //! dashes of the uid written as underscores).
 
-use std::{fs, io};
+use std::{
+    fs, io,
+    os::unix::fs::MetadataExt as _,
+    path::{Path, PathBuf},
+};
+
+use thiserror::Error;
 
 /// Where a process sits in the cgroup tree.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -40,6 +46,78 @@ impl Cgroup {
             pod: pod_uid(path),
         }
     }
+}
+
+/// A cgroup v2 subtree to trace (`--cgroup`): the BPF programs compare the ancestor
+/// of the current task at `level` with `id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CgroupFilter {
+    /// The cgroup's id (the inode number of its directory in the v2 hierarchy).
+    pub id: u64,
+    /// Its depth below the hierarchy's root (the root is 0).
+    pub level: u32,
+}
+
+/// Why `--cgroup` could not be resolved.
+#[derive(Debug, Error)]
+pub enum CgroupError {
+    /// No cgroup v2 hierarchy is mounted.
+    #[error(
+        "--cgroup needs the cgroup v2 hierarchy, and none is mounted (mount -t cgroup2 none /sys/fs/cgroup)"
+    )]
+    NoHierarchy,
+    /// The path names no cgroup.
+    #[error(
+        "--cgroup {given}: no such cgroup in the v2 hierarchy at {mount}; give its path as /proc/PID/cgroup shows it (e.g. /system.slice/foo.service)"
+    )]
+    NotFound {
+        /// What the user gave.
+        given: String,
+        /// Where the hierarchy is mounted.
+        mount: PathBuf,
+    },
+}
+
+impl CgroupFilter {
+    /// Resolves a cgroup given as a path of the v2 hierarchy (`/system.slice/x`, as
+    /// `/proc/PID/cgroup` and the samples' labels show it) or as a directory under its
+    /// mount point (`/sys/fs/cgroup/system.slice/x`).
+    pub fn resolve(given: &Path) -> Result<Self, CgroupError> {
+        let mount = cgroup2_mount().ok_or(CgroupError::NoHierarchy)?;
+        let not_found = || CgroupError::NotFound {
+            given: given.display().to_string(),
+            mount: mount.clone(),
+        };
+        let relative = match given.strip_prefix(&mount) {
+            Ok(inside) => inside.to_owned(),
+            Err(_) => given.strip_prefix("/").unwrap_or(given).to_owned(),
+        };
+        if relative
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(not_found());
+        }
+        let dir = mount.join(&relative);
+        let metadata = fs::metadata(&dir).map_err(|_| not_found())?;
+        if !metadata.is_dir() || !dir.join("cgroup.procs").exists() {
+            return Err(not_found());
+        }
+        Ok(Self {
+            id: metadata.ino(),
+            level: u32::try_from(relative.components().count()).map_err(|_| not_found())?,
+        })
+    }
+}
+
+/// Where the cgroup v2 hierarchy is mounted (`/sys/fs/cgroup`, or
+/// `/sys/fs/cgroup/unified` on a hybrid system).
+pub fn cgroup2_mount() -> Option<PathBuf> {
+    let mounts = fs::read_to_string("/proc/self/mounts").ok()?;
+    mounts.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields.get(2) == Some(&"cgroup2")).then(|| PathBuf::from(fields[1]))
+    })
 }
 
 /// The path to report from the contents of `/proc/PID/cgroup`.
@@ -207,6 +285,23 @@ mod tests {
         assert_eq!(cgroup_path("0::/a/b\n"), Some("/a/b"));
         assert_eq!(cgroup_path("0::/\n"), Some("/"));
         assert_eq!(cgroup_path("garbage"), None);
+    }
+
+    #[test]
+    fn resolves_paths_of_the_hierarchy_and_refuses_others() {
+        let mount = cgroup2_mount().expect("a cgroup2 hierarchy on this machine");
+        let root = CgroupFilter::resolve(Path::new("/")).expect("the root");
+        assert_eq!(root.level, 0);
+        assert_eq!(
+            CgroupFilter::resolve(&mount).expect("the mount point is the root"),
+            root
+        );
+        for bad in ["/no/such/cgroup", "/../etc", "relative/../.."] {
+            let err = CgroupFilter::resolve(Path::new(bad))
+                .expect_err(bad)
+                .to_string();
+            assert!(err.contains("no such cgroup"), "{err}");
+        }
     }
 
     #[test]

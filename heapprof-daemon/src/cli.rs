@@ -35,6 +35,12 @@ pub struct Cli {
     #[arg(long, requires = "kernel")]
     pub pages: bool,
 
+    /// With --all or --kernel: trace only the processes of this cgroup v2 subtree (one
+    /// container, one systemd service), as /proc/PID/cgroup names it
+    /// (/system.slice/foo.service) or as a directory of the hierarchy.
+    #[arg(long, value_name = "PATH")]
+    pub cgroup: Option<PathBuf>,
+
     /// Directory for the profiles (created with mode 0700 if missing).
     #[arg(short, long, value_name = "DIR", default_value = "heapprofd-profiles")]
     pub output: PathBuf,
@@ -201,6 +207,12 @@ impl Cli {
                 "--retain-exited applies to --all only (with another target, or in kernel \
                  mode, nothing of exited processes is kept for it to forget): drop it, or \
                  trace with --all"
+                    .into(),
+            );
+        }
+        if self.cgroup.is_some() && target != Target::All {
+            return Err(
+                "--cgroup restricts --all or --kernel (every process) to one cgroup;                  --pid and a command already name their process: drop --cgroup, or trace with --all"
                     .into(),
             );
         }

@@ -1,31 +1,58 @@
 //! Samples carry the cgroup (and container) of their process: a program started in a
-//! cgroup the test creates is labelled with it.
+//! cgroup the test creates is labelled with it; `--all --cgroup` and `--kernel
+//! --cgroup` see the processes of that cgroup only.
 
 mod common;
 
-use std::path::PathBuf;
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::Duration,
+};
 
 use common::*;
 
-/// Where the cgroup v2 hierarchy is mounted (`/sys/fs/cgroup`, or
-/// `/sys/fs/cgroup/unified` on a hybrid system).
+/// Where the cgroup v2 hierarchy is mounted.
 fn cgroup2_mount() -> PathBuf {
-    let mounts = std::fs::read_to_string("/proc/self/mounts").expect("reading /proc/self/mounts");
-    mounts
-        .lines()
-        .find_map(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            (fields.get(2) == Some(&"cgroup2")).then(|| PathBuf::from(fields[1]))
-        })
-        .unwrap_or_else(|| panic!("no cgroup2 hierarchy mounted: {mounts}"))
+    heapprof_daemon::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy mounted")
 }
 
-/// A cgroup removed when dropped (once its processes have exited).
-struct TestCgroup(PathBuf);
+/// A cgroup of the v2 hierarchy, removed when dropped (once its processes are gone).
+struct TestCgroup {
+    /// Its directory.
+    dir: PathBuf,
+    /// Its path in the hierarchy, as `/proc/PID/cgroup` shows it.
+    path: String,
+}
+
+impl TestCgroup {
+    fn create(what: &str) -> Self {
+        let name = format!("heapprofd-test-{what}-{}", std::process::id());
+        let dir = cgroup2_mount().join(&name);
+        std::fs::create_dir(&dir)
+            .unwrap_or_else(|err| panic!("creating the cgroup {}: {err}", dir.display()));
+        Self {
+            dir,
+            path: format!("/{name}"),
+        }
+    }
+
+    /// Moves process `pid` into the cgroup.
+    fn adopt(&self, pid: &str) {
+        std::fs::write(self.dir.join("cgroup.procs"), pid)
+            .unwrap_or_else(|err| panic!("moving {pid} into {}: {err}", self.dir.display()));
+    }
+}
 
 impl Drop for TestCgroup {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir(&self.0);
+        // Its last processes may take a moment to be reaped.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 }
 
@@ -34,15 +61,12 @@ fn samples_carry_the_cgroup_of_their_process() {
     require_root();
     let dir = scratch();
     let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
-    let name = format!("heapprofd-test-{}", std::process::id());
-    let cgroup = TestCgroup(cgroup2_mount().join(&name));
-    std::fs::create_dir(&cgroup.0)
-        .unwrap_or_else(|err| panic!("creating the cgroup {}: {err}", cgroup.0.display()));
+    let cgroup = TestCgroup::create("labels");
     let out = dir.path().join("profiles");
     // The shell moves itself into the cgroup, then becomes the program.
     let script = format!(
         "echo $$ > {}/cgroup.procs && exec {}",
-        cgroup.0.display(),
+        cgroup.dir.display(),
         program.display()
     );
     run_ok(heapprofd(&out).args(["--", "sh", "-c", &script]));
@@ -56,12 +80,136 @@ fn samples_carry_the_cgroup_of_their_process() {
     for sample in &ours {
         assert_eq!(
             sample.labels.get("cgroup").map(String::as_str),
-            Some(format!("/{name}").as_str()),
+            Some(cgroup.path.as_str()),
             "{sample:?}"
         );
         assert!(
             !sample.labels.contains_key("container"),
             "no container runtime named this cgroup: {sample:?}"
         );
+    }
+}
+
+#[test]
+fn all_with_cgroup_sees_that_cgroup_only() {
+    require_root();
+    let dir = scratch();
+    let inside = compile(
+        dir.path(),
+        "waiter",
+        "inside",
+        &["-O0", "-Dwork=work_inside"],
+    );
+    let outside = compile(
+        dir.path(),
+        "waiter",
+        "outside",
+        &["-O0", "-Dwork=work_outside"],
+    );
+    let cgroup = TestCgroup::create("all");
+    let mut inside = Driven::start(&inside, &["100", "32"]);
+    cgroup.adopt(&inside.pid());
+    let mut outside = Driven::start(&outside, &["100", "32"]);
+    let out = dir.path().join("profiles");
+    let (mut daemon, log) = start_heapprofd(heapprofd(&out).args([
+        "--all",
+        "--cgroup",
+        &cgroup.path,
+        "--interval",
+        "1h",
+    ]));
+    inside.step("done");
+    outside.step("done");
+    signal(&daemon, libc::SIGINT);
+    wait_success(&mut daemon, &log, "--all --cgroup");
+    let samples = samples(&last_profile(&out));
+    let of = |function: &str| totals(&samples, |s| s.stack.iter().any(|f| f == function));
+    // 100 blocks of 32 bytes, every other one freed.
+    assert_eq!(of("work_inside"), [100, 3200, 50, 1600], "{samples:?}");
+    assert_eq!(
+        of("work_outside"),
+        [0; 4],
+        "outside the cgroup: {samples:?}"
+    );
+    let pids: std::collections::BTreeSet<&str> = samples
+        .iter()
+        .filter_map(|s| s.labels.get("pid").map(String::as_str))
+        .collect();
+    assert_eq!(
+        pids.into_iter().collect::<Vec<_>>(),
+        [inside.pid().as_str()],
+        "only the cgroup's process"
+    );
+    inside.finish();
+    outside.finish();
+}
+
+#[test]
+fn kernel_with_cgroup_counts_that_cgroup_only() {
+    require_root();
+    let dir = scratch();
+    let cgroup = TestCgroup::create("kernel");
+    // A shell in the cgroup keeps the kernel allocating (every cat is a fork, an
+    // exec and an open), in its children too: they inherit the cgroup.
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && while :; do cat /proc/self/status > /dev/null; done",
+        cgroup.dir.display()
+    );
+    let mut load = Command::new("sh")
+        .args(["-c", &script])
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("starting the shell");
+    let out = dir.path().join("profiles");
+    let output = heapprofd(&out)
+        .args(["--kernel", "--cgroup", &cgroup.path, "--duration", "2s"])
+        .output()
+        .expect("running heapprofd");
+    let _ = load.kill();
+    let _ = load.wait();
+    assert!(
+        output.status.success(),
+        "heapprofd --kernel --cgroup failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let profile = last_profile(&out);
+    let string = |i: i64| profile.string_table[i as usize].as_str();
+    let mut comms = std::collections::BTreeSet::new();
+    for sample in &profile.sample {
+        for label in &sample.label {
+            if string(label.key) == "comm" {
+                comms.insert(string(label.str).to_owned());
+            }
+        }
+    }
+    assert!(!profile.sample.is_empty(), "nothing counted in the cgroup");
+    assert!(
+        comms.iter().all(|c| c == "sh" || c == "cat"),
+        "only the cgroup's shell and its children: {comms:?}"
+    );
+}
+
+#[test]
+fn cgroup_needs_all_or_kernel_and_an_existing_cgroup() {
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    for (args, message) in [
+        (
+            vec!["--cgroup", "/", "--pid", "1"],
+            "--cgroup restricts --all or --kernel",
+        ),
+        (
+            vec!["--all", "--cgroup", "/no/such/heapprofd/cgroup"],
+            "no such cgroup",
+        ),
+    ] {
+        let output = heapprofd(&out)
+            .args(&args)
+            .output()
+            .expect("running heapprofd");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(message), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: one line: {stderr}");
     }
 }

@@ -55,6 +55,9 @@ static KERNEL_CONFIG: KernelConfig = KernelConfig {
     page_size: 4096,
     ignore_tgid: 0,
     filter_processes: 0,
+    cgroup_id: 0,
+    cgroup_level: 0,
+    _pad: 0,
 };
 
 const EEXIST: i32 = 17;
@@ -98,6 +101,11 @@ fn field(ctx: &TracePointContext, field: FieldRef) -> Option<u64> {
 fn counted(tgid: u32) -> bool {
     let ignore = config_u32(&KERNEL_CONFIG.ignore_tgid);
     if ignore != 0 && tgid == ignore {
+        return false;
+    }
+    // SAFETY: a plain global, read as `config_u32` reads them.
+    let cgroup = unsafe { core::ptr::read_volatile(&KERNEL_CONFIG.cgroup_id) };
+    if !crate::maps::in_cgroup(cgroup, config_u32(&KERNEL_CONFIG.cgroup_level)) {
         return false;
     }
     if config_u32(&KERNEL_CONFIG.filter_processes) == 0 {

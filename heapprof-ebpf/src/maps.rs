@@ -2,6 +2,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
+    helpers::generated::bpf_get_current_ancestor_cgroup_id,
     macros::map,
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
@@ -96,6 +97,9 @@ static CONFIG: Config = Config {
     hold_at_loader_events: 0,
     empty_programs: 0,
     track_peak: 0,
+    cgroup_id: 0,
+    cgroup_level: 0,
+    _pad: 0,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
@@ -182,11 +186,31 @@ pub fn armed() -> bool {
     CONTROL.get(CONTROL_ARMED).is_some_and(|flag| *flag != 0)
 }
 
-/// Whether the calling process is the one the daemon asked to ignore (itself).
+/// Whether the calling process is the one the daemon asked to ignore (itself), or
+/// outside the cgroup subtree traced.
 #[inline(always)]
 pub fn ignored(pid_tgid: u64) -> bool {
     let ignore = ignored_tgid();
-    ignore != 0 && (pid_tgid >> 32) as u32 == ignore
+    if ignore != 0 && (pid_tgid >> 32) as u32 == ignore {
+        return true;
+    }
+    // SAFETY: plain globals (see above).
+    let (cgroup, level) = unsafe {
+        (
+            core::ptr::read_volatile(&CONFIG.cgroup_id),
+            core::ptr::read_volatile(&CONFIG.cgroup_level),
+        )
+    };
+    !in_cgroup(cgroup, level)
+}
+
+/// Whether the current task is in the cgroup v2 subtree whose root `cgroup` sits at
+/// depth `level` (always, when `cgroup` is 0).
+#[inline(always)]
+pub fn in_cgroup(cgroup: u64, level: u32) -> bool {
+    // SAFETY: a helper without arguments to check; an ancestor above the task's own
+    // depth is 0, which no cgroup has.
+    cgroup == 0 || unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) } == cgroup
 }
 
 /// Counts an event that could not be fully recorded.

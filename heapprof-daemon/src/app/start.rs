@@ -125,7 +125,16 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
         ),
         None => {}
     }
-    let mut ebpf = probes::load(capacities, sample_rate, !cli.no_peak, pid, &libc, unwinding)?;
+    let cgroup = cgroup_filter(cli)?;
+    let mut ebpf = probes::load(
+        capacities,
+        sample_rate,
+        !cli.no_peak,
+        cgroup,
+        pid,
+        &libc,
+        unwinding,
+    )?;
     let attached = probes::attach(&mut ebpf, &libc, loader.as_ref(), pid, cli.attach)?;
     log::debug!("uprobes attached as {:?}", attached.method);
     probes::arm(&mut ebpf, &libc)?;
@@ -194,7 +203,7 @@ fn start_kernel(cli: &Cli, target: &Target, child: Option<&PausedChild>) -> Resu
         threads: cli.max_threads,
     };
     let filter = !matches!(target, Target::All);
-    let mut ebpf = probes::kernel::load(capacities, &events, filter)?;
+    let mut ebpf = probes::kernel::load(capacities, &events, filter, cgroup_filter(cli)?)?;
     let config = KernelSessionConfig {
         target: target.clone(),
         output: cli.output.clone(),
@@ -242,4 +251,13 @@ fn pidfd(pid: u32) -> Result<AsyncFd<OwnedFd>> {
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     // SAFETY: the AsyncFd owns the OwnedFd, which stays open and unchanged until it is dropped.
     unsafe { AsyncFd::register(fd) }.map_err(|err| anyhow::anyhow!("registering the pidfd: {err}"))
+}
+
+/// The cgroup subtree `--cgroup` names, resolved to what the programs compare.
+fn cgroup_filter(cli: &Cli) -> Result<Option<crate::cgroup::CgroupFilter>> {
+    cli.cgroup
+        .as_deref()
+        .map(crate::cgroup::CgroupFilter::resolve)
+        .transpose()
+        .map_err(anyhow::Error::new)
 }

@@ -179,11 +179,14 @@ pub fn load(
     capacities: Capacities,
     events: &[(KernelEvent, EventLayout)],
     filter_processes: bool,
+    cgroup: Option<crate::cgroup::CgroupFilter>,
 ) -> Result<Ebpf> {
     let mut config = KernelConfig {
         page_size: page_size(),
         ignore_tgid: std::process::id(),
         filter_processes: u32::from(filter_processes),
+        cgroup_id: cgroup.map_or(0, |c| c.id),
+        cgroup_level: cgroup.map_or(0, |c| c.level),
         ..KernelConfig::default()
     };
     for (event, layout) in events {

@@ -24,7 +24,7 @@ use heapprof_common::{
 };
 
 pub use self::{libc::Libc, loader::DynamicLoader};
-use crate::{cli::AttachChoice, unwind::loader::TableCapacities};
+use crate::{cgroup::CgroupFilter, cli::AttachChoice, unwind::loader::TableCapacities};
 
 /// The BPF object built by aya-build from heapprof-ebpf.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
@@ -59,12 +59,13 @@ pub struct UnwindSettings {
 
 /// Loads the BPF object for user mode with the given capacities and sampling rate
 /// (0: every allocation), keeping each process's in-use peak if `track_peak` (exact
-/// mode only), tracing process `target` or all (`None`), with the probe spots of
-/// `libc`. Nothing is attached yet.
+/// mode only), tracing process `target` or all (`None`; only those of `cgroup` when
+/// given), with the probe spots of `libc`. Nothing is attached yet.
 pub fn load(
     capacities: Capacities,
     sample_rate: u64,
     track_peak: bool,
+    cgroup: Option<CgroupFilter>,
     target: Option<u32>,
     libc: &Libc,
     unwind: UnwindSettings,
@@ -80,6 +81,9 @@ pub fn load(
         hold_at_loader_events: u32::from(unwind.hold_at_loader_events),
         empty_programs: u32::from(unwind.empty_programs),
         track_peak: u32::from(track_peak && sample_rate == 0),
+        cgroup_id: cgroup.map_or(0, |c| c.id),
+        cgroup_level: cgroup.map_or(0, |c| c.level),
+        _pad: 0,
     };
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {
