@@ -251,6 +251,8 @@ pub const REPEAT_WINDOW: Duration = Duration::from_millis(250);
 pub struct SignalRelay {
     pid: u32,
     passed: Option<PassedSignal>,
+    /// The command has begun to exit: its end, and the run's, are moments away.
+    exiting: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -274,7 +276,11 @@ pub enum Relayed {
 impl SignalRelay {
     /// A relay to the launched command `pid`.
     pub fn new(pid: u32) -> Self {
-        Self { pid, passed: None }
+        Self {
+            pid,
+            passed: None,
+            exiting: false,
+        }
     }
 
     /// Handles SIGINT/SIGTERM received at `now`.
@@ -297,8 +303,26 @@ impl SignalRelay {
                 log::debug!("signal {signal} again right away: the same request");
                 Relayed::Repeat
             }
-            Some(_) => Relayed::StopNow,
+            // The repeat window is measured when the loop gets to the signal, which
+            // may be long after it arrived (reading an exiting command's mappings
+            // comes first): once the command exits, a copy cannot mean "stop at once".
+            Some(_) if self.exiting => {
+                log::debug!("signal {signal} again while the command exits: waiting for it");
+                Relayed::Repeat
+            }
+            Some(_) => {
+                log::warn!(
+                    "signal {signal} again: stopping now (the command, pid {}, keeps running)",
+                    self.pid
+                );
+                Relayed::StopNow
+            }
         }
+    }
+
+    /// The command has begun to exit (it is held at its exit).
+    pub fn command_exiting(&mut self) {
+        self.exiting = true;
     }
 
     /// When to say that the command has not ended, if that is still to be said.
@@ -400,6 +424,24 @@ mod tests {
         assert_eq!(
             relay.on_signal(libc::SIGINT, start + REPEAT_WINDOW * 2),
             Relayed::StopNow
+        );
+    }
+
+    #[test]
+    fn a_late_copy_while_the_command_exits_is_not_a_second_request() {
+        let mut command = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("starting sleep");
+        let mut relay = SignalRelay::new(command.id());
+        let start = Instant::now();
+        assert_eq!(relay.on_signal(libc::SIGTERM, start), Relayed::Passed);
+        let _ = command.wait();
+        relay.command_exiting();
+        assert_eq!(
+            relay.on_signal(libc::SIGTERM, start + REPEAT_WINDOW * 4),
+            Relayed::Repeat,
+            "timeout's copy, handled after the command's exit event"
         );
     }
 }

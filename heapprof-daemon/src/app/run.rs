@@ -122,6 +122,9 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
                         let _ = resume.send(hold);
                     }
                     Some(ChildEvent::Exiting { resume }) => {
+                        if let Some(relay) = relay.as_mut() {
+                            relay.command_exiting();
+                        }
                         // The process still has its address space: read its mappings now.
                         session.before_exit();
                         drop(resume);
