@@ -398,8 +398,9 @@ fn report_exec_error(exec_error: &OwnedFd) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn relay_passes_the_first_signal_takes_quick_copies_as_one_and_stops_on_a_second() {
+    /// A relay that has passed SIGTERM at the returned instant to a command, which
+    /// got it and ended.
+    fn relay_after_a_passed_sigterm() -> (SignalRelay, Instant) {
         let mut command = std::process::Command::new("sleep")
             .arg("30")
             .spawn()
@@ -413,6 +414,12 @@ mod tests {
             Some(libc::SIGTERM),
             "the command got the signal"
         );
+        (relay, start)
+    }
+
+    #[test]
+    fn relay_passes_the_first_signal_takes_quick_copies_as_one_and_stops_on_a_second() {
+        let (mut relay, start) = relay_after_a_passed_sigterm();
         assert_eq!(
             relay.on_signal(libc::SIGTERM, start + REPEAT_WINDOW / 2),
             Relayed::Repeat,
@@ -429,14 +436,7 @@ mod tests {
 
     #[test]
     fn a_late_copy_while_the_command_exits_is_not_a_second_request() {
-        let mut command = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .expect("starting sleep");
-        let mut relay = SignalRelay::new(command.id());
-        let start = Instant::now();
-        assert_eq!(relay.on_signal(libc::SIGTERM, start), Relayed::Passed);
-        let _ = command.wait();
+        let (mut relay, start) = relay_after_a_passed_sigterm();
         relay.command_exiting();
         assert_eq!(
             relay.on_signal(libc::SIGTERM, start + REPEAT_WINDOW * 4),
