@@ -30,80 +30,80 @@ pub struct UserStack {
 /// pointers; reading such garbage can fault, and a fault costs more than the walk.
 pub const MAX_STACK_SPAN: u64 = 32 << 20;
 
-/// The allocator entry points heapprofd traces, in a fixed order.
+/// What a probed function does with memory: the roles of an allocator's API.
 ///
-/// The discriminant is stored in maps and used as an index into [`AllocKind::ALL`].
+/// Every probed function (the C library's malloc family, jemalloc's `mallocx` family,
+/// tcmalloc's `tc_*`, mimalloc's `mi_*`, C++ `operator new`/`delete`, or a custom pool's
+/// functions named with `--allocator`) is one of these, with a [`ProbeSpec`] saying
+/// where its arguments are.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum AllocKind {
-    /// `malloc(size)`
-    Malloc = 0,
-    /// `calloc(nmemb, size)`
-    Calloc = 1,
-    /// `realloc(ptr, size)`
+pub enum ProbeRole {
+    /// Returns a new block (or writes it through an out-pointer argument).
+    Alloc = 0,
+    /// Releases the block in an argument.
+    Free = 1,
+    /// Moves a block: releases the old one once the call succeeds, returns the new one.
+    /// A request for 0 bytes that returns NULL frees the old block (C's `realloc`).
     Realloc = 2,
-    /// `reallocarray(ptr, nmemb, size)`
-    Reallocarray = 3,
-    /// `posix_memalign(&ptr, alignment, size)`
-    PosixMemalign = 4,
-    /// `aligned_alloc(alignment, size)`
-    AlignedAlloc = 5,
-    /// `memalign(alignment, size)`
-    Memalign = 6,
-    /// `valloc(size)`
-    Valloc = 7,
-    /// `pvalloc(size)`: the size is rounded up to whole pages.
-    Pvalloc = 8,
+    /// Resizes a block where it is and returns its usable size (jemalloc's `xallocx`):
+    /// when that reaches the requested size, the block now counts as that size.
+    ResizeInPlace = 3,
 }
 
-impl AllocKind {
-    /// Every kind, indexed by discriminant.
-    pub const ALL: [AllocKind; 9] = [
-        AllocKind::Malloc,
-        AllocKind::Calloc,
-        AllocKind::Realloc,
-        AllocKind::Reallocarray,
-        AllocKind::PosixMemalign,
-        AllocKind::AlignedAlloc,
-        AllocKind::Memalign,
-        AllocKind::Valloc,
-        AllocKind::Pvalloc,
-    ];
-
-    /// The C symbol name of this entry point.
-    pub const fn symbol(self) -> &'static str {
-        match self {
-            AllocKind::Malloc => "malloc",
-            AllocKind::Calloc => "calloc",
-            AllocKind::Realloc => "realloc",
-            AllocKind::Reallocarray => "reallocarray",
-            AllocKind::PosixMemalign => "posix_memalign",
-            AllocKind::AlignedAlloc => "aligned_alloc",
-            AllocKind::Memalign => "memalign",
-            AllocKind::Valloc => "valloc",
-            AllocKind::Pvalloc => "pvalloc",
-        }
-    }
-
-    /// Converts a discriminant read from a map back into a kind.
-    ///
-    /// A `match` rather than an index into [`AllocKind::ALL`]: the compiler turns it into
-    /// a range check, where a table lookup with a variable index loses the bound the BPF
-    /// verifier needs.
-    pub const fn from_u32(value: u32) -> Option<AllocKind> {
+impl ProbeRole {
+    /// Converts a value read from a map back into a role.
+    pub const fn from_u32(value: u32) -> Option<ProbeRole> {
         Some(match value {
-            0 => AllocKind::Malloc,
-            1 => AllocKind::Calloc,
-            2 => AllocKind::Realloc,
-            3 => AllocKind::Reallocarray,
-            4 => AllocKind::PosixMemalign,
-            5 => AllocKind::AlignedAlloc,
-            6 => AllocKind::Memalign,
-            7 => AllocKind::Valloc,
-            8 => AllocKind::Pvalloc,
+            0 => ProbeRole::Alloc,
+            1 => ProbeRole::Free,
+            2 => ProbeRole::Realloc,
+            3 => ProbeRole::ResizeInPlace,
             _ => return None,
         })
     }
+
+    /// Whether the function returns through the shared return probe.
+    pub const fn returns_a_block(self) -> bool {
+        !matches!(self, ProbeRole::Free)
+    }
+}
+
+/// A [`ProbeSpec`] argument index meaning "none".
+pub const NO_ARG: u8 = u8::MAX;
+
+/// How the programs read one probed function's call: its role, which arguments hold
+/// the size, the count, the block and the out-pointer (0-based), and where the object
+/// it lives in has its code. Indexed by [`ProbeSlot`] in `PROBES`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProbeSpec {
+    /// File offset of the function's probe spot in its object. With the probe's
+    /// address in a process, it places the object's code there without reading the
+    /// process's mappings.
+    pub probe_offset: u64,
+    /// The object's executable code, as file offsets `[start, end)`: a call whose
+    /// return address lies in it was made by the allocator itself (nested).
+    pub text_start: u64,
+    /// End of the executable code (exclusive).
+    pub text_end: u64,
+    /// The size when no argument holds it (`size=N` of a fixed-size pool).
+    pub fixed_size: u64,
+    /// A [`ProbeRole`].
+    pub role: u32,
+    /// The argument with the size in bytes, or [`NO_ARG`] (then [`ProbeSpec::fixed_size`]).
+    pub size_arg: u8,
+    /// The argument the size is multiplied by (calloc's count), or [`NO_ARG`].
+    pub count_arg: u8,
+    /// The block released or resized, or [`NO_ARG`].
+    pub ptr_arg: u8,
+    /// Where the new block is written (posix_memalign, which returns 0 on success), or
+    /// [`NO_ARG`] when the function returns it.
+    pub out_arg: u8,
+    /// Nonzero: the size is rounded up to whole pages, and 0 to one page (pvalloc).
+    pub round_to_pages: u32,
+    /// Nonzero once the daemon filled the slot.
+    pub in_use: u32,
 }
 
 /// Per-thread state of the allocator call in progress, keyed by `pid_tgid`.
@@ -129,25 +129,25 @@ pub struct InFlight {
     /// The stack pointer at the call's entry: the slot of its return address on
     /// x86-64; on arm64 the stack pointer it returns with.
     pub entry_sp: u64,
+    /// Where the called function's object is loaded: the probe's address minus its
+    /// file offset. Calls made from that object's code are nested in this one.
+    pub object_base: u64,
     /// 1 while the call is in progress, 0 once it returned (or was found abandoned).
     pub active: u32,
-    /// The call's [`AllocKind`].
-    pub kind: u32,
+    /// The called function's [`ProbeSlot`].
+    pub slot: u32,
     /// Whether the call's new block is recorded (always, unless sampling).
     pub sampled: u32,
     /// Explicit padding, always zero.
     pub _pad: u32,
 }
 
-/// Number of probed functions that carry a [`ProbeSlot`]: the allocating kinds, then free.
-pub const PROBE_SLOTS: usize = AllocKind::ALL.len() + 1;
+/// Most functions probed in one session, over every allocator object (`PROBES`).
+pub const MAX_PROBE_SLOTS: u32 = 4096;
 
-/// Index of a probed function in `PROBE_OFFSETS` and the attach cookie of
-/// the multi-uprobe entry program: an [`AllocKind`] discriminant, or [`FREE_SLOT`].
+/// Index of a probed function (one function in one object) in `PROBES`, and the
+/// attach cookie of the entry programs.
 pub type ProbeSlot = u32;
-
-/// The [`ProbeSlot`] of `free`.
-pub const FREE_SLOT: ProbeSlot = AllocKind::ALL.len() as u32;
 
 /// How deep below an allocator call's entry a nested allocator call can start: glibc's
 /// internal calls (realloc calling malloc or free) are a few hundred bytes deeper. A
@@ -167,8 +167,8 @@ pub struct StackKey {
     /// Hash of the process id and the stack's frames: the key of its [`UserStack`] in
     /// `STACKS` (absent there if the stack table was full).
     pub stack: u64,
-    /// The [`AllocKind`] the user called.
-    pub kind: u32,
+    /// The [`ProbeSlot`] of the allocator function the user called.
+    pub slot: u32,
     /// Explicit padding, always zero.
     pub _pad: u32,
 }
@@ -331,11 +331,6 @@ pub struct Config {
     /// Mean bytes between recorded allocations (Poisson sampling by bytes, as Go's and
     /// tcmalloc's heap profilers); 0 records every allocation.
     pub sample_rate: u64,
-    /// The allocator library's executable code, as file offsets `[start, end)`: a call
-    /// whose return address is in it was made by the allocator itself (nested).
-    pub text_start: u64,
-    /// End of the executable code (exclusive).
-    pub text_end: u64,
     /// How user stacks are unwound: an [`unwind::UnwindMode`].
     pub unwind_mode: u32,
     /// Launch mode: at each loader event of `target_tgid` the programs hold the command
@@ -385,12 +380,11 @@ pub mod names {
     /// entry lives as long as its thread: updating it in place costs less than an insert
     /// and a delete per call. A thread's exit removes it (the daemon sweeps too).
     pub const IN_FLIGHT: &str = "IN_FLIGHT";
-    /// File offset of each probed function's probe spot in the allocator library
-    /// (`Array<u64>`, indexed by [`crate::ProbeSlot`]). With the probe's address in a
-    /// process, it places the library's code there without reading the mappings. A
-    /// map rather than a `Config` array: the verifier needs a bound on a variable
-    /// index, which the compiler optimizes away; a map lookup checks it at run time.
-    pub const PROBE_OFFSETS: &str = "PROBE_OFFSETS";
+    /// How each probed function's calls are read (`Array<ProbeSpec>`, indexed by
+    /// [`crate::ProbeSlot`]). Filled by the daemon before a function's probes are
+    /// attached, so that allocators found later (a new process's static binary, a
+    /// preloaded library) join a running session.
+    pub const PROBES: &str = "PROBES";
     /// Switches set by the daemon at run time (`Array<u32>`, indexed by
     /// [`crate::CONTROL_ARMED`]).
     pub const CONTROL: &str = "CONTROL";
@@ -444,30 +438,15 @@ pub mod names {
     pub const PROG_THREAD_EXIT: &str = "thread_exit";
     /// The tracepoint it attaches to.
     pub const EXIT_TRACEPOINT: &str = "sched_process_exit";
-    /// Uretprobe shared by every allocating entry point.
+    /// Uretprobe shared by every function that returns a block.
     pub const PROG_ALLOC_RETURN: &str = "alloc_return";
-    /// Uprobe on free.
-    pub const PROG_FREE: &str = "free_enter";
-    /// The multi-uprobe entry program: every allocator function and free in one link,
-    /// the function told apart by its attach cookie (a [`crate::ProbeSlot`]).
+    /// The entry uprobe of every probed function (one perf event each), the function
+    /// told apart by its attach cookie (a [`crate::ProbeSlot`]).
+    pub const PROG_ENTRY: &str = "entry";
+    /// The multi-uprobe entry program: every probed function of an object in one link.
     pub const PROG_ENTRY_MULTI: &str = "entry_multi";
     /// The multi-uprobe form of [`PROG_ALLOC_RETURN`].
     pub const PROG_ALLOC_RETURN_MULTI: &str = "alloc_return_multi";
-
-    /// The entry uprobe program of an allocator kind.
-    pub const fn entry_program(kind: crate::AllocKind) -> &'static str {
-        match kind {
-            crate::AllocKind::Malloc => "malloc_enter",
-            crate::AllocKind::Calloc => "calloc_enter",
-            crate::AllocKind::Realloc => "realloc_enter",
-            crate::AllocKind::Reallocarray => "reallocarray_enter",
-            crate::AllocKind::PosixMemalign => "posix_memalign_enter",
-            crate::AllocKind::AlignedAlloc => "aligned_alloc_enter",
-            crate::AllocKind::Memalign => "memalign_enter",
-            crate::AllocKind::Valloc => "valloc_enter",
-            crate::AllocKind::Pvalloc => "pvalloc_enter",
-        }
-    }
 }
 
 #[cfg(feature = "user")]
@@ -482,6 +461,7 @@ mod pod {
     unsafe impl aya::Pod for super::UserStack {}
     unsafe impl aya::Pod for super::ExecEvent {}
     unsafe impl aya::Pod for super::ProcessUsage {}
+    unsafe impl aya::Pod for super::ProbeSpec {}
     unsafe impl aya::Pod for super::unwind::UnwindRule {}
     unsafe impl aya::Pod for super::unwind::UnwindRow {}
     unsafe impl aya::Pod for super::unwind::UnwindObject {}

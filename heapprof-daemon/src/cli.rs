@@ -69,9 +69,18 @@ pub struct Cli {
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     pub retain_exited: Option<Duration>,
 
-    /// The C library to probe, when it cannot be found from the target's mappings.
+    /// An allocator library to probe besides those found in the targets' mappings
+    /// (heapprofd finds the object each process's malloc binds to by itself).
     #[arg(long, value_name = "PATH", conflicts_with = "kernel")]
     pub libc: Option<PathBuf>,
+
+    /// Custom allocator functions to probe in any object that defines them, as
+    /// ROLE=FUNCTION(FIELDS) items: e.g. 'alloc=pool_alloc(size=arg2,ret)
+    /// free=pool_free(ptr=arg2)'. Roles: alloc, free, realloc. Fields: size=argN or
+    /// size=BYTES, count=argN, ptr=argN, ret, out=argN. Repeatable; @FILE reads items
+    /// from a file.
+    #[arg(long, value_name = "SPEC", value_parser = parse_allocator, conflicts_with = "kernel")]
+    pub allocator: Vec<AllocatorSpec>,
 
     /// Capacity of the live-block table (blocks allocated while tracing and not yet freed).
     #[arg(long, value_name = "N", default_value_t = 1 << 20, value_parser = parse_capacity)]
@@ -317,6 +326,16 @@ fn parse_keep(text: &str) -> Result<NonZeroUsize, String> {
         .ok()
         .and_then(NonZeroUsize::new)
         .ok_or_else(|| format!("`{text}` is not a number of profiles to keep; give 1 or more"))
+}
+
+/// The functions of one `--allocator` value.
+#[derive(Debug, Clone)]
+pub struct AllocatorSpec(pub Vec<crate::allocators::spec::CustomFunction>);
+
+fn parse_allocator(text: &str) -> Result<AllocatorSpec, String> {
+    crate::allocators::spec::parse_all(&[text.to_owned()])
+        .map(AllocatorSpec)
+        .map_err(|err| err.to_string())
 }
 
 fn parse_capacity(text: &str) -> Result<u32, String> {

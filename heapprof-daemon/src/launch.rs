@@ -29,6 +29,12 @@ pub enum ChildEvent {
     },
     /// The child is gone; its exit status as a shell reports it (128+N for signal N).
     Exited(i32),
+    /// The child completed an exec and is held until `resume` is answered (or dropped),
+    /// so that a new program's allocator (a static binary's) is probed before it runs.
+    Exec {
+        /// Answer to let the child run its new program.
+        resume: oneshot::Sender<()>,
+    },
     /// The child stopped at a SIGCONT sent by the kernel, which the BPF programs send to
     /// hold it at a loader event until its mappings are loaded. Answer whether it was
     /// such a hold (the signal is then suppressed) or another SIGCONT (delivered).
@@ -157,7 +163,7 @@ impl PausedChild {
                 libc::PTRACE_SEIZE,
                 pid,
                 0,
-                libc::PTRACE_O_TRACEEXIT as libc::c_long,
+                (libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC) as libc::c_long,
             )
         } == 0;
         if !seized {
@@ -203,6 +209,12 @@ impl PausedChild {
                 let (resume, resumed) = oneshot::channel();
                 if events.send(ChildEvent::Exiting { resume }).is_ok() {
                     // Either answered or dropped: both mean go on.
+                    let _ = resumed.blocking_recv();
+                }
+                unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
+            } else if event == libc::PTRACE_EVENT_EXEC {
+                let (resume, resumed) = oneshot::channel();
+                if events.send(ChildEvent::Exec { resume }).is_ok() {
                     let _ = resumed.blocking_recv();
                 }
                 unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };

@@ -2,10 +2,12 @@
 //! together; the integration tests use them to decode and check profiles.
 
 pub mod aggregate;
+pub mod allocators;
 pub mod app;
 pub mod cgroup;
 pub mod cli;
 pub mod launch;
+mod mapped_file;
 pub mod memstats;
 pub mod pprof;
 pub mod preflight;

@@ -190,7 +190,9 @@ impl ObjectCache {
             .collect()
     }
 
-    fn open(&mut self, map_file: &Path, label: &str) -> io::Result<Arc<ObjectFile>> {
+    /// Opens the object at `map_file` (named `label` in profiles), or returns the one
+    /// already open with the same device and inode.
+    pub fn open(&mut self, map_file: &Path, label: &str) -> io::Result<Arc<ObjectFile>> {
         let file = File::open(map_file)?;
         let meta = file.metadata()?;
         let key = (meta.dev(), meta.ino());

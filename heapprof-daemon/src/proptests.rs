@@ -277,7 +277,7 @@ fn damaged_c_libraries_are_refused_or_resolved_never_a_panic() {
         }
         std::fs::write(&damaged, &bytes).expect("write");
         let result = std::panic::catch_unwind(|| {
-            libc::resolve(&damaged, "damaged libc", PlacementMode::Auto)
+            crate::allocators::scan::scan(&damaged, "damaged libc", false, &[], PlacementMode::Auto)
         });
         assert!(
             result.is_ok(),

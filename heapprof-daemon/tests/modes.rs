@@ -134,8 +134,14 @@ fn more_bad_input_gets_one_clear_line_and_status_2() {
     let dir = scratch();
     let out = dir.path().join("profiles");
     // Ended when dropped.
+    // Stripped: its allocator cannot be found (an unstripped one is probed).
     let static_waiter = Driven::start(
-        &compile(dir.path(), "waiter", "static-waiter", &["-O0", "-static"]),
+        &compile(
+            dir.path(),
+            "waiter",
+            "static-waiter",
+            &["-O0", "-static", "-s"],
+        ),
         &["1", "16"],
     );
     let static_pid = static_waiter.pid();
@@ -143,7 +149,7 @@ fn more_bad_input_gets_one_clear_line_and_status_2() {
     let out_arg = out.display().to_string();
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (vec!["--pid", "2"], "is a kernel thread"),
-        (vec!["--pid", &static_pid], "maps no C library"),
+        (vec!["--pid", &static_pid], "without a symbol table"),
         (vec!["--libc", &libm, "--all"], "has no malloc/free symbols"),
         (
             vec!["--interval", "0s", "--all"],
@@ -313,7 +319,7 @@ fn pid_mode_keeps_tracing_through_fork_and_exec() {
     wait_for_line(
         &log,
         &format!("pid {} (exec generation 1): mappings read", execer.pid()),
-        "with the probed C library",
+        "with a probed allocator",
     );
     execer.finish();
     wait_success(&mut heapprofd, &log, "--pid through exec");
@@ -347,11 +353,17 @@ fn pid_mode_keeps_tracing_through_fork_and_exec() {
 }
 
 #[test]
-fn pid_mode_says_when_an_exec_leaves_the_traced_libc() {
+fn pid_mode_says_when_an_exec_leaves_every_allocator_it_can_see() {
     require_root();
     let dir = scratch();
     let binary = compile(dir.path(), "execer", "execer", &["-O0"]);
-    let static_binary = compile(dir.path(), "execer", "execer-static", &["-O0", "-static"]);
+    // Stripped: no symbol says where its allocator is.
+    let static_binary = compile(
+        dir.path(),
+        "execer",
+        "execer-static",
+        &["-O0", "-static", "-s"],
+    );
     let static_path = static_binary.to_str().expect("utf-8 path");
     let out = dir.path().join("profiles");
     let mut execer = Driven::start(&binary, &["parent", static_path]);
@@ -361,9 +373,9 @@ fn pid_mode_says_when_an_exec_leaves_the_traced_libc() {
             .arg(execer.pid()),
     );
     execer.step("done");
-    let warning = wait_for_line(&log, "exec'd", "no longer traced");
+    let warning = wait_for_line(&log, "pid", "without a symbol table");
     assert!(
-        warning.contains(static_path) && warning.contains("--libc"),
+        warning.contains(static_path) && warning.contains("--allocator"),
         "the warning names the program and the way out: {warning}"
     );
     // heapprofd keeps going until the target exits.
@@ -377,7 +389,7 @@ fn pid_mode_says_when_an_exec_leaves_the_traced_libc() {
     assert!(
         comments
             .iter()
-            .any(|c| c.contains("not traced after it exec'd")),
+            .any(|c| c.contains(static_path) && c.contains("--allocator")),
         "the profile says so too: {comments:?}"
     );
 }

@@ -12,8 +12,10 @@
 //! of the thread looks nested, silencing it for good. Stack pointers say for themselves
 //! whether a call can be inside another, so a missed return costs at most that call:
 //! - **Entry, below the recorded call's entry** (deeper on the same stack, within
-//!   [`MAX_NESTING_SPAN`]) **and called from the allocator's own code** (the return
-//!   address is in the library's text): nested, not the user's call.
+//!   [`MAX_NESTING_SPAN`]) **and called from the code of the recorded call's object**
+//!   (the return address is in that library's or binary's text): nested, not the
+//!   user's call. The recorded call's object, not the new one's: a custom pool in the
+//!   program that gets a new chunk from malloc makes one allocation, the pool's.
 //! - **Entry at the same stack pointer:** the same return-address slot. Either a tail
 //!   call from the recorded call, which forwards its arguments (the recorded call stays
 //!   the user's; the kernel reports its return where the callee returns), or a new
@@ -35,10 +37,10 @@ use aya_ebpf::{
     helpers::bpf_get_current_pid_tgid,
     programs::{ProbeContext, RetProbeContext},
 };
-use heapprof_common::{AllocKind, DropReason, InFlight, MAX_NESTING_SPAN, ProbeSlot};
+use heapprof_common::{DropReason, InFlight, MAX_NESTING_SPAN, ProbeSlot, ProbeSpec};
 
 use crate::{
-    maps::{IN_FLIGHT, allocator_text, armed, count_drop, ignored, probe_offset},
+    maps::{IN_FLIGHT, armed, count_drop, ignored, probe_spec},
     regs::{self, RETURN_SP_OFFSET},
     sampling::sampled,
 };
@@ -47,36 +49,40 @@ use crate::{
 #[derive(Clone, Copy)]
 pub struct Call {
     /// The function called.
-    pub kind: AllocKind,
+    pub slot: ProbeSlot,
     /// Bytes requested (after calloc's multiplication, pvalloc's rounding).
     pub size: u64,
     /// The block being resized, or 0.
     pub old_ptr: u64,
-    /// posix_memalign's out-pointer, or 0.
+    /// Where the new block is written (posix_memalign's out-pointer), or 0.
     pub out_ptr: u64,
 }
 
-/// Whether the call being entered was made by the allocator library's own code: its
-/// return address, placed in the library's file through the probe's own address and
-/// file offset, lies in the library's executable code.
+/// Whether the call being entered (stack pointer `sp`) was made by the code of the
+/// object of the call recorded in `state`: its return address, placed in that object's
+/// file through the recorded load address, lies in the object's executable code.
 #[inline(always)]
-fn called_by_allocator(ctx: &ProbeContext, slot: ProbeSlot, ip: u64, sp: u64) -> bool {
+fn called_by_recorded_object(ctx: &ProbeContext, sp: u64, state: &InFlight) -> bool {
+    let Some(spec) = probe_spec(state.slot) else {
+        return false;
+    };
     let return_address = regs::return_address_at_entry(ctx, sp);
-    let offset = probe_offset(slot).wrapping_add(return_address.wrapping_sub(ip));
-    let (start, end) = allocator_text();
-    offset >= start && offset < end
+    let offset = return_address.wrapping_sub(state.object_base);
+    offset >= spec.text_start && offset < spec.text_end
 }
 
-/// Whether an entry at `sp` is nested in the call recorded at `entry_sp` (see the
-/// module documentation).
+/// Whether an entry at `sp` is nested in the call recorded in `state` (see the module
+/// documentation).
 #[inline(always)]
-fn nested(ctx: &ProbeContext, slot: ProbeSlot, ip: u64, sp: u64, entry_sp: u64) -> bool {
-    sp < entry_sp && entry_sp - sp <= MAX_NESTING_SPAN && called_by_allocator(ctx, slot, ip, sp)
+fn nested(ctx: &ProbeContext, sp: u64, state: &InFlight) -> bool {
+    sp < state.entry_sp
+        && state.entry_sp - sp <= MAX_NESTING_SPAN
+        && called_by_recorded_object(ctx, sp, state)
 }
 
 /// An allocator function's entry probe: records the call if it is the user's.
 #[inline(always)]
-pub fn enter(ctx: &ProbeContext, slot: ProbeSlot, call: Call) {
+pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
     let tid = bpf_get_current_pid_tgid();
     if ignored(tid) || !armed() {
         return;
@@ -91,7 +97,7 @@ pub fn enter(ctx: &ProbeContext, slot: ProbeSlot, call: Call) {
                 if call.size == state.size && call.old_ptr == state.old_ptr {
                     return; // a tail call forwarding the recorded call's arguments
                 }
-            } else if nested(ctx, slot, ip, sp, state.entry_sp) {
+            } else if nested(ctx, sp, state) {
                 return;
             }
         }
@@ -101,8 +107,9 @@ pub fn enter(ctx: &ProbeContext, slot: ProbeSlot, call: Call) {
         old_ptr: call.old_ptr,
         out_ptr: call.out_ptr,
         entry_sp: sp,
+        object_base: ip.wrapping_sub(spec.probe_offset),
         active: 1,
-        kind: call.kind as u32,
+        slot: call.slot,
         sampled: sampled(call.size) as u32,
         _pad: 0,
     };
@@ -142,7 +149,7 @@ pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
 /// free's entry probe: whether this free is the allocator's own (realloc's), which the
 /// enclosing call accounts for.
 #[inline(always)]
-pub fn free_is_nested(ctx: &ProbeContext, slot: ProbeSlot, pid_tgid: u64) -> bool {
+pub fn free_is_nested(ctx: &ProbeContext, pid_tgid: u64) -> bool {
     let Some(state) = IN_FLIGHT.get_ptr_mut(&pid_tgid) else {
         return false;
     };
@@ -151,8 +158,8 @@ pub fn free_is_nested(ctx: &ProbeContext, slot: ProbeSlot, pid_tgid: u64) -> boo
     if state.active == 0 {
         return false;
     }
-    let (ip, sp) = regs::at_entry(ctx);
-    if nested(ctx, slot, ip, sp, state.entry_sp) {
+    let (_, sp) = regs::at_entry(ctx);
+    if nested(ctx, sp, state) {
         return true;
     }
     if sp >= state.entry_sp {

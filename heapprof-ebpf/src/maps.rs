@@ -7,8 +7,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use heapprof_common::{
-    CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey, PROBE_SLOTS,
-    ProbeSlot, ProcessUsage, SiteCounters, StackKey, UserStack,
+    CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey,
+    MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, SiteCounters, StackKey, UserStack,
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
         UnwindRule,
@@ -18,8 +18,8 @@ use heapprof_common::{
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 #[map(name = "IN_FLIGHT")]
 pub static IN_FLIGHT: HashMap<u64, InFlight> = HashMap::with_max_entries(16384, 0);
-#[map(name = "PROBE_OFFSETS")]
-pub static PROBE_OFFSETS: Array<u64> = Array::with_max_entries(PROBE_SLOTS as u32, 0);
+#[map(name = "PROBES")]
+pub static PROBES: Array<ProbeSpec> = Array::with_max_entries(MAX_PROBE_SLOTS, 0);
 #[map(name = "CONTROL")]
 pub static CONTROL: Array<u32> = Array::with_max_entries(CONTROL_SLOTS, 0);
 #[map(name = "LIVE")]
@@ -91,8 +91,6 @@ static CONFIG: Config = Config {
     ignore_tgid: 0,
     target_tgid: 0,
     sample_rate: 0,
-    text_start: 0,
-    text_end: 0,
     unwind_mode: 0,
     hold_at_loader_events: 0,
     empty_programs: 0,
@@ -162,22 +160,10 @@ pub fn track_peak() -> bool {
     unsafe { core::ptr::read_volatile(&CONFIG.track_peak) != 0 }
 }
 
-/// File offset of a probed function's probe spot in the allocator library.
+/// How the calls of the function in `slot` are read, once the daemon has filled it.
 #[inline(always)]
-pub fn probe_offset(slot: ProbeSlot) -> u64 {
-    PROBE_OFFSETS.get(slot).copied().unwrap_or(0)
-}
-
-/// The allocator library's executable code, as file offsets `[start, end)`.
-#[inline(always)]
-pub fn allocator_text() -> (u64, u64) {
-    // SAFETY: a plain global (see above).
-    unsafe {
-        (
-            core::ptr::read_volatile(&CONFIG.text_start),
-            core::ptr::read_volatile(&CONFIG.text_end),
-        )
-    }
+pub fn probe_spec(slot: ProbeSlot) -> Option<&'static ProbeSpec> {
+    PROBES.get(slot).filter(|spec| spec.in_use != 0)
 }
 
 /// Whether the daemon has attached every probe (see [`CONTROL_ARMED`]).

@@ -83,3 +83,33 @@ pub fn at_return(ctx: &RetProbeContext) -> (u64, u64, u64) {
         (0, 0, 0)
     }
 }
+
+/// The first six arguments of the call being entered. Read with constant offsets into
+/// the context, which is all the verifier accepts there; the callers index the copy.
+#[inline(always)]
+pub fn arguments(ctx: &ProbeContext) -> [u64; 6] {
+    #[cfg(bpf_target_arch = "x86_64")]
+    // SAFETY: ctx.regs is the probe's pt_regs, readable by the program.
+    unsafe {
+        let regs = &*ctx.regs;
+        [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9]
+    }
+    #[cfg(bpf_target_arch = "aarch64")]
+    // SAFETY: the kernel's arm64 pt_regs begins with user_pt_regs.
+    unsafe {
+        let regs = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
+        [
+            regs.regs[0],
+            regs.regs[1],
+            regs.regs[2],
+            regs.regs[3],
+            regs.regs[4],
+            regs.regs[5],
+        ]
+    }
+    #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
+    {
+        let _ = ctx;
+        [0; 6]
+    }
+}

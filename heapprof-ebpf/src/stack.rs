@@ -1,7 +1,7 @@
 //! The user stack of an allocation, taken at the allocator's return.
 
 use aya_ebpf::programs::RetProbeContext;
-use heapprof_common::{AllocKind, StackKey, UserStack};
+use heapprof_common::{ProbeSlot, StackKey, UserStack};
 
 use crate::{
     maps::{EXEC_GEN, STACK_SCRATCH, unwind_mode},
@@ -16,7 +16,7 @@ use crate::{
 pub fn record_stack(
     ctx: &RetProbeContext,
     tgid: u32,
-    kind: AllocKind,
+    slot: ProbeSlot,
 ) -> Option<(StackKey, &'static UserStack)> {
     // SAFETY: a plain value copied out of the map.
     let exec_gen = unsafe { EXEC_GEN.get(&tgid) }.copied().unwrap_or(0);
@@ -28,7 +28,7 @@ pub fn record_stack(
         tgid,
         exec_gen,
         stack: hash,
-        kind: kind as u32,
+        slot,
         _pad: 0,
     };
     Some((site, stack))

@@ -1,9 +1,9 @@
-//! The user-mode programs: allocator entry and return probes, free, process events.
+//! The user-mode programs: allocator entry and return probes, process events.
 //!
-//! Each probed function has its own entry program for kernels whose uprobes are
-//! attached one perf event at a time; kernels with multi-uprobe links (6.6+) get one
-//! entry program for all of them, told apart by the attach cookie (a [`ProbeSlot`]).
-//! Both forms run the same code: [`on_entry`] with the slot constant or from the cookie.
+//! One entry program serves every probed function of every allocator, told apart by
+//! the attach cookie (a [`ProbeSlot`]) whose [`ProbeSpec`] says what the function does
+//! and where its arguments are. Kernels with multi-uprobe links (6.6+) attach it once
+//! per object; older ones one perf event per function. Both forms run [`on_entry`].
 
 use aya_ebpf::{
     EbpfContext as _,
@@ -15,7 +15,7 @@ use aya_ebpf::{
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use heapprof_common::{
-    AllocKind, DropReason, ExecEvent, FREE_SLOT, ProbeSlot,
+    DropReason, ExecEvent, NO_ARG, ProbeRole, ProbeSlot, ProbeSpec,
     unwind::{MappingsRequest, RequestReason},
 };
 
@@ -23,9 +23,10 @@ use crate::{
     calls::{self, Call},
     maps::{
         EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, armed,
-        count_drop, empty_programs, hold_at_loader_events, ignored, page_size, target_tgid,
+        count_drop, empty_programs, hold_at_loader_events, ignored, page_size, probe_spec,
+        target_tgid,
     },
-    sites, stack,
+    regs, sites, stack,
 };
 
 /// The signal that holds a launched command at a loader event. Its tracer intercepts
@@ -33,55 +34,73 @@ use crate::{
 /// it ever delivered, SIGCONT's default action does nothing.
 const SIGCONT: u32 = 18;
 
+/// Argument `n` (0-based) of a call, 0 when out of range.
 #[inline(always)]
-fn arg(ctx: &ProbeContext, n: usize) -> u64 {
-    ctx.arg::<u64>(n).unwrap_or(0)
+fn arg(args: &[u64; 6], n: u8) -> u64 {
+    args.get(n as usize).copied().unwrap_or(0)
 }
 
-/// An entry probe of the function in `slot`: its arguments, then the call matching.
+/// The size a call asks for: its size argument (or the spec's fixed size), times its
+/// count argument, rounded to pages for pvalloc.
+#[inline(always)]
+fn requested_size(args: &[u64; 6], spec: &ProbeSpec) -> u64 {
+    let mut size = if spec.size_arg == NO_ARG {
+        spec.fixed_size
+    } else {
+        arg(args, spec.size_arg)
+    };
+    if spec.count_arg != NO_ARG {
+        size = size.wrapping_mul(arg(args, spec.count_arg));
+    }
+    if spec.round_to_pages != 0 {
+        // glibc hands out whole pages (and one page for a request of 0).
+        let page = page_size();
+        size = if size == 0 {
+            page
+        } else {
+            size.div_ceil(page) * page
+        };
+    }
+    size
+}
+
+/// The entry probe of the function in `slot`: free's accounting, or the call matching.
 #[inline(always)]
 fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
-    let Some(kind) = AllocKind::from_u32(slot) else {
-        if slot == FREE_SLOT {
-            on_free(ctx);
-        }
+    let Some(spec) = probe_spec(slot) else {
         return;
     };
-    let (size, old_ptr, out_ptr) = match kind {
-        AllocKind::Malloc | AllocKind::Valloc => (arg(ctx, 0), 0, 0),
-        AllocKind::Calloc => (arg(ctx, 0).wrapping_mul(arg(ctx, 1)), 0, 0),
-        AllocKind::Realloc => (arg(ctx, 1), arg(ctx, 0), 0),
-        AllocKind::Reallocarray => (arg(ctx, 1).wrapping_mul(arg(ctx, 2)), arg(ctx, 0), 0),
-        AllocKind::PosixMemalign => (arg(ctx, 2), 0, arg(ctx, 0)),
-        AllocKind::AlignedAlloc | AllocKind::Memalign => (arg(ctx, 1), 0, 0),
-        AllocKind::Pvalloc => {
-            // glibc hands out whole pages (and one page for a request of 0).
-            let page = page_size();
-            let size = arg(ctx, 0);
-            let pages = if size == 0 { 1 } else { size.div_ceil(page) };
-            (pages * page, 0, 0)
-        }
+    let Some(role) = ProbeRole::from_u32(spec.role) else {
+        return;
     };
+    let args = regs::arguments(ctx);
+    if role == ProbeRole::Free {
+        on_free(ctx, arg(&args, spec.ptr_arg));
+        return;
+    }
+    let old_ptr = arg(&args, spec.ptr_arg);
+    let out_ptr = arg(&args, spec.out_arg);
     calls::enter(
         ctx,
-        slot,
+        spec,
         Call {
-            kind,
-            size,
+            slot,
+            size: requested_size(&args, spec),
             old_ptr,
             out_ptr,
         },
     );
 }
 
-/// free's probe: credits the block to its site, unless realloc called it.
+/// A free function's probe: credits the block to its site, unless an allocator call
+/// in progress made it (realloc's own free).
 #[inline(always)]
-fn on_free(ctx: &ProbeContext) {
+fn on_free(ctx: &ProbeContext, ptr: u64) {
     let pid_tgid = bpf_get_current_pid_tgid();
-    if ignored(pid_tgid) || !armed() || calls::free_is_nested(ctx, FREE_SLOT, pid_tgid) {
+    if ignored(pid_tgid) || !armed() || calls::free_is_nested(ctx, pid_tgid) {
         return;
     }
-    sites::release((pid_tgid >> 32) as u32, arg(ctx, 0));
+    sites::release((pid_tgid >> 32) as u32, ptr);
 }
 
 /// The shared return probe: counts the user's call when it returns.
@@ -93,15 +112,19 @@ fn on_return(ctx: &RetProbeContext) {
     };
     let tgid = (pid_tgid >> 32) as u32;
     let returned: u64 = ctx.ret();
-    let Some(kind) = AllocKind::from_u32(state.kind) else {
+    let Some(spec) = probe_spec(state.slot) else {
         return;
     };
-    let resizes = matches!(kind, AllocKind::Realloc | AllocKind::Reallocarray);
+    let Some(role) = ProbeRole::from_u32(spec.role) else {
+        return;
+    };
+    let resizes = matches!(role, ProbeRole::Realloc | ProbeRole::ResizeInPlace);
     if state.sampled == 0 && !resizes {
         return;
     }
-    let ptr = match kind {
-        AllocKind::PosixMemalign => {
+    let ptr = match role {
+        ProbeRole::Free => return,
+        ProbeRole::Alloc if spec.out_arg != NO_ARG => {
             if returned != 0 {
                 return; // an error code: nothing allocated
             }
@@ -114,19 +137,27 @@ fn on_return(ctx: &RetProbeContext) {
                 }
             }
         }
-        AllocKind::Realloc | AllocKind::Reallocarray => {
+        ProbeRole::Alloc => returned,
+        ProbeRole::Realloc => {
             // Success (or realloc(p, 0), which frees p and returns NULL): the old block is gone.
             if state.old_ptr != 0 && (returned != 0 || state.size == 0) {
                 sites::release(tgid, state.old_ptr);
             }
             returned
         }
-        _ => returned,
+        ProbeRole::ResizeInPlace => {
+            // The usable size: below the request, the block kept its old size.
+            if returned < state.size {
+                return;
+            }
+            sites::release(tgid, state.old_ptr);
+            state.old_ptr
+        }
     };
     if ptr == 0 || state.sampled == 0 {
         return;
     }
-    if let Some((site, stack)) = stack::record_stack(ctx, tgid, kind) {
+    if let Some((site, stack)) = stack::record_stack(ctx, tgid, state.slot) {
         sites::allocated(tgid, ptr, state.size, &site, stack);
     }
 }
@@ -139,92 +170,11 @@ fn cookie_slot(ctx: &ProbeContext) -> ProbeSlot {
 }
 
 #[uprobe]
-pub fn malloc_enter(ctx: ProbeContext) -> u32 {
+pub fn entry(ctx: ProbeContext) -> u32 {
     if empty_programs() {
         return 0;
     }
-    on_entry(&ctx, AllocKind::Malloc as ProbeSlot);
-    0
-}
-
-#[uprobe]
-pub fn calloc_enter(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, AllocKind::Calloc as ProbeSlot);
-    0
-}
-
-#[uprobe]
-pub fn realloc_enter(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, AllocKind::Realloc as ProbeSlot);
-    0
-}
-
-#[uprobe]
-pub fn reallocarray_enter(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, AllocKind::Reallocarray as ProbeSlot);
-    0
-}
-
-#[uprobe]
-pub fn posix_memalign_enter(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, AllocKind::PosixMemalign as ProbeSlot);
-    0
-}
-
-#[uprobe]
-pub fn aligned_alloc_enter(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, AllocKind::AlignedAlloc as ProbeSlot);
-    0
-}
-
-#[uprobe]
-pub fn memalign_enter(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, AllocKind::Memalign as ProbeSlot);
-    0
-}
-
-#[uprobe]
-pub fn valloc_enter(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, AllocKind::Valloc as ProbeSlot);
-    0
-}
-
-#[uprobe]
-pub fn pvalloc_enter(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, AllocKind::Pvalloc as ProbeSlot);
-    0
-}
-
-#[uprobe]
-pub fn free_enter(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_free(&ctx);
+    on_entry(&ctx, cookie_slot(&ctx));
     0
 }
 

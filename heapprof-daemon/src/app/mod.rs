@@ -90,6 +90,13 @@ impl AnySession {
         }
     }
 
+    /// A launched command is held right after an exec.
+    fn exec_hold(&mut self, pid: u32) {
+        if let AnySession::User(session) = self {
+            session.exec_hold(pid);
+        }
+    }
+
     fn exec_seen(&mut self, event: ExecEvent) {
         if let AnySession::User(session) = self {
             session.exec_seen(event);
@@ -109,12 +116,16 @@ impl AnySession {
         }
     }
 
-    /// Called while a launched command is held at its exit.
-    fn before_exit(&mut self) {
-        if let AnySession::User(session) = self
-            && let Err(err) = session.refresh_unmapped()
-        {
-            log::warn!("cannot read the exiting process's mappings: {err:#}");
+    /// Called while a launched command `pid` is held at its exit.
+    fn before_exit(&mut self, pid: Option<u32>) {
+        if let AnySession::User(session) = self {
+            if let Some(pid) = pid {
+                // Its final mappings: an allocator still not seen is not there.
+                session.refresh_process(pid);
+            }
+            if let Err(err) = session.refresh_unmapped() {
+                log::warn!("cannot read the exiting process's mappings: {err:#}");
+            }
         }
     }
 }

@@ -117,6 +117,12 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
             }
             event = async { match child_events.as_mut() { Some(events) => events.recv().await, None => std::future::pending().await } } => {
                 match event {
+                    Some(ChildEvent::Exec { resume }) => {
+                        if let Some(pid) = child_pid {
+                            session.exec_hold(pid);
+                        }
+                        drop(resume);
+                    }
                     Some(ChildEvent::KernelSigcont { resume }) => {
                         let hold = child_pid.is_some_and(|pid| session.loader_hold(pid));
                         let _ = resume.send(hold);
@@ -126,7 +132,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
                             relay.command_exiting();
                         }
                         // The process still has its address space: read its mappings now.
-                        session.before_exit();
+                        session.before_exit(child_pid);
                         drop(resume);
                     }
                     Some(ChildEvent::Exited(code)) => {

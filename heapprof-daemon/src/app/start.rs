@@ -3,7 +3,7 @@
 
 use std::os::fd::{FromRawFd as _, OwnedFd};
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use tokio::{
     io::unix::AsyncFd,
     signal::unix::{Signal, SignalKind, signal},
@@ -13,9 +13,11 @@ use heapprof_common::unwind::UnwindMode;
 
 use super::AnySession;
 use crate::{
+    allocators::{AllocatorProbes, ProbeSettings, spec::CustomFunction},
     cli::{Cli, Target},
     launch::{self, PausedChild},
     pprof, preflight, probes,
+    procmaps::ObjectCache,
     session::{
         Session, SessionConfig,
         kernel::{KernelSession, KernelSessionConfig},
@@ -59,22 +61,6 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
     let target_exit = watch_target(target, false)?;
     pprof::writer::prepare_output_dir(&cli.output)?;
 
-    let (libc_path, libc_maps_path) = match (&cli.libc, target) {
-        (Some(path), _) => (path.clone(), path.display().to_string()),
-        (None, Target::Pid(pid)) => probes::libc::find_in_process(*pid)?,
-        // A launched command and other processes use the system's C library, the one heapprofd runs on.
-        (None, _) => match probes::libc::find_in_process(std::process::id()) {
-            Ok(own) => own,
-            // A static heapprofd maps no C library of its own.
-            Err(_) => {
-                let system = probes::libc::find_system()?;
-                let label = system.display().to_string();
-                (system, label)
-            }
-        },
-    };
-    let libc = probes::libc::resolve(&libc_path, &libc_maps_path, cli.probe_placement)?;
-
     let capacities = probes::Capacities {
         live_blocks: cli.max_live_blocks,
         sites: cli.max_sites,
@@ -93,26 +79,30 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
         rules: cli.max_unwind_rules,
         objects: cli.max_unwind_objects,
     };
+    // A launched command is held at each loader event until its new objects' unwind
+    // tables and allocators are in place.
     let unwinding = probes::UnwindSettings {
         mode: unwind_mode,
         tables,
         processes: cli.max_processes,
-        hold_at_loader_events: child.is_some()
-            && unwind_mode != UnwindMode::FramePointers
-            && !cli.empty_programs,
+        hold_at_loader_events: child.is_some() && !cli.empty_programs,
         empty_programs: cli.empty_programs,
     };
-    // The loader's hook tells when objects are mapped; frame pointers need no tables.
-    let loader = match (unwind_mode, target) {
-        (UnwindMode::FramePointers, _) => None,
-        (_, Target::Pid(pid)) => probes::loader::of_process(*pid)?,
-        // A script (a shebang, a wrapper) execs its interpreter: the system's loader.
-        (_, Target::Launch(command)) => command
+    let program = match target {
+        Target::Launch(command) => command
             .first()
-            .and_then(|program| launch::resolve_program(program).ok())
-            .and_then(|program| probes::loader::of_executable(&program))
+            .and_then(|program| launch::resolve_program(program).ok()),
+        _ => None,
+    };
+    // The loader's hook tells when objects are mapped: new unwind tables, new allocators.
+    let loader = match target {
+        Target::Pid(pid) => probes::loader::of_process(*pid)?,
+        // A script (a shebang, a wrapper) execs its interpreter: the system's loader.
+        Target::Launch(_) => program
+            .as_deref()
+            .and_then(probes::loader::of_executable)
             .or_else(probes::loader::system),
-        (_, Target::All) => probes::loader::system(),
+        Target::All => probes::loader::system(),
     };
     match &loader {
         Some(loader) => log::debug!(
@@ -120,10 +110,10 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
             loader.display,
             loader.hook_offset
         ),
-        None if unwind_mode != UnwindMode::FramePointers => log::debug!(
-            "no dynamic loader hook: new objects' unwind tables load when stacks meet them"
+        None => log::debug!(
+            "no dynamic loader hook: new objects' unwind tables load when stacks meet them, \
+             and new allocators are found when the process's mappings are next read"
         ),
-        None => {}
     }
     let cgroup = cgroup_filter(cli)?;
     let mut ebpf = probes::load(
@@ -132,29 +122,68 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
         !cli.no_peak,
         cgroup,
         pid,
-        &libc,
         unwinding,
     )?;
-    let attached = probes::attach(&mut ebpf, &libc, loader.as_ref(), pid, cli.attach)?;
-    log::debug!("uprobes attached as {:?}", attached.method);
-    probes::arm(&mut ebpf, &libc)?;
-    let probes = attached.probes;
+    let method = probes::attach_method(cli.attach, pid);
+    log::debug!("uprobes attached as {method:?}");
+    let settings = ProbeSettings {
+        custom: cli
+            .allocator
+            .iter()
+            .flat_map(|spec| spec.0.clone())
+            .collect(),
+        placement: cli.probe_placement,
+        method,
+        pid,
+    };
+    if let Some(name) = duplicate(&settings.custom) {
+        bail!("--allocator names {name} twice; give each function once");
+    }
+    let mut allocators = AllocatorProbes::new(&mut ebpf, settings)?;
+    let mut objects = ObjectCache::default();
+    for (path, executable) in initial_allocators(cli, target, program.as_deref())? {
+        let label = path.display().to_string();
+        let object = objects
+            .open(&path, &label)
+            .with_context(|| format!("opening {label}"))?;
+        let probed = allocators
+            .probe_found_object(&mut ebpf, &object, executable)
+            .with_context(|| format!("probing the allocator in {label}"))?;
+        if probed == 0 && cli.libc.as_deref() == Some(path.as_path()) {
+            bail!(
+                "{label} has no malloc/free symbols; point --libc at the library that \
+                 provides the program's allocator"
+            );
+        }
+    }
+    let process_probes = probes::attach_process_events(&mut ebpf, loader.as_ref(), pid, method)?;
+    probes::arm(&mut ebpf)?;
     let config = SessionConfig {
         target: target.clone(),
         output: cli.output.clone(),
-        libc,
-        libc_maps_path,
         sample_rate,
         bpf_stats: cli.bpf_stats,
         unwind_tables: (unwind_mode != UnwindMode::FramePointers).then_some(tables),
         retain_exited: cli.retain_exited,
     };
-    let mut session = Session::new(config, ebpf)?;
+    let mut session = Session::new(config, ebpf, allocators)?;
     session.prime_processes();
+    if let Target::Pid(pid) = target
+        && session.allocator_probes() == 0
+    {
+        match session.allocator_notes().last() {
+            Some(note) => bail!("{note}"),
+            None => bail!(
+                "process {pid}: heapprofd found no allocator to probe in it; name its \
+                 allocator's functions with --allocator"
+            ),
+        }
+    }
     // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).
     log::info!(
-        "{probes} probes on {} ({}), profiles every {:?} in {}",
-        session.libc_display(),
+        "{} probes on {} ({}), profiles every {:?} in {}",
+        session.allocator_probes() + process_probes,
+        session.allocator_names(),
         match target {
             Target::Pid(pid) => format!("pid {pid}"),
             Target::Launch(command) => format!("`{}`, pid {}", command.join(" "), pid.unwrap_or(0)),
@@ -260,4 +289,62 @@ fn cgroup_filter(cli: &Cli) -> Result<Option<crate::cgroup::CgroupFilter>> {
         .map(crate::cgroup::CgroupFilter::resolve)
         .transpose()
         .map_err(anyhow::Error::new)
+}
+
+/// A function `--allocator` names twice, across its values.
+fn duplicate(functions: &[CustomFunction]) -> Option<&str> {
+    functions.iter().enumerate().find_map(|(i, f)| {
+        functions[..i]
+            .iter()
+            .any(|g| g.name == f.name)
+            .then_some(f.name.as_str())
+    })
+}
+
+/// Allocator objects probed before anything runs, with whether each is a program:
+/// `--libc`; for a launched command, its program (a static binary, a statically linked
+/// allocator) and the system's C library; for `--all`, the system's C library and the
+/// allocator libraries installed at the usual places, so that processes starting later
+/// are counted from their first call. Everything else joins as processes are read.
+fn initial_allocators(
+    cli: &Cli,
+    target: &Target,
+    program: Option<&std::path::Path>,
+) -> Result<Vec<(std::path::PathBuf, bool)>> {
+    let mut objects = Vec::new();
+    if let Some(libc) = &cli.libc {
+        if !libc.is_file() {
+            bail!(
+                "--libc {}: no such file; give the path of the allocator library",
+                libc.display()
+            );
+        }
+        objects.push((libc.clone(), false));
+    }
+    if matches!(target, Target::Pid(_)) {
+        return Ok(objects);
+    }
+    // The system's C library, the one heapprofd runs on (a static heapprofd has none).
+    let own = probes::libc::find_in_process(std::process::id())
+        .map(|(_, maps_path)| std::path::PathBuf::from(maps_path));
+    match own.or_else(|_| probes::libc::find_system()) {
+        Ok(libc) => objects.push((libc, false)),
+        Err(err) => log::debug!("{err:#}"),
+    }
+    match target {
+        Target::Launch(_) => {
+            if let Some(program) = program {
+                objects.push((program.to_owned(), true));
+            }
+        }
+        Target::All => objects.extend(
+            crate::allocators::serving::system_allocators()
+                .into_iter()
+                .map(|path| (path, false)),
+        ),
+        Target::Pid(_) => {}
+    }
+    let mut seen = std::collections::HashSet::new();
+    objects.retain(|(path, _)| seen.insert(std::fs::canonicalize(path).unwrap_or(path.clone())));
+    Ok(objects)
 }

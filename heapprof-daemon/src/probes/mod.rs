@@ -12,18 +12,14 @@ use anyhow::{Context as _, Result};
 use aya::{
     Ebpf, EbpfLoader,
     maps::Array,
-    programs::{
-        RawTracePoint, UProbe,
-        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
-    },
+    programs::{RawTracePoint, UProbe, uprobe::UProbeScope},
     sys::UProbeMultiFeature,
 };
 use heapprof_common::{
-    AllocKind, CONTROL_ARMED, Config, FREE_SLOT, ProbeSlot, kernel::names as kernel_names, names,
-    unwind::UnwindMode,
+    CONTROL_ARMED, Config, kernel::names as kernel_names, names, unwind::UnwindMode,
 };
 
-pub use self::{libc::Libc, loader::DynamicLoader};
+pub use self::loader::DynamicLoader;
 use crate::{cgroup::CgroupFilter, cli::AttachChoice, unwind::loader::TableCapacities};
 
 /// The BPF object built by aya-build from heapprof-ebpf.
@@ -60,14 +56,13 @@ pub struct UnwindSettings {
 /// Loads the BPF object for user mode with the given capacities and sampling rate
 /// (0: every allocation), keeping each process's in-use peak if `track_peak` (exact
 /// mode only), tracing process `target` or all (`None`; only those of `cgroup` when
-/// given), with the probe spots of `libc`. Nothing is attached yet.
+/// given). Nothing is attached yet: the allocators' probes join as they are found.
 pub fn load(
     capacities: Capacities,
     sample_rate: u64,
     track_peak: bool,
     cgroup: Option<CgroupFilter>,
     target: Option<u32>,
-    libc: &Libc,
     unwind: UnwindSettings,
 ) -> Result<Ebpf> {
     let config = Config {
@@ -75,8 +70,6 @@ pub fn load(
         ignore_tgid: std::process::id(),
         target_tgid: target.unwrap_or(0),
         sample_rate,
-        text_start: libc.text.0,
-        text_end: libc.text.1,
         unwind_mode: unwind.mode as u32,
         hold_at_loader_events: u32::from(unwind.hold_at_loader_events),
         empty_programs: u32::from(unwind.empty_programs),
@@ -137,7 +130,8 @@ pub(crate) fn page_size() -> u64 {
     u64::try_from(size).unwrap_or(4096)
 }
 
-fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
+/// The uprobe program `name`, loaded into the kernel on first use.
+pub(crate) fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
     let program: &mut UProbe = ebpf
         .program_mut(name)
         .with_context(|| format!("BPF program {name} missing from the object"))?
@@ -181,7 +175,7 @@ pub enum AttachMethod {
 
 /// Which method to use: what this kernel supports for the given scope, unless the
 /// user chose perf events.
-fn attach_method(choice: AttachChoice, pid: Option<u32>) -> AttachMethod {
+pub fn attach_method(choice: AttachChoice, pid: Option<u32>) -> AttachMethod {
     if choice == AttachChoice::PerfEvents {
         return AttachMethod::PerfEvents;
     }
@@ -200,88 +194,20 @@ fn attach_method(choice: AttachChoice, pid: Option<u32>) -> AttachMethod {
     }
 }
 
-/// What [`attach`] did.
-#[derive(Debug, Clone, Copy)]
-pub struct Attached {
-    /// Probes attached (uprobes, uretprobes and tracepoints).
-    pub probes: usize,
-    /// How.
-    pub method: AttachMethod,
-}
-
-/// Attaches entry probes on every allocator function of `libc`, the shared return
-/// probe at the same spots, the probe on free, the dynamic loader's hook (when there is
-/// a loader to probe) and the process tracepoints. `pid` limits the uprobes to one
-/// process. The programs stay inert until [`arm`].
-pub fn attach(
+/// Attaches the dynamic loader's hook (when there is a loader to probe) and the
+/// process tracepoints, with `method` for the hook. `pid` limits the uprobe to one
+/// process. Returns the probes attached. The programs stay inert until [`arm`].
+pub fn attach_process_events(
     ebpf: &mut Ebpf,
-    libc: &Libc,
     loader: Option<&DynamicLoader>,
     pid: Option<u32>,
-    choice: AttachChoice,
-) -> Result<Attached> {
+    method: AttachMethod,
+) -> Result<usize> {
     let scope = match pid.and_then(NonZeroU32::new) {
         Some(pid) => UProbeScope::OneProcess(pid),
         None => UProbeScope::AllProcesses,
     };
-    for (kind, function) in &libc.allocators {
-        log::debug!("{}: probes at {}", kind.symbol(), function.placement);
-    }
-    log::debug!("free: probe at {}", libc.free.placement);
-    for (alias, first) in &libc.aliases {
-        log::debug!(
-            "{} is the same function as {} in {}: traced once, reported as {}",
-            alias.symbol(),
-            first.symbol(),
-            libc.display,
-            first.symbol()
-        );
-    }
-    // Entry and return probes share one spot, so one trap serves both.
-    let allocators: Vec<(ProbeSlot, u64)> = libc
-        .allocators
-        .iter()
-        .map(|(kind, function)| (*kind as ProbeSlot, function.probe_offset()))
-        .collect();
-    let free = (FREE_SLOT, libc.free.probe_offset());
-    let attach_err = || format!("attaching uprobes to the allocator in {}", libc.display);
-    let method = attach_method(choice, pid);
-    let mut probes = 0;
-    let mut attach_one =
-        |ebpf: &mut Ebpf, name: &'static str, points: Vec<UProbeAttachPoint>| -> Result<()> {
-            probes += points.len();
-            uprobe(ebpf, name)?
-                .attach(points, &libc.path, scope)
-                .with_context(attach_err)?;
-            Ok(())
-        };
-    match method {
-        AttachMethod::MultiLink => {
-            let entries: Vec<UProbeAttachPoint> = allocators
-                .iter()
-                .chain([&free])
-                .map(|&(slot, offset)| UProbeAttachPoint {
-                    location: UProbeAttachLocation::AbsoluteOffset(offset),
-                    cookie: Some(u64::from(slot)),
-                })
-                .collect();
-            attach_one(ebpf, names::PROG_ENTRY_MULTI, entries)?;
-            let returns: Vec<UProbeAttachPoint> = allocators
-                .iter()
-                .map(|&(_, offset)| UProbeAttachLocation::AbsoluteOffset(offset).into())
-                .collect();
-            attach_one(ebpf, names::PROG_ALLOC_RETURN_MULTI, returns)?;
-        }
-        AttachMethod::PerfEvents => {
-            let at = |offset: u64| vec![UProbeAttachLocation::AbsoluteOffset(offset).into()];
-            for (kind, function) in &libc.allocators {
-                let offset = function.probe_offset();
-                attach_one(ebpf, names::entry_program(*kind), at(offset))?;
-                attach_one(ebpf, names::PROG_ALLOC_RETURN, at(offset))?;
-            }
-            attach_one(ebpf, names::PROG_FREE, at(free.1))?;
-        }
-    }
+    let mut probes = 2;
     if let Some(loader) = loader {
         let name = match method {
             AttachMethod::MultiLink => names::PROG_LOADER_STATE_MULTI,
@@ -294,30 +220,13 @@ pub fn attach(
     }
     raw_tracepoint(ebpf, names::PROG_EXEC, names::EXEC_TRACEPOINT)?;
     raw_tracepoint(ebpf, names::PROG_THREAD_EXIT, names::EXIT_TRACEPOINT)?;
-    Ok(Attached {
-        probes: probes + 2,
-        method,
-    })
+    Ok(probes)
 }
 
-/// Lets the programs count: called once every probe is attached.
-pub fn arm(ebpf: &mut Ebpf, libc: &Libc) -> Result<()> {
-    let mut offsets: Array<_, u64> = ebpf
-        .map_mut(names::PROBE_OFFSETS)
-        .with_context(|| format!("BPF map {} missing from the object", names::PROBE_OFFSETS))?
-        .try_into()
-        .with_context(|| format!("BPF map {} has an unexpected type", names::PROBE_OFFSETS))?;
-    let slots = AllocKind::ALL
-        .iter()
-        .map(|kind| (*kind as ProbeSlot, libc.probe_offset_of(*kind)))
-        .chain([(FREE_SLOT, Some(libc.free.probe_offset()))]);
-    for (slot, offset) in slots {
-        if let Some(offset) = offset {
-            offsets
-                .set(slot, &offset, 0)
-                .context("writing the probe offsets")?;
-        }
-    }
+/// Lets the programs count: called once the first probes are attached. Probes attached
+/// later (a new process's allocator) count from their attachment: their specs are in
+/// place before them.
+pub fn arm(ebpf: &mut Ebpf) -> Result<()> {
     let mut control: Array<_, u32> = ebpf
         .map_mut(names::CONTROL)
         .with_context(|| format!("BPF map {} missing from the object", names::CONTROL))?

@@ -10,7 +10,6 @@
 
 use std::{
     collections::HashMap,
-    fs::File,
     marker::PhantomData,
     os::fd::{AsFd as _, AsRawFd as _},
     ptr::NonNull,
@@ -31,7 +30,10 @@ use heapprof_common::{
     },
 };
 
-use crate::procmaps::{ObjectFile, ProcessMaps};
+use crate::{
+    mapped_file::MappedFile,
+    procmaps::{ObjectFile, ProcessMaps},
+};
 
 /// Capacities of the unwind tables (from the command line).
 #[derive(Debug, Clone, Copy)]
@@ -119,52 +121,6 @@ impl<T> Drop for MappedArray<T> {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `new`, unmapped once.
         unsafe { libc::munmap(self.base.as_ptr().cast(), self.bytes) };
-    }
-}
-
-/// An object file mapped read-only for parsing.
-struct MappedFile {
-    base: NonNull<u8>,
-    len: usize,
-}
-
-impl MappedFile {
-    fn open(path: &std::path::Path) -> std::io::Result<Self> {
-        let file = File::open(path)?;
-        let len = usize::try_from(file.metadata()?.len()).unwrap_or(usize::MAX);
-        if len == 0 {
-            return Err(std::io::Error::other("empty file"));
-        }
-        // SAFETY: a private read-only mapping of a regular file; the kernel keeps the
-        // pages after `file` is closed. A file truncated meanwhile would fault: objects
-        // are mapped by a running process, which would fault first.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_PRIVATE,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        let base = NonNull::new(base.cast::<u8>()).ok_or_else(|| std::io::Error::other("null"))?;
-        Ok(Self { base, len })
-    }
-
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: the whole mapping, alive as long as self.
-        unsafe { std::slice::from_raw_parts(self.base.as_ptr(), self.len) }
-    }
-}
-
-impl Drop for MappedFile {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `open`, unmapped once.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.len) };
     }
 }
 

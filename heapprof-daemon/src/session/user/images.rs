@@ -75,35 +75,22 @@ struct ExecRead {
 /// The traced processes' images.
 pub(super) struct Images {
     target: Target,
-    /// The probed C library: its device and inode, and its name for messages.
-    libc_id: Option<(u64, u64)>,
-    libc_display: String,
     objects: ObjectCache,
     /// Ordered by pid, then generation: a process's images are one range.
     processes: BTreeMap<Image, ProcessInfo>,
     exec_reads: Vec<ExecRead>,
-    /// Images that exec'd into a program not using the probed C library (not traced).
-    untraced: Vec<(Image, String)>,
     /// The unwind tables, fed with every current image read (none with `--unwind fp`).
     unwinder: Option<TableLoader>,
 }
 
 impl Images {
     /// No image known yet.
-    pub fn new(
-        target: Target,
-        libc_id: Option<(u64, u64)>,
-        libc_display: String,
-        unwinder: Option<TableLoader>,
-    ) -> Self {
+    pub fn new(target: Target, unwinder: Option<TableLoader>) -> Self {
         Self {
             target,
-            libc_id,
-            libc_display,
             objects: ObjectCache::default(),
             processes: BTreeMap::new(),
             exec_reads: Vec::new(),
-            untraced: Vec::new(),
             unwinder,
         }
     }
@@ -140,18 +127,12 @@ impl Images {
         self.processes.get(image)
     }
 
-    /// Images that exec'd into a program without the probed C library, and the program.
-    pub fn untraced(&self) -> &[(Image, String)] {
-        &self.untraced
-    }
-
     /// Reads the mappings of the processes that exist at attach time, so that
     /// their stacks can be symbolized even if they exit before the first interval.
-    pub fn prime(&mut self, maps: &Maps) {
+    /// Returns the images read.
+    pub fn prime(&mut self, maps: &Maps) -> Vec<Image> {
         match self.target {
-            Target::Pid(pid) => {
-                self.refresh(pid, maps);
-            }
+            Target::Pid(pid) => self.refresh(pid, maps).into_iter().collect(),
             Target::All => {
                 let own = std::process::id();
                 let pids: Vec<u32> = std::fs::read_dir("/proc")
@@ -161,15 +142,19 @@ impl Images {
                             .collect()
                     })
                     .unwrap_or_default();
-                for pid in pids {
-                    self.refresh(pid, maps);
-                }
+                let read: Vec<Image> = pids
+                    .into_iter()
+                    .filter_map(|pid| self.refresh(pid, maps))
+                    .collect();
                 // Kernel threads map nothing.
                 self.processes
                     .retain(|_, info| !info.maps.regions.is_empty());
+                read.into_iter()
+                    .filter(|image| self.processes.contains_key(image))
+                    .collect()
             }
             // A launched command is read when its loader has mapped it, and at its exit.
-            Target::Launch(_) => {}
+            Target::Launch(_) => Vec::new(),
         }
     }
 
@@ -262,8 +247,6 @@ impl Images {
         self.processes.retain(|image, _| !pids.contains(&image.pid));
         self.exec_reads
             .retain(|read| !pids.contains(&read.image.pid));
-        self.untraced
-            .retain(|(image, _)| !pids.contains(&image.pid));
         if let Some(unwinder) = self.unwinder.as_mut() {
             for &pid in pids {
                 unwinder.forget_process(pid);
@@ -313,10 +296,15 @@ impl Images {
         self.exec_reads.iter().map(|r| r.due).min()
     }
 
-    /// Reads the mappings of exec'd images whose time has come, and tells when one
-    /// of them does not use the probed C library (its allocations are not traced).
-    /// Returns the images read.
-    pub fn read_due(&mut self, maps: &Maps) -> Vec<Image> {
+    /// Reads the mappings of exec'd images whose time has come, reading again later
+    /// while none of their objects is `probed` (the loader may not have mapped the
+    /// allocator yet). Returns the images read, each with whether it is settled: its
+    /// last read, after which an allocator still missing is missing.
+    pub fn read_due(
+        &mut self,
+        maps: &Maps,
+        probed: impl Fn((u64, u64)) -> bool,
+    ) -> Vec<(Image, bool)> {
         let now = Instant::now();
         let (due, later): (Vec<ExecRead>, Vec<ExecRead>) =
             self.exec_reads.drain(..).partition(|r| r.due <= now);
@@ -327,50 +315,32 @@ impl Images {
             if maps.exec_generation(image.pid) != image.exec_gen {
                 continue; // replaced again, or gone
             }
-            read_images.extend(self.refresh(image.pid, maps));
+            if self.refresh(image.pid, maps).is_none() {
+                continue;
+            }
             let Some(info) = self.processes.get(&image) else {
                 continue;
             };
-            let uses_libc = info
-                .maps
-                .regions
-                .iter()
-                .any(|r| Some(r.object.id) == self.libc_id);
+            let uses_probed = info.maps.regions.iter().any(|r| probed(r.object.id));
             log::debug!(
                 "pid {} (exec generation {}): mappings read, {} executable regions, {}",
                 image.pid,
                 image.exec_gen,
                 info.maps.regions.len(),
-                if uses_libc {
-                    "with the probed C library"
+                if uses_probed {
+                    "with a probed allocator"
                 } else {
-                    "without the probed C library (yet)"
+                    "without a probed allocator (yet)"
                 }
             );
-            if uses_libc {
-                continue;
-            }
-            match EXEC_READ_DELAYS.get(read.attempt + 1) {
-                Some(delay) => self.exec_reads.push(ExecRead {
+            let next = EXEC_READ_DELAYS.get(read.attempt + 1);
+            read_images.push((image, uses_probed || next.is_none()));
+            if let (false, Some(delay)) = (uses_probed, next) {
+                self.exec_reads.push(ExecRead {
                     due: now + *delay,
                     attempt: read.attempt + 1,
                     ..read
-                }),
-                None => {
-                    let program = info.exe.clone().unwrap_or_else(|| info.comm.clone());
-                    let message = format!(
-                        "pid {} exec'd {program}, which does not use {}: its allocations are no \
-                         longer traced (profiles keep everything counted before the exec); to \
-                         profile it, run heapprofd --pid {} --libc PATH with the allocator it uses",
-                        image.pid, self.libc_display, image.pid
-                    );
-                    if matches!(self.target, Target::All) {
-                        log::debug!("{message}");
-                    } else {
-                        log::warn!("{message}");
-                        self.untraced.push((image, program));
-                    }
-                }
+                });
             }
         }
         read_images

@@ -34,12 +34,10 @@ use self::{
 use super::DropLog;
 use crate::{
     aggregate::{Maps, Site},
+    allocators::{AllocatorProbes, ProcessView},
     cli::Target,
     pprof::writer,
-    probes::{
-        Libc,
-        stats::{self, RunTimeStats},
-    },
+    probes::stats::{self, RunTimeStats},
     symbolize::Symbolizer,
     unwind::loader::{TableCapacities, TableLoader, TableUsage},
 };
@@ -50,10 +48,6 @@ pub struct SessionConfig {
     pub target: Target,
     /// Where profiles go.
     pub output: PathBuf,
-    /// The C library probed.
-    pub libc: Libc,
-    /// The path of that library as the traced processes' maps name it.
-    pub libc_maps_path: String,
     /// Mean bytes between sampled allocations; 0 when every allocation is recorded.
     pub sample_rate: u64,
     /// Log the BPF programs' run time with every profile.
@@ -82,8 +76,8 @@ pub struct Session {
     loader_syncs_answered: u64,
     /// Exec generations when images were last retired.
     retired_generations: HashMap<u32, u32>,
-    /// Device and inode of the probed C library.
-    libc_id: Option<(u64, u64)>,
+    /// The allocators' probes, joined by those of each new allocator found.
+    allocators: AllocatorProbes,
     symbolizer: Symbolizer,
     started: SystemTime,
     started_at: Instant,
@@ -141,7 +135,7 @@ impl GapLog {
 
 impl Session {
     /// Wraps loaded, attached BPF programs.
-    pub fn new(config: SessionConfig, mut ebpf: Ebpf) -> Result<Self> {
+    pub fn new(config: SessionConfig, mut ebpf: Ebpf, allocators: AllocatorProbes) -> Result<Self> {
         let maps = Maps::new(&mut ebpf)?;
         let exec_events = ebpf
             .take_map(names::EXEC_EVENTS)
@@ -160,23 +154,12 @@ impl Session {
             Some(capacities) => Some(TableLoader::new(&mut ebpf, capacities)?),
             None => None,
         };
-        let libc_id = std::fs::metadata(&config.libc.path).ok().map(|m| {
-            (
-                std::os::unix::fs::MetadataExt::dev(&m),
-                std::os::unix::fs::MetadataExt::ino(&m),
-            )
-        });
         let run_time_stats = if config.bpf_stats {
             Some(RunTimeStats::enable()?)
         } else {
             None
         };
-        let images = Images::new(
-            config.target.clone(),
-            libc_id,
-            config.libc.display.clone(),
-            unwinder,
-        );
+        let images = Images::new(config.target.clone(), unwinder);
         Ok(Self {
             config,
             ebpf,
@@ -188,7 +171,7 @@ impl Session {
             loader_syncs,
             loader_syncs_answered: 0,
             retired_generations: HashMap::new(),
-            libc_id,
+            allocators,
             symbolizer: Symbolizer::new(),
             started: SystemTime::now(),
             started_at: Instant::now(),
@@ -201,20 +184,64 @@ impl Session {
         })
     }
 
-    /// The probed C library, for messages.
-    pub fn libc_display(&self) -> &str {
-        &self.config.libc.display
+    /// Uprobes attached to allocator functions so far.
+    pub fn allocator_probes(&self) -> usize {
+        self.allocators.probes()
+    }
+
+    /// What could not be probed.
+    pub fn allocator_notes(&self) -> &[String] {
+        self.allocators.notes()
+    }
+
+    /// The probed allocator objects, for messages.
+    pub fn allocator_names(&self) -> String {
+        self.allocators.object_names()
     }
 
     /// Reads the mappings of the processes that exist at attach time, so that
-    /// their stacks can be symbolized even if they exit before the first interval.
+    /// their stacks can be symbolized even if they exit before the first interval,
+    /// and probes their allocators.
     pub fn prime_processes(&mut self) {
-        self.images.prime(&self.maps);
+        for image in self.images.prime(&self.maps) {
+            self.check_allocators(image, true);
+        }
     }
 
     /// Reads the mappings of `pid`'s current image.
     pub fn refresh_process(&mut self, pid: u32) {
-        self.images.refresh(pid, &self.maps);
+        self.refresh_and_check(pid, true);
+    }
+
+    /// Reads `pid`'s mappings and probes the allocators it maps that are new.
+    fn refresh_and_check(&mut self, pid: u32, settled: bool) {
+        if let Some(image) = self.images.refresh(pid, &self.maps) {
+            self.check_allocators(image, settled);
+        }
+    }
+
+    /// Probes the allocators of `image` not probed yet (see [`AllocatorProbes`]).
+    fn check_allocators(&mut self, image: Image, settled: bool) {
+        let Some(info) = self.images.get(&image) else {
+            return;
+        };
+        if !info.current {
+            return;
+        }
+        let mut objects: Vec<std::sync::Arc<crate::procmaps::ObjectFile>> = Vec::new();
+        for region in &info.maps.regions {
+            if !objects.iter().any(|o| o.id == region.object.id) {
+                objects.push(std::sync::Arc::clone(&region.object));
+            }
+        }
+        let view = ProcessView {
+            pid: image.pid,
+            comm: &info.comm,
+            exe: info.exe.as_deref(),
+            objects: &objects,
+            settled,
+        };
+        self.allocators.check_process(&mut self.ebpf, &view);
     }
 
     /// Hands out the requests for mappings, to be watched by the caller's event loop.
@@ -234,7 +261,8 @@ impl Session {
                 "unknown address"
             }
         );
-        self.images.refresh(request.tgid, &self.maps);
+        // A loader event comes mid-load: the allocator may not be mapped yet.
+        self.refresh_and_check(request.tgid, false);
     }
 
     /// A launched command `pid` stopped at a SIGCONT from the kernel: if the programs
@@ -247,8 +275,14 @@ impl Session {
             return false;
         }
         self.loader_syncs_answered = sent;
-        self.images.refresh(pid, &self.maps);
+        self.refresh_and_check(pid, false);
         true
+    }
+
+    /// A launched command is held right after an exec: its new program is read, and
+    /// its allocator probed if it is built in (a static binary), before it runs.
+    pub fn exec_hold(&mut self, pid: u32) {
+        self.refresh_and_check(pid, false);
     }
 
     /// A traced process called exec: its new image is read shortly.
@@ -263,7 +297,13 @@ impl Session {
 
     /// Reads the mappings of exec'd images whose time has come.
     pub fn read_due_images(&mut self) {
-        self.images.read_due(&self.maps);
+        let allocators = &self.allocators;
+        let read = self
+            .images
+            .read_due(&self.maps, |object| allocators.is_probed(object));
+        for (image, settled) in read {
+            self.check_allocators(image, settled);
+        }
     }
 
     /// Reads the mappings of every process with sites whose stacks are not all mapped.

@@ -6,9 +6,6 @@ use std::{
     time::{SystemTime, UNIX_EPOCH},
 };
 
-use anyhow::{Context as _, Result};
-use heapprof_common::AllocKind;
-
 use super::{
     Session, StackGaps,
     images::{Image, ProcessInfo},
@@ -20,6 +17,7 @@ use crate::{
     session::{Drops, TopSite, TopSites, comment_drops},
     symbolize::Frame,
 };
+use anyhow::{Context as _, Result};
 
 /// Places where stacks were cut short listed in a profile's comments.
 const MAX_GAP_COMMENTS: usize = 20;
@@ -51,7 +49,19 @@ impl Session {
             Target::Launch(cmd) => format!("target: {}", cmd.join(" ")),
             Target::All => "target: all processes".to_owned(),
         });
-        builder.comment(&format!("libc: {}", self.config.libc.display));
+        for probed in self.allocators.describe() {
+            builder.comment(&format!("allocator: {probed}"));
+        }
+        for note in self.allocators.notes() {
+            builder.comment(note);
+        }
+        let missing = self.allocators.custom_missing();
+        if !missing.is_empty() {
+            builder.comment(&format!(
+                "--allocator functions not found in any object yet: {}",
+                missing.join(" ")
+            ));
+        }
         let rate = self.config.sample_rate;
         if rate > 0 {
             builder.period(rate);
@@ -76,13 +86,6 @@ impl Session {
                 gaps.len() - MAX_GAP_COMMENTS
             ));
         }
-        for (image, program) in self.images.untraced() {
-            builder.comment(&format!(
-                "pid {}: not traced after it exec'd {program}, which does not use {}",
-                image.pid, self.config.libc.display
-            ));
-        }
-
         // The main binary of each image first: pprof takes the first mapping as the program.
         let images: std::collections::BTreeSet<Image> =
             sites.iter().map(|s| Image::of(&s.key)).collect();
@@ -124,7 +127,7 @@ impl Session {
             let empty = ProcessInfo::default();
             let info = self.images.get(&image).unwrap_or(&empty);
             let mut locations = Vec::with_capacity(stack.len() + 1);
-            locations.push(self.allocator_location(&mut builder, image, info, site.key.kind));
+            locations.push(self.allocator_location(&mut builder, image, info, site.key.slot));
             // Frame-pointer walks end in code without frame pointers (libc's start
             // code); frames below the last mapped one are noise.
             let mapped_len = stack
@@ -177,27 +180,26 @@ impl Session {
         builder: &mut ProfileBuilder,
         image: Image,
         info: &ProcessInfo,
-        kind: u32,
+        slot: u32,
     ) -> u64 {
-        let kind = AllocKind::from_u32(kind).unwrap_or(AllocKind::Malloc);
+        let function = self.allocators.slot(slot);
         let frame = Frame {
-            function: kind.symbol().to_owned(),
+            function: function.map_or_else(|| "[allocator]".to_owned(), |f| f.function.clone()),
             file: None,
             line: 0,
         };
-        let file_offset = self.config.libc.offset_of(kind);
-        let region = file_offset.and_then(|offset| {
+        let region = function.and_then(|function| {
             info.maps
                 .regions
                 .iter()
                 .find(|r| {
-                    (Some(r.object.id) == self.libc_id
-                        || r.object.path == self.config.libc_maps_path)
-                        && (r.offset..r.offset + (r.end - r.start)).contains(&offset)
+                    r.object.id == function.object
+                        && (r.offset..r.offset + (r.end - r.start)).contains(&function.offset)
                 })
-                .map(|r| (r, r.start + offset - r.offset))
+                .map(|r| (r, r.start + function.offset - r.offset))
         });
-        let tag = 1 + kind as u16;
+        // Tags tell the functions apart where their addresses are unknown.
+        let tag = u16::try_from(slot).map_or(u16::MAX - 1, |slot| slot.saturating_add(1));
         match region {
             Some((region, address)) => {
                 let key = add_mapping(builder, image, region);
@@ -215,7 +217,10 @@ impl Session {
         let mut merged = TopSites::default();
         for site in self.maps.read_sites()? {
             let stack = self.maps.stack(site.key.stack);
-            let kind = AllocKind::from_u32(site.key.kind).map_or("?", AllocKind::symbol);
+            let kind = self
+                .allocators
+                .slot(site.key.slot)
+                .map_or("?", |f| f.function.as_str());
             let mut names = Vec::new();
             if let Some(info) = self.images.get(&Image::of(&site.key)) {
                 // Innermost first, inlined functions included: the first one made the call.

@@ -1,0 +1,457 @@
+//! The probed functions: their slots in `PROBES`, their probes, and what could not be
+//! probed.
+//!
+//! Probes go on files, so one probe set per allocator object serves every process that
+//! maps it: the C library once for all glibc processes, a static binary once for all
+//! its runs. Objects join as processes are read (at start, at exec, at loader events),
+//! each function's spec written before its probes are attached.
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+};
+
+use anyhow::{Context as _, Result, bail};
+use aya::{
+    Ebpf,
+    maps::{Array, MapData},
+    programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+};
+use heapprof_common::{MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, names};
+
+use super::{
+    api::Family,
+    scan::{self, ObjectScan},
+    serving,
+    spec::CustomFunction,
+};
+use crate::{
+    probes::{AttachMethod, placement::PlacementMode, uprobe},
+    procmaps::ObjectFile,
+};
+
+/// Most notes kept for the profiles' comments.
+const MAX_NOTES: usize = 64;
+
+/// What a slot's function is, for profiles.
+#[derive(Debug, Clone)]
+pub struct SlotInfo {
+    /// The function's symbol.
+    pub function: String,
+    /// Device and inode of its object.
+    pub object: (u64, u64),
+    /// The object's path as processes map it.
+    pub object_path: String,
+    /// File offset of the function's first instruction.
+    pub offset: u64,
+}
+
+/// How probes are attached, fixed for the session.
+#[derive(Debug, Clone)]
+pub struct ProbeSettings {
+    /// Functions named with `--allocator`.
+    pub custom: Vec<CustomFunction>,
+    /// `--probe-placement`.
+    pub placement: PlacementMode,
+    /// Multi-uprobe links or perf events.
+    pub method: AttachMethod,
+    /// The one process probed (`--pid`), or `None` for every process.
+    pub pid: Option<u32>,
+}
+
+/// A process whose allocator was looked for.
+pub struct ProcessView<'a> {
+    /// Its pid.
+    pub pid: u32,
+    /// Its name.
+    pub comm: &'a str,
+    /// Its program's path.
+    pub exe: Option<&'a str>,
+    /// Its mapped objects, in address order, each once.
+    pub objects: &'a [Arc<ObjectFile>],
+    /// The process is past its loader's start-up, so a missing allocator is missing
+    /// (not yet mapped is no longer an explanation).
+    pub settled: bool,
+}
+
+/// A scan, or why the object could not be scanned; keyed by object and whether it was
+/// scanned as a program.
+type ScanCache = HashMap<((u64, u64), bool), Result<Arc<ObjectScan>, String>>;
+
+/// The session's allocator probes.
+pub struct AllocatorProbes {
+    specs: Array<MapData, ProbeSpec>,
+    settings: ProbeSettings,
+    slots: Vec<SlotInfo>,
+    /// Per object, the file offsets of the functions attached.
+    attached: HashMap<(u64, u64), HashSet<u64>>,
+    scans: ScanCache,
+    /// Objects each process's `malloc` binds to, by pid (for messages).
+    serving: HashMap<u32, (u64, u64)>,
+    probes: usize,
+    reported: HashSet<String>,
+    notes: Vec<String>,
+    custom_found: HashSet<String>,
+}
+
+impl AllocatorProbes {
+    /// Takes the `PROBES` map out of the loaded programs.
+    pub fn new(ebpf: &mut Ebpf, settings: ProbeSettings) -> Result<Self> {
+        let specs = ebpf
+            .take_map(names::PROBES)
+            .and_then(|map| Array::try_from(map).ok())
+            .with_context(|| format!("BPF map {} missing or mistyped", names::PROBES))?;
+        Ok(Self {
+            specs,
+            settings,
+            slots: Vec::new(),
+            attached: HashMap::new(),
+            scans: HashMap::new(),
+            serving: HashMap::new(),
+            probes: 0,
+            reported: HashSet::new(),
+            notes: Vec::new(),
+            custom_found: HashSet::new(),
+        })
+    }
+
+    /// The function of `slot`.
+    pub fn slot(&self, slot: ProbeSlot) -> Option<&SlotInfo> {
+        self.slots.get(slot as usize)
+    }
+
+    /// Uprobes attached so far.
+    pub fn probes(&self) -> usize {
+        self.probes
+    }
+
+    /// Device and inode of every object with probes.
+    pub fn probed_objects(&self) -> impl Iterator<Item = &(u64, u64)> {
+        self.attached.keys()
+    }
+
+    /// Whether `object` has probes.
+    pub fn is_probed(&self, object: (u64, u64)) -> bool {
+        self.attached.contains_key(&object)
+    }
+
+    /// What could not be probed, for the profiles' comments.
+    pub fn notes(&self) -> &[String] {
+        &self.notes
+    }
+
+    /// The probed objects and their functions, for the profiles' comments.
+    pub fn describe(&self) -> Vec<String> {
+        let mut by_object: Vec<(&str, Vec<&str>)> = Vec::new();
+        for slot in &self.slots {
+            match by_object
+                .iter_mut()
+                .find(|(path, _)| *path == slot.object_path)
+            {
+                Some((_, functions)) => functions.push(&slot.function),
+                None => by_object.push((&slot.object_path, vec![&slot.function])),
+            }
+        }
+        by_object
+            .into_iter()
+            .map(|(path, functions)| format!("{path}: {}", functions.join(" ")))
+            .collect()
+    }
+
+    /// Names of the probed objects, for messages.
+    pub fn object_names(&self) -> String {
+        let mut names: Vec<&str> = Vec::new();
+        for slot in &self.slots {
+            if !names.contains(&slot.object_path.as_str()) {
+                names.push(&slot.object_path);
+            }
+        }
+        if names.is_empty() {
+            "no allocator yet".to_owned()
+        } else {
+            names.join(", ")
+        }
+    }
+
+    fn scan(&mut self, object: &ObjectFile, executable: bool) -> Result<Arc<ObjectScan>, String> {
+        let key = (object.id, executable);
+        if let Some(scan) = self.scans.get(&key) {
+            return scan.clone();
+        }
+        let scanned = scan::scan(
+            &object.open_path,
+            &object.path,
+            executable,
+            &self.settings.custom,
+            self.settings.placement,
+        )
+        .map(Arc::new)
+        .map_err(|err| err.to_string());
+        self.scans.insert(key, scanned.clone());
+        scanned
+    }
+
+    /// Probes the functions of `families` that `object` defines and that are not
+    /// probed yet. Returns how many were added.
+    pub fn probe_object(
+        &mut self,
+        ebpf: &mut Ebpf,
+        object: &ObjectFile,
+        families: &[Family],
+        executable: bool,
+    ) -> Result<usize> {
+        let scan = self
+            .scan(object, executable)
+            .map_err(|err| anyhow::anyhow!(err))?;
+        let attached = self.attached.get(&object.id);
+        let new: Vec<_> = scan
+            .of_families(families)
+            .filter(|f| attached.is_none_or(|offsets| !offsets.contains(&f.offset)))
+            .cloned()
+            .collect();
+        if new.is_empty() {
+            return Ok(0);
+        }
+        let first = self.slots.len();
+        if first + new.len() > MAX_PROBE_SLOTS as usize {
+            bail!(
+                "the probe table is full ({MAX_PROBE_SLOTS} functions): {} is not probed",
+                object.path
+            );
+        }
+        for (alias, name) in &scan.aliases {
+            log::debug!(
+                "{alias} is {name} in {}: traced once, as {name}",
+                object.path
+            );
+        }
+        let mut points = Vec::new();
+        for (index, function) in new.iter().enumerate() {
+            let slot = (first + index) as ProbeSlot;
+            let spec = function.signature.spec(function.probe_offset(), scan.text);
+            self.specs
+                .set(slot, &spec, 0)
+                .context("writing the probe specs")?;
+            log::debug!(
+                "{} in {}: slot {slot}, probes at {}",
+                function.name,
+                object.path,
+                function.placement
+            );
+            points.push((slot, function.probe_offset(), function.signature.role));
+        }
+        self.attach(ebpf, object, &points)?;
+        for function in &new {
+            self.slots.push(SlotInfo {
+                function: function.name.clone(),
+                object: object.id,
+                object_path: object.path.clone(),
+                offset: function.offset,
+            });
+            if function.family == Family::Custom {
+                self.custom_found.insert(function.name.clone());
+            }
+        }
+        self.attached
+            .entry(object.id)
+            .or_default()
+            .extend(new.iter().map(|f| f.offset));
+        Ok(new.len())
+    }
+
+    /// Probes an object found without a process: all its functions if `malloc` can
+    /// bind to it (a C library, a replacement allocator, a static program), else its
+    /// vendor and custom ones.
+    pub fn probe_found_object(
+        &mut self,
+        ebpf: &mut Ebpf,
+        object: &ObjectFile,
+        executable: bool,
+    ) -> Result<usize> {
+        let scan = self
+            .scan(object, executable)
+            .map_err(|err| anyhow::anyhow!(err))?;
+        let families: &[Family] = if scan.defines_malloc {
+            &[Family::Standard, Family::Vendor, Family::Custom]
+        } else {
+            &[Family::Vendor, Family::Custom]
+        };
+        self.probe_object(ebpf, object, families, executable)
+    }
+
+    fn attach(
+        &mut self,
+        ebpf: &mut Ebpf,
+        object: &ObjectFile,
+        points: &[(ProbeSlot, u64, heapprof_common::ProbeRole)],
+    ) -> Result<()> {
+        let scope = match self.settings.pid.and_then(std::num::NonZeroU32::new) {
+            Some(pid) => UProbeScope::OneProcess(pid),
+            None => UProbeScope::AllProcesses,
+        };
+        let path = &object.open_path;
+        let context = || format!("attaching uprobes to the allocator in {}", object.path);
+        let entry = |slot: ProbeSlot, offset: u64| UProbeAttachPoint {
+            location: UProbeAttachLocation::AbsoluteOffset(offset),
+            cookie: Some(u64::from(slot)),
+        };
+        let returns: Vec<u64> = points
+            .iter()
+            .filter(|(_, _, role)| role.returns_a_block())
+            .map(|(_, offset, _)| *offset)
+            .collect();
+        match self.settings.method {
+            AttachMethod::MultiLink => {
+                let entries: Vec<_> = points.iter().map(|(s, o, _)| entry(*s, *o)).collect();
+                self.probes += entries.len() + returns.len();
+                uprobe(ebpf, names::PROG_ENTRY_MULTI)?
+                    .attach(entries, path, scope)
+                    .with_context(context)?;
+                if !returns.is_empty() {
+                    let returns: Vec<UProbeAttachPoint> = returns
+                        .iter()
+                        .map(|o| UProbeAttachLocation::AbsoluteOffset(*o).into())
+                        .collect();
+                    uprobe(ebpf, names::PROG_ALLOC_RETURN_MULTI)?
+                        .attach(returns, path, scope)
+                        .with_context(context)?;
+                }
+            }
+            AttachMethod::PerfEvents => {
+                for (slot, offset, _) in points {
+                    self.probes += 1;
+                    uprobe(ebpf, names::PROG_ENTRY)?
+                        .attach([entry(*slot, *offset)], path, scope)
+                        .with_context(context)?;
+                }
+                for offset in returns {
+                    self.probes += 1;
+                    let at = UProbeAttachLocation::AbsoluteOffset(offset);
+                    uprobe(ebpf, names::PROG_ALLOC_RETURN)?
+                        .attach([at], path, scope)
+                        .with_context(context)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Finds the allocators of a process and probes those not probed yet: every
+    /// function of the object its `malloc` binds to, and the vendor and custom
+    /// functions of all its objects. Says once when its allocator cannot be seen.
+    pub fn check_process(&mut self, ebpf: &mut Ebpf, process: &ProcessView<'_>) {
+        let preloads = serving::preloads(process.pid);
+        let order = serving::binding_order(process.objects, process.exe, &preloads);
+        let mut serving_object = None;
+        let mut static_program = None;
+        for object in &order {
+            if serving::is_loader(object) {
+                continue;
+            }
+            let executable = process.exe == Some(object.path.as_str());
+            match self.scan(object, executable) {
+                Ok(scan) => {
+                    if executable && scan.static_executable {
+                        static_program = Some((Arc::clone(object), scan.has_symbol_table));
+                    }
+                    if scan.defines_malloc {
+                        serving_object = Some(Arc::clone(object));
+                        break;
+                    }
+                }
+                Err(err) => log::debug!("pid {}: {err}", process.pid),
+            }
+        }
+        let all = [Family::Standard, Family::Vendor, Family::Custom];
+        let others = [Family::Vendor, Family::Custom];
+        for object in process.objects {
+            if serving::is_loader(object) {
+                continue;
+            }
+            let serves = serving_object.as_ref().is_some_and(|s| s.id == object.id);
+            let executable = process.exe == Some(object.path.as_str());
+            let families: &[Family] = if serves { &all } else { &others };
+            match self.probe_object(ebpf, object, families, executable) {
+                Ok(0) => {}
+                Ok(added) => log::debug!(
+                    "pid {}: {added} allocator functions of {} probed",
+                    process.pid,
+                    object.path
+                ),
+                Err(err) => self.report(
+                    &object.path,
+                    format!(
+                        "pid {} ({}): cannot probe the allocator in {}: {err:#}; heapprofd \
+                         does not see its allocations there (name other functions with \
+                         --allocator)",
+                        process.pid, process.comm, object.path
+                    ),
+                ),
+            }
+        }
+        if let Some(object) = &serving_object {
+            self.serving.insert(process.pid, object.id);
+            return;
+        }
+        // A dynamic program whose loader has mapped nothing else yet is still loading.
+        let loading = static_program.is_none()
+            && process
+                .objects
+                .iter()
+                .all(|o| process.exe == Some(o.path.as_str()) || serving::is_loader(o));
+        if loading || (!process.settled && static_program.is_none()) {
+            return;
+        }
+        let program = process.exe.unwrap_or(process.comm);
+        let uses_custom = process
+            .objects
+            .iter()
+            .any(|o| self.attached.contains_key(&o.id));
+        let message = match static_program {
+            Some((_, false)) => format!(
+                "pid {} ({}): {program} is a static binary without a symbol table \
+                 (stripped), so heapprofd cannot find its allocator and counts nothing \
+                 in it: profile an unstripped build, or name exported allocator \
+                 functions with --allocator",
+                process.pid, process.comm
+            ),
+            Some((_, true)) if uses_custom => return,
+            Some((_, true)) => format!(
+                "pid {} ({}): {program} is a static binary that defines no malloc \
+                 heapprofd knows: name its allocator's functions with --allocator",
+                process.pid, process.comm
+            ),
+            None if uses_custom => return,
+            None => format!(
+                "pid {} ({}): none of the objects it maps defines malloc, so heapprofd \
+                 sees no allocator in it: name its allocator's functions with --allocator",
+                process.pid, process.comm
+            ),
+        };
+        self.report(program, message);
+    }
+
+    /// Custom functions not found in any object so far.
+    pub fn custom_missing(&self) -> Vec<&str> {
+        self.settings
+            .custom
+            .iter()
+            .map(|c| c.name.as_str())
+            .filter(|name| !self.custom_found.contains(*name))
+            .collect()
+    }
+
+    /// Logs `message` once per `cause`, and keeps it for the profiles.
+    fn report(&mut self, cause: &str, message: String) {
+        if !self.reported.insert(cause.to_owned()) {
+            return;
+        }
+        // `--pid` with nothing to probe stops with this message as its error.
+        if self.settings.pid.is_none() || self.probes > 0 {
+            log::warn!("{message}");
+        }
+        if self.notes.len() < MAX_NOTES {
+            self.notes.push(message);
+        }
+    }
+}

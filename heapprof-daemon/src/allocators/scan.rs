@@ -1,0 +1,314 @@
+//! Which allocator functions an ELF object defines, where, and where their probes go.
+
+use std::{collections::HashMap, path::Path};
+
+use object::{
+    Endianness, Object as _, ObjectSymbol as _, SymbolKind,
+    elf::{PF_X, PT_INTERP, PT_LOAD},
+    read::elf::{ElfFile64, ProgramHeader as _},
+};
+
+use super::{
+    api::{self, Family, Signature},
+    spec::CustomFunction,
+};
+use crate::{
+    mapped_file::MappedFile,
+    probes::placement::{self, Arch, Placement, PlacementMode},
+};
+
+/// One allocator function of an object.
+#[derive(Debug, Clone)]
+pub struct FoundFunction {
+    /// Its symbol (the lowest-ranked of the names at its address).
+    pub name: String,
+    /// Where it is probed.
+    pub family: Family,
+    /// What it does.
+    pub signature: Signature,
+    /// File offset of its first instruction (the address profiles show).
+    pub offset: u64,
+    /// Where its probes go, relative to `offset`.
+    pub placement: Placement,
+}
+
+impl FoundFunction {
+    /// File offset the probes are attached at.
+    pub fn probe_offset(&self) -> u64 {
+        self.offset + self.placement.offset
+    }
+}
+
+/// What an object holds of allocators.
+#[derive(Debug, Clone, Default)]
+pub struct ObjectScan {
+    /// Its allocator functions, one per address: aliases (glibc's `aligned_alloc` and
+    /// `memalign`, tcmalloc's `malloc` and `tc_malloc`) are probed once.
+    pub functions: Vec<FoundFunction>,
+    /// Names sharing an address with a function above: (alias, name probed).
+    pub aliases: Vec<(String, String)>,
+    /// Calls to `malloc` can bind here: it exports `malloc`, or it is a static
+    /// executable whose symbol table defines it.
+    pub defines_malloc: bool,
+    /// An executable without a dynamic loader: everything it calls is inside.
+    pub static_executable: bool,
+    /// It has a symbol table beyond the exported symbols (not stripped).
+    pub has_symbol_table: bool,
+    /// The executable code, as file offsets `[start, end)`.
+    pub text: (u64, u64),
+}
+
+impl ObjectScan {
+    /// The functions of `families`.
+    pub fn of_families<'a>(
+        &'a self,
+        families: &'a [Family],
+    ) -> impl Iterator<Item = &'a FoundFunction> + 'a {
+        self.functions
+            .iter()
+            .filter(|f| families.contains(&f.family))
+    }
+}
+
+/// Why an object could not be scanned.
+#[derive(Debug, thiserror::Error)]
+pub enum ScanError {
+    /// The file could not be read.
+    #[error("cannot read {0}: {1}")]
+    Read(String, std::io::Error),
+    /// Not a 64-bit ELF file.
+    #[error("{0} is not an ELF file (a 64-bit program or shared library)")]
+    NotElf(String),
+}
+
+/// A name found at an address: (name, family, signature, rank, symbol size).
+type Named = (String, Family, Signature, usize, Option<usize>);
+
+/// Longest function body read for probe placement; longer ones are read this far and
+/// placed at their entry, since branches beyond it could not be checked.
+const MAX_FUNCTION_BYTES: usize = 64 * 1024;
+
+/// Scans the object at `path` (`display` in messages) for the known allocator
+/// functions and the `custom` ones. `executable`: it is a process's program, whose
+/// local symbols count too (a static binary's allocator, a Rust program's prefixed
+/// jemalloc).
+pub fn scan(
+    path: &Path,
+    display: &str,
+    executable: bool,
+    custom: &[CustomFunction],
+    mode: PlacementMode,
+) -> Result<ObjectScan, ScanError> {
+    let file = MappedFile::open(path).map_err(|err| ScanError::Read(display.to_owned(), err))?;
+    let bytes = file.bytes();
+    let elf =
+        ElfFile64::<Endianness>::parse(bytes).map_err(|_| ScanError::NotElf(display.to_owned()))?;
+    let endian = elf.endian();
+    let headers = elf.elf_program_headers();
+    let loads: Vec<(u64, u64, u64)> = headers
+        .iter()
+        .filter(|ph| ph.p_type(endian) == PT_LOAD)
+        .map(|ph| (ph.p_vaddr(endian), ph.p_filesz(endian), ph.p_offset(endian)))
+        .collect();
+    let text = headers
+        .iter()
+        .filter(|ph| ph.p_type(endian) == PT_LOAD && ph.p_flags(endian).contains(PF_X))
+        .map(|ph| {
+            let start = ph.p_offset(endian);
+            (start, start.saturating_add(ph.p_filesz(endian)))
+        })
+        .reduce(|(a, b), (c, d)| (a.min(c), b.max(d)))
+        .unwrap_or((0, 0));
+    let static_executable = executable && !headers.iter().any(|ph| ph.p_type(endian) == PT_INTERP);
+    let file_offset = |address: u64| {
+        loads
+            .iter()
+            .find(|(vaddr, size, _)| (*vaddr..vaddr.saturating_add(*size)).contains(&address))
+            .map(|(vaddr, _, offset)| address - vaddr + offset)
+    };
+
+    let has_symbol_table = elf.symbols().next().is_some();
+    // Every defined function with a name we probe, by address.
+    let mut by_address: HashMap<u64, Vec<Named>> = HashMap::new();
+    let mut defines_malloc = false;
+    let exported = elf.dynamic_symbols().map(|s| (s, true));
+    let local = elf.symbols().map(|s| (s, false));
+    for (symbol, is_exported) in exported.chain(local) {
+        if !symbol.is_definition() || symbol.kind() != SymbolKind::Text {
+            continue;
+        }
+        let Ok(name) = symbol.name() else { continue };
+        let found = match custom.iter().find(|c| c.name == name) {
+            Some(custom) => Some((Family::Custom, custom.signature, 0)),
+            None => api::known(name).and_then(|known| {
+                // A library's local definition of a C name is not what calls bind to.
+                let usable = known.family != Family::Standard || is_exported || static_executable;
+                usable.then_some((known.family, known.signature, known.rank + 1))
+            }),
+        };
+        let Some((family, signature, rank)) = found else {
+            continue;
+        };
+        if family == Family::Standard && name == "malloc" {
+            defines_malloc = true;
+        }
+        let Some(offset) = file_offset(symbol.address()) else {
+            continue;
+        };
+        let size = usize::try_from(symbol.size()).ok();
+        let names = by_address.entry(offset).or_default();
+        if !names.iter().any(|(n, ..)| n == name) {
+            names.push((name.to_owned(), family, signature, rank, size));
+        }
+    }
+
+    let arch = Arch::of_elf_header(bytes);
+    let mut functions = Vec::new();
+    let mut aliases = Vec::new();
+    let mut offsets: Vec<_> = by_address.into_iter().collect();
+    offsets.sort_by_key(|(offset, _)| *offset);
+    for (offset, mut names) in offsets {
+        names.sort_by_key(|(_, _, _, rank, _)| *rank);
+        let Some((name, _, signature, _, size)) = names.first().cloned() else {
+            continue;
+        };
+        // Probed wherever any of its names would be: libmimalloc's `malloc` is its
+        // `mi_malloc`, which programs call by that name whichever object serves malloc.
+        let family = names
+            .iter()
+            .map(|(_, family, ..)| *family)
+            .max()
+            .unwrap_or(Family::Standard);
+        for (alias, ..) in names.iter().skip(1) {
+            aliases.push((alias.clone(), name.clone()));
+        }
+        let placement = place(
+            bytes,
+            arch,
+            offset,
+            size,
+            signature.role.returns_a_block(),
+            mode,
+        );
+        functions.push(FoundFunction {
+            name,
+            family,
+            signature,
+            offset,
+            placement,
+        });
+    }
+    Ok(ObjectScan {
+        functions,
+        aliases,
+        defines_malloc,
+        static_executable,
+        has_symbol_table,
+        text,
+    })
+}
+
+/// Places the probes of the function at file offset `offset` with symbol size `size`.
+fn place(
+    file: &[u8],
+    arch: Option<Arch>,
+    offset: u64,
+    size: Option<usize>,
+    return_probe: bool,
+    mode: PlacementMode,
+) -> Placement {
+    let entry = Placement::entry;
+    if mode == PlacementMode::Entry {
+        return entry("entry: --probe-placement=entry");
+    }
+    let Some(arch) = arch else {
+        return entry("entry: instruction set not decoded");
+    };
+    let size = match size {
+        Some(size) if size > 0 && size <= MAX_FUNCTION_BYTES => size,
+        _ => return entry("entry: the function's size is unknown or too large"),
+    };
+    let start = usize::try_from(offset).unwrap_or(usize::MAX);
+    match file.get(start..start.saturating_add(size)) {
+        Some(code) => placement::place(arch, code, return_probe),
+        None => entry("entry: the function lies outside the file"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn own_libc() -> std::path::PathBuf {
+        let (path, _) = crate::probes::libc::find_in_process(std::process::id())
+            .expect("the test binary maps a libc");
+        path
+    }
+
+    #[test]
+    fn finds_the_c_library_functions_once_per_address() {
+        let scan = scan(&own_libc(), "libc", false, &[], PlacementMode::Auto).expect("scan");
+        assert!(scan.defines_malloc);
+        assert!(!scan.static_executable);
+        let names: Vec<&str> = scan.functions.iter().map(|f| f.name.as_str()).collect();
+        for name in ["malloc", "calloc", "realloc", "free", "posix_memalign"] {
+            assert!(names.contains(&name), "{name} in {names:?}");
+        }
+        let mut offsets: Vec<u64> = scan.functions.iter().map(|f| f.offset).collect();
+        offsets.sort_unstable();
+        offsets.dedup();
+        assert_eq!(offsets.len(), scan.functions.len(), "one probe per address");
+        let (start, end) = scan.text;
+        assert!(
+            scan.functions
+                .iter()
+                .all(|f| (start..end).contains(&f.probe_offset()))
+        );
+        // glibc's aligned_alloc is memalign: traced once, under the first name.
+        assert!(
+            scan.aliases
+                .iter()
+                .any(|(alias, name)| alias == "memalign" && name == "aligned_alloc"),
+            "{:?}",
+            scan.aliases
+        );
+    }
+
+    #[test]
+    fn a_program_without_an_allocator_defines_none() {
+        let exe = std::env::current_exe().expect("test exe");
+        let scan = scan(&exe, "test", true, &[], PlacementMode::Auto).expect("scan");
+        assert!(!scan.defines_malloc);
+        assert!(
+            scan.of_families(&[Family::Standard, Family::Vendor])
+                .next()
+                .is_none(),
+            "{:?}",
+            scan.functions
+        );
+    }
+
+    #[test]
+    fn custom_functions_are_found_in_any_object() {
+        let custom = [CustomFunction {
+            name: "strdup".into(),
+            signature: Signature::alloc(0),
+        }];
+        let scan = scan(&own_libc(), "libc", false, &custom, PlacementMode::Entry).expect("scan");
+        let strdup = scan
+            .of_families(&[Family::Custom])
+            .next()
+            .expect("strdup found");
+        assert_eq!(strdup.name, "strdup");
+        assert_eq!(strdup.placement.offset, 0);
+    }
+
+    #[test]
+    fn refuses_files_that_are_not_elf() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let text = dir.path().join("notes.txt");
+        std::fs::write(&text, "hello").expect("write");
+        let err = scan(&text, "notes.txt", false, &[], PlacementMode::Auto).expect_err("not ELF");
+        assert!(err.to_string().contains("is not an ELF file"), "{err}");
+    }
+}
