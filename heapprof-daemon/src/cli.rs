@@ -1,6 +1,6 @@
 //! Command-line interface: flags, their validation and the traced target.
 
-use std::{num::NonZeroUsize, path::PathBuf, time::Duration};
+use std::{net::SocketAddr, num::NonZeroUsize, path::PathBuf, time::Duration};
 
 use clap::Parser;
 
@@ -148,6 +148,18 @@ pub struct Cli {
     /// Log the run time of heapprofd's BPF programs (kernel BPF statistics) with each profile.
     #[arg(long)]
     pub bpf_stats: bool,
+
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464; 0.0.0.0:9464
+    /// for every interface): each process's heap in use, allocated and peak, and
+    /// heapprofd's own drops, tables, BPF run time, profile writes and memory, refreshed
+    /// with every profile. With --all only the processes seen allocating or freeing
+    /// since the last profile are exported, at most --metrics-top of them.
+    #[arg(long, value_name = "ADDR", value_parser = parse_listen_address)]
+    pub metrics: Option<SocketAddr>,
+
+    /// With --metrics: export at most N processes, those with the most bytes in use.
+    #[arg(long, value_name = "N", default_value_t = 100, requires = "metrics", value_parser = parse_metrics_top)]
+    pub metrics_top: usize,
 
     /// Benchmark baseline (`cargo xtask bench`): the probes are attached where they
     /// always are, but their programs do nothing, so only the uprobe traps cost.
@@ -320,6 +332,29 @@ pub fn parse_sample_rate(text: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
+/// Parses the `--metrics` address: `IP:PORT`, `[IPv6]:PORT` or `localhost:PORT`.
+pub fn parse_listen_address(text: &str) -> Result<SocketAddr, String> {
+    let text = text.trim();
+    // Not a name lookup: `localhost` is the one name a listen address commonly uses.
+    let local = text
+        .strip_prefix("localhost:")
+        .map(|port| format!("127.0.0.1:{port}"));
+    local.as_deref().unwrap_or(text).parse().map_err(|_| {
+        format!(
+            "`{text}` is not an address to listen on; write IP:PORT, e.g. 127.0.0.1:9464 \
+                 (this machine only) or 0.0.0.0:9464 (every interface)"
+        )
+    })
+}
+
+fn parse_metrics_top(text: &str) -> Result<usize, String> {
+    text.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("`{text}` is not a number of processes to export; give 1 or more"))
+}
+
 fn parse_keep(text: &str) -> Result<NonZeroUsize, String> {
     text.trim()
         .parse::<usize>()
@@ -408,6 +443,50 @@ mod tests {
                 "{message}"
             );
         }
+    }
+
+    #[test]
+    fn metrics_addresses_parse_and_bad_ones_say_how_to_write_them() {
+        assert_eq!(
+            parse_listen_address("127.0.0.1:9464"),
+            Ok(SocketAddr::from(([127, 0, 0, 1], 9464)))
+        );
+        assert_eq!(
+            parse_listen_address("localhost:80"),
+            Ok(SocketAddr::from(([127, 0, 0, 1], 80)))
+        );
+        assert!(parse_listen_address("[::1]:9464").is_ok_and(|a| a.is_ipv6()));
+        for bad in [
+            "notanaddress",
+            "9464",
+            "127.0.0.1",
+            "127.0.0.1:99999",
+            ":9464",
+        ] {
+            let message = parse_listen_address(bad).expect_err(bad);
+            assert!(
+                message.contains("write IP:PORT, e.g. 127.0.0.1:9464"),
+                "{message}"
+            );
+        }
+        let cli = |args: &[&str]| Cli::try_parse_from(args);
+        let parsed = cli(&["heapprofd", "--all", "--metrics", "127.0.0.1:1"]).expect("valid");
+        assert_eq!(parsed.metrics_top, 100);
+        assert!(
+            cli(&["heapprofd", "--all", "--metrics-top", "5"]).is_err(),
+            "needs --metrics"
+        );
+        assert!(
+            cli(&[
+                "heapprofd",
+                "--all",
+                "--metrics",
+                "127.0.0.1:1",
+                "--metrics-top",
+                "0"
+            ])
+            .is_err()
+        );
     }
 
     #[test]

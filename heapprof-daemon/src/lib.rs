@@ -9,6 +9,7 @@ pub mod cli;
 pub mod launch;
 mod mapped_file;
 pub mod memstats;
+pub mod metrics;
 pub mod pprof;
 pub mod preflight;
 pub mod probes;

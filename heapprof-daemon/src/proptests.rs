@@ -9,7 +9,7 @@
 //! the short run of `cargo xtask test`; raise it for a long run).
 
 use crate::{
-    cli::{parse_duration, parse_sample_rate},
+    cli::{parse_duration, parse_listen_address, parse_sample_rate},
     probes::{
         libc,
         placement::{self, Arch, PlacementMode},
@@ -222,6 +222,12 @@ fn command_line_values_round_trip_and_never_panic() {
         let text = format!("{value}{unit}");
         assert_eq!(parse_sample_rate(&text), Ok(value << shift), "{text}");
         let _ = parse_sample_rate(&mutate(rng, &text));
+
+        let port = rng.below(65536) as u16;
+        let text = format!("127.0.0.{}:{port}", rng.below(256));
+        let parsed = parse_listen_address(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(parsed.port(), port, "{text}");
+        let _ = parse_listen_address(&mutate(rng, &text));
     });
 }
 

@@ -4,8 +4,8 @@
 //! - bpf-linker built against the nightly's own libLLVM (their LLVM majors must match);
 //! - Debian packages: a C compiler, and for the tests golang-go (pprof), valgrind and
 //!   bpftrace (the kernel-mode test's independent count, and the benchmark's baseline),
-//!   google-perftools and chromium (the report tests), dpkg-dev and systemd (the
-//!   Debian package and its unit's check).
+//!   google-perftools and chromium (the report tests), prometheus (the metrics test),
+//!   dpkg-dev and systemd (the Debian package and its unit's check).
 
 use std::{
     path::{Path, PathBuf},
@@ -44,6 +44,8 @@ pub fn ensure(needs: Needs) -> Result<()> {
     }
     if matches!(needs, Needs::Test | Needs::Bench) {
         packages.extend(["golang-go", "valgrind", "bpftrace", "bpftool"]);
+        // The metrics test: a real Prometheus server scrapes heapprofd.
+        packages.push("prometheus");
         // The true-stacks tests: a C++ program (g++), Debian's python3 and sqlite3 as
         // real targets, glibc's separate debug symbols (valgrind depends on them too),
         // binutils for stripping a program and splitting its debug file.

@@ -115,6 +115,22 @@ impl KernelMaps {
         frames
     }
 
+    /// How full the site, stack and live-block tables are, from the sites just read
+    /// (whose stacks have been read: see [`KernelMaps::stack`]).
+    pub fn occupancy(&self, sites: &[KernelSite]) -> super::Occupancy {
+        let stacks: std::collections::HashSet<u64> = sites
+            .iter()
+            .map(|s| s.key.stack)
+            .filter(|stack| self.stack_cache.contains_key(stack))
+            .collect();
+        super::Occupancy {
+            // A block that did not fit in the live table is counted as freed at once.
+            live_blocks: sites.iter().map(|s| s.values()[2]).sum(),
+            sites: sites.len() as u64,
+            stacks: stacks.len() as u64,
+        }
+    }
+
     /// The command name the programs recorded for `tgid`.
     pub fn comm(&self, tgid: u32) -> Option<String> {
         let raw = self.comms.get(&tgid, 0).ok()?;

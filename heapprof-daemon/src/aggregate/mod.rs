@@ -57,6 +57,18 @@ impl Site {
     }
 }
 
+/// Entries in the BPF tables that grow with the traced programs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    /// Blocks in the live-block table.
+    pub live_blocks: u64,
+    /// Sites in the site table.
+    pub sites: u64,
+    /// Stacks in the stack table (those of the sites; a stack whose site did not fit
+    /// is not counted).
+    pub stacks: u64,
+}
+
 /// Owns the maps the daemon reads.
 pub struct Maps {
     sites: PerCpuHashMap<MapData, StackKey, SiteCounters>,
@@ -131,6 +143,27 @@ impl Maps {
             .collect();
         sites.sort_by_key(|s| s.key);
         Ok(sites)
+    }
+
+    /// How full the site, stack and live-block tables are, from the sites just read
+    /// (walking the live table itself would cost a system call per block).
+    pub fn occupancy(&self, sites: &[Site]) -> Occupancy {
+        // Retired sites have left the BPF tables (a key retired and in use again,
+        // after a pid was reused, is left out: rare, and off by one).
+        let in_tables = sites.iter().filter(|s| !self.retired.contains_key(&s.key));
+        let mut stacks = HashSet::new();
+        let mut occupancy = Occupancy::default();
+        for site in in_tables {
+            occupancy.sites += 1;
+            // Every live-table entry is a block counted in use at its site: the
+            // programs count a block that did not fit as freed at once.
+            occupancy.live_blocks += site.inuse_objects();
+            if self.stack_cache.contains_key(&site.key.stack) {
+                stacks.insert(site.key.stack);
+            }
+        }
+        occupancy.stacks = stacks.len() as u64;
+        occupancy
     }
 
     /// The processes with sites still in the BPF table (not retired).

@@ -16,6 +16,7 @@ use crate::{
     allocators::{AllocatorProbes, ProbeSettings, spec::CustomFunction},
     cli::{Cli, Target},
     launch::{self, PausedChild},
+    metrics::{self, TableFigure, server::Endpoint},
     pprof, preflight, probes,
     procmaps::ObjectCache,
     session::{
@@ -44,9 +45,11 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
     let sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     preflight::check_privileges()?;
     preflight::check_bpf()?;
+    // Before anything is attached: an address in use ends the run before it starts.
+    let endpoint = cli.metrics.map(Endpoint::bind).transpose()?;
     if cli.kernel {
         let target_exit = watch_target(target, true)?;
-        let session = start_kernel(cli, target, child.as_ref())?;
+        let session = start_kernel(cli, target, child.as_ref(), endpoint)?;
         return Ok(Started {
             session: AnySession::Kernel(Box::new(session)),
             child,
@@ -179,6 +182,9 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
             ),
         }
     }
+    if let Some(endpoint) = endpoint {
+        session.export_metrics(serve_metrics(cli, target, endpoint));
+    }
     // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).
     log::info!(
         "{} probes on {} ({}), profiles every {:?} in {}",
@@ -201,6 +207,38 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
     })
 }
 
+/// `--metrics`: serves the endpoint from now on (its task runs whenever the event
+/// loop waits); returns the exporter the session publishes its profiles to.
+fn serve_metrics(cli: &Cli, target: &Target, endpoint: Endpoint) -> metrics::Exporter {
+    let table = |table, value: u32| TableFigure {
+        table,
+        value: value.into(),
+    };
+    let mut capacities = vec![
+        table("live_blocks", cli.max_live_blocks),
+        table("sites", cli.max_sites),
+        table("stacks", cli.max_stacks),
+    ];
+    if !cli.kernel && cli.unwind.mode() != UnwindMode::FramePointers {
+        capacities.extend([
+            table("unwind_rows", cli.max_unwind_rows),
+            table("unwind_rules", cli.max_unwind_rules),
+            table("unwind_objects", cli.max_unwind_objects),
+        ]);
+    }
+    let (exporter, registry) = metrics::new(metrics::Settings {
+        active_only: !cli.kernel && *target == Target::All,
+        top: cli.metrics_top,
+        capacities,
+    });
+    match endpoint.local_addr() {
+        Ok(addr) => log::info!("metrics at http://{addr}/metrics"),
+        Err(err) => log::warn!("metrics: cannot tell the address served: {err}"),
+    }
+    endpoint.spawn(registry);
+    exporter
+}
+
 /// `--pid` mode: a descriptor readable once the target exits, opened before anything is
 /// attached, so that a target exiting at any later moment is an exit (final profile,
 /// status 0), never a failure to find it.
@@ -217,7 +255,12 @@ fn watch_target(target: &Target, kernel_mode: bool) -> Result<Option<AsyncFd<Own
 }
 
 /// Kernel mode: tracefs and event layouts, kernel symbols, load, attach.
-fn start_kernel(cli: &Cli, target: &Target, child: Option<&PausedChild>) -> Result<KernelSession> {
+fn start_kernel(
+    cli: &Cli,
+    target: &Target,
+    child: Option<&PausedChild>,
+    endpoint: Option<Endpoint>,
+) -> Result<KernelSession> {
     let tracing = tracefs::root()?;
     let selection = probes::kernel::EventSelection {
         pages: cli.pages,
@@ -248,6 +291,9 @@ fn start_kernel(cli: &Cli, target: &Target, child: Option<&PausedChild>) -> Resu
     };
     if let Some(pid) = pid {
         session.trace_process(pid)?;
+    }
+    if let Some(endpoint) = endpoint {
+        session.export_metrics(serve_metrics(cli, target, endpoint));
     }
     let names: Vec<&str> = events.iter().map(|(event, _)| event.name()).collect();
     // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).

@@ -44,8 +44,16 @@ impl RunTimeStats {
 
     /// Statistics of every program of `ebpf` that has run, busiest first.
     pub fn read(&self, ebpf: &Ebpf) -> Vec<ProgramStats> {
-        let mut stats: Vec<ProgramStats> = ebpf
-            .programs()
+        let mut stats = self.read_all(ebpf);
+        stats.retain(|s| s.runs > 0);
+        stats.sort_by_key(|s| std::cmp::Reverse(s.run_time));
+        stats
+    }
+
+    /// Statistics of every program of `ebpf`, those that never ran included (the
+    /// metrics keep one series per program from the start).
+    pub fn read_all(&self, ebpf: &Ebpf) -> Vec<ProgramStats> {
+        ebpf.programs()
             .filter_map(|(name, program)| {
                 let info = program.info().ok()?;
                 Some(ProgramStats {
@@ -54,10 +62,7 @@ impl RunTimeStats {
                     run_time: info.run_time(),
                 })
             })
-            .filter(|s| s.runs > 0)
-            .collect();
-        stats.sort_by_key(|s| std::cmp::Reverse(s.run_time));
-        stats
+            .collect()
     }
 }
 

@@ -10,10 +10,11 @@ use anyhow::{Context as _, Result};
 use aya::Ebpf;
 use heapprof_common::kernel::{KernelAllocKind, KernelEvent};
 
-use super::{DropLog, Drops, TopSite, TopSites, comment_drops};
+use super::{DropLog, Drops, TopSite, TopSites, comment_drops, program_figures};
 use crate::{
     aggregate::kernel::{KernelMaps, KernelSite},
     cli::Target,
+    metrics::{Exporter, ProcessFigures, Snapshot, TableFigure},
     pprof::{
         LabelValue, MappingKey, ProfileBuilder,
         builder::{AddressSpace, KERNEL_SAMPLE_TYPES},
@@ -60,6 +61,8 @@ pub struct KernelSession {
     started_at: Instant,
     sequence: u32,
     drop_log: DropLog,
+    /// Where each profile's figures are published as metrics (`--metrics`).
+    metrics: Option<Exporter>,
 }
 
 impl KernelSession {
@@ -84,7 +87,54 @@ impl KernelSession {
             started_at: Instant::now(),
             sequence: 0,
             drop_log: DropLog::default(),
+            metrics: None,
         })
+    }
+
+    /// Publishes the figures of every profile from now on to `exporter`; turns the
+    /// BPF run-time statistics on for it.
+    pub fn export_metrics(&mut self, exporter: Exporter) {
+        super::enable_stats_for_metrics(&mut self.run_time_stats);
+        self.metrics = Some(exporter);
+    }
+
+    /// The metrics of the profile built from `sites` and `drops`: the kernel heap as
+    /// one process, pid 0 named `kernel` (kernel objects outlive the processes in
+    /// whose context they were allocated, so per-process figures would mislead).
+    fn metrics_snapshot(&self, sites: &[KernelSite], drops: &Drops) -> Snapshot {
+        let mut kernel = ProcessFigures {
+            pid: 0,
+            comm: "kernel".to_owned(),
+            ..ProcessFigures::default()
+        };
+        for site in sites {
+            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes, _, _] = site.values();
+            kernel.allocated_objects += alloc_objects;
+            kernel.allocated_bytes += alloc_bytes;
+            kernel.inuse_objects += inuse_objects;
+            kernel.inuse_bytes += inuse_bytes;
+            kernel.activity += site.counters.alloc_objects + site.counters.free_objects;
+        }
+        let occupancy = self.maps.occupancy(sites);
+        Snapshot {
+            processes: vec![kernel],
+            drops: *drops,
+            tables: vec![
+                TableFigure {
+                    table: "live_blocks",
+                    value: occupancy.live_blocks,
+                },
+                TableFigure {
+                    table: "sites",
+                    value: occupancy.sites,
+                },
+                TableFigure {
+                    table: "stacks",
+                    value: occupancy.stacks,
+                },
+            ],
+            programs: program_figures(self.run_time_stats.as_ref(), &self.ebpf),
+        }
     }
 
     /// Counts the kernel allocations made in the context of `pid` (and, when forks are
@@ -178,8 +228,16 @@ impl KernelSession {
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
-        let path = writer::write_profile(&self.config.output, &name, &profile)?;
+        let result = writer::write_profile(&self.config.output, &name, &profile);
         let written = started.elapsed();
+        // Published even when the write failed (a full disk): monitoring goes on.
+        if self.metrics.is_some() {
+            let snapshot = self.metrics_snapshot(&sites, &drops);
+            if let Some(exporter) = &mut self.metrics {
+                exporter.publish(snapshot, result.is_ok().then_some(written));
+            }
+        }
+        let path = result?;
         let mut totals = [0u64; 6];
         for site in &sites {
             for (total, value) in totals.iter_mut().zip(site.values()) {
@@ -204,7 +262,9 @@ impl KernelSession {
             ms(built - read),
             ms(written - built),
         );
-        if let Some(stats) = &self.run_time_stats {
+        if let Some(stats) = &self.run_time_stats
+            && self.config.bpf_stats
+        {
             log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
         }
         Ok(path)

@@ -13,7 +13,7 @@ use heapprof_common::DropReason;
 
 pub use user::{Session, SessionConfig};
 
-use crate::pprof::ProfileBuilder;
+use crate::{pprof::ProfileBuilder, probes::stats::RunTimeStats};
 
 /// Drop counters summed over CPUs, indexed by [`DropReason`].
 pub type Drops = [u64; DropReason::COUNT as usize];
@@ -38,6 +38,27 @@ impl DropLog {
             }
         }
         self.reported = *drops;
+    }
+}
+
+/// The BPF programs' run-time statistics for the metrics, when they are on.
+fn program_figures(
+    stats: Option<&RunTimeStats>,
+    ebpf: &aya::Ebpf,
+) -> Vec<crate::probes::stats::ProgramStats> {
+    stats.map(|stats| stats.read_all(ebpf)).unwrap_or_default()
+}
+
+/// Turns the BPF run-time statistics on for the metrics when `--bpf-stats` has not
+/// already. Metrics go on without them on kernels that lack them (before 5.8).
+fn enable_stats_for_metrics(stats: &mut Option<RunTimeStats>) {
+    if stats.is_none() {
+        match RunTimeStats::enable() {
+            Ok(enabled) => *stats = Some(enabled),
+            Err(err) => log::warn!(
+                "metrics: no BPF run time (heapprofd_bpf_run_seconds_total stays empty): {err:#}"
+            ),
+        }
     }
 }
 

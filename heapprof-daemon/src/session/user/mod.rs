@@ -8,6 +8,7 @@
 mod expiry;
 mod images;
 mod memory;
+mod metrics;
 mod profile;
 
 use std::{
@@ -36,6 +37,7 @@ use crate::{
     aggregate::{Maps, Site},
     allocators::{AllocatorProbes, ProcessView},
     cli::Target,
+    metrics::Exporter,
     pprof::writer,
     probes::stats::{self, RunTimeStats},
     symbolize::Symbolizer,
@@ -90,6 +92,8 @@ pub struct Session {
     memory: MemoryRecords,
     /// When the exited processes were found gone (with `--retain-exited`).
     exits: ExitLedger,
+    /// Where each profile's figures are published as metrics (`--metrics`).
+    metrics: Option<Exporter>,
 }
 
 /// Where stacks were cut short, merged over processes: (place, reason) -> count.
@@ -181,6 +185,7 @@ impl Session {
             logged_usage: TableUsage::default(),
             memory: MemoryRecords::default(),
             exits: ExitLedger::default(),
+            metrics: None,
         })
     }
 
@@ -197,6 +202,13 @@ impl Session {
     /// The probed allocator objects, for messages.
     pub fn allocator_names(&self) -> String {
         self.allocators.object_names()
+    }
+
+    /// Publishes the figures of every profile from now on to `exporter`; turns the
+    /// BPF run-time statistics on for it.
+    pub fn export_metrics(&mut self, exporter: Exporter) {
+        super::enable_stats_for_metrics(&mut self.run_time_stats);
+        self.metrics = Some(exporter);
     }
 
     /// Reads the mappings of the processes that exist at attach time, so that
@@ -468,8 +480,16 @@ impl Session {
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
-        let path = writer::write_profile(&self.config.output, &name, &profile)?;
+        let result = writer::write_profile(&self.config.output, &name, &profile);
         let written = started.elapsed();
+        // Published even when the write failed (a full disk): monitoring goes on.
+        if self.metrics.is_some() {
+            let snapshot = self.metrics_snapshot(&sites, &drops);
+            if let Some(exporter) = &mut self.metrics {
+                exporter.publish(snapshot, result.is_ok().then_some(written));
+            }
+        }
+        let path = result?;
         let mut totals = [0u64; 4];
         for site in &sites {
             for (total, value) in totals.iter_mut().zip(site.values(self.config.sample_rate)) {
@@ -491,7 +511,9 @@ impl Session {
             ms(built - read),
             ms(written - built),
         );
-        if let Some(stats) = &self.run_time_stats {
+        if let Some(stats) = &self.run_time_stats
+            && self.config.bpf_stats
+        {
             log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
         }
         if let Some(unwinder) = self.images.unwinder() {
