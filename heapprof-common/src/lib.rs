@@ -132,6 +132,10 @@ pub struct InFlight {
     /// Where the called function's object is loaded: the probe's address minus its
     /// file offset. Calls made from that object's code are nested in this one.
     pub object_base: u64,
+    /// The stack pointer of the last call found nested in this one, or 0. A probed
+    /// function that a nested call jumps to (a tail call) enters at the same stack
+    /// pointer, with a return address a return probe may have replaced.
+    pub nested_sp: u64,
     /// 1 while the call is in progress, 0 once it returned (or was found abandoned).
     pub active: u32,
     /// The called function's [`ProbeSlot`].

@@ -72,12 +72,20 @@ fn called_by_recorded_object(ctx: &ProbeContext, sp: u64, state: &InFlight) -> b
 }
 
 /// Whether an entry at `sp` is nested in the call recorded in `state` (see the module
-/// documentation).
+/// documentation). An entry at the stack pointer of a call already found nested is
+/// that call's tail call (mimalloc's `mi_malloc_aligned` jumps to
+/// `mi_heap_malloc_aligned`): its return address is the nested call's, which that
+/// call's return probe has replaced with the kernel's trampoline.
 #[inline(always)]
-fn nested(ctx: &ProbeContext, sp: u64, state: &InFlight) -> bool {
-    sp < state.entry_sp
-        && state.entry_sp - sp <= MAX_NESTING_SPAN
-        && called_by_recorded_object(ctx, sp, state)
+fn nested(ctx: &ProbeContext, sp: u64, state: &mut InFlight) -> bool {
+    if sp >= state.entry_sp || state.entry_sp - sp > MAX_NESTING_SPAN {
+        return false;
+    }
+    if sp == state.nested_sp || called_by_recorded_object(ctx, sp, state) {
+        state.nested_sp = sp;
+        return true;
+    }
+    false
 }
 
 /// An allocator function's entry probe: records the call if it is the user's.
@@ -91,7 +99,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
     let existing = IN_FLIGHT.get_ptr_mut(&tid);
     if let Some(state) = existing {
         // SAFETY: the entry belongs to this thread; nothing else writes it.
-        let state = unsafe { &*state };
+        let state = unsafe { &mut *state };
         if state.active != 0 {
             if sp == state.entry_sp {
                 if call.size == state.size && call.old_ptr == state.old_ptr {
@@ -108,6 +116,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
         out_ptr: call.out_ptr,
         entry_sp: sp,
         object_base: ip.wrapping_sub(spec.probe_offset),
+        nested_sp: 0,
         active: 1,
         slot: call.slot,
         sampled: sampled(call.size) as u32,

@@ -132,7 +132,12 @@ pub fn scan(
     let mut by_address: HashMap<u64, Vec<Named>> = HashMap::new();
     let mut defines_malloc = false;
     let exported = elf.dynamic_symbols().map(|s| (s, true));
-    let local = elf.symbols().map(|s| (s, false));
+    // A library's calls come through its exports, unless a custom function may be
+    // internal to it; a program's own allocator (static, or a Rust program's prefixed
+    // jemalloc) is in its symbol table. Skipping the symbol tables of large libraries
+    // (hundreds of thousands of symbols in a compiler's) keeps `--all`'s start fast.
+    let read_local = executable || !custom.is_empty();
+    let local = elf.symbols().take_while(|_| read_local).map(|s| (s, false));
     for (symbol, is_exported) in exported.chain(local) {
         if !symbol.is_definition() || symbol.kind() != SymbolKind::Text {
             continue;

@@ -126,14 +126,23 @@ impl<T> Drop for MappedArray<T> {
 
 /// An object's loadable segments, to turn a mapping's file offset into its load bias.
 #[derive(Debug, Clone, Default)]
-struct Segments(Vec<(u64, u64, u64)>);
+struct Segments(Vec<Segment>);
+
+/// One `PT_LOAD`.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    offset: u64,
+    size_in_file: u64,
+    vaddr: u64,
+    executable: bool,
+}
 
 impl Segments {
-    /// `(file offset, size in file, virtual address)` of each `PT_LOAD`.
+    /// The `PT_LOAD`s of an ELF file.
     fn of(elf: &[u8]) -> Option<Self> {
         use object::{
             Endianness,
-            elf::PT_LOAD,
+            elf::{PF_X, PT_LOAD},
             read::elf::{ElfFile64, ProgramHeader as _},
         };
         let file = ElfFile64::<Endianness>::parse(elf).ok()?;
@@ -142,18 +151,44 @@ impl Segments {
             file.elf_program_headers()
                 .iter()
                 .filter(|ph| ph.p_type(endian) == PT_LOAD)
-                .map(|ph| (ph.p_offset(endian), ph.p_filesz(endian), ph.p_vaddr(endian)))
+                .map(|ph| Segment {
+                    offset: ph.p_offset(endian),
+                    size_in_file: ph.p_filesz(endian),
+                    vaddr: ph.p_vaddr(endian),
+                    executable: ph.p_flags(endian).contains(PF_X),
+                })
                 .collect(),
         ))
     }
 
-    /// The load bias of a mapping at `start` of the file from `offset`.
-    fn bias(&self, start: u64, offset: u64) -> Option<u64> {
-        let (file_offset, _, vaddr) = self
+    /// The load bias of an executable mapping at `start..end` of the file from
+    /// `offset`. Its code is the executable segment's: a page-aligned mapping can also
+    /// hold the tail of the segment before, whose addresses are offset differently when
+    /// the linker does not keep addresses and file offsets congruent (LLD, Rust's
+    /// default linker, puts code one page above its file offset).
+    fn bias(&self, start: u64, end: u64, offset: u64) -> Option<u64> {
+        let mapped = offset..offset.saturating_add(end.saturating_sub(start));
+        let overlaps = |s: &&Segment| {
+            s.offset < mapped.end && mapped.start < s.offset.saturating_add(s.size_in_file)
+        };
+        let segment = self
             .0
             .iter()
-            .find(|(file_offset, size, _)| (*file_offset..file_offset + size).contains(&offset))?;
-        Some(start.wrapping_sub(vaddr.wrapping_add(offset - file_offset)))
+            .filter(overlaps)
+            .find(|s| s.executable)
+            .or_else(|| {
+                self.0
+                    .iter()
+                    .find(|s| (s.offset..s.offset + s.size_in_file).contains(&offset))
+            })?;
+        // The mapping's first byte is the file's `offset`, at address `start`.
+        Some(
+            start.wrapping_sub(
+                segment
+                    .vaddr
+                    .wrapping_add(offset.wrapping_sub(segment.offset)),
+            ),
+        )
     }
 }
 
@@ -268,7 +303,9 @@ impl TableLoader {
         let mut mappings: Vec<ExecMapping> = Vec::with_capacity(maps.regions.len());
         for region in &maps.regions {
             let state = self.object(&region.object);
-            let bias = state.segments().bias(region.start, region.offset);
+            let bias = state
+                .segments()
+                .bias(region.start, region.end, region.offset);
             let object = match (state, bias) {
                 (ObjectState::Loaded { index, .. }, Some(_)) => *index,
                 _ => NO_OBJECT,
