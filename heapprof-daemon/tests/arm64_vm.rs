@@ -15,6 +15,12 @@
 //! DHAT's, and every arm64 stack must be unwound to its end: through main to the
 //! program's `_start`, or, for code run before main, to the loader's start code.
 //!
+//! Allocators other than the system glibc's dynamic malloc (tests/allocators.rs): a
+//! static glibc program (`aarch64-linux-gnu-gcc -static`, tests/programs/alloc_abc.c)
+//! and a static musl one (tests/programs/rust_jemalloc on the C library's malloc, built
+//! for aarch64-unknown-linux-musl, whose C library Rust brings) print their own counts;
+//! the profiles' totals and main/a/b stacks must equal them.
+//!
 //! `cargo xtask test` and `cargo xtask vm-test` provide the static binary and the VM's
 //! kernel and libraries (HEAPPROFD_AARCH64_BINARY, HEAPPROFD_ARM64_VM_ASSETS).
 
@@ -54,6 +60,17 @@ scenarios() {
     echo "==STATUS $round stacks-O0 $?"
     /heapprofd -o $out/stacks-O2 -- /t/stacks-O2 2>&1
     echo "==STATUS $round stacks-O2 $?"
+    # Static programs with their own allocator (tests/allocators.rs's cases): glibc's
+    # malloc linked in, musl's (a Rust program). Each prints its own count.
+    for prog in abc-static rust-musl; do
+        /heapprofd -o $out/$prog -- /t/$prog > /tmp/$prog.out 2> /tmp/$prog.log
+        echo "==STATUS $round $prog $?"
+        echo "==LOG $round $prog"
+        cat /tmp/$prog.log
+        echo "==OUTPUT $round $prog"
+        cat /tmp/$prog.out
+        echo "==OUTPUT-END"
+    done
     # --pid: attach to a waiting process, let it work, end with it.
     rm -f /tmp/fifo && mkfifo /tmp/fifo
     /t/waiter 1000 48 < /tmp/fifo > /tmp/waiter.out &
@@ -249,6 +266,16 @@ fn initramfs(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
         let binary = compile_with(cc, dir, source, name, &[flags]);
         copy(&binary, &root.join("t").join(name));
     }
+    // The allocator cases: alloc_abc.c on static glibc, the Rust program on static
+    // musl (its C library's malloc; linked by GNU ld through the cross gcc).
+    let abc_static = compile_with(cc, dir, "alloc_abc", "abc-static", &["-O2", "-static"]);
+    copy(&abc_static, &root.join("t/abc-static"));
+    let rust_musl = counted::rust_program(
+        false,
+        Some("aarch64-unknown-linux-musl"),
+        counted::Linker::GnuLd,
+    );
+    copy(&rust_musl, &root.join("t/rust-musl"));
     for program in &CFI_PROGRAMS {
         let binary = compile_exact(
             program.compilers.1,
@@ -495,6 +522,7 @@ fn check_round(
     round: &str,
     expected: &BTreeMap<&str, (dhat::StackMap, dhat::StackMap)>,
     loader_entry: u64,
+    console: &str,
 ) {
     check_cfi(profiles, round, expected, loader_entry);
 
@@ -552,6 +580,46 @@ fn check_round(
             .all(|f| !f.starts_with("0x") && !f.starts_with("__traceiter_")),
         "{round}: kernel frames are named and start below the tracepoint"
     );
+
+    // Static programs with their own allocator: the totals and main/a/b stacks of their
+    // own counts (see tests/allocators.rs). Both are checked before either fails.
+    let section =
+        |marker: &str, name: &str| section(console, &format!("=={marker} {round} {name}"));
+    let static_glibc = std::panic::catch_unwind(|| {
+        counted::check_c_program(
+            &format!("{round}: static glibc (aarch64-linux-gnu-gcc -static)"),
+            &section("LOG", "abc-static"),
+            &section("OUTPUT", "abc-static"),
+            &samples(last(profiles, round, "abc-static")),
+        )
+    });
+    let static_musl = std::panic::catch_unwind(|| {
+        counted::check_rust_program(
+            &format!("{round}: static musl (Rust, aarch64-unknown-linux-musl)"),
+            &section("LOG", "rust-musl"),
+            &section("OUTPUT", "rust-musl"),
+            &samples(last(profiles, round, "rust-musl")),
+        )
+    });
+    for result in [static_glibc, static_musl] {
+        if let Err(panic) = result {
+            std::panic::resume_unwind(panic);
+        }
+    }
+}
+
+/// The console's lines after the line `start`, up to the next line starting with `==`.
+fn section(console: &str, start: &str) -> String {
+    let mut lines = console.lines().map(|l| l.trim_end_matches('\r'));
+    if !lines.any(|l| l == start) {
+        panic!("no {start:?} in the VM's console:\n{console}");
+    }
+    let mut text = String::new();
+    for line in lines.take_while(|l| !l.starts_with("==")) {
+        text.push_str(line);
+        text.push('\n');
+    }
+    text
 }
 
 #[test]
@@ -572,7 +640,7 @@ fn arm64_vm_with_and_without_btf() {
         .collect();
     assert_eq!(
         statuses.len(),
-        14,
+        18,
         "scenario statuses: {statuses:?}\n{console}"
     );
     for status in &statuses {
@@ -587,7 +655,7 @@ fn arm64_vm_with_and_without_btf() {
     );
     let profiles = profiles_from(&console, dir.path());
     for round in ["btf", "nobtf"] {
-        check_round(&profiles, round, &expected, loader_entry(&assets));
+        check_round(&profiles, round, &expected, loader_entry(&assets), &console);
     }
     eprintln!(
         "arm64 VM: {} profiles checked; {}",

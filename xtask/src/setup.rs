@@ -5,7 +5,8 @@
 //! - Debian packages: a C compiler, and for the tests golang-go (pprof), valgrind and
 //!   bpftrace (the kernel-mode test's independent count, and the benchmark's baseline),
 //!   google-perftools and chromium (the report tests), prometheus (the metrics test),
-//!   dpkg-dev and systemd (the Debian package and its unit's check).
+//!   jemalloc, tcmalloc, mimalloc and musl-tools (the allocator tests), dpkg-dev and
+//!   systemd (the Debian package and its unit's check).
 
 use std::{
     path::{Path, PathBuf},
@@ -50,6 +51,16 @@ pub fn ensure(needs: Needs) -> Result<()> {
         // real targets, glibc's separate debug symbols (valgrind depends on them too),
         // binutils for stripping a program and splitting its debug file.
         packages.extend(["g++", "python3", "sqlite3", "libc6-dbg", "binutils"]);
+        // The allocator tests (tests/allocators.rs): jemalloc, tcmalloc and mimalloc
+        // (preloaded and linked), musl-gcc (musl programs, dynamic and static); make
+        // builds jemalloc from source for the Rust program on tikv-jemallocator.
+        packages.extend([
+            "libjemalloc2",
+            "libtcmalloc-minimal4",
+            "libmimalloc2.0",
+            "musl-tools",
+            "make",
+        ]);
         // The report tests: google-pprof reads the legacy text format; headless
         // chromium renders the HTML page.
         packages.extend(["google-perftools", "chromium"]);

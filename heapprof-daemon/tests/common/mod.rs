@@ -2,6 +2,7 @@
 //! running heapprofd, decoding and checking its profiles.
 #![allow(dead_code)] // Each test binary uses a different subset.
 
+pub mod counted;
 pub mod dhat;
 
 use std::{
