@@ -74,6 +74,10 @@ enum Cmd {
         /// How long.
         #[arg(long, default_value_t = 10)]
         minutes: u32,
+        /// Processes coming and going under `heapprofd --all --retain-exited` instead
+        /// of one churning process.
+        #[arg(long)]
+        all: bool,
     },
     /// Measure heapprofd's overhead against bare runs, empty probes and a bpftrace
     /// memleak script; writes target/bench/summary.{txt,json}. Needs root.
@@ -177,10 +181,10 @@ fn run(args: Args) -> Result<()> {
                 .env("HEAPPROFD_LOAD", "full")
                 .run()
         }
-        Cmd::Soak { minutes } => {
+        Cmd::Soak { minutes, all } => {
             setup::ensure(setup::Needs::Build)?;
             let heapprofd = build_release()?;
-            soak::soak(&heapprofd, minutes)
+            soak::soak(&heapprofd, minutes, all)
         }
         Cmd::Bench { runs, quick, only } => {
             setup::ensure(setup::Needs::Bench)?;

@@ -1,4 +1,10 @@
-//! `cargo xtask soak --minutes N`: heapprofd under a churn workload for a long time.
+//! `cargo xtask soak --minutes N [--all]`: heapprofd under a churn workload for a long
+//! time.
+//!
+//! With `--all`, processes come and go instead: a shell in a cgroup of its own starts
+//! two short churn processes at a time, one after another, for the whole soak, and
+//! heapprofd traces that cgroup with `--all --cgroup` and `--retain-exited`, which must
+//! keep its memory flat although it sees hundreds of processes.
 //!
 //! The workload (heapprof-daemon/tests/programs/load.c, `churn`) replaces blocks of a
 //! fixed pool through 64 call stacks in threads that come and go, so everything the
@@ -93,8 +99,75 @@ fn verdict(samples: &[Sample]) -> (u64, u64, bool) {
     (early, late, late <= early + allowed_kib)
 }
 
+/// Where the cgroup v2 hierarchy is mounted (`/sys/fs/cgroup`, or its `unified`
+/// directory in a hybrid layout).
+fn cgroup2_mount() -> Option<std::path::PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    mountinfo.lines().find_map(|line| {
+        let (before, after) = line.split_once(" - ")?;
+        (after.split_whitespace().next()? == "cgroup2").then(|| {
+            before
+                .split_whitespace()
+                .nth(4)
+                .map(std::path::PathBuf::from)
+        })?
+    })
+}
+
+/// The `--all` soak's workload: a cgroup, and a shell in it starting short churn
+/// processes for as long as it lives. Both go when dropped.
+struct ComingAndGoing {
+    cgroup: std::path::PathBuf,
+    shell: std::process::Child,
+}
+
+impl ComingAndGoing {
+    fn start(workload: &Path) -> Result<(Self, String)> {
+        let mount = cgroup2_mount().context("no cgroup v2 hierarchy is mounted")?;
+        let name = format!("heapprofd-soak-{}", std::process::id());
+        let cgroup = mount.join(&name);
+        std::fs::create_dir(&cgroup)
+            .with_context(|| format!("creating the cgroup {}", cgroup.display()))?;
+        let load = workload.display();
+        let script = format!(
+            "echo $$ > {}/cgroup.procs && while :; do {load} churn 1 & {load} churn 1; wait; done",
+            cgroup.display()
+        );
+        let shell = Command::new("sh")
+            .args(["-c", &script])
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting the workload's shell")?;
+        Ok((Self { cgroup, shell }, format!("/{name}")))
+    }
+}
+
+impl Drop for ComingAndGoing {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(self.shell.id() as i32, libc::SIGKILL) };
+        let _ = self.shell.wait();
+        if let Ok(procs) = std::fs::read_to_string(self.cgroup.join("cgroup.procs")) {
+            for pid in procs
+                .split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+            {
+                // SAFETY: kill(2); the cgroup holds only the workload's processes.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.cgroup).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
 /// Runs the soak for `minutes` with `heapprofd`; writes target/soak/soak.{txt,csv}.
-pub fn soak(heapprofd: &Path, minutes: u32) -> Result<()> {
+/// `all`: processes coming and going under `--all` (see the module documentation).
+pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
     if !is_root() {
         bail!("the soak loads BPF programs: run it as root (sudo -E cargo xtask soak)");
     }
@@ -118,15 +191,37 @@ pub fn soak(heapprofd: &Path, minutes: u32) -> Result<()> {
     // About 60 readings, at most one a second and at least one every 30 s.
     let interval = (u64::from(minutes)).clamp(1, 30);
     let seconds = u64::from(minutes) * 60;
-    step(&format!(
-        "soak: {minutes} min of churn under heapprofd, a profile every {interval} s"
-    ));
-    let mut daemon = Command::new(heapprofd)
+    let mut command = Command::new(heapprofd);
+    command
         .args(["--interval", &format!("{interval}s"), "-o"])
-        .arg(out.join("profiles"))
-        .arg("--")
-        .arg(&workload)
-        .args(["churn", &seconds.to_string()])
+        .arg(out.join("profiles"));
+    let _coming_and_going = if all {
+        step(&format!(
+            "soak: {minutes} min of processes coming and going under heapprofd --all \
+             --retain-exited, a profile every {interval} s"
+        ));
+        let (workload, cgroup) = ComingAndGoing::start(&workload)?;
+        command.args([
+            "--all",
+            "--cgroup",
+            &cgroup,
+            "--retain-exited",
+            &format!("{interval}s"),
+            "--duration",
+            &format!("{seconds}s"),
+        ]);
+        Some(workload)
+    } else {
+        step(&format!(
+            "soak: {minutes} min of churn under heapprofd, a profile every {interval} s"
+        ));
+        command
+            .arg("--")
+            .arg(&workload)
+            .args(["churn", &seconds.to_string()]);
+        None
+    };
+    let mut daemon = command
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -189,8 +284,13 @@ pub fn soak(heapprofd: &Path, minutes: u32) -> Result<()> {
     let max_sites = samples.iter().map(|s| s.sites).max().unwrap_or(0);
     let max_live = samples.iter().map(|s| s.live_blocks).max().unwrap_or(0);
     let total = samples.last().map_or(0, |s| s.allocated);
+    let what = if all {
+        "processes coming and going under --all --retain-exited"
+    } else {
+        "churn in one process"
+    };
     let summary = format!(
-        "soak: {minutes} min, {} readings, {total} allocations counted\n\
+        "soak ({what}): {minutes} min, {} readings, {total} allocations counted\n\
          heapprofd anonymous RSS: median {early} KiB in the second quarter, {late} KiB in the last, max {max_rss} KiB: {}\n\
          heapprofd RSS with file pages: {first_total} KiB at the first reading, {last_total} KiB at the last\n\
          tables: at most {max_sites} sites (of 65536) and {max_live} live blocks (of the live table's capacity)\n\
