@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{CmdExt as _, cargo, step, workspace_root};
+use crate::{CmdExt as _, cargo, step};
 
 /// A CPU architecture heapprofd is built for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -58,7 +58,7 @@ pub fn build_static(arch: Arch) -> Result<PathBuf> {
         // without a cross C toolchain.
         .env(linker_var, "rust-lld")
         .run()?;
-    let binary = workspace_root().join(format!("target/{target}/release/heapprofd"));
+    let binary = crate::target_dir().join(format!("{target}/release/heapprofd"));
     check_static(&binary, arch)?;
     Ok(binary)
 }

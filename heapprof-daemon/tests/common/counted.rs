@@ -254,9 +254,13 @@ pub fn check_rust_program(what: &str, log: &str, stdout: &str, samples: &[Sample
         "{}",
         explain("totals through the global allocator differ from the program's count")
     );
+    // A chain the program printed with nothing on it (std allocating nothing outside
+    // main, as on a static musl build) has no sample to match.
+    let mut expected = printed.stacks.clone();
+    expected.retain(|_, values| *values != [0; 4]);
     assert_eq!(
         stacks,
-        printed.stacks,
+        expected,
         "{}",
         explain("the main/a/b stacks differ from the program's count")
     );
