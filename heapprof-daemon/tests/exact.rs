@@ -191,3 +191,43 @@ fn a_full_live_table_keeps_allocations_exact_and_in_use_tracked() {
         "{inuse_objects} blocks in use with a 16-entry live table"
     );
 }
+
+#[test]
+fn the_first_drop_of_a_kind_is_logged_once_by_the_bpf_programs() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "family", "family", &["-O0"]);
+    let out = dir.path().join("profiles");
+    // Two threads: two CPUs may meet the full table at once; still one line.
+    let output = run_ok(
+        heapprofd(&out)
+            .args(["--max-live-blocks", "16", "--"])
+            .arg(&program)
+            .args(["2", "200"]),
+    );
+    let log = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains("[bpf]") && line.contains("LIVE table full"))
+        .collect();
+    assert_eq!(
+        lines.len(),
+        1,
+        "one [bpf] line for the full table in:\n{log}"
+    );
+    assert!(
+        lines[0].starts_with("heapprofd: warn: [bpf] LIVE table full: "),
+        "a warning naming the table: {}",
+        lines[0]
+    );
+    assert!(
+        lines[0].contains("--max-live-blocks"),
+        "the remedy: {}",
+        lines[0]
+    );
+    // Hundreds of drops were counted, and reported by the daemon as before.
+    assert!(
+        drop_count(&last_profile(&out), "live-block table full") > 100,
+        "drops counted"
+    );
+}

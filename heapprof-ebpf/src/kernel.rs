@@ -20,7 +20,7 @@ use heapprof_common::{
     },
 };
 
-use crate::maps::count_drop;
+use crate::maps::count_kernel_drop;
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 #[map(name = "KERNEL_SITES")]
@@ -127,13 +127,13 @@ fn take_stack(ctx: &TracePointContext) -> (u64, Option<&'static KernelStack>) {
     // SAFETY: the buffer is `size` bytes of map memory; flags 0 asks for the kernel stack.
     let copied = unsafe { bpf_get_stack(ctx.as_ptr(), stack.frames.as_mut_ptr().cast(), size, 0) };
     if copied <= 0 {
-        count_drop(DropReason::StackUnavailable);
+        count_kernel_drop(DropReason::StackUnavailable);
         return (0, None);
     }
     let len = (copied as usize / 8).min(MAX_KERNEL_STACK_DEPTH);
     stack.len = len as u32;
     if len == MAX_KERNEL_STACK_DEPTH {
-        count_drop(DropReason::StackTruncated);
+        count_kernel_drop(DropReason::StackTruncated);
     }
     let mut hash = HASH_MULTIPLIER;
     for i in 0..MAX_KERNEL_STACK_DEPTH {
@@ -160,7 +160,7 @@ fn add_to_site(
             match KERNEL_STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
                 Ok(()) => {}
                 Err(err) if err == -EEXIST => {}
-                Err(_) => count_drop(DropReason::StackTableFull),
+                Err(_) => count_kernel_drop(DropReason::StackTableFull),
             }
         }
         if delta.alloc_objects > 0
@@ -260,7 +260,7 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         ..KernelCounters::default()
     };
     if !add_to_site(&site, stack, &delta) {
-        count_drop(DropReason::SiteTableFull);
+        count_kernel_drop(DropReason::SiteTableFull);
         return 0;
     }
     let key = KernelLiveKey {
@@ -282,7 +282,7 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
     }
     if inserted.is_err() {
         // Its free cannot be matched: released now, so in-use stays what is tracked.
-        count_drop(DropReason::LiveTableFull);
+        count_kernel_drop(DropReason::LiveTableFull);
         let released = KernelCounters {
             free_objects: 1,
             free_bytes: bytes,

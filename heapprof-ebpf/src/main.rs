@@ -21,6 +21,8 @@ mod calls;
 #[cfg(target_arch = "bpf")]
 mod kernel;
 #[cfg(target_arch = "bpf")]
+mod log;
+#[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
 mod regs;

@@ -15,6 +15,8 @@ use heapprof_common::{
     },
 };
 
+use crate::log::Tables;
+
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 #[map(name = "IN_FLIGHT")]
 pub static IN_FLIGHT: HashMap<u64, InFlight> = HashMap::with_max_entries(16384, 0);
@@ -199,9 +201,24 @@ pub fn in_cgroup(cgroup: u64, level: u32) -> bool {
     cgroup == 0 || unsafe { bpf_get_current_ancestor_cgroup_id(level as i32) } == cgroup
 }
 
-/// Counts an event that could not be fully recorded.
+/// Counts an event that could not be fully recorded (user mode's tables); the first
+/// of each reason is logged.
 #[inline(always)]
 pub fn count_drop(reason: DropReason) {
+    count_only(reason);
+    crate::log::first_drop(reason, Tables::User);
+}
+
+/// Counts a drop of kernel mode's tables; the first of each reason is logged.
+#[inline(always)]
+pub fn count_kernel_drop(reason: DropReason) {
+    count_only(reason);
+    crate::log::first_drop(reason, Tables::Kernel);
+}
+
+/// Counts a drop without logging it (the caller logs what it knows better).
+#[inline(always)]
+pub fn count_only(reason: DropReason) {
     if let Some(slot) = DROPS.get_ptr_mut(reason as u32) {
         // SAFETY: per-CPU slot, no concurrent writer on this CPU.
         unsafe { *slot += 1 };

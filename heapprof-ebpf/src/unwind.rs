@@ -24,7 +24,7 @@ use heapprof_common::{
 use crate::maps::{
     MAPPINGS_REQUESTED, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, RULE_CACHE, STACK_SCRATCH,
     STACK_WINDOW, STACK_WINDOW_BYTES, STACK_WINDOW_WORDS, UNWIND_GAPS, UNWIND_OBJECTS, UNWIND_ROWS,
-    UNWIND_RULES, count_drop,
+    UNWIND_RULES, count_drop, count_only,
 };
 
 /// Multiplier of the stack hash (2^64 / golden ratio).
@@ -414,7 +414,8 @@ fn step(walk: &mut Walk) -> Result<(), Stop> {
 /// Counts a stack cut short at `pc` of process `tgid`'s image `exec_gen`.
 #[inline(always)]
 fn record_gap(tgid: u32, exec_gen: u32, reason: GapReason, pc: u64) {
-    count_drop(DropReason::StackIncomplete);
+    count_only(DropReason::StackIncomplete);
+    crate::log::first_gap(reason, pc, tgid);
     let key = UnwindGap {
         tgid,
         exec_gen,

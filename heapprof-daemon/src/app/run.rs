@@ -62,6 +62,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         target_exit,
         mut sigint,
         mut sigterm,
+        mut bpf_log,
     } = started;
     let child_pid = child.as_ref().map(|c| c.pid);
     let mut child_events = child.map(PausedChild::release);
@@ -90,7 +91,11 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
             _ = tokio::time::sleep_until(next_exec_read.unwrap_or(far_future)), if next_exec_read.is_some() => {
                 session.read_due_images();
             }
+            () = async { match bpf_log.as_mut() { Some(log) => log.forward().await, None => std::future::pending().await } } => {}
             _ = ticks.tick() => {
+                if let Some(log) = bpf_log.as_mut() {
+                    log.flush();
+                }
                 match session.dump() {
                     Ok(path) => {
                         pruner.after_write(&path);
@@ -148,6 +153,10 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
                 break;
             }
         }
+    }
+    // The programs' last lines before the final profile's drop report.
+    if let Some(log) = bpf_log.as_mut() {
+        log.flush();
     }
     let written = session.dump();
     if let Ok(path) = &written {

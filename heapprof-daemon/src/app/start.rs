@@ -17,7 +17,8 @@ use crate::{
     cli::{Cli, Target},
     launch::{self, PausedChild},
     metrics::{self, TableFigure, server::Endpoint},
-    pprof, preflight, probes,
+    pprof, preflight,
+    probes::{self, bpf_log::BpfLog},
     procmaps::ObjectCache,
     session::{
         Session, SessionConfig,
@@ -37,6 +38,8 @@ pub struct Started {
     /// Installed before readiness is announced, so a signal sent right after it is caught.
     pub(super) sigint: Signal,
     pub(super) sigterm: Signal,
+    /// The BPF programs' log lines, when the object has them.
+    pub(super) bpf_log: Option<BpfLog>,
 }
 
 /// Everything that can fail on bad input or a missing requirement: checks, libc, load, attach.
@@ -49,13 +52,14 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
     let endpoint = cli.metrics.map(Endpoint::bind).transpose()?;
     if cli.kernel {
         let target_exit = watch_target(target, true)?;
-        let session = start_kernel(cli, target, child.as_ref(), endpoint)?;
+        let (session, bpf_log) = start_kernel(cli, target, child.as_ref(), endpoint)?;
         return Ok(Started {
             session: AnySession::Kernel(Box::new(session)),
             child,
             target_exit,
             sigint,
             sigterm,
+            bpf_log,
         });
     }
     preflight::check_uprobes()?;
@@ -127,6 +131,7 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
         pid,
         unwinding,
     )?;
+    let bpf_log = BpfLog::init(&mut ebpf);
     let method = probes::attach_method(cli.attach, pid);
     log::debug!("uprobes attached as {method:?}");
     let settings = ProbeSettings {
@@ -204,6 +209,7 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
         target_exit,
         sigint,
         sigterm,
+        bpf_log,
     })
 }
 
@@ -260,7 +266,7 @@ fn start_kernel(
     target: &Target,
     child: Option<&PausedChild>,
     endpoint: Option<Endpoint>,
-) -> Result<KernelSession> {
+) -> Result<(KernelSession, Option<BpfLog>)> {
     let tracing = tracefs::root()?;
     let selection = probes::kernel::EventSelection {
         pages: cli.pages,
@@ -276,6 +282,7 @@ fn start_kernel(
     };
     let filter = !matches!(target, Target::All);
     let mut ebpf = probes::kernel::load(capacities, &events, filter, cgroup_filter(cli)?)?;
+    let bpf_log = BpfLog::init(&mut ebpf);
     let config = KernelSessionConfig {
         target: target.clone(),
         output: cli.output.clone(),
@@ -312,7 +319,7 @@ fn start_kernel(
         cli.interval,
         cli.output.display()
     );
-    Ok(session)
+    Ok((session, bpf_log))
 }
 
 /// A pidfd that becomes readable when `pid` exits.

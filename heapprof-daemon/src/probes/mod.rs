@@ -1,5 +1,6 @@
 //! Loading the BPF programs and attaching them to the allocator functions.
 
+pub mod bpf_log;
 pub mod kernel;
 pub mod libc;
 pub mod loader;
