@@ -2,6 +2,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use prost::Message as _;
 use thiserror::Error;
 
 use super::proto::{Function, Label, Line, Location, Mapping, Profile, Sample, ValueType};
@@ -49,10 +50,19 @@ pub struct MappingKey {
     pub start: u64,
 }
 
+/// `Profile.sample`'s field number.
+const SAMPLE_FIELD: u32 = 2;
+
 /// Accumulates a profile. Ids are assigned densely from 1.
 #[derive(Debug)]
 pub struct ProfileBuilder {
     profile: Profile,
+    /// The samples, encoded as they are added (`Profile.sample` fields, which may come
+    /// anywhere in the message): a large profile's samples take a fraction of the
+    /// memory of their message structs, one vector of location ids each.
+    samples: Vec<u8>,
+    /// The first rule of the format a sample broke, reported by `finish`.
+    broken_sample: Option<String>,
     strings: HashMap<String, i64>,
     functions: HashMap<(String, Option<String>), u64>,
     mappings: HashMap<MappingKey, usize>,
@@ -71,6 +81,8 @@ impl ProfileBuilder {
                 period: 1,
                 ..Default::default()
             },
+            samples: Vec::new(),
+            broken_sample: None,
             strings: HashMap::from([(String::new(), 0)]),
             functions: HashMap::new(),
             mappings: HashMap::new(),
@@ -229,21 +241,64 @@ impl ProfileBuilder {
                 }
             })
             .collect();
-        self.profile.sample.push(Sample {
+        let sample = Sample {
             location_id,
             value: values
                 .iter()
                 .map(|v| i64::try_from(*v).unwrap_or(i64::MAX))
                 .collect(),
             label,
-        });
+        };
+        if self.broken_sample.is_none() {
+            self.broken_sample = check_sample(
+                &sample,
+                self.profile.sample_type.len(),
+                self.profile.location.len() as u64,
+            );
+        }
+        prost::encoding::message::encode(SAMPLE_FIELD, &sample, &mut self.samples);
     }
 
     /// The finished profile, checked against the format's rules.
-    pub fn finish(self) -> Result<Profile, ValidationError> {
+    pub fn finish(mut self) -> Result<Profile, ValidationError> {
+        let samples = Profile::decode(self.samples.as_slice())
+            .map_err(|err| ValidationError(format!("the samples do not decode: {err}")))?;
+        self.profile.sample = samples.sample;
         validate(&self.profile)?;
         Ok(self.profile)
     }
+
+    /// The finished profile, checked against the format's rules, encoded: what a
+    /// profile file holds before compression. Its samples never exist as structs
+    /// all at once.
+    pub fn finish_encoded(self) -> Result<Vec<u8>, ValidationError> {
+        if let Some(broken) = self.broken_sample {
+            return Err(ValidationError(broken));
+        }
+        validate(&self.profile)?;
+        let mut bytes = self.profile.encode_to_vec();
+        bytes.extend_from_slice(&self.samples);
+        Ok(bytes)
+    }
+}
+
+/// The rule a sample breaks, if any: as many values as sample types, at least one
+/// location, locations that exist (ids are dense from 1, so `locations` is the last).
+fn check_sample(sample: &Sample, sample_types: usize, locations: u64) -> Option<String> {
+    if sample.value.len() != sample_types {
+        return Some(format!(
+            "a sample has {} values for {sample_types} sample types",
+            sample.value.len()
+        ));
+    }
+    if sample.location_id.is_empty() {
+        return Some("a sample has no locations".into());
+    }
+    sample
+        .location_id
+        .iter()
+        .find(|id| **id == 0 || **id > locations)
+        .map(|id| format!("a sample names missing location {id}"))
 }
 
 /// A rule of the profile format that a profile breaks.
@@ -381,6 +436,50 @@ mod tests {
         assert_eq!(profile.sample_type.len(), 4);
         assert!(profile.mapping[0].has_functions && profile.mapping[0].has_inline_frames);
         assert_eq!(profile.function.len(), 3);
+    }
+
+    #[test]
+    fn the_encoded_profile_decodes_to_the_built_one() {
+        let build = || {
+            let mut b = ProfileBuilder::new(1, 2, &SAMPLE_TYPES);
+            let key = MappingKey {
+                space: 1,
+                start: 0x1000,
+            };
+            b.mapping(key, 0x2000, 0, "/bin/x", None);
+            let leaf = b.location(1, 0x1100, 1, Some(key), &[frame("malloc")]);
+            for caller in 0..3 {
+                let site = b.location(1, 0x1200 + caller, 0, Some(key), &[frame("main")]);
+                b.sample(
+                    vec![leaf, site],
+                    &[1, 16 + caller, 1, 16],
+                    &[
+                        ("pid", LabelValue::Num(7)),
+                        ("comm", LabelValue::Str("x".into())),
+                    ],
+                );
+            }
+            b.comment("hello");
+            b
+        };
+        let whole = build().finish().expect("valid");
+        let encoded = build().finish_encoded().expect("valid");
+        assert_eq!(Profile::decode(encoded.as_slice()).expect("decodes"), whole);
+        assert_eq!(whole.sample.len(), 3);
+
+        let mut broken = ProfileBuilder::new(1, 2, &SAMPLE_TYPES);
+        broken.sample(vec![5], &[1, 1, 1, 1], &[]);
+        assert!(
+            broken.finish_encoded().is_err(),
+            "a missing location is refused"
+        );
+        let mut broken = ProfileBuilder::new(1, 2, &SAMPLE_TYPES);
+        let loc = broken.location(1, 0x10, 0, None, &[]);
+        broken.sample(vec![loc], &[1, 1], &[]);
+        assert!(
+            broken.finish_encoded().is_err(),
+            "missing values are refused"
+        );
     }
 
     #[test]

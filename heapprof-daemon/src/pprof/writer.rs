@@ -138,8 +138,13 @@ fn civil_from_days(days: i64) -> (i64, u32, u32) {
 
 /// Encodes, compresses and atomically writes `profile` as `dir/name`.
 pub fn write_profile(dir: &Path, name: &str, profile: &Profile) -> Result<PathBuf> {
+    write_encoded(dir, name, &profile.encode_to_vec())
+}
+
+/// Compresses and atomically writes an encoded profile as `dir/name`.
+pub fn write_encoded(dir: &Path, name: &str, encoded: &[u8]) -> Result<PathBuf> {
     let mut gz = GzEncoder::new(Vec::new(), Compression::default());
-    gz.write_all(&profile.encode_to_vec())?;
+    gz.write_all(encoded)?;
     let bytes = gz.finish()?;
 
     let final_path = dir.join(name);

@@ -228,7 +228,7 @@ impl KernelSession {
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
-        let result = writer::write_profile(&self.config.output, &name, &profile);
+        let result = writer::write_encoded(&self.config.output, &name, &profile);
         let written = started.elapsed();
         // Published even when the write failed (a full disk): monitoring goes on.
         if self.metrics.is_some() {
@@ -288,11 +288,7 @@ impl KernelSession {
         builder.location(KERNEL_SPACE, address, tag, mapping, &frames)
     }
 
-    fn build_profile(
-        &mut self,
-        sites: &[KernelSite],
-        drops: &Drops,
-    ) -> Result<crate::pprof::proto::Profile> {
+    fn build_profile(&mut self, sites: &[KernelSite], drops: &Drops) -> Result<Vec<u8>> {
         let nanos = |t: SystemTime| {
             t.duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as i64)
@@ -385,7 +381,7 @@ impl KernelSession {
             }
             builder.sample(locations, &site.values(), &labels);
         }
-        builder.finish().context("building the profile")
+        builder.finish_encoded().context("building the profile")
     }
 
     fn kernel_text_start(&self) -> Option<u64> {

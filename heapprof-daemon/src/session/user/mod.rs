@@ -480,7 +480,7 @@ impl Session {
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
-        let result = writer::write_profile(&self.config.output, &name, &profile);
+        let result = writer::write_encoded(&self.config.output, &name, &profile);
         let written = started.elapsed();
         // Published even when the write failed (a full disk): monitoring goes on.
         if self.metrics.is_some() {

@@ -32,7 +32,7 @@ impl Session {
         sites: &[Site],
         drops: &Drops,
         gaps: &StackGaps,
-    ) -> Result<crate::pprof::proto::Profile> {
+    ) -> Result<Vec<u8>> {
         let now = SystemTime::now();
         let nanos = |t: SystemTime| {
             t.duration_since(UNIX_EPOCH)
@@ -170,7 +170,7 @@ impl Session {
             }
             builder.sample(locations, &site.values(rate), &labels);
         }
-        builder.finish().context("building the profile")
+        builder.finish_encoded().context("building the profile")
     }
 
     /// The leaf location of a sample: the allocator function the program called,
