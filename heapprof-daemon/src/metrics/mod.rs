@@ -62,6 +62,26 @@ pub struct TableFigure {
     pub value: u64,
 }
 
+impl TableFigure {
+    /// The figures of the tables every session has, from their occupancy.
+    pub fn of_occupancy(occupancy: &crate::aggregate::Occupancy) -> Vec<TableFigure> {
+        vec![
+            TableFigure {
+                table: "live_blocks",
+                value: occupancy.live_blocks,
+            },
+            TableFigure {
+                table: "sites",
+                value: occupancy.sites,
+            },
+            TableFigure {
+                table: "stacks",
+                value: occupancy.stacks,
+            },
+        ]
+    }
+}
+
 /// Everything a profile interval exports, taken when the profile is written.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {

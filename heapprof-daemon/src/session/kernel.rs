@@ -119,20 +119,7 @@ impl KernelSession {
         Snapshot {
             processes: vec![kernel],
             drops: *drops,
-            tables: vec![
-                TableFigure {
-                    table: "live_blocks",
-                    value: occupancy.live_blocks,
-                },
-                TableFigure {
-                    table: "sites",
-                    value: occupancy.sites,
-                },
-                TableFigure {
-                    table: "stacks",
-                    value: occupancy.stacks,
-                },
-            ],
+            tables: TableFigure::of_occupancy(&occupancy),
             programs: program_figures(self.run_time_stats.as_ref(), &self.ebpf),
         }
     }

@@ -51,20 +51,7 @@ impl Session {
             }
         }
         let occupancy = self.maps.occupancy(sites);
-        let mut tables = vec![
-            TableFigure {
-                table: "live_blocks",
-                value: occupancy.live_blocks,
-            },
-            TableFigure {
-                table: "sites",
-                value: occupancy.sites,
-            },
-            TableFigure {
-                table: "stacks",
-                value: occupancy.stacks,
-            },
-        ];
+        let mut tables = TableFigure::of_occupancy(&occupancy);
         if let Some(unwinder) = self.images.unwinder() {
             let usage = unwinder.usage();
             tables.extend([
