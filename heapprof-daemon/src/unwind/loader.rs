@@ -12,7 +12,6 @@ use std::{
     collections::HashMap,
     marker::PhantomData,
     os::fd::{AsFd as _, AsRawFd as _},
-    ptr::NonNull,
     sync::Arc,
     time::Instant,
 };
@@ -46,12 +45,14 @@ pub struct TableCapacities {
     pub objects: u32,
 }
 
-/// A BPF array map created with `BPF_F_MMAPABLE`, mapped into this process.
+/// A BPF array map created with `BPF_F_MMAPABLE`, written through a mapping of the
+/// pages a write touches. The mapping is made for each write and undone after it:
+/// a mapping of the whole array would count its every page (16 MiB for the rows)
+/// in the daemon's resident memory for as long as it runs, on top of the kernel's
+/// own copy being the same pages.
 struct MappedArray<T> {
-    _map: MapData,
-    base: NonNull<T>,
+    map: MapData,
     len: usize,
-    bytes: usize,
     _values: PhantomData<T>,
 }
 
@@ -65,34 +66,13 @@ impl<T: Copy> MappedArray<T> {
         let info = map
             .info()
             .with_context(|| format!("reading BPF map {name}"))?;
-        if info.value_size() as usize != size_of::<T>() {
+        // The kernel lays values out 8-byte aligned: this is a plain `[T]` only then.
+        if info.value_size() as usize != size_of::<T>() || !size_of::<T>().is_multiple_of(8) {
             bail!("BPF map {name} has values of {} bytes", info.value_size());
         }
-        let len = info.max_entries() as usize;
-        let bytes = (len * size_of::<T>()).next_multiple_of(crate::probes::page_size() as usize);
-        // SAFETY: a shared, writable mapping of the map's fd, which the kernel allows for
-        // BPF_F_MMAPABLE arrays; it stays valid while `map` (its fd) lives, and is unmapped
-        // in Drop.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                map.fd().as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error())
-                .with_context(|| format!("mapping BPF map {name} into memory"));
-        }
-        let base = NonNull::new(base.cast::<T>()).context("mmap returned null")?;
         Ok(Self {
-            _map: map,
-            base,
-            len,
-            bytes,
+            map,
+            len: info.max_entries() as usize,
             _values: PhantomData,
         })
     }
@@ -105,22 +85,41 @@ impl<T: Copy> MappedArray<T> {
         {
             bail!("writing past the end of a BPF array");
         }
-        // SAFETY: the range is inside the mapping (checked above); T is plain data.
+        if values.is_empty() {
+            return Ok(());
+        }
+        let page = crate::probes::page_size() as usize;
+        let start = index * size_of::<T>();
+        let end = start + size_of_val(values);
+        let map_start = start / page * page;
+        let map_bytes = end.next_multiple_of(page) - map_start;
+        // SAFETY: a shared, writable mapping of whole pages of the map's values, which
+        // the kernel allows for BPF_F_MMAPABLE arrays at any page offset within them
+        // (the range is inside the array: checked above); unmapped below.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                self.map.fd().as_fd().as_raw_fd(),
+                map_start as libc::off_t,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error()).context("mapping a BPF array into memory");
+        }
+        // SAFETY: `start - map_start` and the values' length stay inside the mapping
+        // just made; T is plain data; the mapping is undone once, here.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 values.as_ptr(),
-                self.base.as_ptr().add(index),
+                base.cast::<u8>().add(start - map_start).cast::<T>(),
                 values.len(),
             );
+            libc::munmap(base, map_bytes);
         }
         Ok(())
-    }
-}
-
-impl<T> Drop for MappedArray<T> {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, unmapped once.
-        unsafe { libc::munmap(self.base.as_ptr().cast(), self.bytes) };
     }
 }
 
@@ -446,23 +445,30 @@ impl TableLoader {
         if self.usage.rules + new_rules > self.capacities.rules {
             return Err("rules");
         }
-        // The table's rule indices, in the shared rule array.
+        // The table's rule indices, in the shared rule array; new rules go after the
+        // rules in use, in one write.
         let mut global = Vec::with_capacity(table.rules.len());
+        let mut added = Vec::new();
         for rule in &table.rules {
             let index = match self.rule_index.get(rule) {
                 Some(index) => *index,
                 None => {
-                    let index = self.usage.rules;
-                    self.rules
-                        .write(index as usize, std::slice::from_ref(rule))
-                        .map_err(|_| "rules")?;
+                    let index = self.usage.rules + added.len() as u32;
                     self.rule_index.insert(*rule, index);
-                    self.usage.rules += 1;
+                    added.push(*rule);
                     index
                 }
             };
             global.push(index);
         }
+        if let Err(err) = self.rules.write(self.usage.rules as usize, &added) {
+            log::debug!("writing unwind rules: {err:#}");
+            for rule in &added {
+                self.rule_index.remove(rule);
+            }
+            return Err("rules");
+        }
+        self.usage.rules += added.len() as u32;
         let rows_out: Vec<UnwindRow> = table
             .rows
             .iter()
