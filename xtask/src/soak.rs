@@ -313,7 +313,7 @@ mod tests {
     #[test]
     fn reads_the_profile_line() {
         let line = "heapprofd: wrote /x/heap-1.pb.gz: 64 sites, 1000 blocks / 5000 bytes allocated, \
-                    4096 blocks / 900 bytes in use; 3.5 ms (read 1.0, symbolize+build 2.0, encode+write 0.5)";
+                    4096 blocks / 900 bytes in use; 3.5 ms (read+symbolize 1.0, build+compress 2.0, write 0.5)";
         assert_eq!(parse_wrote(line), Some((64, 1000, 4096, 3.5)));
         assert_eq!(parse_wrote("heapprofd: the command exited"), None);
     }

@@ -1,6 +1,6 @@
 //! Reading the kernel-mode maps into per-site counts.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{collections::HashSet, os::fd::OwnedFd};
 
 use anyhow::{Context as _, Result};
 use aya::{
@@ -13,7 +13,9 @@ use heapprof_common::{
     names,
 };
 
-use super::take;
+use super::{
+    BATCH_STACKS_FROM, batch, possible_cpus, read_entries, stacks::StackStore, take, take_with_fd,
+};
 
 /// Counts of one kernel site, summed over CPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,20 +50,30 @@ pub struct KernelMaps {
     traced: BpfHashMap<MapData, u32, u32>,
     comms: BpfHashMap<MapData, u32, [u8; 16]>,
     drops: PerCpuArray<MapData, u64>,
-    /// Stacks already read, by hash (kernel stacks never change meaning).
-    stack_cache: HashMap<u64, Arc<[u64]>>,
+    /// The site and stack tables again, for batch reads.
+    sites_fd: OwnedFd,
+    stacks_fd: OwnedFd,
+    /// Possible CPUs: the values per entry of the per-CPU site table.
+    cpus: usize,
+    /// Stacks already read (kernel stacks never change meaning).
+    stack_store: StackStore,
 }
 
 impl KernelMaps {
     /// Takes the maps out of a loaded object.
     pub fn new(ebpf: &mut Ebpf) -> Result<Self> {
+        let (sites, sites_fd) = take_with_fd(ebpf, kernel_names::KERNEL_SITES)?;
+        let (stacks, stacks_fd) = take_with_fd(ebpf, kernel_names::KERNEL_STACKS)?;
         Ok(Self {
-            sites: take(ebpf, kernel_names::KERNEL_SITES)?,
-            stacks: take(ebpf, kernel_names::KERNEL_STACKS)?,
+            sites,
+            stacks,
             traced: take(ebpf, kernel_names::TRACED)?,
             comms: take(ebpf, kernel_names::COMMS)?,
             drops: take(ebpf, names::DROPS)?,
-            stack_cache: HashMap::new(),
+            sites_fd,
+            stacks_fd,
+            cpus: possible_cpus()?,
+            stack_store: StackStore::new(),
         })
     }
 
@@ -72,56 +84,98 @@ impl KernelMaps {
             .with_context(|| format!("adding pid {pid} to the traced processes"))
     }
 
-    /// Every site with its counters summed over CPUs, sorted by key.
-    pub fn read_sites(&self) -> Result<Vec<KernelSite>> {
+    /// Every site with its counters summed over CPUs, sorted by key; their stacks
+    /// are read into [`KernelMaps::stacks`].
+    pub fn read_sites(&mut self) -> Result<Vec<KernelSite>> {
         let mut sites = Vec::new();
-        for entry in self.sites.iter() {
-            let (key, per_cpu) = entry.context("reading the kernel site table")?;
-            let mut total = KernelCounters::default();
-            for c in per_cpu.iter() {
-                total.alloc_objects += c.alloc_objects;
-                total.alloc_bytes += c.alloc_bytes;
-                total.alloc_requested += c.alloc_requested;
-                total.free_objects += c.free_objects;
-                total.free_bytes += c.free_bytes;
-                total.free_requested += c.free_requested;
-            }
-            sites.push(KernelSite {
-                key,
-                counters: total,
-            });
-        }
+        let table = &self.sites;
+        read_entries(
+            &self.sites_fd,
+            Some(self.cpus),
+            |key, per_cpu: &[KernelCounters]| {
+                let mut total = KernelCounters::default();
+                for c in per_cpu {
+                    total.alloc_objects += c.alloc_objects;
+                    total.alloc_bytes += c.alloc_bytes;
+                    total.alloc_requested += c.alloc_requested;
+                    total.free_objects += c.free_objects;
+                    total.free_bytes += c.free_bytes;
+                    total.free_requested += c.free_requested;
+                }
+                sites.push(KernelSite {
+                    key,
+                    counters: total,
+                });
+            },
+            |each| {
+                for entry in table.iter() {
+                    let (key, per_cpu) = entry.context("reading the kernel site table")?;
+                    each(key, &per_cpu);
+                }
+                Ok(())
+            },
+        )?;
         sites.sort_by_key(|s| s.key);
+        self.read_stacks(&sites)?;
         Ok(sites)
     }
 
-    /// The kernel stack with hash `stack` (return addresses, innermost first); empty
-    /// when none was stored.
-    pub fn stack(&mut self, stack: u64) -> Arc<[u64]> {
-        if stack == 0 {
-            return Arc::from(Vec::new());
-        }
-        if let Some(frames) = self.stack_cache.get(&stack) {
-            return Arc::clone(frames);
-        }
-        let frames: Arc<[u64]> = match self.stacks.get(&stack, 0) {
-            Ok(trace) => {
-                let len = (trace.len as usize).min(trace.frames.len());
-                trace.frames[..len].into()
+    /// Reads the stacks of `sites` not stored yet (see `Maps::read_stacks`). Hash 0
+    /// is no stack.
+    fn read_stacks(&mut self, sites: &[KernelSite]) -> Result<()> {
+        let mut missing: Vec<u64> = sites
+            .iter()
+            .map(|s| s.key.stack)
+            .filter(|&stack| stack != 0 && !self.stack_store.contains(stack))
+            .collect();
+        if missing.len() >= BATCH_STACKS_FROM {
+            missing.sort_unstable();
+            let store = &mut self.stack_store;
+            store.reserve(missing.len(), missing.len() * 4);
+            let batched = batch::for_each_batch(&self.stacks_fd, None, |hashes, stacks| {
+                store.insert_many(
+                    hashes
+                        .iter()
+                        .zip(stacks)
+                        .filter(|(hash, _)| missing.binary_search(hash).is_ok())
+                        .map(|(&hash, stack)| (hash, kernel_frames(stack))),
+                );
+            })
+            .context("reading the kernel stack table in batches")?;
+            if !batched {
+                for entry in self.stacks.iter() {
+                    let (hash, stack) = entry.context("reading the kernel stack table")?;
+                    if missing.binary_search(&hash).is_ok() {
+                        store.insert(hash, kernel_frames(&stack));
+                    }
+                }
             }
-            Err(_) => return Arc::from(Vec::new()),
-        };
-        self.stack_cache.insert(stack, Arc::clone(&frames));
-        frames
+        }
+        for site in sites {
+            let hash = site.key.stack;
+            if hash != 0
+                && !self.stack_store.contains(hash)
+                && let Ok(stack) = self.stacks.get(&hash, 0)
+            {
+                self.stack_store.insert(hash, kernel_frames(&stack));
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel stacks of the sites read so far (return addresses, innermost
+    /// first); a stack that was not stored has no frames.
+    pub fn stacks(&self) -> &StackStore {
+        &self.stack_store
     }
 
     /// How full the site, stack and live-block tables are, from the sites just read
-    /// (whose stacks have been read: see [`KernelMaps::stack`]).
+    /// (whose stacks have been read with them).
     pub fn occupancy(&self, sites: &[KernelSite]) -> super::Occupancy {
-        let stacks: std::collections::HashSet<u64> = sites
+        let stacks: HashSet<u64> = sites
             .iter()
             .map(|s| s.key.stack)
-            .filter(|stack| self.stack_cache.contains_key(stack))
+            .filter(|&stack| self.stack_store.contains(stack))
             .collect();
         super::Occupancy {
             // A block that did not fit in the live table is counted as freed at once.
@@ -142,4 +196,9 @@ impl KernelMaps {
     pub fn read_drops(&self) -> Result<[u64; DropReason::COUNT as usize]> {
         super::read_drops(&self.drops)
     }
+}
+
+/// The frames a kernel stack-table entry holds, innermost first.
+fn kernel_frames(stack: &KernelStack) -> &[u64] {
+    &stack.frames[..(stack.len as usize).min(stack.frames.len())]
 }

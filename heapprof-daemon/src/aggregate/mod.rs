@@ -1,24 +1,32 @@
 //! Reading the BPF maps into per-site counts.
 //!
 //! The BPF side keeps cumulative counters per site (process x stack x function);
-//! in-use is allocated minus freed. Reading is a walk over the site table plus the
-//! stacks not seen before, so a dump costs in proportion to the number of sites,
-//! never to the number of allocations.
+//! in-use is allocated minus freed. Reading is a batched walk over the site table
+//! plus the stacks not seen before ([`batch`]), so a dump costs in proportion to the
+//! number of sites, never to the number of allocations. The stacks are kept in
+//! the daemon once read ([`stacks`]): the BPF side's copy of an exited process's
+//! stacks goes with its sites.
 
+mod batch;
 pub mod kernel;
 pub mod sampling;
+pub mod stacks;
 
-use std::collections::{HashMap, HashSet};
+use std::{
+    collections::{HashMap, HashSet},
+    os::fd::{AsFd as _, OwnedFd},
+};
 
-use anyhow::{Context as _, Result};
+use anyhow::{Context as _, Result, bail};
 use aya::{
-    Ebpf,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap},
+    Ebpf, Pod,
+    maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuHashMap},
 };
 use heapprof_common::{
     DropReason, InFlight, LiveBlock, LiveKey, ProcessUsage, SiteCounters, StackKey, UserStack,
     names,
 };
+use stacks::StackStore;
 
 /// Counts of one site, summed over CPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,11 +86,22 @@ pub struct Maps {
     in_flight: BpfHashMap<MapData, u64, InFlight>,
     exec_gen: BpfHashMap<MapData, u32, u32>,
     usage: BpfHashMap<MapData, u32, ProcessUsage>,
-    /// Stacks already read, by hash; an entry is never replaced while its process lives.
-    stack_cache: HashMap<u64, std::sync::Arc<[u64]>>,
+    /// The site and stack tables again, for batch reads.
+    sites_fd: OwnedFd,
+    stacks_fd: OwnedFd,
+    /// Possible CPUs: the values per entry of a per-CPU table.
+    cpus: usize,
+    /// Stacks already read; a hash names one stack for as long as its process lives.
+    stack_store: StackStore,
     /// Sites of processes that have exited: allocations kept, in-use cleared.
     retired: HashMap<StackKey, SiteCounters>,
+    /// Sites in the last read, to size the next one.
+    last_read: usize,
 }
+
+/// Stacks missing from the store above which the whole stack table is read in
+/// batches rather than one lookup per stack.
+const BATCH_STACKS_FROM: usize = 256;
 
 pub(crate) fn take<T: TryFrom<aya::maps::Map>>(ebpf: &mut Ebpf, name: &str) -> Result<T>
 where
@@ -92,6 +111,54 @@ where
         .take_map(name)
         .with_context(|| format!("BPF map {name} missing from the object"))?;
     T::try_from(map).with_context(|| format!("BPF map {name} has an unexpected type"))
+}
+
+/// Takes a hash map out of a loaded object together with a second descriptor of it,
+/// for the system calls aya has no method for (batch lookups).
+pub(crate) fn take_with_fd<T: TryFrom<Map>>(ebpf: &mut Ebpf, name: &str) -> Result<(T, OwnedFd)>
+where
+    T::Error: std::error::Error + Send + Sync + 'static,
+{
+    let data = match ebpf.map(name) {
+        Some(Map::HashMap(data) | Map::PerCpuHashMap(data)) => data,
+        Some(_) => bail!("BPF map {name} is not a hash map"),
+        None => bail!("BPF map {name} missing from the object"),
+    };
+    let fd = data
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .with_context(|| format!("duplicating the descriptor of BPF map {name}"))?;
+    Ok((take(ebpf, name)?, fd))
+}
+
+/// The number of possible CPUs: the values per entry of a per-CPU map.
+pub(crate) fn possible_cpus() -> Result<usize> {
+    aya::util::nr_cpus()
+        .map(|cpus| cpus.get() as usize)
+        .map_err(|(what, err)| anyhow::anyhow!("reading {what}: {err}"))
+}
+
+/// Every entry of a hash map, `(key, values)`, values per CPU for a per-CPU map
+/// (`per_cpu`), batched where the kernel can (see [`batch`]), otherwise through
+/// `walk`, which reads the map key by key.
+pub(crate) fn read_entries<K: Pod, V: Pod>(
+    fd: &OwnedFd,
+    per_cpu: Option<usize>,
+    mut each: impl FnMut(K, &[V]),
+    walk: impl FnOnce(&mut dyn FnMut(K, &[V])) -> Result<()>,
+) -> Result<()> {
+    let slots = per_cpu.map_or(1, |cpus| cpus.max(1));
+    let batched = batch::for_each_batch(fd, per_cpu, |keys: &[K], values: &[V]| {
+        for (key, values) in keys.iter().zip(values.chunks_exact(slots)) {
+            each(*key, values);
+        }
+    })
+    .context("reading a BPF table in batches")?;
+    if batched {
+        return Ok(());
+    }
+    walk(&mut each)
 }
 
 /// The per-CPU drop counters summed over CPUs, indexed by [`DropReason`].
@@ -111,38 +178,129 @@ pub(crate) fn read_drops(
 impl Maps {
     /// Takes the maps out of a loaded object.
     pub fn new(ebpf: &mut Ebpf) -> Result<Self> {
+        let (sites, sites_fd) = take_with_fd(ebpf, names::SITES)?;
+        let (stacks, stacks_fd) = take_with_fd(ebpf, names::STACKS)?;
         Ok(Self {
-            sites: take(ebpf, names::SITES)?,
-            stacks: take(ebpf, names::STACKS)?,
+            sites,
+            stacks,
             live: take(ebpf, names::LIVE)?,
             drops: take(ebpf, names::DROPS)?,
             in_flight: take(ebpf, names::IN_FLIGHT)?,
             exec_gen: take(ebpf, names::EXEC_GEN)?,
             usage: take(ebpf, names::PROCESS_USAGE)?,
-            stack_cache: HashMap::new(),
+            sites_fd,
+            stacks_fd,
+            cpus: possible_cpus()?,
+            stack_store: StackStore::new(),
             retired: HashMap::new(),
+            last_read: 0,
         })
     }
 
-    /// Every site with its counters summed over CPUs, including retired ones.
-    pub fn read_sites(&self) -> Result<Vec<Site>> {
-        let mut sites: HashMap<StackKey, SiteCounters> = self.retired.clone();
-        for entry in self.sites.iter() {
-            let (key, per_cpu) = entry.context("reading the site table")?;
-            let total = sites.entry(key).or_default();
-            for counters in per_cpu.iter() {
-                total.alloc_objects += counters.alloc_objects;
-                total.alloc_bytes += counters.alloc_bytes;
-                total.free_objects += counters.free_objects;
-                total.free_bytes += counters.free_bytes;
+    /// Every site with its counters summed over CPUs, including retired ones, sorted
+    /// by key; their stacks are read into [`Maps::stacks`].
+    pub fn read_sites(&mut self) -> Result<Vec<Site>> {
+        let started = std::time::Instant::now();
+        let mut sites = Vec::with_capacity(self.last_read.max(self.retired.len()) + 64);
+        sites.extend(
+            self.retired
+                .iter()
+                .map(|(&key, &counters)| Site { key, counters }),
+        );
+        let table = &self.sites;
+        read_entries(
+            &self.sites_fd,
+            Some(self.cpus),
+            |key, per_cpu: &[SiteCounters]| {
+                let mut counters = SiteCounters::default();
+                per_cpu.iter().for_each(|c| add_counters(&mut counters, c));
+                sites.push(Site { key, counters });
+            },
+            |each| {
+                for entry in table.iter() {
+                    let (key, per_cpu) = entry.context("reading the site table")?;
+                    each(key, &per_cpu);
+                }
+                Ok(())
+            },
+        )?;
+        sites.sort_by_key(|s| s.key);
+        // A key both retired and back in the table (a reused pid) is one site.
+        sites.dedup_by(|later, earlier| {
+            let same = later.key == earlier.key;
+            if same {
+                add_counters(&mut earlier.counters, &later.counters);
+            }
+            same
+        });
+        self.last_read = sites.len();
+        let read = started.elapsed();
+        let stored = self.stack_store.len();
+        self.read_stacks(&sites)?;
+        log::debug!(
+            "read {} sites in {:.1} ms, {} new stacks in {:.1} ms ({} stacks, {} frames stored)",
+            sites.len(),
+            read.as_secs_f64() * 1e3,
+            self.stack_store.len() - stored,
+            (started.elapsed() - read).as_secs_f64() * 1e3,
+            self.stack_store.len(),
+            self.stack_store.nodes_in_use(),
+        );
+        Ok(sites)
+    }
+
+    /// Reads the stacks of `sites` not stored yet: the whole stack table in batches
+    /// when many are missing (the first profile of a large program), else one
+    /// lookup each. A stack the programs could not store stays missing.
+    fn read_stacks(&mut self, sites: &[Site]) -> Result<()> {
+        let mut missing: Vec<u64> = sites
+            .iter()
+            .map(|s| s.key.stack)
+            .filter(|&stack| !self.stack_store.contains(stack))
+            .collect();
+        if missing.len() >= BATCH_STACKS_FROM {
+            missing.sort_unstable();
+            let store = &mut self.stack_store;
+            store.reserve(missing.len(), missing.len() * 4);
+            let batched = batch::for_each_batch(&self.stacks_fd, None, |hashes, stacks| {
+                store.insert_many(
+                    hashes
+                        .iter()
+                        .zip(stacks)
+                        .filter(|(hash, _)| missing.binary_search(hash).is_ok())
+                        .map(|(&hash, stack)| (hash, user_frames(stack))),
+                );
+            })
+            .context("reading the stack table in batches")?;
+            if !batched {
+                for entry in self.stacks.iter() {
+                    let (hash, stack) = entry.context("reading the stack table")?;
+                    if missing.binary_search(&hash).is_ok() {
+                        store.insert(hash, user_frames(&stack));
+                    }
+                }
             }
         }
-        let mut sites: Vec<Site> = sites
-            .into_iter()
-            .map(|(key, counters)| Site { key, counters })
-            .collect();
-        sites.sort_by_key(|s| s.key);
-        Ok(sites)
+        for site in sites {
+            self.read_stack(site.key.stack);
+        }
+        Ok(())
+    }
+
+    /// Reads one stack into the store, if the programs stored it.
+    fn read_stack(&mut self, hash: u64) {
+        if self.stack_store.contains(hash) {
+            return;
+        }
+        if let Ok(stack) = self.stacks.get(&hash, 0) {
+            self.stack_store.insert(hash, user_frames(&stack));
+        }
+    }
+
+    /// The stacks of the sites read so far (see [`Maps::read_sites`]); a stack the
+    /// programs could not store (stack table full) has no frames.
+    pub fn stacks(&self) -> &StackStore {
+        &self.stack_store
     }
 
     /// How full the site, stack and live-block tables are, from the sites just read
@@ -158,7 +316,7 @@ impl Maps {
             // Every live-table entry is a block counted in use at its site: the
             // programs count a block that did not fit as freed at once.
             occupancy.live_blocks += site.inuse_objects();
-            if self.stack_cache.contains_key(&site.key.stack) {
+            if self.stack_store.contains(site.key.stack) {
                 stacks.insert(site.key.stack);
             }
         }
@@ -173,25 +331,6 @@ impl Maps {
             .filter_map(|key| key.ok())
             .map(|key| key.tgid)
             .collect()
-    }
-
-    /// The user stack (return addresses, innermost first) with hash `stack`; empty
-    /// when it was not stored (stack table full).
-    pub fn stack(&mut self, stack: u64) -> std::sync::Arc<[u64]> {
-        if let Some(frames) = self.stack_cache.get(&stack) {
-            return std::sync::Arc::clone(frames);
-        }
-        let frames: std::sync::Arc<[u64]> = match self.stacks.get(&stack, 0) {
-            Ok(trace) => {
-                let len = (trace.len as usize).min(trace.frames.len());
-                trace.frames[..len].into()
-            }
-            // Not stored: not cached either, a later read may find it.
-            Err(_) => return std::sync::Arc::from(Vec::new()),
-        };
-        self.stack_cache
-            .insert(stack, std::sync::Arc::clone(&frames));
-        frames
     }
 
     /// Drop counters summed over CPUs, indexed by [`DropReason`].
@@ -279,8 +418,8 @@ impl Maps {
         for key in self.retired.keys() {
             stacks.remove(&key.stack);
         }
-        for stack in &stacks {
-            self.stack_cache.remove(stack);
+        for &stack in &stacks {
+            self.stack_store.forget(stack);
         }
         // Gone with their retirement already; a process that left no site still
         // may have entries.
@@ -294,15 +433,19 @@ impl Maps {
     /// Retires the images that processes have replaced by exec: `current` maps each
     /// process to its generation now; sites of earlier generations keep their
     /// allocations, and their memory, gone with the old address space, is no longer
-    /// in use. Returns how many sites were retired.
-    pub fn retire_replaced_images(&mut self, current: &HashMap<u32, u32>) -> Result<usize> {
+    /// in use. `sites`, just read, are updated to match. Returns how many sites were
+    /// retired.
+    pub fn retire_replaced_images(
+        &mut self,
+        current: &HashMap<u32, u32>,
+        sites: &mut [Site],
+    ) -> Result<usize> {
         let replaced = |key: &StackKey| {
             current
                 .get(&key.tgid)
                 .is_some_and(|&generation| key.exec_gen < generation)
         };
-        if !self
-            .read_sites()?
+        if !sites
             .iter()
             .any(|s| replaced(&s.key) && !self.retired.contains_key(&s.key))
         {
@@ -317,9 +460,9 @@ impl Maps {
             .map(|(key, _)| key)
             .collect();
         let removed = self.remove_live(&stale_live);
-        let sites = self.retire_sites(replaced)?;
-        log::debug!("retired {sites} sites of replaced images, {removed} live blocks removed");
-        Ok(sites)
+        let count = self.retire_sites_in(sites, replaced);
+        log::debug!("retired {count} sites of replaced images, {removed} live blocks removed");
+        Ok(count)
     }
 
     fn remove_live(&mut self, keys: &[LiveKey]) -> usize {
@@ -329,21 +472,40 @@ impl Maps {
     /// Moves the sites matching `retire` out of the BPF table into `retired`, with
     /// everything freed. Their stacks stay readable from the daemon's cache.
     fn retire_sites(&mut self, retire: impl Fn(&StackKey) -> bool) -> Result<usize> {
+        let mut sites = self.read_sites()?;
+        Ok(self.retire_sites_in(&mut sites, retire))
+    }
+
+    /// [`Maps::retire_sites`] over sites just read, which are updated to match.
+    fn retire_sites_in(&mut self, sites: &mut [Site], retire: impl Fn(&StackKey) -> bool) -> usize {
         let mut count = 0;
-        for site in self.read_sites()? {
+        for site in sites {
             if retire(&site.key) && self.sites.get(&site.key, 0).is_ok() {
-                let mut counters = site.counters;
+                let counters = &mut site.counters;
                 counters.free_objects = counters.alloc_objects;
                 counters.free_bytes = counters.alloc_bytes;
-                self.retired.insert(site.key, counters);
+                self.retired.insert(site.key, *counters);
                 // Keep the frames for later profiles; the kernel's copy can go.
-                self.stack(site.key.stack);
+                self.read_stack(site.key.stack);
                 let _ = self.stacks.remove(&site.key.stack);
                 // No writer is left: the process (or its image) is gone.
                 let _ = self.sites.remove(&site.key);
                 count += 1;
             }
         }
-        Ok(count)
+        count
     }
+}
+
+/// Adds one CPU's (or one earlier read's) counters to a total.
+fn add_counters(total: &mut SiteCounters, more: &SiteCounters) {
+    total.alloc_objects += more.alloc_objects;
+    total.alloc_bytes += more.alloc_bytes;
+    total.free_objects += more.free_objects;
+    total.free_bytes += more.free_bytes;
+}
+
+/// The frames a stack-table entry holds, innermost first.
+fn user_frames(stack: &UserStack) -> &[u64] {
+    &stack.frames[..(stack.len as usize).min(stack.frames.len())]
 }

@@ -145,8 +145,12 @@ pub fn write_profile(dir: &Path, name: &str, profile: &Profile) -> Result<PathBu
 pub fn write_encoded(dir: &Path, name: &str, encoded: &[u8]) -> Result<PathBuf> {
     let mut gz = GzEncoder::new(Vec::new(), Compression::default());
     gz.write_all(encoded)?;
-    let bytes = gz.finish()?;
+    write_compressed(dir, name, &gz.finish()?)
+}
 
+/// Atomically writes a profile already gzip'd (see
+/// [`super::ProfileBuilder::finish_compressed`]) as `dir/name`.
+pub fn write_compressed(dir: &Path, name: &str, bytes: &[u8]) -> Result<PathBuf> {
     let final_path = dir.join(name);
     let mut last_error = None;
     // A name already taken (a leftover, or a planted symlink) is never opened: the
@@ -172,7 +176,7 @@ pub fn write_encoded(dir: &Path, name: &str, encoded: &[u8]) -> Result<PathBuf> 
                 return Err(err).with_context(|| format!("creating {}", temp_path.display()));
             }
         };
-        let result = finish(file, &bytes, &temp_path, &final_path, dir);
+        let result = finish(file, bytes, &temp_path, &final_path, dir);
         if result.is_err() {
             let _ = std::fs::remove_file(&temp_path);
         }

@@ -444,22 +444,22 @@ pub(crate) mod tests {
                 let labels = |pid: i64| {
                     [
                         ("pid", LabelValue::Num(pid)),
-                        ("comm", LabelValue::Str("prog".into())),
+                        ("comm", LabelValue::Str("prog")),
                     ]
                 };
                 let leaked = 4096 * u64::from(i + 1);
                 builder.sample(
-                    vec![malloc, leak, main],
+                    &[malloc, leak, main],
                     &[u64::from(i + 1), leaked, u64::from(i + 1), leaked],
                     &labels(7),
                 );
                 let churned = if i % 2 == 0 { 9000 } else { 1000 };
                 builder.sample(
-                    vec![malloc, churn, main],
+                    &[malloc, churn, main],
                     &[50, 50_000, 5, churned],
                     &labels(7),
                 );
-                builder.sample(vec![malloc, main], &[1, 100, 1, 100], &labels(9));
+                builder.sample(&[malloc, main], &[1, 100, 1, 100], &labels(9));
                 builder.comment(
                     &ProcessMemory {
                         pid: 7,

@@ -344,9 +344,9 @@ mod tests {
         );
         let labels = [
             ("pid", LabelValue::Num(7)),
-            ("comm", LabelValue::Str("prog".into())),
+            ("comm", LabelValue::Str("prog")),
         ];
-        builder.sample(vec![malloc, inlined, bare], &[1, 64, 1, 64], &labels);
+        builder.sample(&[malloc, inlined, bare], &[1, 64, 1, 64], &labels);
         let message = builder.finish().expect("valid");
         let profile = Profile::from_proto(Path::new("p"), &message).expect("read back");
         assert_eq!(profile.sample_types.len(), 4);

@@ -322,7 +322,7 @@ mod tests {
         let mut kernel =
             crate::pprof::ProfileBuilder::new(1, 2, &crate::pprof::builder::KERNEL_SAMPLE_TYPES);
         let location = kernel.location(0, 0x10, 0, None, &[]);
-        kernel.sample(vec![location], &[1, 8, 1, 8, 8, 8], &[]);
+        kernel.sample(&[location], &[1, 8, 1, 8, 8, 8], &[]);
         let kernel = save(dir.path(), "kernel.pb.gz", &kernel.finish().expect("valid"));
         let message = error(&[
             user.to_str().expect("utf8"),

@@ -82,7 +82,7 @@ pub fn message(samples: &[(u32, &[&str], [u64; 4])], period: u64) -> proto::Prof
     for &(pid, frames, values) in samples {
         let (program, libc) = keys(pid);
         let space = u64::from(pid);
-        let locations = frames
+        let locations: Vec<u64> = frames
             .iter()
             .map(|&name| {
                 let frame = |name: &str| Frame {
@@ -105,9 +105,9 @@ pub fn message(samples: &[(u32, &[&str], [u64; 4])], period: u64) -> proto::Prof
             .collect();
         let labels = [
             ("pid", LabelValue::Num(i64::from(pid))),
-            ("comm", LabelValue::Str("prog".into())),
+            ("comm", LabelValue::Str("prog")),
         ];
-        builder.sample(locations, &values, &labels);
+        builder.sample(&locations, &values, &labels);
     }
     builder.finish().expect("a valid test profile")
 }

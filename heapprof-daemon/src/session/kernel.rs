@@ -193,7 +193,8 @@ impl KernelSession {
     /// Symbolizes every frame of the current sites now, while their modules are loaded.
     fn symbolize_sites(&mut self, sites: &[KernelSite]) {
         for site in sites {
-            for &ret in self.maps.stack(site.key.stack).iter() {
+            let stack: Vec<u64> = self.maps.stacks().frames(site.key.stack).collect();
+            for ret in stack {
                 self.frame(ret.wrapping_sub(1));
             }
             if site.key.call_site != 0 {
@@ -215,7 +216,7 @@ impl KernelSession {
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
-        let result = writer::write_encoded(&self.config.output, &name, &profile);
+        let result = writer::write_compressed(&self.config.output, &name, &profile);
         let written = started.elapsed();
         // Published even when the write failed (a full disk): monitoring goes on.
         if self.metrics.is_some() {
@@ -234,8 +235,8 @@ impl KernelSession {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         log::info!(
             "wrote {}: {} kernel sites, {} objects / {} bytes allocated ({} requested), \
-             {} objects / {} bytes in use ({} requested); {:.1} ms (read {:.1}, \
-             symbolize+build {:.1}, encode+write {:.1})",
+             {} objects / {} bytes in use ({} requested); {:.1} ms (read+symbolize {:.1}, \
+             build+compress {:.1}, write {:.1})",
             path.display(),
             sites.len(),
             totals[0],
@@ -335,7 +336,7 @@ impl KernelSession {
             };
             let mut locations =
                 vec![builder.location(KERNEL_SPACE, 0, 1 + kind as u16, None, &[leaf])];
-            let stack = self.maps.stack(site.key.stack);
+            let stack: Vec<u64> = self.maps.stacks().frames(site.key.stack).collect();
             let stack = self.visible_frames(&stack);
             let mut module = None;
             for &ret in stack.iter() {
@@ -357,18 +358,17 @@ impl KernelSession {
             let pid = site.key.tgid;
             let comm = comms
                 .entry(pid)
-                .or_insert_with(|| self.maps.comm(pid).unwrap_or_default())
-                .clone();
+                .or_insert_with(|| self.maps.comm(pid).unwrap_or_default());
             let mut labels = vec![
                 ("pid", LabelValue::Num(i64::from(pid))),
                 ("comm", LabelValue::Str(comm)),
             ];
-            if let Some(module) = module {
+            if let Some(module) = &module {
                 labels.push(("module", LabelValue::Str(module)));
             }
-            builder.sample(locations, &site.values(), &labels);
+            builder.sample(&locations, &site.values(), &labels);
         }
-        builder.finish_encoded().context("building the profile")
+        builder.finish_compressed().context("building the profile")
     }
 
     fn kernel_text_start(&self) -> Option<u64> {
@@ -386,7 +386,7 @@ impl KernelSession {
         for site in self.maps.read_sites()? {
             let kind =
                 KernelAllocKind::from_u32(site.key.kind).map_or("?", KernelAllocKind::function);
-            let stack = self.maps.stack(site.key.stack);
+            let stack: Vec<u64> = self.maps.stacks().frames(site.key.stack).collect();
             let mut frames = self.visible_frames(&stack);
             if frames.is_empty() && site.key.call_site != 0 {
                 frames.push(site.key.call_site);

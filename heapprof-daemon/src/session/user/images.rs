@@ -41,6 +41,30 @@ impl Image {
     }
 }
 
+/// Small numbers for the images met in one pass over the sites (see
+/// [`crate::aggregate::stacks::NodeMemo`]).
+#[derive(Debug, Default)]
+pub(super) struct SpaceNumbers {
+    numbers: HashMap<Image, u32>,
+    /// The last image asked about: sites come sorted, an image's sites together.
+    last: Option<(Image, u32)>,
+}
+
+impl SpaceNumbers {
+    /// The number of `image`, given on first use.
+    pub fn number(&mut self, image: Image) -> u32 {
+        if let Some((last, number)) = self.last
+            && last == image
+        {
+            return number;
+        }
+        let next = self.numbers.len() as u32;
+        let number = *self.numbers.entry(image).or_insert(next);
+        self.last = Some((image, number));
+        number
+    }
+}
+
 /// What the session knows of a process image; kept after the process exits or
 /// replaces the image, so that its allocations stay symbolized in later profiles.
 #[derive(Debug, Default)]
@@ -346,36 +370,25 @@ impl Images {
         read_images
     }
 
-    /// Reads the mappings of every process with sites whose stacks are not all mapped.
-    /// Returns the images read.
-    pub fn refresh_unmapped(&mut self, sites: &[Site], maps: &mut Maps) -> Vec<Image> {
+    /// Reads the mappings of the processes with sites in an image not read yet, where
+    /// that image is still current (an earlier one's mappings are gone). Returns
+    /// the images read.
+    pub fn read_unknown(&mut self, sites: &[Site], maps: &Maps) -> Vec<Image> {
         let mut checked = HashSet::new();
-        let mut generations = HashMap::new();
         let mut read_images = Vec::new();
+        let mut last = None;
         for site in sites {
             let image = Image::of(&site.key);
-            if checked.contains(&image.pid) {
+            // Sites come sorted: an image's sites together.
+            if last == Some(image) {
                 continue;
             }
-            let stack = maps.stack(site.key.stack);
-            let needs_refresh = match self.processes.get(&image) {
-                // Only the current image can be read: an earlier one's mappings are gone.
-                None => {
-                    *generations
-                        .entry(image.pid)
-                        .or_insert_with(|| maps.exec_generation(image.pid))
-                        == image.exec_gen
-                }
-                Some(info) => {
-                    info.current
-                        && stack
-                            .iter()
-                            .any(|&ret| info.maps.find(ret.wrapping_sub(1)).is_none())
-                }
-            };
-            if needs_refresh {
+            last = Some(image);
+            if self.processes.contains_key(&image) || !checked.insert(image.pid) {
+                continue;
+            }
+            if maps.exec_generation(image.pid) == image.exec_gen {
                 read_images.extend(self.refresh(image.pid, maps));
-                checked.insert(image.pid);
             }
         }
         read_images

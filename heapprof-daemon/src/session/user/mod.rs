@@ -29,12 +29,12 @@ use heapprof_common::{
 
 use self::{
     expiry::ExitLedger,
-    images::{Image, Images},
+    images::{Image, Images, SpaceNumbers},
     memory::MemoryRecords,
 };
 use super::DropLog;
 use crate::{
-    aggregate::{Maps, Site},
+    aggregate::{Maps, Site, stacks::NodeMemo},
     allocators::{AllocatorProbes, ProcessView},
     cli::Target,
     metrics::Exporter,
@@ -334,21 +334,56 @@ impl Session {
         self.memory.refresh(pids, &self.maps.process_usage());
     }
 
-    /// Reads what is unmapped, then symbolizes every site's frames now, while the
-    /// files are certainly reachable.
+    /// Reads the mappings of new images and of those with frames outside their
+    /// mappings, then symbolizes every site's frames now, while the files are
+    /// certainly reachable.
     fn refresh_unmapped_sites(&mut self, sites: &[Site]) {
-        self.images.refresh_unmapped(sites, &mut self.maps);
+        self.images.read_unknown(sites, &self.maps);
+        let stale = self.symbolize_sites(sites, |_| true);
+        if !stale.is_empty() {
+            for &pid in &stale {
+                self.images.refresh(pid, &self.maps);
+            }
+            self.symbolize_sites(sites, |pid| stale.contains(&pid));
+        }
+    }
+
+    /// Symbolizes the frames of the sites of the processes `include` picks, each
+    /// frame once per image. Returns the processes whose current image has frames
+    /// outside the mappings read (a library loaded since).
+    fn symbolize_sites(&mut self, sites: &[Site], include: impl Fn(u32) -> bool) -> HashSet<u32> {
+        let stacks = self.maps.stacks();
+        // A frame seen means its callers were seen too: stacks share them.
+        let mut seen = NodeMemo::<()>::new(stacks);
+        let mut spaces = SpaceNumbers::default();
+        let mut stale = HashSet::new();
         for site in sites {
-            let stack = self.maps.stack(site.key.stack);
-            if let Some(info) = self.images.get(&Image::of(&site.key)) {
-                for &ret in stack.iter() {
-                    let addr = ret.wrapping_sub(1);
-                    if let Some(region) = info.maps.find(addr) {
+            let image = Image::of(&site.key);
+            if !include(image.pid) {
+                continue;
+            }
+            let Some(info) = self.images.get(&image) else {
+                continue;
+            };
+            let space = spaces.number(image);
+            for (node, ret) in stacks.nodes(site.key.stack) {
+                if seen.get(node, space).is_some() {
+                    break;
+                }
+                seen.set(node, space, ());
+                let addr = ret.wrapping_sub(1);
+                match info.maps.find(addr) {
+                    Some(region) => {
                         self.symbolizer.frames(region, region.file_offset(addr));
                     }
+                    None if info.current => {
+                        stale.insert(image.pid);
+                    }
+                    None => {}
                 }
             }
         }
+        stale
     }
 
     /// Where stacks were cut short, most frequent first.
@@ -448,11 +483,12 @@ impl Session {
     }
 
     /// Clears the in-use counts of images replaced by exec (their memory went with
-    /// them), once per change of the exec generations.
-    fn retire_replaced_images(&mut self) -> Result<()> {
+    /// them), once per change of the exec generations; `sites`, just read, are
+    /// updated to match.
+    fn retire_replaced_images(&mut self, sites: &mut [Site]) -> Result<()> {
         let generations = self.maps.exec_generations();
         if generations != self.retired_generations {
-            self.maps.retire_replaced_images(&generations)?;
+            self.maps.retire_replaced_images(&generations, sites)?;
             self.retired_generations = generations;
         }
         Ok(())
@@ -467,8 +503,8 @@ impl Session {
     /// Writes one profile of everything counted so far; returns its path.
     pub fn dump(&mut self) -> Result<PathBuf> {
         let started = Instant::now();
-        self.retire_replaced_images()?;
-        let sites = self.maps.read_sites()?;
+        let mut sites = self.maps.read_sites()?;
+        self.retire_replaced_images(&mut sites)?;
         self.refresh_unmapped_sites(&sites);
         self.refresh_memory(&sites);
         let drops = self.maps.read_drops()?;
@@ -480,7 +516,7 @@ impl Session {
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
-        let result = writer::write_encoded(&self.config.output, &name, &profile);
+        let result = writer::write_compressed(&self.config.output, &name, &profile);
         let written = started.elapsed();
         // Published even when the write failed (a full disk): monitoring goes on.
         if self.metrics.is_some() {
@@ -499,7 +535,7 @@ impl Session {
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         log::info!(
             "wrote {}: {} sites, {} blocks / {} bytes allocated, {} blocks / {} bytes in use; \
-             {:.1} ms (read {:.1}, symbolize+build {:.1}, encode+write {:.1})",
+             {:.1} ms (read+symbolize {:.1}, build+compress {:.1}, write {:.1})",
             path.display(),
             sites.len(),
             totals[0],

@@ -8,7 +8,7 @@ use std::{
 
 use super::{
     Session, StackGaps,
-    images::{Image, ProcessInfo},
+    images::{Image, ProcessInfo, SpaceNumbers},
 };
 use crate::{
     aggregate::Site,
@@ -116,6 +116,17 @@ impl Session {
             ));
         }
 
+        let stacks = self.maps.stacks();
+        // Each frame's location is worked out once per image and address: stacks
+        // share their callers, and a program has far fewer call sites than frames.
+        let mut frame_locations: hashbrown::HashMap<(u32, u64), u64> = hashbrown::HashMap::new();
+        let mut allocator_locations: hashbrown::HashMap<(u32, u32), u64> =
+            hashbrown::HashMap::new();
+        let mut spaces = SpaceNumbers::default();
+        let empty = ProcessInfo::default();
+        let mut locations = Vec::new();
+        // A frame's location, or its address when it is outside every mapping.
+        let mut frames: Vec<Result<u64, u64>> = Vec::new();
         for site in sites {
             if site.counters.alloc_objects == 0 {
                 continue;
@@ -123,31 +134,41 @@ impl Session {
             let image = Image::of(&site.key);
             let pid = image.pid;
             let space = image.space();
-            let stack = self.maps.stack(site.key.stack);
-            let empty = ProcessInfo::default();
+            let number = spaces.number(image);
             let info = self.images.get(&image).unwrap_or(&empty);
-            let mut locations = Vec::with_capacity(stack.len() + 1);
-            locations.push(self.allocator_location(&mut builder, image, info, site.key.slot));
-            // Frame-pointer walks end in code without frame pointers (libc's start
-            // code); frames below the last mapped one are noise.
-            let mapped_len = stack
-                .iter()
-                .rposition(|&ret| info.maps.find(ret.wrapping_sub(1)).is_some())
-                .map_or(0, |i| i + 1);
-            for &ret in &stack[..mapped_len] {
+            frames.clear();
+            for ret in stacks.frames(site.key.stack) {
                 // Return addresses point after the call; the call instruction is one byte back.
                 let addr = ret.wrapping_sub(1);
-                let id = match info.maps.find(addr) {
-                    Some(region) => {
-                        let frames = self.symbolizer.frames(region, region.file_offset(addr));
-                        let key = add_mapping(&mut builder, image, region);
-                        builder.location(space, addr, TAG_FRAME, Some(key), &frames)
+                let id = *frame_locations.entry((number, addr)).or_insert_with(|| {
+                    match info.maps.find(addr) {
+                        Some(region) => {
+                            let symbols = self.symbolizer.frames(region, region.file_offset(addr));
+                            let key = add_mapping(&mut builder, image, region);
+                            builder.location(space, addr, TAG_FRAME, Some(key), &symbols)
+                        }
+                        None => 0,
                     }
-                    None => builder.location(space, addr, TAG_FRAME, None, &[]),
-                };
-                locations.push(id);
+                });
+                frames.push(if id == 0 { Err(addr) } else { Ok(id) });
             }
-            if stack.is_empty() {
+            // Frame-pointer walks end in code without frame pointers (libc's start
+            // code); frames below the last mapped one are noise.
+            let mapped_len = frames.iter().rposition(Result::is_ok).map_or(0, |i| i + 1);
+            locations.clear();
+            let allocator = *allocator_locations
+                .entry((number, site.key.slot))
+                .or_insert_with(|| {
+                    self.allocator_location(&mut builder, image, info, site.key.slot)
+                });
+            locations.push(allocator);
+            for frame in &frames[..mapped_len] {
+                locations.push(match *frame {
+                    Ok(id) => id,
+                    Err(addr) => builder.location(space, addr, TAG_FRAME, None, &[]),
+                });
+            }
+            if frames.is_empty() {
                 let frame = Frame {
                     function: "[stack not recorded]".into(),
                     file: None,
@@ -157,20 +178,20 @@ impl Session {
             }
             let mut labels = vec![
                 ("pid", LabelValue::Num(i64::from(pid))),
-                ("comm", LabelValue::Str(info.comm.clone())),
+                ("comm", LabelValue::Str(&info.comm)),
             ];
             if let Some(cgroup) = &info.cgroup {
-                labels.push(("cgroup", LabelValue::Str(cgroup.path.clone())));
+                labels.push(("cgroup", LabelValue::Str(&cgroup.path)));
                 if let Some(container) = &cgroup.container {
-                    labels.push(("container", LabelValue::Str(container.clone())));
+                    labels.push(("container", LabelValue::Str(container)));
                 }
                 if let Some(pod) = &cgroup.pod {
-                    labels.push(("pod", LabelValue::Str(pod.clone())));
+                    labels.push(("pod", LabelValue::Str(pod)));
                 }
             }
-            builder.sample(locations, &site.values(rate), &labels);
+            builder.sample(&locations, &site.values(rate), &labels);
         }
-        builder.finish_encoded().context("building the profile")
+        builder.finish_compressed().context("building the profile")
     }
 
     /// The leaf location of a sample: the allocator function the program called,
@@ -216,7 +237,7 @@ impl Session {
     pub fn top_sites(&mut self, limit: usize) -> Result<Vec<TopSite>> {
         let mut merged = TopSites::default();
         for site in self.maps.read_sites()? {
-            let stack = self.maps.stack(site.key.stack);
+            let stack: Vec<u64> = self.maps.stacks().frames(site.key.stack).collect();
             let kind = self
                 .allocators
                 .slot(site.key.slot)
