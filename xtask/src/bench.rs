@@ -1091,6 +1091,9 @@ fn json_string(text: &str) -> String {
     out
 }
 
+/// Sections of the benchmark besides the workloads, which `--only` can also name.
+const SECTIONS: [&str; 4] = ["library", "dumps", "shutdown", "load"];
+
 /// Runs the benchmark and writes target/bench/summary.{txt,json}.
 pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
     if !crate::is_root() {
@@ -1198,14 +1201,23 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
     if let Some(unknown) = options
         .only
         .iter()
-        .find(|k| !workloads.iter().any(|w| &w.key == k))
+        .find(|k| !workloads.iter().any(|w| &w.key == k) && !SECTIONS.contains(&k.as_str()))
     {
         let keys: Vec<&str> = workloads.iter().map(|w| w.key).collect();
         bail!(
-            "no workload {unknown:?}; the workloads are {}",
-            keys.join(", ")
+            "no workload or section {unknown:?}; the workloads are {}, the sections {}",
+            keys.join(", "),
+            SECTIONS.join(", ")
         );
     }
+    // Sections named: those alone (with the workloads named); none named: all.
+    let named_sections: Vec<&str> = options
+        .only
+        .iter()
+        .map(String::as_str)
+        .filter(|k| SECTIONS.contains(k))
+        .collect();
+    let section = |key: &str| named_sections.is_empty() || named_sections.contains(&key);
     for workload in workloads.iter().filter(chosen) {
         step(&format!(
             "{}: {} runs x {} modes",
@@ -1480,79 +1492,119 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         "## Unwind tables of heapprofd exact, per workload (BPF map memory)\n\n{tables_text}"
     );
 
-    note_foreign_tracers("largest library", &mut warnings);
-    step(
-        "unwind tables of the machine's largest library: dlopen() under heapprofd, with and without it",
-    );
-    let library = bench.largest_library(&dlopen, options.runs)?;
-    let (library_text, library_json) = library.report(options.runs);
-    let _ = write!(text, "{library_text}");
+    let mut library_json = "null".to_owned();
+    if section("library") {
+        note_foreign_tracers("largest library", &mut warnings);
+        step(
+            "unwind tables of the machine's largest library: dlopen() under heapprofd, with and without it",
+        );
+        let library = bench.largest_library(&dlopen, options.runs)?;
+        let (library_text, json) = library.report(options.runs);
+        let _ = write!(text, "{library_text}");
+        library_json = json;
+    }
 
-    note_foreign_tracers("profile dumps", &mut warnings);
     let mut json_dumps = Vec::new();
-    let stack_counts: &[u32] = if options.quick {
-        &[10_000]
-    } else {
-        &[10_000, 100_000]
-    };
-    let _ = writeln!(text, "\n## Profile dumps (read maps, symbolize, encode)\n");
-    for &count in stack_counts {
-        step(&format!("profile dump with {count} distinct stacks"));
-        let (first, cached, rss) = bench.dump_times(&stacks, count)?;
+    if section("dumps") {
+        note_foreign_tracers("profile dumps", &mut warnings);
         let _ = writeln!(
             text,
-            "{count:>7} stacks: first dump {first}; next dump {cached}; heapprofd peak RSS {} MiB",
+            "\n## Profile dumps ({} runs each; median, min-max; the breakdown is the median run's)\n",
+            options.runs
+        );
+        for count in [10_000, 100_000] {
+            step(&format!(
+                "profile dumps with {count} distinct stacks, {} runs",
+                options.runs
+            ));
+            let mut runs = Vec::new();
+            for _ in 0..options.runs {
+                runs.push(bench.dump_times(&stacks, count)?);
+            }
+            let ms = |timing: &str| -> f64 {
+                timing
+                    .split(" ms")
+                    .next()
+                    .and_then(|n| n.trim().parse().ok())
+                    .unwrap_or(f64::NAN)
+            };
+            let first = spread(&runs.iter().map(|r| ms(&r.0)).collect::<Vec<_>>());
+            let cached = spread(&runs.iter().map(|r| ms(&r.1)).collect::<Vec<_>>());
+            let rss = spread(&runs.iter().map(|r| r.2 as f64 / 1024.0).collect::<Vec<_>>());
+            runs.sort_by(|a, b| ms(&a.0).total_cmp(&ms(&b.0)));
+            let median_run = &runs[runs.len() / 2];
+            let _ = writeln!(
+                text,
+                "{count:>7} stacks: first dump {:.0} ms ({:.0}-{:.0}); next dump {:.0} ms ({:.0}-{:.0}); heapprofd peak RSS {:.1} MiB ({:.1}-{:.1})\n         median first dump: {}",
+                first.median,
+                first.min,
+                first.max,
+                cached.median,
+                cached.min,
+                cached.max,
+                rss.median,
+                rss.min,
+                rss.max,
+                median_run.0
+            );
+            json_dumps.push(format!(
+                "{{\"stacks\": {count}, \"runs\": {}, \"first_dump_ms\": {}, \"cached_dump_ms\": {}, \"daemon_peak_rss_mib\": {}, \"median_first_dump\": {}}}",
+                options.runs,
+                json_number(first.median),
+                json_number(cached.median),
+                json_number(rss.median),
+                json_string(&median_run.0)
+            ));
+        }
+    }
+
+    let mut json_shutdown = Vec::new();
+    if section("shutdown") {
+        note_foreign_tracers("shutdown", &mut warnings);
+        step("shutdown: heapprofd -- true, and final profile to exit after SIGINT");
+        let _ = writeln!(
+            text,
+            "\n## Shutdown ({} runs each; median, min-max)\n",
+            options.runs
+        );
+        for method in ["auto", "perf-events"] {
+            let mut end_to_end = Vec::new();
+            let mut after_write = Vec::new();
+            for _ in 0..options.runs {
+                let (total, tail) = bench.shutdown(method, &pairs)?;
+                end_to_end.push(total);
+                after_write.push(tail);
+            }
+            let (total, tail) = (spread(&end_to_end), spread(&after_write));
+            let _ = writeln!(
+                text,
+                "--attach {method:<12} heapprofd -- true: {:.3} s ({:.3}-{:.3}); final profile written to exit: {:.3} s ({:.3}-{:.3})",
+                total.median, total.min, total.max, tail.median, tail.min, tail.max
+            );
+            json_shutdown.push(format!(
+                "{}: {{\"end_to_end_true_s\": {}, \"write_to_exit_s\": {}}}",
+                json_string(method),
+                json_number(total.median),
+                json_number(tail.median)
+            ));
+        }
+    }
+
+    let seconds = if options.quick { 12 } else { 35 };
+    let (mut cpu, mut wall, mut rss) = (f64::NAN, f64::NAN, 0);
+    if section("load") {
+        note_foreign_tracers("daemon load", &mut warnings);
+        step(&format!(
+            "daemon load: {seconds} s of churn, profiles every 10 s (exact)"
+        ));
+        (cpu, wall, rss) = bench.daemon_load(&churn, seconds)?;
+        let _ = writeln!(
+            text,
+            "\n## Daemon load\n\n{seconds} s churn (2 threads), --interval 10s, exact: heapprofd used {cpu:.3} s CPU in {wall:.1} s = {:.2}% of a core, peak RSS {} MiB",
+            cpu / wall * 100.0,
             rss / 1024
         );
-        json_dumps.push(format!(
-            "{{\"stacks\": {count}, \"first_dump\": {}, \"cached_dump\": {}, \"daemon_peak_rss_kib\": {rss}}}",
-            json_string(&first),
-            json_string(&cached)
-        ));
     }
-
-    note_foreign_tracers("shutdown", &mut warnings);
-    step("shutdown: heapprofd -- true, and final profile to exit after SIGINT");
-    let _ = writeln!(
-        text,
-        "\n## Shutdown ({} runs each; median, min-max)\n",
-        options.runs
-    );
-    let mut json_shutdown = Vec::new();
-    for method in ["auto", "perf-events"] {
-        let mut end_to_end = Vec::new();
-        let mut after_write = Vec::new();
-        for _ in 0..options.runs {
-            let (total, tail) = bench.shutdown(method, &pairs)?;
-            end_to_end.push(total);
-            after_write.push(tail);
-        }
-        let (total, tail) = (spread(&end_to_end), spread(&after_write));
-        let _ = writeln!(
-            text,
-            "--attach {method:<12} heapprofd -- true: {:.3} s ({:.3}-{:.3}); final profile written to exit: {:.3} s ({:.3}-{:.3})",
-            total.median, total.min, total.max, tail.median, tail.min, tail.max
-        );
-        json_shutdown.push(format!(
-            "{}: {{\"end_to_end_true_s\": {}, \"write_to_exit_s\": {}}}",
-            json_string(method),
-            json_number(total.median),
-            json_number(tail.median)
-        ));
-    }
-
-    note_foreign_tracers("daemon load", &mut warnings);
-    let seconds = if options.quick { 12 } else { 35 };
-    step(&format!(
-        "daemon load: {seconds} s of churn, profiles every 10 s (exact)"
-    ));
-    let (cpu, wall, rss) = bench.daemon_load(&churn, seconds)?;
-    let _ = writeln!(
-        text,
-        "\n## Daemon load\n\n{seconds} s churn (2 threads), --interval 10s, exact: heapprofd used {cpu:.3} s CPU in {wall:.1} s = {:.2}% of a core, peak RSS {} MiB",
-        cpu / wall * 100.0,
-        rss / 1024
-    );
     let json = format!(
         "{{\n  \"load_average\": {{\"start\": {}, \"end\": {}}},\n  \"warnings\": [{}],\n  \"workloads\": [\n    {}\n  ],\n  \"goals\": [\n    {}\n  ],\n  \"largest_library\": {},\n  \"dumps\": [{}],\n  \"shutdown\": {{{}}},\n  \"daemon_load\": {{\"seconds\": {}, \"cpu_s\": {}, \"cpu_percent_of_core\": {}, \"peak_rss_kib\": {rss}}}\n}}\n",
         json_string(&load_before),

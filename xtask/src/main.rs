@@ -88,7 +88,9 @@ enum Cmd {
         /// Smaller workloads and a shorter daemon-load run.
         #[arg(long)]
         quick: bool,
-        /// Only this workload (repeatable): pairs, churn, perl, cxx_stl, python3.
+        /// Only this workload or section (repeatable): workloads pairs, churn, perl,
+        /// cxx_stl, python3 (the sections run too unless some are named); sections
+        /// library, dumps, shutdown, load.
         #[arg(long, value_name = "WORKLOAD")]
         only: Vec<String>,
     },
