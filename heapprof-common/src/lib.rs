@@ -262,6 +262,23 @@ impl DropReason {
         DropReason::UsageTableFull,
     ];
 
+    /// The BPF table whose filling up causes this drop, in user mode (`kernel`
+    /// false) or kernel mode; `None` for a drop that is not a full table.
+    pub const fn table(self, kernel: bool) -> Option<&'static str> {
+        match (self, kernel) {
+            (DropReason::LiveTableFull, false) => Some(names::LIVE),
+            (DropReason::LiveTableFull, true) => Some(kernel::names::KERNEL_LIVE),
+            (DropReason::SiteTableFull, false) => Some(names::SITES),
+            (DropReason::SiteTableFull, true) => Some(kernel::names::KERNEL_SITES),
+            (DropReason::StackTableFull, false) => Some(names::STACKS),
+            (DropReason::StackTableFull, true) => Some(kernel::names::KERNEL_STACKS),
+            (DropReason::InFlightFull, _) => Some(names::IN_FLIGHT),
+            (DropReason::ExecTableFull, _) => Some(names::EXEC_GEN),
+            (DropReason::UsageTableFull, _) => Some(names::PROCESS_USAGE),
+            _ => None,
+        }
+    }
+
     /// What the user can do about it, for logs.
     pub const fn remedy(self) -> &'static str {
         match self {

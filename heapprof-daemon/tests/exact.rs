@@ -208,7 +208,7 @@ fn the_first_drop_of_a_kind_is_logged_once_by_the_bpf_programs() {
     let log = String::from_utf8_lossy(&output.stderr);
     let lines: Vec<&str> = log
         .lines()
-        .filter(|line| line.contains("[bpf]") && line.contains("LIVE table full"))
+        .filter(|line| line.contains("[bpf]") && line.contains("LIVE: live-block table full"))
         .collect();
     assert_eq!(
         lines.len(),
@@ -216,7 +216,7 @@ fn the_first_drop_of_a_kind_is_logged_once_by_the_bpf_programs() {
         "one [bpf] line for the full table in:\n{log}"
     );
     assert!(
-        lines[0].starts_with("heapprofd: warn: [bpf] LIVE table full: "),
+        lines[0].starts_with("heapprofd: warn: [bpf] LIVE: live-block table full "),
         "a warning naming the table: {}",
         lines[0]
     );

@@ -10,6 +10,9 @@
 //!
 //! aya-log-ebpf's macros take the program's context but do not use it (the records go
 //! to a ring buffer), so no context is threaded through: the functions pass `&()`.
+//!
+//! The lines carry numbers only: the daemon words them from the same texts as its
+//! drop reports (`DropReason::describe`, `remedy`, `table`; `GapReason::describe`).
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
@@ -73,119 +76,22 @@ pub fn first_gap(reason: GapReason, pc: u64, tgid: u32) {
     }
 }
 
-/// Writes the line of a first drop. Global (public, unmangled): verified once, on its
-/// own, and not inlined into the programs that count drops.
+/// Writes the line of a first drop: numbers only, which the daemon words from
+/// [`DropReason`]'s own texts (heapprof-daemon/src/probes/bpf_log.rs reads this
+/// format). Global (public, unmangled): verified once, on its own, and not inlined
+/// into the programs that count drops.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn heapprof_log_drop(reason: u32, tables: u32) -> i64 {
-    let ctx = &();
-    let kernel = tables == Tables::Kernel as u32;
-    match reason {
-        r if r == DropReason::LiveTableFull as u32 => {
-            if kernel {
-                warn!(
-                    ctx,
-                    "KERNEL_LIVE table full: an object is counted as allocated, not as in use (raise --max-live-blocks); later drops are counted, not logged"
-                );
-            } else {
-                warn!(
-                    ctx,
-                    "LIVE table full: a block is counted as allocated, not as in use (raise --max-live-blocks); later drops are counted, not logged"
-                );
-            }
-        }
-        r if r == DropReason::SiteTableFull as u32 => {
-            if kernel {
-                warn!(
-                    ctx,
-                    "KERNEL_SITES table full: an allocation is not counted (raise --max-sites); later drops are counted, not logged"
-                );
-            } else {
-                warn!(
-                    ctx,
-                    "SITES table full: an allocation is not counted (raise --max-sites); later drops are counted, not logged"
-                );
-            }
-        }
-        r if r == DropReason::StackTableFull as u32 => {
-            if kernel {
-                warn!(
-                    ctx,
-                    "KERNEL_STACKS table full: a new site is counted with an unknown stack (raise --max-stacks); later drops are counted, not logged"
-                );
-            } else {
-                warn!(
-                    ctx,
-                    "STACKS table full: a new site is counted with an unknown stack (raise --max-stacks); later drops are counted, not logged"
-                );
-            }
-        }
-        r if r == DropReason::StackTruncated as u32 => warn!(
-            ctx,
-            "a stack deeper than the frame limit: its outermost frames are cut; later ones are counted, not logged"
-        ),
-        r if r == DropReason::InFlightFull as u32 => warn!(
-            ctx,
-            "IN_FLIGHT table full: an allocator call is not counted (raise --max-threads); later drops are counted, not logged"
-        ),
-        r if r == DropReason::OutPtrUnreadable as u32 => warn!(
-            ctx,
-            "posix_memalign's result could not be read: the call is not counted; later ones are counted, not logged"
-        ),
-        r if r == DropReason::StackUnavailable as u32 => warn!(
-            ctx,
-            "the kernel could not take an allocation's stack: counted at its call site; later ones are counted, not logged"
-        ),
-        r if r == DropReason::ExecTableFull as u32 => warn!(
-            ctx,
-            "EXEC_GEN table full: a process's allocations after an exec count as its previous image's (raise --max-threads); later drops are counted, not logged"
-        ),
-        r if r == DropReason::UsageTableFull as u32 => warn!(
-            ctx,
-            "PROCESS_USAGE table full: a process's in-use peak is not recorded (raise --max-processes); later drops are counted, not logged"
-        ),
-        _ => {}
-    }
+    warn!(&(), "first drop: reason={} tables={}", reason, tables);
     0
 }
 
-/// Writes the line of the first stack cut short for a reason (see [`heapprof_log_drop`]).
+/// Writes the line of the first stack cut short for a reason, as numbers (see
+/// [`heapprof_log_drop`]).
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn heapprof_log_gap(reason: u32, pc: u64, tgid: u32) -> i64 {
-    let ctx = &();
-    match reason {
-        r if r == GapReason::NoMapping as u32 => info!(
-            ctx,
-            "stack not unwound to its end: pid {} at {:x}, no executable mapping known there (not loaded yet, or JIT code); later gaps are counted, not logged",
-            tgid,
-            pc
-        ),
-        r if r == GapReason::NoTable as u32 => info!(
-            ctx,
-            "CFI table miss: pid {} at {:x}, the object's unwind table is not loaded and frame pointers did not lead on; later misses are counted, not logged",
-            tgid,
-            pc
-        ),
-        r if r == GapReason::NoRule as u32 => info!(
-            ctx,
-            "CFI table miss: pid {} at {:x}, no unwind row for the address; later misses are counted, not logged",
-            tgid,
-            pc
-        ),
-        r if r == GapReason::Unsupported as u32 => info!(
-            ctx,
-            "stack not unwound to its end: pid {} at {:x}, an unwind rule heapprofd cannot follow; later gaps are counted, not logged",
-            tgid,
-            pc
-        ),
-        r if r == GapReason::Unreadable as u32 => info!(
-            ctx,
-            "stack not unwound to its end: pid {} at {:x}, a saved register could not be read from the stack; later gaps are counted, not logged",
-            tgid,
-            pc
-        ),
-        _ => {}
-    }
+    info!(&(), "first gap: reason={} pid={} pc={:x}", reason, tgid, pc);
     0
 }

@@ -5,10 +5,12 @@
 //! miss among them). Their records arrive in the `AYA_LOGS` ring buffer, which the
 //! event loop drains when it becomes readable; each is logged again through the
 //! daemon's `log` logger as `[bpf] message`, at the level the program gave it, under
-//! the target [`TARGET`].
+//! the target [`TARGET`]. The programs log numbers (`first drop: reason=R tables=T`),
+//! worded here from the texts the daemon's own drop reports use.
 
 use aya::Ebpf;
 use aya_log::EbpfLogger;
+use heapprof_common::{DropReason, unwind::GapReason};
 use log::{Log, Metadata, Record};
 use tokio::io::{Interest, unix::AsyncFd};
 
@@ -32,11 +34,13 @@ impl<L: Log> Log for Forward<L> {
     fn log(&self, record: &Record<'_>) {
         // aya-log names the program's module as the target and its source file and line:
         // meaningless to users, so replaced.
+        let message = record.args().to_string();
+        let message = describe_event(&message).unwrap_or(message);
         self.0.log(
             &Record::builder()
                 .level(record.level())
                 .target(TARGET)
-                .args(format_args!("[bpf] {}", record.args()))
+                .args(format_args!("[bpf] {message}"))
                 .build(),
         );
     }
@@ -44,6 +48,43 @@ impl<L: Log> Log for Forward<L> {
     fn flush(&self) {
         self.0.flush();
     }
+}
+
+/// The words for a line the programs log as numbers (heapprof-ebpf/src/log.rs):
+/// `first drop: reason=R tables=T` and `first gap: reason=R pid=P pc=HEX`. `None` for
+/// any other line, which is shown as it is.
+fn describe_event(message: &str) -> Option<String> {
+    let field = |rest: &str, name: &str| -> Option<String> {
+        rest.split(' ')
+            .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+            .map(str::to_owned)
+    };
+    if let Some(rest) = message.strip_prefix("first drop: ") {
+        let reason = *DropReason::ALL.get(field(rest, "reason")?.parse::<usize>().ok()?)?;
+        let kernel = field(rest, "tables")? == "1";
+        let what = match reason.table(kernel) {
+            Some(table) => format!("{table}: {}", reason.describe()),
+            None => reason.describe().to_owned(),
+        };
+        return Some(format!(
+            "{what}; {}; later drops are counted, not logged",
+            reason.remedy()
+        ));
+    }
+    if let Some(rest) = message.strip_prefix("first gap: ") {
+        let reason = GapReason::from_u32(field(rest, "reason")?.parse().ok()?)?;
+        let pid: u32 = field(rest, "pid")?.parse().ok()?;
+        let pc = u64::from_str_radix(&field(rest, "pc")?, 16).ok()?;
+        let (what, later) = match reason {
+            GapReason::NoTable | GapReason::NoRule => ("CFI table miss", "misses"),
+            _ => ("stack not unwound to its end", "gaps"),
+        };
+        return Some(format!(
+            "{what}: pid {pid} at {pc:#x}, {}; later {later} are counted, not logged",
+            reason.describe()
+        ));
+    }
+    None
 }
 
 type Logger = EbpfLogger<Forward<&'static dyn Log>>;
@@ -162,6 +203,43 @@ mod tests {
                 "[bpf] LIVE table full: 1".to_owned()
             )]
         );
+    }
+
+    #[test]
+    fn the_programs_numbers_are_worded_from_the_daemons_texts() {
+        assert_eq!(
+            describe_event("first drop: reason=0 tables=0").as_deref(),
+            Some(
+                "LIVE: live-block table full (counted as allocated, not as in use); \
+                 raise --max-live-blocks; later drops are counted, not logged"
+            )
+        );
+        let kernel = describe_event("first drop: reason=1 tables=1").unwrap_or_default();
+        assert!(
+            kernel.starts_with("KERNEL_SITES: site table full") && kernel.contains("--max-sites"),
+            "{kernel}"
+        );
+        let truncated = describe_event("first drop: reason=3 tables=0").unwrap_or_default();
+        assert!(
+            truncated.starts_with("stacks deeper than the frame limit"),
+            "{truncated}"
+        );
+        assert_eq!(
+            describe_event("first gap: reason=2 pid=42 pc=7f00dead").as_deref(),
+            Some(
+                "CFI table miss: pid 42 at 0x7f00dead, no CFI rule for the address; \
+                 later misses are counted, not logged"
+            )
+        );
+        let gap = describe_event("first gap: reason=0 pid=7 pc=10").unwrap_or_default();
+        assert!(
+            gap.starts_with("stack not unwound to its end: pid 7 at 0x10"),
+            "{gap}"
+        );
+        // Anything else, or numbers out of range, is shown as the program wrote it.
+        assert_eq!(describe_event("something else"), None);
+        assert_eq!(describe_event("first drop: reason=99 tables=0"), None);
+        assert_eq!(describe_event("first gap: reason=9 pid=1 pc=1"), None);
     }
 
     #[test]
