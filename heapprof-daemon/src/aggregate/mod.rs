@@ -86,9 +86,10 @@ pub struct Maps {
     in_flight: BpfHashMap<MapData, u64, InFlight>,
     exec_gen: BpfHashMap<MapData, u32, u32>,
     usage: BpfHashMap<MapData, u32, ProcessUsage>,
-    /// The site and stack tables again, for batch reads.
+    /// The site, stack and live-block tables again, for batch reads.
     sites_fd: OwnedFd,
     stacks_fd: OwnedFd,
+    live_fd: OwnedFd,
     /// Possible CPUs: the values per entry of a per-CPU table.
     cpus: usize,
     /// Stacks already read; a hash names one stack for as long as its process lives.
@@ -180,16 +181,18 @@ impl Maps {
     pub fn new(ebpf: &mut Ebpf) -> Result<Self> {
         let (sites, sites_fd) = take_with_fd(ebpf, names::SITES)?;
         let (stacks, stacks_fd) = take_with_fd(ebpf, names::STACKS)?;
+        let (live, live_fd) = take_with_fd(ebpf, names::LIVE)?;
         Ok(Self {
             sites,
             stacks,
-            live: take(ebpf, names::LIVE)?,
+            live,
             drops: take(ebpf, names::DROPS)?,
             in_flight: take(ebpf, names::IN_FLIGHT)?,
             exec_gen: take(ebpf, names::EXEC_GEN)?,
             usage: take(ebpf, names::PROCESS_USAGE)?,
             sites_fd,
             stacks_fd,
+            live_fd,
             cpus: possible_cpus()?,
             stack_store: StackStore::new(),
             retired: HashMap::new(),
@@ -325,12 +328,47 @@ impl Maps {
     }
 
     /// The processes with sites still in the BPF table (not retired).
-    pub fn traced_pids(&self) -> HashSet<u32> {
-        self.sites
-            .keys()
-            .filter_map(|key| key.ok())
-            .map(|key| key.tgid)
-            .collect()
+    pub fn traced_pids(&self) -> Result<HashSet<u32>> {
+        let mut pids = HashSet::new();
+        let table = &self.sites;
+        read_entries(
+            &self.sites_fd,
+            Some(self.cpus),
+            |key: StackKey, _: &[SiteCounters]| {
+                pids.insert(key.tgid);
+            },
+            |each| {
+                // A key deleted during the walk is skipped.
+                for key in table.keys().filter_map(Result::ok) {
+                    each(key, &[]);
+                }
+                Ok(())
+            },
+        )?;
+        Ok(pids)
+    }
+
+    /// The keys of the live blocks `pick` picks, read in batches.
+    fn live_keys(&self, pick: impl Fn(&LiveKey, &LiveBlock) -> bool) -> Result<Vec<LiveKey>> {
+        let mut keys = Vec::new();
+        let table = &self.live;
+        read_entries(
+            &self.live_fd,
+            None,
+            |key, block: &[LiveBlock]| {
+                if block.first().is_some_and(|block| pick(&key, block)) {
+                    keys.push(key);
+                }
+            },
+            |each| {
+                // A block freed during the walk is skipped.
+                for (key, block) in table.iter().filter_map(Result::ok) {
+                    each(key, std::slice::from_ref(&block));
+                }
+                Ok(())
+            },
+        )?;
+        Ok(keys)
     }
 
     /// Drop counters summed over CPUs, indexed by [`DropReason`].
@@ -381,12 +419,7 @@ impl Maps {
         if dead.is_empty() {
             return Ok(());
         }
-        let stale_live: Vec<LiveKey> = self
-            .live
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| dead.contains(&k.tgid))
-            .collect();
+        let stale_live = self.live_keys(|key, _| dead.contains(&key.tgid))?;
         let sites = self.retire_sites(|key| dead.contains(&key.tgid))?;
         for pid in dead {
             let _ = self.exec_gen.remove(pid);
@@ -452,21 +485,23 @@ impl Maps {
             return Ok(0);
         }
         // Live blocks first: once they are gone, no free can be credited to a retired site.
-        let stale_live: Vec<LiveKey> = self
-            .live
-            .iter()
-            .filter_map(|e| e.ok())
-            .filter(|(_, block)| replaced(&block.site))
-            .map(|(key, _)| key)
-            .collect();
+        let stale_live = self.live_keys(|_, block| replaced(&block.site))?;
         let removed = self.remove_live(&stale_live);
         let count = self.retire_sites_in(sites, replaced);
         log::debug!("retired {count} sites of replaced images, {removed} live blocks removed");
         Ok(count)
     }
 
+    /// Deletes live blocks, in batches where the kernel can; returns how many.
     fn remove_live(&mut self, keys: &[LiveKey]) -> usize {
-        keys.iter().filter(|k| self.live.remove(k).is_ok()).count()
+        match batch::delete_keys(&self.live_fd, keys) {
+            Ok(Some(deleted)) => deleted,
+            Ok(None) => keys.iter().filter(|k| self.live.remove(k).is_ok()).count(),
+            Err(err) => {
+                log::debug!("deleting live blocks in batches: {err}");
+                keys.iter().filter(|k| self.live.remove(k).is_ok()).count()
+            }
+        }
     }
 
     /// Moves the sites matching `retire` out of the BPF table into `retired`, with

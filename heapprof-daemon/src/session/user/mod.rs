@@ -425,7 +425,7 @@ impl Session {
         // looking again would scan the live table on every interval.
         let dead: HashSet<u32> = self
             .maps
-            .traced_pids()
+            .traced_pids()?
             .into_iter()
             .filter(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
             .collect();
