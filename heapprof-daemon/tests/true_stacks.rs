@@ -70,6 +70,15 @@ fn cxx_stl_at_o2_has_dhat_stacks() {
     let (truth, ours) = dhat_and_heapprofd(dir.path(), &program, &[], &[]);
     check_ground_truth("cxx_stl (g++ -O2)", &truth, "make_values");
     dhat::assert_same_stacks("cxx_stl (g++ -O2)", &truth, &ours, dhat::CXX_STL_FUNCTIONS);
+    // Every stack was unwound to its end: libstdc++'s constructor allocating its
+    // emergency pool included, whose outermost frame is the loader's entry code.
+    let profile = last_profile(&dir.path().join("profiles"));
+    assert_eq!(
+        drop_count(&profile, "stacks not unwound to their end"),
+        0,
+        "{:?}",
+        comments(&profile)
+    );
 }
 
 #[test]

@@ -240,6 +240,46 @@ impl<'a> Sections<'a> {
 }
 
 /// Evaluates every FDE of `.eh_frame`, then of `.debug_frame`, into `builder`.
+/// The most start code without CFI the ELF entry point may begin: glibc's loader's
+/// `_start` and `_dl_start_user` take under 0x60 bytes on x86-64 and arm64.
+const MAX_START_CODE: u64 = 0x100;
+
+/// Marks the code at the ELF entry point that no FDE describes as the outermost
+/// frame. glibc's dynamic loader enters through `_start` and `_dl_start_user`,
+/// hand-written assembly without CFI that calls `_dl_init`: every allocation made by
+/// a library's constructor (libstdc++'s emergency pool, in every C++ program) has it
+/// as its outermost frame, and without this mark such a stack, found whole, is
+/// counted as cut short. Objects without any CFI are left without a table.
+fn add_start_code(sections: &CfiSections<'_>, builder: &mut Builder, stats: &mut BuildStats) {
+    let Some(entry) = sections.entry else {
+        return;
+    };
+    let Some(segment_end) = sections.code_end(entry) else {
+        return;
+    };
+    let Some(end) = builder
+        .uncovered_run(entry, MAX_START_CODE)
+        .map(|end| end.min(segment_end))
+    else {
+        return;
+    };
+    // Rows hold 32-bit addresses (as every FDE added was checked to).
+    if end > u64::from(u32::MAX) {
+        return;
+    }
+    let rule = Converted::end().rule;
+    builder.add_fde(
+        entry,
+        end,
+        &[FdeRow {
+            start: entry,
+            end,
+            rule,
+        }],
+    );
+    stats.start_code = true;
+}
+
 pub(super) fn add_sections(
     arch: Arch,
     sections: &CfiSections<'_>,
@@ -271,6 +311,7 @@ pub(super) fn add_sections(
         })?;
         stats.debug_frame_fdes = fdes;
     }
+    add_start_code(sections, builder, stats);
     Ok(())
 }
 

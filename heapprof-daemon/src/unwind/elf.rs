@@ -37,9 +37,18 @@ pub(super) struct CfiSections<'a> {
     /// `[start, end)` virtual address ranges of the executable `PT_LOAD` segments,
     /// sorted by start.
     pub code: Vec<(u64, u64)>,
+    /// The ELF entry point, where it is in an executable segment.
+    pub entry: Option<u64>,
 }
 
 impl CfiSections<'_> {
+    /// The end of the executable segment holding `address`, if one does.
+    pub fn code_end(&self, address: u64) -> Option<u64> {
+        let after = self.code.partition_point(|&(s, _)| s <= address);
+        let &(_, end) = self.code.get(after.checked_sub(1)?)?;
+        (address < end).then_some(end)
+    }
+
     /// Whether `[start, end)` lies inside one executable segment.
     pub fn is_code(&self, start: u64, end: u64) -> bool {
         let after = self.code.partition_point(|&(s, _)| s <= start);
@@ -88,6 +97,12 @@ pub(super) fn read<'a>(
         debug_frame,
         text: address_of(".text"),
         got: address_of(".got"),
+        entry: Some(elf.entry()).filter(|&entry| {
+            entry != 0
+                && code
+                    .iter()
+                    .any(|&(start, end)| (start..end).contains(&entry))
+        }),
         code,
     })
 }

@@ -88,6 +88,9 @@ pub struct BuildStats {
     pub debug_frame_unreadable: bool,
     /// Rows ending the stack ([`CfaRule::End`](heapprof_common::unwind::CfaRule::End)).
     pub end_rows: usize,
+    /// Whether the code at the ELF entry point, which no FDE describes, was marked as
+    /// the outermost frame (glibc's loader: see `cfi::add_start_code`).
+    pub start_code: bool,
     /// Rows of x86-64 PLT entries ([`CfaRule::PltX86`](heapprof_common::unwind::CfaRule::PltX86)).
     pub plt_rows: usize,
     /// Unsupported rows: the CFA is based on a register other than SP and FP.

@@ -84,6 +84,27 @@ impl Builder {
         overlapped
     }
 
+    /// The end of the run of addresses no FDE covers that starts at `start`, at most
+    /// `max` long; `None` when an FDE covers `start`, or when none was added at all
+    /// (an object without CFI gets no table).
+    pub fn uncovered_run(&self, start: u64, max: u64) -> Option<u64> {
+        if self.spans.is_empty() {
+            return None;
+        }
+        if let Some((_, &end)) = self.covered.range(..=start).next_back()
+            && end > start
+        {
+            return None;
+        }
+        let limit = start.saturating_add(max);
+        let next = self
+            .covered
+            .range((Bound::Excluded(start), Bound::Unbounded))
+            .next()
+            .map_or(limit, |(&next, _)| next);
+        Some(limit.min(next))
+    }
+
     /// Marks `[start, end)` covered, leaving in `self.free` the parts that were not
     /// covered before. Returns whether some part was.
     fn claim(&mut self, start: u64, end: u64) -> bool {

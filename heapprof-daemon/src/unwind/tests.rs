@@ -35,6 +35,8 @@ const LIBGCRYPT: &str = "/usr/lib/x86_64-linux-gnu/libgcrypt.so.20.4.1";
 /// libc6-arm64-cross and libstdc++6-arm64-cross, installed with aarch64-linux-gnu-gcc).
 const ARM64_LIBC: &str = "/usr/aarch64-linux-gnu/lib/libc.so.6";
 const ARM64_LIBSTDCXX: &str = "/usr/aarch64-linux-gnu/lib/libstdc++.so.6";
+const LOADER: &str = "/lib64/ld-linux-x86-64.so.2";
+const ARM64_LOADER: &str = "/usr/aarch64-linux-gnu/lib/ld-linux-aarch64.so.1";
 
 // ---------------------------------------------------------------------------------
 // Helpers
@@ -478,6 +480,45 @@ fn aarch64_libc_matches_gimli() {
 #[test]
 fn aarch64_libstdcxx_matches_gimli() {
     check_system_object(ARM64_LIBSTDCXX, Arch::Aarch64, 0);
+}
+
+/// glibc's x86-64 loader enters through `_start` and `_dl_start_user` (hand-written,
+/// no CFI), which call `_dl_init`: the stacks of library constructors end there, and
+/// the table says so rather than leaving a gap. The arm64 loader's entry code has CFI
+/// of its own (the return address undefined), which is left alone.
+#[test]
+fn the_loaders_entry_code_ends_the_stack() {
+    let entry_of = |elf: &[u8]| object::read::File::parse(elf).expect("parses").entry();
+    if let Some(elf) = system_object(LOADER) {
+        let (table, stats) = build_with_stats(&elf).expect("builds");
+        check_invariants(&table);
+        let entry = entry_of(&elf);
+        // Its start, and the return address of `_dl_start_user`'s call of `_dl_init`.
+        for address in [entry, entry + 0x30] {
+            let rule = table.rule_at(address).expect("a rule at the entry code");
+            assert_eq!(
+                rule.cfa,
+                CfaRule::End as u8,
+                "{LOADER} at {address:#x}: {rule:?}; {stats:?}"
+            );
+        }
+        assert!(stats.start_code, "{stats:?}");
+        // Only the code no FDE describes: the function after keeps its rules.
+        let next = table
+            .rows
+            .iter()
+            .find(|row| u64::from(row.pc) > entry && row.rule != RULE_NONE)
+            .expect("code after the entry");
+        let rule = &table.rules[next.rule as usize];
+        assert_ne!(rule.cfa, CfaRule::End as u8, "{next:?}");
+    }
+    if let Some(elf) = system_object(ARM64_LOADER) {
+        let (table, stats) = build_with_stats(&elf).expect("builds");
+        assert_eq!(table.arch, Arch::Aarch64);
+        assert!(!stats.start_code, "{stats:?}");
+        let entry = entry_of(&elf);
+        assert!(table.rule_at(entry).is_some(), "its own CFI: {stats:?}");
+    }
 }
 
 /// Two FDEs of libgcrypt's hand-written assembly fail evaluation part-way
