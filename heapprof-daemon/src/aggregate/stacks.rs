@@ -101,8 +101,19 @@ impl StackStore {
             .count();
         self.last_path.truncate(shared);
         let mut parent = self.last_path.last().map_or(NO_NODE, |&(_, id)| id);
+        // Below a node this stack added, nothing can exist yet: no lookups.
+        let mut added = false;
         for &address in frames.iter().rev().skip(shared) {
-            parent = self.child(parent, address);
+            parent = match added {
+                true => self.add_child(parent, address),
+                false => match self.find_child(parent, address) {
+                    Some(id) => id,
+                    None => {
+                        added = true;
+                        self.add_child(parent, address)
+                    }
+                },
+            };
             self.last_path.push((address, parent));
         }
         if parent != NO_NODE {
@@ -134,17 +145,21 @@ impl StackStore {
         });
     }
 
-    /// The node of `address` called from `parent`, added if missing; holds a
-    /// reference on `parent` for a new child.
-    fn child(&mut self, parent: NodeId, address: u64) -> NodeId {
+    /// The node of `address` called from `parent`, if there is one.
+    fn find_child(&self, parent: NodeId, address: u64) -> Option<NodeId> {
         let hash = self.hasher.hash_one((parent, address));
-        let nodes = &self.nodes;
-        if let Some(&id) = self.children.find(hash, |&id| {
-            let node = &nodes[id as usize];
-            node.parent == parent && node.address == address
-        }) {
-            return id;
-        }
+        self.children
+            .find(hash, |&id| {
+                let node = &self.nodes[id as usize];
+                node.parent == parent && node.address == address
+            })
+            .copied()
+    }
+
+    /// Adds the node of `address` called from `parent` (which has none yet); holds a
+    /// reference on `parent`.
+    fn add_child(&mut self, parent: NodeId, address: u64) -> NodeId {
+        let hash = self.hasher.hash_one((parent, address));
         let node = Node {
             address,
             parent,
