@@ -384,11 +384,14 @@ impl Images {
                 continue;
             }
             last = Some(image);
-            if self.processes.contains_key(&image) || !checked.insert(image.pid) {
+            if self.processes.contains_key(&image) || checked.contains(&image.pid) {
                 continue;
             }
+            // An earlier image's mappings are gone: only the current one is read,
+            // once per process (sites come sorted, the current image after the old).
             if maps.exec_generation(image.pid) == image.exec_gen {
                 read_images.extend(self.refresh(image.pid, maps));
+                checked.insert(image.pid);
             }
         }
         read_images
