@@ -38,6 +38,9 @@ const BATCH_BYTES: usize = 1 << 20;
 /// bucket boundary, and a bucket never holds the smaller figure.
 const BATCH_ENTRIES: std::ops::RangeInclusive<usize> = 64..=4096;
 
+/// Entries asked for at most when a bucket did not fit a batch.
+const MAX_GROWN_ENTRIES: usize = 1 << 16;
+
 /// Calls `each(keys, values)` for every batch of entries of the hash map `map`.
 /// `values` holds one value per key, or for a per-CPU map (`per_cpu`: `Some(possible
 /// CPUs)`) one per possible CPU, key after key. Returns `Ok(false)`, having called
@@ -60,7 +63,7 @@ pub fn for_each_batch<K: Pod, V: Pod>(
         return Ok(false);
     }
     let slots = per_cpu.map_or(1, |cpus| cpus.max(1));
-    let entries = (BATCH_BYTES / (size_of::<V>() * slots).max(1))
+    let mut entries = (BATCH_BYTES / (size_of::<V>() * slots).max(1))
         .clamp(*BATCH_ENTRIES.start(), *BATCH_ENTRIES.end());
     let mut keys = vec![0u64; (entries * size_of::<K>()).div_ceil(8)];
     let mut values = vec![0u64; (entries * size_of::<V>() * slots).div_ceil(8)];
@@ -99,6 +102,16 @@ pub fn for_each_batch<K: Pod, V: Pod>(
             None => false,
             // The last batch: `count` entries were still copied.
             Some(err) if err.raw_os_error() == Some(libc::ENOENT) => true,
+            // One bucket holds more entries than asked for (colliding keys): the
+            // same batch again, with room for twice as many.
+            Some(err)
+                if err.raw_os_error() == Some(libc::ENOSPC) && entries < MAX_GROWN_ENTRIES =>
+            {
+                entries *= 2;
+                keys.resize((entries * size_of::<K>()).div_ceil(8), 0);
+                values.resize((entries * size_of::<V>() * slots).div_ceil(8), 0);
+                continue;
+            }
             // No batch operations for this kernel or map type.
             Some(err)
                 if first

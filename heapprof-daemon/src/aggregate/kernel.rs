@@ -14,7 +14,7 @@ use heapprof_common::{
 };
 
 use super::{
-    BATCH_STACKS_FROM, batch, possible_cpus, read_entries, stacks::StackStore, take, take_with_fd,
+    possible_cpus, read_entries, read_missing_stacks, stacks::StackStore, take, take_with_fd,
 };
 
 /// Counts of one kernel site, summed over CPUs.
@@ -57,6 +57,9 @@ pub struct KernelMaps {
     cpus: usize,
     /// Stacks already read (kernel stacks never change meaning).
     stack_store: StackStore,
+    /// Stacks of the sites read last that the programs could not store: looked up
+    /// one by one, but never a reason to read the whole table again.
+    unstored: HashSet<u64>,
 }
 
 impl KernelMaps {
@@ -74,6 +77,7 @@ impl KernelMaps {
             stacks_fd,
             cpus: possible_cpus()?,
             stack_store: StackStore::new(),
+            unstored: HashSet::new(),
         })
     }
 
@@ -120,47 +124,17 @@ impl KernelMaps {
         Ok(sites)
     }
 
-    /// Reads the stacks of `sites` not stored yet (see `Maps::read_stacks`). Hash 0
-    /// is no stack.
+    /// Reads the stacks of `sites` not stored yet (see [`read_missing_stacks`]).
     fn read_stacks(&mut self, sites: &[KernelSite]) -> Result<()> {
-        let mut missing: Vec<u64> = sites
-            .iter()
-            .map(|s| s.key.stack)
-            .filter(|&stack| stack != 0 && !self.stack_store.contains(stack))
-            .collect();
-        if missing.len() >= BATCH_STACKS_FROM {
-            missing.sort_unstable();
-            let store = &mut self.stack_store;
-            store.reserve(missing.len(), missing.len() * 4);
-            let batched = batch::for_each_batch(&self.stacks_fd, None, |hashes, stacks| {
-                store.insert_many(
-                    hashes
-                        .iter()
-                        .zip(stacks)
-                        .filter(|(hash, _)| missing.binary_search(hash).is_ok())
-                        .map(|(&hash, stack)| (hash, kernel_frames(stack))),
-                );
-            })
-            .context("reading the kernel stack table in batches")?;
-            if !batched {
-                for entry in self.stacks.iter() {
-                    let (hash, stack) = entry.context("reading the kernel stack table")?;
-                    if missing.binary_search(&hash).is_ok() {
-                        store.insert(hash, kernel_frames(&stack));
-                    }
-                }
-            }
-        }
-        for site in sites {
-            let hash = site.key.stack;
-            if hash != 0
-                && !self.stack_store.contains(hash)
-                && let Ok(stack) = self.stacks.get(&hash, 0)
-            {
-                self.stack_store.insert(hash, kernel_frames(&stack));
-            }
-        }
-        Ok(())
+        let missing = sites.iter().map(|s| s.key.stack).collect();
+        read_missing_stacks(
+            &mut self.stack_store,
+            &mut self.unstored,
+            missing,
+            &self.stacks_fd,
+            &self.stacks,
+            kernel_frames,
+        )
     }
 
     /// The kernel stacks of the sites read so far (return addresses, innermost

@@ -98,6 +98,9 @@ pub struct Maps {
     retired: HashMap<StackKey, SiteCounters>,
     /// Sites in the last read, to size the next one.
     last_read: usize,
+    /// Stacks of the sites read last that the programs could not store (stack table
+    /// full): looked up one by one, but never a reason to read the whole table again.
+    unstored: HashSet<u64>,
 }
 
 /// Stacks missing from the store above which the whole stack table is read in
@@ -162,6 +165,62 @@ pub(crate) fn read_entries<K: Pod, V: Pod>(
     walk(&mut each)
 }
 
+/// Reads into `store` the stacks of `wanted` (the hashes of the sites' stacks; 0
+/// is no stack) that it does not hold. When many are missing (the first profile of
+/// a large program), or when looking them up one by one would cost more than
+/// reading the whole table (many sites whose stacks the programs could not store),
+/// the table is read in batches; otherwise each is looked up. `unstored` keeps the
+/// hashes still missing afterwards, which alone never make the table be read whole.
+pub(crate) fn read_missing_stacks<S: Pod>(
+    store: &mut StackStore,
+    unstored: &mut HashSet<u64>,
+    mut wanted: Vec<u64>,
+    fd: &OwnedFd,
+    table: &BpfHashMap<MapData, u64, S>,
+    frames: fn(&S) -> &[u64],
+) -> Result<()> {
+    wanted.retain(|&stack| stack != 0 && !store.contains(stack));
+    wanted.sort_unstable();
+    wanted.dedup();
+    let missing = wanted;
+    let new = missing.iter().filter(|h| !unstored.contains(h)).count();
+    // The table holds about the stacks stored plus the new ones.
+    let walk = missing.len() >= BATCH_STACKS_FROM
+        && (new >= BATCH_STACKS_FROM || missing.len() * 2 >= store.len() + new);
+    if walk {
+        store.reserve(new, new * 4);
+        let batched = batch::for_each_batch(fd, None, |hashes, stacks| {
+            store.insert_many(
+                hashes
+                    .iter()
+                    .zip(stacks)
+                    .filter(|(hash, _)| missing.binary_search(hash).is_ok())
+                    .map(|(&hash, stack)| (hash, frames(stack))),
+            );
+        })
+        .context("reading the stack table in batches")?;
+        if !batched {
+            for entry in table.iter() {
+                let (hash, stack) = entry.context("reading the stack table")?;
+                if missing.binary_search(&hash).is_ok() {
+                    store.insert(hash, frames(&stack));
+                }
+            }
+        }
+    } else {
+        for &hash in &missing {
+            if let Ok(stack) = table.get(&hash, 0) {
+                store.insert(hash, frames(&stack));
+            }
+        }
+    }
+    *unstored = missing
+        .into_iter()
+        .filter(|&hash| !store.contains(hash))
+        .collect();
+    Ok(())
+}
+
 /// The per-CPU drop counters summed over CPUs, indexed by [`DropReason`].
 pub(crate) fn read_drops(
     map: &PerCpuArray<MapData, u64>,
@@ -197,6 +256,7 @@ impl Maps {
             stack_store: StackStore::new(),
             retired: HashMap::new(),
             last_read: 0,
+            unstored: HashSet::new(),
         })
     }
 
@@ -252,42 +312,17 @@ impl Maps {
         Ok(sites)
     }
 
-    /// Reads the stacks of `sites` not stored yet: the whole stack table in batches
-    /// when many are missing (the first profile of a large program), else one
-    /// lookup each. A stack the programs could not store stays missing.
+    /// Reads the stacks of `sites` not stored yet (see [`read_missing_stacks`]).
     fn read_stacks(&mut self, sites: &[Site]) -> Result<()> {
-        let mut missing: Vec<u64> = sites
-            .iter()
-            .map(|s| s.key.stack)
-            .filter(|&stack| !self.stack_store.contains(stack))
-            .collect();
-        if missing.len() >= BATCH_STACKS_FROM {
-            missing.sort_unstable();
-            let store = &mut self.stack_store;
-            store.reserve(missing.len(), missing.len() * 4);
-            let batched = batch::for_each_batch(&self.stacks_fd, None, |hashes, stacks| {
-                store.insert_many(
-                    hashes
-                        .iter()
-                        .zip(stacks)
-                        .filter(|(hash, _)| missing.binary_search(hash).is_ok())
-                        .map(|(&hash, stack)| (hash, user_frames(stack))),
-                );
-            })
-            .context("reading the stack table in batches")?;
-            if !batched {
-                for entry in self.stacks.iter() {
-                    let (hash, stack) = entry.context("reading the stack table")?;
-                    if missing.binary_search(&hash).is_ok() {
-                        store.insert(hash, user_frames(&stack));
-                    }
-                }
-            }
-        }
-        for site in sites {
-            self.read_stack(site.key.stack);
-        }
-        Ok(())
+        let missing = sites.iter().map(|s| s.key.stack).collect();
+        read_missing_stacks(
+            &mut self.stack_store,
+            &mut self.unstored,
+            missing,
+            &self.stacks_fd,
+            &self.stacks,
+            user_frames,
+        )
     }
 
     /// Reads one stack into the store, if the programs stored it.
