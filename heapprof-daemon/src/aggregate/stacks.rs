@@ -14,8 +14,8 @@
 //! forgetting a stack (`--retain-exited`) frees the nodes no other stack uses, and
 //! their slots are used again.
 //!
-//! Node ids are dense, so a pass over the stacks can remember what it did per node
-//! in a vector ([`NodeMemo`]): symbolizing, each frame once per process image.
+//! Node ids are dense, so a pass over the stacks can mark the nodes it visited in a
+//! vector ([`NodeMarks`]): symbolizing, each frame once per process image.
 
 use std::hash::BuildHasher as _;
 
@@ -245,38 +245,31 @@ impl Iterator for StackNodes<'_> {
     }
 }
 
-/// Something worked out per node and per address space during one pass over the
-/// stacks (a profile's location of each frame): a node shared by the stacks of two
-/// processes means a different place in each, so each value is kept with the space
-/// it was worked out for (a small number the pass gives each space), and a value
-/// for another space is a miss.
+/// The nodes a pass over the stacks has visited, per address space: a node shared
+/// by the stacks of two processes means a different place in each, so a mark is
+/// kept with the space (a small number the pass gives each) it was made for.
 #[derive(Debug)]
-pub struct NodeMemo<T> {
-    /// Per node: the space's number plus one (zero: nothing kept), and the value.
-    entries: Vec<(u32, T)>,
+pub struct NodeMarks {
+    /// Per node: the number plus one of the space it was marked for (zero: none).
+    marks: Vec<u32>,
 }
 
-impl<T: Copy + Default> NodeMemo<T> {
-    /// A memo for the nodes of `store` as it is now.
+impl NodeMarks {
+    /// No node of `store`, as it is now, marked.
     pub fn new(store: &StackStore) -> Self {
         Self {
-            entries: vec![(0, T::default()); store.node_bound()],
+            marks: vec![0; store.node_bound()],
         }
     }
 
-    /// The value kept for `node` in `space`, if any.
-    pub fn get(&self, node: NodeId, space: u32) -> Option<T> {
-        match self.entries.get(node as usize) {
-            Some(&(kept, value)) if kept == space.wrapping_add(1) => Some(value),
-            _ => None,
-        }
-    }
-
-    /// Keeps `value` for `node` in `space`.
-    pub fn set(&mut self, node: NodeId, space: u32, value: T) {
-        if let Some(entry) = self.entries.get_mut(node as usize) {
-            *entry = (space.wrapping_add(1), value);
-        }
+    /// Marks `node` for `space`; returns whether it was not marked for it yet.
+    pub fn mark(&mut self, node: NodeId, space: u32) -> bool {
+        let Some(mark) = self.marks.get_mut(node as usize) else {
+            return false;
+        };
+        let new = *mark != space.wrapping_add(1);
+        *mark = space.wrapping_add(1);
+        new
     }
 }
 
@@ -371,14 +364,13 @@ mod tests {
     }
 
     #[test]
-    fn a_memo_misses_for_another_space() {
+    fn a_mark_holds_for_its_space_only() {
         let mut store = StackStore::new();
         store.insert(1, &[0x30, 0x20]);
-        let mut memo = NodeMemo::new(&store);
+        let mut marks = NodeMarks::new(&store);
         let (leaf, _) = store.nodes(1).next().expect("a frame");
-        assert_eq!(memo.get(leaf, 0), None);
-        memo.set(leaf, 0, 42u32);
-        assert_eq!(memo.get(leaf, 0), Some(42));
-        assert_eq!(memo.get(leaf, 1), None);
+        assert!(marks.mark(leaf, 0), "new");
+        assert!(!marks.mark(leaf, 0), "marked already");
+        assert!(marks.mark(leaf, 1), "new for another space");
     }
 }

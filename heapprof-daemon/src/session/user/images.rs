@@ -42,7 +42,7 @@ impl Image {
 }
 
 /// Small numbers for the images met in one pass over the sites (see
-/// [`crate::aggregate::stacks::NodeMemo`]).
+/// [`crate::aggregate::stacks::NodeMarks`]).
 #[derive(Debug, Default)]
 pub(super) struct SpaceNumbers {
     numbers: HashMap<Image, u32>,

@@ -34,7 +34,7 @@ use self::{
 };
 use super::DropLog;
 use crate::{
-    aggregate::{Maps, Site, stacks::NodeMemo},
+    aggregate::{Maps, Site, stacks::NodeMarks},
     allocators::{AllocatorProbes, ProcessView},
     cli::Target,
     metrics::Exporter,
@@ -354,7 +354,7 @@ impl Session {
     fn symbolize_sites(&mut self, sites: &[Site], include: impl Fn(u32) -> bool) -> HashSet<u32> {
         let stacks = self.maps.stacks();
         // A frame seen means its callers were seen too: stacks share them.
-        let mut seen = NodeMemo::<()>::new(stacks);
+        let mut seen = NodeMarks::new(stacks);
         let mut spaces = SpaceNumbers::default();
         let mut stale = HashSet::new();
         for site in sites {
@@ -367,10 +367,9 @@ impl Session {
             };
             let space = spaces.number(image);
             for (node, ret) in stacks.nodes(site.key.stack) {
-                if seen.get(node, space).is_some() {
+                if !seen.mark(node, space) {
                     break;
                 }
-                seen.set(node, space, ());
                 let addr = ret.wrapping_sub(1);
                 match info.maps.find(addr) {
                     Some(region) => {
