@@ -14,7 +14,7 @@ use heapprof_common::{
 };
 
 use super::{
-    possible_cpus, read_entries, read_missing_stacks, stacks::StackStore, take, take_with_fd,
+    possible_cpus, read_missing_stacks, read_per_cpu, stacks::StackStore, take, take_with_fd,
 };
 
 /// Counts of one kernel site, summed over CPUs.
@@ -92,33 +92,21 @@ impl KernelMaps {
     /// are read into [`KernelMaps::stacks`].
     pub fn read_sites(&mut self) -> Result<Vec<KernelSite>> {
         let mut sites = Vec::new();
-        let table = &self.sites;
-        read_entries(
-            &self.sites_fd,
-            Some(self.cpus),
-            |key, per_cpu: &[KernelCounters]| {
-                let mut total = KernelCounters::default();
-                for c in per_cpu {
-                    total.alloc_objects += c.alloc_objects;
-                    total.alloc_bytes += c.alloc_bytes;
-                    total.alloc_requested += c.alloc_requested;
-                    total.free_objects += c.free_objects;
-                    total.free_bytes += c.free_bytes;
-                    total.free_requested += c.free_requested;
-                }
-                sites.push(KernelSite {
-                    key,
-                    counters: total,
-                });
-            },
-            |each| {
-                for entry in table.iter() {
-                    let (key, per_cpu) = entry.context("reading the kernel site table")?;
-                    each(key, &per_cpu);
-                }
-                Ok(())
-            },
-        )?;
+        read_per_cpu(&self.sites_fd, self.cpus, &self.sites, |key, per_cpu| {
+            let mut total = KernelCounters::default();
+            for c in per_cpu {
+                total.alloc_objects += c.alloc_objects;
+                total.alloc_bytes += c.alloc_bytes;
+                total.alloc_requested += c.alloc_requested;
+                total.free_objects += c.free_objects;
+                total.free_bytes += c.free_bytes;
+                total.free_requested += c.free_requested;
+            }
+            sites.push(KernelSite {
+                key,
+                counters: total,
+            });
+        })?;
         sites.sort_by_key(|s| s.key);
         self.read_stacks(&sites)?;
         Ok(sites)

@@ -165,6 +165,23 @@ pub(crate) fn read_entries<K: Pod, V: Pod>(
     walk(&mut each)
 }
 
+/// Every entry of a per-CPU site table, `(key, values per CPU)`, batched where the
+/// kernel can, otherwise walked key by key.
+pub(crate) fn read_per_cpu<K: Pod, V: Pod>(
+    fd: &OwnedFd,
+    cpus: usize,
+    table: &PerCpuHashMap<MapData, K, V>,
+    each: impl FnMut(K, &[V]),
+) -> Result<()> {
+    read_entries(fd, Some(cpus), each, |each| {
+        for entry in table.iter() {
+            let (key, per_cpu) = entry.context("reading a site table")?;
+            each(key, &per_cpu);
+        }
+        Ok(())
+    })
+}
+
 /// Reads into `store` the stacks of `wanted` (the hashes of the sites' stacks; 0
 /// is no stack) that it does not hold. When many are missing (the first profile of
 /// a large program), or when looking them up one by one would cost more than
@@ -270,23 +287,11 @@ impl Maps {
                 .iter()
                 .map(|(&key, &counters)| Site { key, counters }),
         );
-        let table = &self.sites;
-        read_entries(
-            &self.sites_fd,
-            Some(self.cpus),
-            |key, per_cpu: &[SiteCounters]| {
-                let mut counters = SiteCounters::default();
-                per_cpu.iter().for_each(|c| add_counters(&mut counters, c));
-                sites.push(Site { key, counters });
-            },
-            |each| {
-                for entry in table.iter() {
-                    let (key, per_cpu) = entry.context("reading the site table")?;
-                    each(key, &per_cpu);
-                }
-                Ok(())
-            },
-        )?;
+        read_per_cpu(&self.sites_fd, self.cpus, &self.sites, |key, per_cpu| {
+            let mut counters = SiteCounters::default();
+            per_cpu.iter().for_each(|c| add_counters(&mut counters, c));
+            sites.push(Site { key, counters });
+        })?;
         sites.sort_by_key(|s| s.key);
         // A key both retired and back in the table (a reused pid) is one site.
         sites.dedup_by(|later, earlier| {
