@@ -69,12 +69,19 @@ impl ProbeRole {
     }
 }
 
-/// A [`ProbeSpec`] argument index meaning "none".
-pub const NO_ARG: u8 = u8::MAX;
+/// A [`ProbeSpec`] register number meaning "none".
+pub const NO_REGISTER: u8 = u8::MAX;
 
-/// How the programs read one probed function's call: its role, which arguments hold
-/// the size, the count, the block and the out-pointer (0-based), and where the object
-/// it lives in has its code. Indexed by [`ProbeSlot`] in `PROBES`.
+/// How many registers an entry program can read a value from: x86-64's sixteen
+/// general-purpose registers in DWARF numbering (rax 0, rdx 1, rcx 2, rbx 3, rsi 4,
+/// rdi 5, rbp 6, rsp 7, r8 8 ... r15 15); on arm64 x0 to x7 (0 to 7).
+pub const VALUE_REGISTERS: usize = 16;
+
+/// How the programs read one probed function's call: its role, which registers hold
+/// the size, the count, the block and the out-pointer at the probe's spot (the
+/// argument registers at a function's entry; others where the function's first
+/// instructions moved them), and where the object it lives in has its code. Indexed by
+/// [`ProbeSlot`] in `PROBES`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ProbeSpec {
@@ -87,19 +94,20 @@ pub struct ProbeSpec {
     pub text_start: u64,
     /// End of the executable code (exclusive).
     pub text_end: u64,
-    /// The size when no argument holds it (`size=N` of a fixed-size pool).
+    /// The size when no register holds it (`size=N` of a fixed-size pool).
     pub fixed_size: u64,
     /// A [`ProbeRole`].
     pub role: u32,
-    /// The argument with the size in bytes, or [`NO_ARG`] (then [`ProbeSpec::fixed_size`]).
-    pub size_arg: u8,
-    /// The argument the size is multiplied by (calloc's count), or [`NO_ARG`].
-    pub count_arg: u8,
-    /// The block released or resized, or [`NO_ARG`].
-    pub ptr_arg: u8,
-    /// Where the new block is written (posix_memalign, which returns 0 on success), or
-    /// [`NO_ARG`] when the function returns it.
-    pub out_arg: u8,
+    /// The register with the size in bytes, or [`NO_REGISTER`] (then
+    /// [`ProbeSpec::fixed_size`]).
+    pub size_reg: u8,
+    /// The register the size is multiplied by (calloc's count), or [`NO_REGISTER`].
+    pub count_reg: u8,
+    /// The register with the block released or resized, or [`NO_REGISTER`].
+    pub ptr_reg: u8,
+    /// The register with where the new block is written (posix_memalign, which
+    /// returns 0 on success), or [`NO_REGISTER`] when the function returns it.
+    pub out_reg: u8,
     /// Nonzero: the size is rounded up to whole pages, and 0 to one page (pvalloc).
     pub round_to_pages: u32,
     /// Nonzero once the daemon filled the slot.

@@ -238,7 +238,16 @@ fn probe_placement_on_any_bytes_stays_inside_the_function() {
         let code: Vec<u8> = (0..len).map(|_| rng.next() as u8).collect();
         for arch in [Arch::X86_64, Arch::Aarch64] {
             for return_probe in [false, true] {
-                let placed = placement::place(arch, &code, return_probe);
+                let placed = placement::place(
+                    arch,
+                    &code,
+                    placement::Needs {
+                        size: Some(0),
+                        ptr: Some(1),
+                        ..Default::default()
+                    },
+                    return_probe,
+                );
                 assert!(
                     placed.offset == 0 || (placed.offset as usize) < code.len(),
                     "{arch:?}: {placed} for {code:02x?}"

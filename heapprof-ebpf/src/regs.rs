@@ -3,6 +3,7 @@
 #[cfg(not(bpf_target_arch = "aarch64"))]
 use aya_ebpf::helpers::bpf_probe_read_user;
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
+use heapprof_common::VALUE_REGISTERS;
 
 /// Where the stack pointer is at a call's return, relative to its entry: x86-64's
 /// `ret` pops the return address; arm64 keeps it in the link register.
@@ -84,32 +85,32 @@ pub fn at_return(ctx: &RetProbeContext) -> (u64, u64, u64) {
     }
 }
 
-/// The first six arguments of the call being entered. Read with constant offsets into
-/// the context, which is all the verifier accepts there; the callers index the copy.
+/// The registers an entry program can read its values from ([`VALUE_REGISTERS`]:
+/// x86-64's general-purpose registers in DWARF order; arm64's x0 to x7, the rest 0).
+/// Read with constant offsets into the context, which is all the verifier accepts
+/// there; the callers index the copy.
 #[inline(always)]
-pub fn arguments(ctx: &ProbeContext) -> [u64; 6] {
+pub fn value_registers(ctx: &ProbeContext) -> [u64; VALUE_REGISTERS] {
     #[cfg(bpf_target_arch = "x86_64")]
     // SAFETY: ctx.regs is the probe's pt_regs, readable by the program.
     unsafe {
-        let regs = &*ctx.regs;
-        [regs.rdi, regs.rsi, regs.rdx, regs.rcx, regs.r8, regs.r9]
+        let r = &*ctx.regs;
+        [
+            r.rax, r.rdx, r.rcx, r.rbx, r.rsi, r.rdi, r.rbp, r.rsp, r.r8, r.r9, r.r10, r.r11,
+            r.r12, r.r13, r.r14, r.r15,
+        ]
     }
     #[cfg(bpf_target_arch = "aarch64")]
     // SAFETY: the kernel's arm64 pt_regs begins with user_pt_regs.
     unsafe {
-        let regs = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
-        [
-            regs.regs[0],
-            regs.regs[1],
-            regs.regs[2],
-            regs.regs[3],
-            regs.regs[4],
-            regs.regs[5],
-        ]
+        let r = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
+        let mut values = [0; VALUE_REGISTERS];
+        values[..8].copy_from_slice(&r.regs[..8]);
+        values
     }
     #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
     {
         let _ = ctx;
-        [0; 6]
+        [0; VALUE_REGISTERS]
     }
 }

@@ -15,7 +15,7 @@ use aya_ebpf::{
     programs::{ProbeContext, RawTracePointContext, RetProbeContext},
 };
 use heapprof_common::{
-    DropReason, ExecEvent, NO_ARG, ProbeRole, ProbeSlot, ProbeSpec,
+    DropReason, ExecEvent, NO_REGISTER, ProbeRole, ProbeSlot, ProbeSpec, VALUE_REGISTERS,
     unwind::{MappingsRequest, RequestReason},
 };
 
@@ -34,23 +34,23 @@ use crate::{
 /// it ever delivered, SIGCONT's default action does nothing.
 const SIGCONT: u32 = 18;
 
-/// Argument `n` (0-based) of a call, 0 when out of range.
+/// Register `n` of the probe's copy, 0 for [`NO_REGISTER`].
 #[inline(always)]
-fn arg(args: &[u64; 6], n: u8) -> u64 {
-    args.get(n as usize).copied().unwrap_or(0)
+fn reg(registers: &[u64; VALUE_REGISTERS], n: u8) -> u64 {
+    registers.get(n as usize).copied().unwrap_or(0)
 }
 
-/// The size a call asks for: its size argument (or the spec's fixed size), times its
-/// count argument, rounded to pages for pvalloc.
+/// The size a call asks for: its size register (or the spec's fixed size), times its
+/// count register, rounded to pages for pvalloc.
 #[inline(always)]
-fn requested_size(args: &[u64; 6], spec: &ProbeSpec) -> u64 {
-    let mut size = if spec.size_arg == NO_ARG {
+fn requested_size(registers: &[u64; VALUE_REGISTERS], spec: &ProbeSpec) -> u64 {
+    let mut size = if spec.size_reg == NO_REGISTER {
         spec.fixed_size
     } else {
-        arg(args, spec.size_arg)
+        reg(registers, spec.size_reg)
     };
-    if spec.count_arg != NO_ARG {
-        size = size.wrapping_mul(arg(args, spec.count_arg));
+    if spec.count_reg != NO_REGISTER {
+        size = size.wrapping_mul(reg(registers, spec.count_reg));
     }
     if spec.round_to_pages != 0 {
         // glibc hands out whole pages (and one page for a request of 0).
@@ -73,19 +73,19 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
     let Some(role) = ProbeRole::from_u32(spec.role) else {
         return;
     };
-    let args = regs::arguments(ctx);
+    let registers = regs::value_registers(ctx);
     if role == ProbeRole::Free {
-        on_free(ctx, arg(&args, spec.ptr_arg));
+        on_free(ctx, reg(&registers, spec.ptr_reg));
         return;
     }
-    let old_ptr = arg(&args, spec.ptr_arg);
-    let out_ptr = arg(&args, spec.out_arg);
+    let old_ptr = reg(&registers, spec.ptr_reg);
+    let out_ptr = reg(&registers, spec.out_reg);
     calls::enter(
         ctx,
         spec,
         Call {
             slot,
-            size: requested_size(&args, spec),
+            size: requested_size(&registers, spec),
             old_ptr,
             out_ptr,
         },
@@ -124,7 +124,7 @@ fn on_return(ctx: &RetProbeContext) {
     }
     let ptr = match role {
         ProbeRole::Free => return,
-        ProbeRole::Alloc if spec.out_arg != NO_ARG => {
+        ProbeRole::Alloc if spec.out_reg != NO_REGISTER => {
             if returned != 0 {
                 return; // an error code: nothing allocated
             }

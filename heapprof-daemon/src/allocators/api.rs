@@ -12,7 +12,9 @@
 
 use std::{collections::HashMap, sync::LazyLock};
 
-use heapprof_common::{NO_ARG, ProbeRole, ProbeSpec};
+use heapprof_common::{ProbeRole, ProbeSpec};
+
+use crate::probes::placement::{Needs, ValueRegisters};
 
 /// Where a function's size comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,13 +109,31 @@ impl Signature {
         signature
     }
 
-    /// The programs' form of this signature, for a probe at `probe_offset` in an object
-    /// whose code spans the file offsets `text`.
-    pub fn spec(&self, probe_offset: u64, text: (u64, u64)) -> ProbeSpec {
-        let arg = |index: Option<u8>| index.unwrap_or(NO_ARG);
-        let (size_arg, fixed_size) = match self.size {
-            Size::Arg(index) => (index, 0),
-            Size::Fixed(bytes) => (NO_ARG, bytes),
+    /// The arguments an entry program reads for this signature.
+    pub fn needs(&self) -> Needs {
+        Needs {
+            size: match self.size {
+                Size::Arg(index) => Some(index),
+                Size::Fixed(_) => None,
+            },
+            count: self.count,
+            ptr: self.ptr,
+            out: self.out,
+        }
+    }
+
+    /// The programs' form of this signature, for a probe at `probe_offset` where the
+    /// values it reads are in `registers`, in an object whose code spans the file
+    /// offsets `text`.
+    pub fn spec(
+        &self,
+        probe_offset: u64,
+        registers: ValueRegisters,
+        text: (u64, u64),
+    ) -> ProbeSpec {
+        let fixed_size = match self.size {
+            Size::Arg(_) => 0,
+            Size::Fixed(bytes) => bytes,
         };
         ProbeSpec {
             probe_offset,
@@ -121,10 +141,10 @@ impl Signature {
             text_end: text.1,
             fixed_size,
             role: self.role as u32,
-            size_arg,
-            count_arg: arg(self.count),
-            ptr_arg: arg(self.ptr),
-            out_arg: arg(self.out),
+            size_reg: registers.size,
+            count_reg: registers.count,
+            ptr_reg: registers.ptr,
+            out_reg: registers.out,
             round_to_pages: u32::from(self.round_to_pages),
             in_use: 1,
         }
@@ -334,6 +354,9 @@ pub fn known(symbol: &str) -> Option<&'static KnownFunction> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use heapprof_common::NO_REGISTER;
+
+    use crate::probes::placement::Arch;
 
     #[test]
     fn standard_names_rank_before_vendor_aliases() {
@@ -365,31 +388,30 @@ mod tests {
     }
 
     #[test]
-    fn specs_carry_argument_positions() {
-        let calloc = known("calloc")
-            .expect("calloc")
-            .signature
-            .spec(0x10, (0, 0x100));
-        assert_eq!((calloc.count_arg, calloc.size_arg), (0, 1));
+    fn specs_carry_the_registers_at_the_probe_spot() {
+        let spec = |name: &str| {
+            let signature = known(name).expect(name).signature;
+            let registers = ValueRegisters::at_entry(Arch::X86_64, signature.needs());
+            signature.spec(0x10, registers, (0, 0x100))
+        };
+        // DWARF numbers: rdi 5, rsi 4, rdx 1.
+        let calloc = spec("calloc");
+        assert_eq!((calloc.count_reg, calloc.size_reg), (5, 4));
         assert_eq!(calloc.role, ProbeRole::Alloc as u32);
-        let free = known("free")
-            .expect("free")
-            .signature
-            .spec(0x20, (0, 0x100));
+        let free = spec("free");
         assert_eq!(
-            (free.ptr_arg, free.size_arg, free.fixed_size),
-            (0, NO_ARG, 0)
+            (free.ptr_reg, free.size_reg, free.fixed_size),
+            (5, NO_REGISTER, 0)
         );
-        let memalign = known("posix_memalign").expect("posix_memalign").signature;
-        let memalign = memalign.spec(0, (0, 1));
-        assert_eq!((memalign.out_arg, memalign.size_arg), (0, 2));
-        assert_eq!(
-            known("pvalloc")
-                .expect("pvalloc")
-                .signature
-                .spec(0, (0, 1))
-                .round_to_pages,
-            1
-        );
+        let memalign = spec("posix_memalign");
+        assert_eq!((memalign.out_reg, memalign.size_reg), (5, 1));
+        assert_eq!(spec("pvalloc").round_to_pages, 1);
+        // Registers a placement moved the values to are what the programs read.
+        let malloc = known("malloc").expect("malloc").signature;
+        let moved = ValueRegisters {
+            size: 0,
+            ..ValueRegisters::at_entry(Arch::X86_64, malloc.needs())
+        };
+        assert_eq!(malloc.spec(0, moved, (0, 1)).size_reg, 0);
     }
 }

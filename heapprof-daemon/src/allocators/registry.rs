@@ -89,6 +89,8 @@ pub struct AllocatorProbes {
     /// Objects each process's `malloc` binds to, by pid (for messages).
     serving: HashMap<u32, (u64, u64)>,
     probes: usize,
+    /// Functions whose probe the kernel single-steps.
+    single_stepped: usize,
     reported: HashSet<String>,
     notes: Vec<String>,
     custom_found: HashSet<String>,
@@ -109,6 +111,7 @@ impl AllocatorProbes {
             scans: HashMap::new(),
             serving: HashMap::new(),
             probes: 0,
+            single_stepped: 0,
             reported: HashSet::new(),
             notes: Vec::new(),
             custom_found: HashSet::new(),
@@ -228,7 +231,11 @@ impl AllocatorProbes {
         let mut points = Vec::new();
         for (index, function) in new.iter().enumerate() {
             let slot = (first + index) as ProbeSlot;
-            let spec = function.signature.spec(function.probe_offset(), scan.text);
+            let spec = function.signature.spec(
+                function.probe_offset(),
+                function.placement.registers,
+                scan.text,
+            );
             self.specs
                 .set(slot, &spec, 0)
                 .context("writing the probe specs")?;
@@ -238,6 +245,17 @@ impl AllocatorProbes {
                 object.path,
                 function.placement
             );
+            if !function.placement.emulated {
+                self.single_stepped += 1;
+                log::warn!(
+                    "{} in {}: the probe at +{} is single-stepped by the kernel on every call \
+                     (about 10x an emulated probe's cost): {}",
+                    function.name,
+                    object.path,
+                    function.placement.offset,
+                    function.placement.reason
+                );
+            }
             points.push((slot, function.probe_offset(), function.signature.role));
         }
         self.attach(ebpf, object, &points)?;

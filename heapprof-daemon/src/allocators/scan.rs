@@ -187,14 +187,7 @@ pub fn scan(
         for (alias, ..) in names.iter().skip(1) {
             aliases.push((alias.clone(), name.clone()));
         }
-        let placement = place(
-            bytes,
-            arch,
-            offset,
-            size,
-            signature.role.returns_a_block(),
-            mode,
-        );
+        let placement = place(bytes, arch, offset, size, signature, mode);
         functions.push(FoundFunction {
             name,
             family,
@@ -219,25 +212,31 @@ fn place(
     arch: Option<Arch>,
     offset: u64,
     size: Option<usize>,
-    return_probe: bool,
+    signature: Signature,
     mode: PlacementMode,
 ) -> Placement {
-    let entry = Placement::entry;
+    // An object of an instruction set we do not decode cannot run here: the host's.
+    let arch = arch.unwrap_or(Arch::HOST);
+    let start = usize::try_from(offset).unwrap_or(usize::MAX);
+    let needs = signature.needs();
+    let known_size = size.filter(|&size| size > 0 && size <= MAX_FUNCTION_BYTES);
+    // The function's bytes, or at least its first instruction's, to tell whether the
+    // kernel emulates it.
+    let code = file
+        .get(start..)
+        .map(|rest| &rest[..rest.len().min(known_size.unwrap_or(16))])
+        .unwrap_or_default();
+    let entry = |reason: &str| Placement::entry(arch, code, needs, reason);
     if mode == PlacementMode::Entry {
         return entry("entry: --probe-placement=entry");
     }
-    let Some(arch) = arch else {
-        return entry("entry: instruction set not decoded");
-    };
-    let size = match size {
-        Some(size) if size > 0 && size <= MAX_FUNCTION_BYTES => size,
-        _ => return entry("entry: the function's size is unknown or too large"),
-    };
-    let start = usize::try_from(offset).unwrap_or(usize::MAX);
-    match file.get(start..start.saturating_add(size)) {
-        Some(code) => placement::place(arch, code, return_probe),
-        None => entry("entry: the function lies outside the file"),
+    if known_size.is_none() {
+        return entry("entry: the function's size is unknown or too large");
     }
+    if code.len() < known_size.unwrap_or(0) {
+        return entry("entry: the function lies outside the file");
+    }
+    placement::place(arch, code, needs, signature.role.returns_a_block())
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! Where in an allocator function to put its probes.
+//! Where in an allocator function to put its probes, and where the values its entry
+//! program reads are there.
 //!
 //! A uprobe on an instruction the kernel cannot emulate is single-stepped out of line,
 //! which costs about ten times more than an emulated one (glibc's `free` starts with
@@ -7,19 +8,28 @@
 //! entry:
 //! - every instruction before it falls through (no branch, call or return), so every
 //!   call passes the new spot, before anything else happens;
-//! - none of them writes an argument register (the programs read the arguments) or the
-//!   stack pointer (the programs match calls and returns by it, and the kernel hijacks
-//!   the return address at the stack pointer when a return probe shares the spot), nor
-//!   arm64's return-address register when a return probe shares the spot;
+//! - none of them writes the stack pointer (the programs match calls and returns by
+//!   it, and the kernel hijacks the return address at the stack pointer when a return
+//!   probe shares the spot), nor arm64's return-address register when a return probe
+//!   shares the spot;
+//! - every value the probe reads (the size, the count, the block, the out-pointer) is
+//!   still in a register there. On x86-64 the moves are followed: jemalloc's and
+//!   mimalloc's fast paths copy arguments to other registers before their first
+//!   branch, and glibc's `reallocarray` multiplies its count by its size into the
+//!   register it then passes on, which is the product the program would compute;
 //! - no branch in the function lands inside the skipped bytes or on the new spot, so it
 //!   fires once per call. An indirect jump makes that unknowable: entry.
 //!
-//! Whenever the code is not understood, the answer is the entry.
+//! Whenever the code is not understood, the answer is the entry. Every placement says
+//! whether the kernel emulates the instruction at the spot: one it does not is
+//! single-stepped on every call, which the daemon warns about.
 
 use std::fmt;
 
+use heapprof_common::NO_REGISTER;
 use iced_x86::{
-    Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, OpAccess, Register,
+    Code, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, OpAccess,
+    OpKind, Register,
 };
 
 /// Instruction set of the probed library.
@@ -32,6 +42,13 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// The instruction set heapprofd runs on.
+    #[cfg(target_arch = "aarch64")]
+    pub const HOST: Arch = Arch::Aarch64;
+    /// The instruction set heapprofd runs on.
+    #[cfg(not(target_arch = "aarch64"))]
+    pub const HOST: Arch = Arch::X86_64;
+
     /// The instruction set of an ELF file from its header, if one we can decode.
     pub fn of_elf_header(header: &[u8]) -> Option<Arch> {
         // e_machine, little-endian, at offset 18.
@@ -39,6 +56,20 @@ impl Arch {
             [62, 0] => Some(Arch::X86_64),
             [183, 0] => Some(Arch::Aarch64),
             _ => None,
+        }
+    }
+
+    /// The register that holds argument `index` (0-based) at a function's entry, in
+    /// the numbering of [`ValueRegisters`].
+    fn argument_register(self, index: u8) -> u8 {
+        match self {
+            // rdi, rsi, rdx, rcx, r8, r9 in DWARF numbering.
+            Arch::X86_64 => [5, 4, 1, 2, 8, 9]
+                .get(usize::from(index))
+                .copied()
+                .unwrap_or(NO_REGISTER),
+            Arch::Aarch64 if index < 8 => index,
+            Arch::Aarch64 => NO_REGISTER,
         }
     }
 }
@@ -52,6 +83,47 @@ pub enum PlacementMode {
     Auto,
 }
 
+/// The arguments (0-based) an entry program reads, from the function's signature.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Needs {
+    /// The size.
+    pub size: Option<u8>,
+    /// The count the size is multiplied by.
+    pub count: Option<u8>,
+    /// The block freed, moved or resized.
+    pub ptr: Option<u8>,
+    /// Where the new block is written.
+    pub out: Option<u8>,
+}
+
+/// Where the values an entry program reads are at the probe spot: register numbers
+/// (x86-64: DWARF's, rax 0 to r15 15; arm64: x0 to x7), or [`NO_REGISTER`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ValueRegisters {
+    /// The size, or the product of count and size when `count` is [`NO_REGISTER`]
+    /// although the signature has a count.
+    pub size: u8,
+    /// The count.
+    pub count: u8,
+    /// The block.
+    pub ptr: u8,
+    /// The out-pointer.
+    pub out: u8,
+}
+
+impl ValueRegisters {
+    /// The argument registers of `needs` at a function's entry.
+    pub fn at_entry(arch: Arch, needs: Needs) -> ValueRegisters {
+        let register = |arg: Option<u8>| arg.map_or(NO_REGISTER, |a| arch.argument_register(a));
+        ValueRegisters {
+            size: register(needs.size),
+            count: register(needs.count),
+            ptr: register(needs.ptr),
+            out: register(needs.out),
+        }
+    }
+}
+
 /// Where a function's probes go, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
@@ -59,35 +131,67 @@ pub struct Placement {
     pub offset: u64,
     /// What is at that spot, or why the entry was kept (for the log).
     pub reason: String,
+    /// Whether the kernel emulates the instruction there; `false`: it is single-stepped
+    /// out of line on every call (or the instruction is unknown).
+    pub emulated: bool,
+    /// Where the values the entry program reads are there.
+    pub registers: ValueRegisters,
 }
 
 impl Placement {
-    /// The function's first instruction, for `reason`.
-    pub fn entry(reason: impl Into<String>) -> Placement {
+    /// The function's first instruction, for `reason`. `code` is the function's bytes
+    /// (as much as is known), to tell whether the kernel emulates that instruction.
+    pub fn entry(arch: Arch, code: &[u8], needs: Needs, reason: impl Into<String>) -> Placement {
         Placement {
             offset: 0,
             reason: reason.into(),
+            emulated: emulated_at(arch, code, 0).is_some(),
+            registers: ValueRegisters::at_entry(arch, needs),
         }
     }
 }
 
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "+{} ({})", self.offset, self.reason)
+        write!(f, "+{} ({})", self.offset, self.reason)?;
+        if !self.emulated {
+            write!(f, ", single-stepped")?;
+        }
+        Ok(())
     }
 }
 
 /// How far past the entry a probe may move.
-const MAX_SKIPPED_INSTRUCTIONS: usize = 8;
+const MAX_SKIPPED_INSTRUCTIONS: usize = 24;
 
 /// Chooses the probe spot in `code`, the function's bytes from its first instruction
-/// (the whole function, so branches back into the skipped bytes can be seen).
-/// `return_probe` says whether a return probe shares the spot.
-pub fn place(arch: Arch, code: &[u8], return_probe: bool) -> Placement {
+/// (the whole function, so branches back into the skipped bytes can be seen), for an
+/// entry program that reads `needs`. `return_probe` says whether a return probe shares
+/// the spot.
+pub fn place(arch: Arch, code: &[u8], needs: Needs, return_probe: bool) -> Placement {
     match arch {
         // x86-64 keeps only the stack pointer for a return probe, which is always kept.
-        Arch::X86_64 => x86::place(code),
-        Arch::Aarch64 => arm64::place(code, return_probe),
+        Arch::X86_64 => x86::place(code, needs),
+        Arch::Aarch64 => arm64::place(code, needs, return_probe),
+    }
+}
+
+/// What the kernel emulates at `offset` of `code`, if it does.
+fn emulated_at(arch: Arch, code: &[u8], offset: usize) -> Option<&'static str> {
+    let rest = code.get(offset..)?;
+    match arch {
+        Arch::X86_64 => {
+            let mut decoder = Decoder::with_ip(64, rest, 0, DecoderOptions::NONE);
+            let instruction = decoder.decode();
+            if instruction.is_invalid() {
+                return None;
+            }
+            x86::emulated(rest.get(..instruction.len())?)
+        }
+        Arch::Aarch64 => {
+            let word = rest.first_chunk::<4>()?;
+            arm64::simulated(u32::from_le_bytes(*word))
+        }
     }
 }
 
@@ -97,7 +201,7 @@ mod x86 {
     /// The kernel's x86 uprobe code emulates these instead of single-stepping them
     /// (arch/x86/kernel/uprobes.c: branch_setup_xol_ops, push_setup_xol_ops).
     /// Prefixed forms are left out: the kernel rejects several of them.
-    fn emulated(bytes: &[u8]) -> Option<&'static str> {
+    pub(super) fn emulated(bytes: &[u8]) -> Option<&'static str> {
         match bytes {
             [0x50..=0x57] | [0x41, 0x50..=0x57] => Some("push"),
             [0x70..=0x7f, _] | [0x0f, 0x80..=0x8f, _, _, _, _] => Some("conditional jump"),
@@ -108,20 +212,152 @@ mod x86 {
         }
     }
 
-    const ARGUMENT_REGISTERS: [Register; 6] = [
-        Register::RDI,
-        Register::RSI,
-        Register::RDX,
-        Register::RCX,
-        Register::R8,
-        Register::R9,
-    ];
+    /// DWARF's number of a general-purpose register (any width names its full register).
+    fn number(register: Register) -> Option<u8> {
+        Some(match register.full_register() {
+            Register::RAX => 0,
+            Register::RDX => 1,
+            Register::RCX => 2,
+            Register::RBX => 3,
+            Register::RSI => 4,
+            Register::RDI => 5,
+            Register::RBP => 6,
+            Register::RSP => 7,
+            Register::R8 => 8,
+            Register::R9 => 9,
+            Register::R10 => 10,
+            Register::R11 => 11,
+            Register::R12 => 12,
+            Register::R13 => 13,
+            Register::R14 => 14,
+            Register::R15 => 15,
+            _ => return None,
+        })
+    }
+
+    const RSP: u8 = 7;
+
+    /// What a register holds, in terms of the call's arguments.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Value {
+        Unknown,
+        Argument(u8),
+        /// The low 64 bits of the product of two arguments.
+        Product(u8, u8),
+    }
+
+    fn product(a: Value, b: Value) -> Value {
+        match (a, b) {
+            (Value::Argument(a), Value::Argument(b)) => Value::Product(a, b),
+            _ => Value::Unknown,
+        }
+    }
 
     fn writes(access: OpAccess) -> bool {
         matches!(
             access,
             OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite
         )
+    }
+
+    /// The registers' values, followed through an instruction that falls through.
+    struct Registers {
+        values: [Value; 16],
+        info: InstructionInfoFactory,
+    }
+
+    impl Registers {
+        fn at_entry() -> Registers {
+            let mut values = [Value::Unknown; 16];
+            for index in 0..6 {
+                let register = Arch::X86_64.argument_register(index);
+                values[usize::from(register)] = Value::Argument(index);
+            }
+            Registers {
+                values,
+                info: InstructionInfoFactory::new(),
+            }
+        }
+
+        fn register_operand(instruction: &Instruction, operand: u32) -> Option<u8> {
+            (instruction.op_kind(operand) == OpKind::Register)
+                .then(|| number(instruction.op_register(operand)))
+                .flatten()
+        }
+
+        /// Applies `instruction`; false if it writes the stack pointer.
+        fn apply(&mut self, instruction: &Instruction) -> bool {
+            let operands = (
+                Self::register_operand(instruction, 0),
+                Self::register_operand(instruction, 1),
+            );
+            match (instruction.code(), operands) {
+                (Code::Mov_r64_rm64 | Code::Mov_rm64_r64, (Some(to), Some(from))) if to != RSP => {
+                    self.values[usize::from(to)] = self.values[usize::from(from)];
+                    return true;
+                }
+                (Code::Mul_rm64, (Some(by), _)) => {
+                    // rdx:rax = rax * operand.
+                    self.values[0] = product(self.values[0], self.values[usize::from(by)]);
+                    self.values[1] = Value::Unknown;
+                    return true;
+                }
+                (Code::Imul_r64_rm64, (Some(to), Some(by))) if to != RSP => {
+                    let value = product(self.values[usize::from(to)], self.values[usize::from(by)]);
+                    self.values[usize::from(to)] = value;
+                    return true;
+                }
+                _ => {}
+            }
+            for used in self.info.info(instruction).used_registers() {
+                if !writes(used.access()) {
+                    continue;
+                }
+                match number(used.register()) {
+                    Some(RSP) => return false,
+                    Some(register) => self.values[usize::from(register)] = Value::Unknown,
+                    None => {}
+                }
+            }
+            true
+        }
+
+        /// A register holding `value`, the argument's own first.
+        fn find(&self, value: Value) -> Option<u8> {
+            if let Value::Argument(index) = value {
+                let own = Arch::X86_64.argument_register(index);
+                if self.values.get(usize::from(own)) == Some(&value) {
+                    return Some(own);
+                }
+            }
+            (0..16u8).find(|&r| self.values[usize::from(r)] == value)
+        }
+
+        /// Where `needs` are now, if all are somewhere.
+        fn locate(&self, needs: Needs) -> Option<ValueRegisters> {
+            let register = |arg: Option<u8>| match arg {
+                None => Some(NO_REGISTER),
+                Some(index) => self.find(Value::Argument(index)),
+            };
+            let (size, count) = match (needs.size, needs.count) {
+                (Some(size), Some(count)) => {
+                    let product = self
+                        .find(Value::Product(count, size))
+                        .or_else(|| self.find(Value::Product(size, count)));
+                    match product {
+                        Some(register) => (register, NO_REGISTER),
+                        None => (register(needs.size)?, register(needs.count)?),
+                    }
+                }
+                _ => (register(needs.size)?, register(needs.count)?),
+            };
+            Some(ValueRegisters {
+                size,
+                count,
+                ptr: register(needs.ptr)?,
+                out: register(needs.out)?,
+            })
+        }
     }
 
     fn decode_all(code: &[u8]) -> Option<Vec<Instruction>> {
@@ -137,52 +373,20 @@ mod x86 {
         Some(instructions)
     }
 
-    pub(super) fn place(code: &[u8]) -> Placement {
-        let Some(instructions) = decode_all(code) else {
-            return Placement::entry("entry: the function does not decode");
-        };
-        let mut info = InstructionInfoFactory::new();
-        let mut candidate = None;
-        for instruction in instructions.iter().take(MAX_SKIPPED_INSTRUCTIONS + 1) {
-            let start = instruction.ip() as usize;
-            let bytes = &code[start..start + instruction.len()];
-            if let Some(what) = emulated(bytes) {
-                candidate = Some((instruction.ip(), what));
-                break;
-            }
-            if instruction.flow_control() != FlowControl::Next {
-                return Placement::entry("entry: a branch comes before any emulated instruction");
-            }
-            let protected = |register: Register| {
-                ARGUMENT_REGISTERS.contains(&register) || register == Register::RSP
-            };
-            let clobbers =
-                info.info(instruction).used_registers().iter().any(|used| {
-                    writes(used.access()) && protected(used.register().full_register())
-                });
-            if clobbers {
-                return Placement::entry(
-                    "entry: an instruction before the first emulated one writes an argument register or the stack pointer",
-                );
-            }
-        }
-        let Some((offset, what)) = candidate else {
-            return Placement::entry("entry: no emulated instruction near the start");
-        };
-        if offset == 0 {
-            return Placement::entry(format!("entry: the first instruction is a {what}"));
-        }
-        for instruction in &instructions {
+    /// Whether a direct branch of the function lands in `(0, offset]`, or an indirect
+    /// jump makes that unknowable: why the spot cannot be used.
+    fn branch_into(instructions: &[Instruction], offset: u64) -> Option<&'static str> {
+        for instruction in instructions {
             match instruction.flow_control() {
                 FlowControl::IndirectBranch => {
-                    return Placement::entry("entry: the function has an indirect jump");
+                    return Some("entry: the function has an indirect jump");
                 }
                 FlowControl::UnconditionalBranch
                 | FlowControl::ConditionalBranch
                 | FlowControl::Call => {
                     let target = instruction.near_branch_target();
                     if target > 0 && target <= offset {
-                        return Placement::entry(
+                        return Some(
                             "entry: a branch in the function lands in the skipped instructions",
                         );
                     }
@@ -190,9 +394,56 @@ mod x86 {
                 _ => {}
             }
         }
+        None
+    }
+
+    pub(super) fn place(code: &[u8], needs: Needs) -> Placement {
+        let entry = |reason: &str| Placement::entry(Arch::X86_64, code, needs, reason);
+        let Some(instructions) = decode_all(code) else {
+            return entry("entry: the function does not decode");
+        };
+        let mut registers = Registers::at_entry();
+        let mut spot = None;
+        for instruction in instructions.iter().take(MAX_SKIPPED_INSTRUCTIONS + 1) {
+            let start = instruction.ip() as usize;
+            let bytes = &code[start..start + instruction.len()];
+            if let Some(what) = emulated(bytes) {
+                spot = Some((instruction.ip(), what));
+                break;
+            }
+            if instruction.flow_control() != FlowControl::Next {
+                return entry("entry: a branch comes before any emulated instruction");
+            }
+            if !registers.apply(instruction) {
+                return entry(
+                    "entry: an instruction before the first emulated one writes the stack pointer",
+                );
+            }
+        }
+        let Some((offset, what)) = spot else {
+            return entry("entry: no emulated instruction near the start");
+        };
+        if offset == 0 {
+            return entry(&format!("entry: the first instruction is a {what}"));
+        }
+        let Some(located) = registers.locate(needs) else {
+            return entry(
+                "entry: a value the probe reads is overwritten before the first emulated instruction",
+            );
+        };
+        if let Some(reason) = branch_into(&instructions, offset) {
+            return entry(reason);
+        }
+        let moved = located != ValueRegisters::at_entry(Arch::X86_64, needs);
         Placement {
             offset,
-            reason: format!("{what}, after instructions that keep the arguments"),
+            reason: if moved {
+                format!("{what}, the values read from the registers they were moved to")
+            } else {
+                format!("{what}, after instructions that keep the values read")
+            },
+            emulated: true,
+            registers: located,
         }
     }
 }
@@ -203,7 +454,7 @@ mod arm64 {
     /// Instructions the arm64 kernel simulates rather than single-steps
     /// (arch/arm64/kernel/probes/decode-insn.c): PC-relative branches, adr/adrp and
     /// literal loads. Anything newer kernels added is left out: unsure means entry.
-    fn simulated(word: u32) -> Option<&'static str> {
+    pub(super) fn simulated(word: u32) -> Option<&'static str> {
         if word & 0xff00_0010 == 0x5400_0000 {
             Some("b.cond")
         } else if word & 0x7e00_0000 == 0x3400_0000 {
@@ -259,7 +510,8 @@ mod arm64 {
         word & 0xfe60_0000 == 0xd600_0000
     }
 
-    pub(super) fn place(code: &[u8], return_probe: bool) -> Placement {
+    pub(super) fn place(code: &[u8], needs: Needs, return_probe: bool) -> Placement {
+        let entry = |reason: &str| Placement::entry(Arch::Aarch64, code, needs, reason);
         let words: Vec<u32> = code
             .as_chunks::<4>()
             .0
@@ -273,33 +525,33 @@ mod arm64 {
                 break;
             }
             if !skippable(word, return_probe) {
-                return Placement::entry(
+                return entry(
                     "entry: an instruction before the first simulated one may change state",
                 );
             }
         }
         let Some((offset, what)) = candidate else {
-            return Placement::entry("entry: no simulated instruction near the start");
+            return entry("entry: no simulated instruction near the start");
         };
         if offset == 0 {
-            return Placement::entry(format!("entry: the first instruction is a {what}"));
+            return entry(&format!("entry: the first instruction is a {what}"));
         }
         for (index, &word) in words.iter().enumerate() {
             if indirect_jump(word) {
-                return Placement::entry("entry: the function has an indirect jump");
+                return entry("entry: the function has an indirect jump");
             }
             if let Some(target) = branch_target(word, index as i64 * 4)
                 && target > 0
                 && target <= offset as i64
             {
-                return Placement::entry(
-                    "entry: a branch in the function lands in the skipped instructions",
-                );
+                return entry("entry: a branch in the function lands in the skipped instructions");
             }
         }
         Placement {
             offset,
             reason: format!("{what}, after instructions that keep the arguments"),
+            emulated: true,
+            registers: ValueRegisters::at_entry(Arch::Aarch64, needs),
         }
     }
 }
@@ -308,64 +560,166 @@ mod arm64 {
 mod tests {
     use super::*;
 
+    /// Hex bytes as written by objdump.
+    fn hex(text: &str) -> Vec<u8> {
+        text.split_whitespace()
+            .map(|byte| u8::from_str_radix(byte, 16).expect("hex byte"))
+            .collect()
+    }
+
+    const FREE: Needs = Needs {
+        size: None,
+        count: None,
+        ptr: Some(0),
+        out: None,
+    };
+    const MALLOC: Needs = Needs {
+        size: Some(0),
+        count: None,
+        ptr: None,
+        out: None,
+    };
+    const CALLOC: Needs = Needs {
+        size: Some(1),
+        count: Some(0),
+        ptr: None,
+        out: None,
+    };
+    const REALLOCARRAY: Needs = Needs {
+        size: Some(2),
+        count: Some(1),
+        ptr: Some(0),
+        out: None,
+    };
+
+    /// DWARF numbers of the x86-64 registers the tests name.
+    const RAX: u8 = 0;
+    const RSI: u8 = 4;
+    const RDI: u8 = 5;
+
     /// glibc 2.36's free: test %rdi,%rdi; je +0xbf; push %rbp; lea -0x10(%rdi),%rsi; ret
-    const GLIBC_FREE: &[u8] = &[
-        0x48, 0x85, 0xff, 0x0f, 0x84, 0xbf, 0x00, 0x00, 0x00, 0x55, 0x48, 0x8d, 0x77, 0xf0, 0xc3,
-    ];
+    const GLIBC_FREE: &str = "48 85 ff 0f 84 bf 00 00 00 55 48 8d 77 f0 c3";
 
     #[test]
     fn x86_free_moves_past_the_null_test() {
-        let placement = place(Arch::X86_64, GLIBC_FREE, false);
+        let placement = place(Arch::X86_64, &hex(GLIBC_FREE), FREE, false);
         assert_eq!(placement.offset, 3, "{placement}");
         assert!(placement.reason.contains("conditional jump"));
+        assert!(placement.emulated);
+        assert_eq!(placement.registers.ptr, RDI);
+    }
+
+    #[test]
+    fn x86_writes_to_registers_the_probe_does_not_read_are_skipped() {
+        // jemalloc 5.3's free (Debian): nine instructions computing into rax, rdx and
+        // rcx, then jne at +0x30. rdx and rcx are argument registers, but free reads
+        // only its first argument.
+        let code = hex(
+            "48 89 f8 48 8b 15 0e 53 0a 00 48 89 f9 48 c1 e8 1a 48 81 e1 00 00 00 c0 \
+             25 f0 00 00 00 64 48 03 04 25 00 00 00 00 48 01 d0 48 3b 88 b0 01 00 00 \
+             0f 85 8a 00 00 00",
+        );
+        let placement = place(Arch::X86_64, &code, FREE, false);
+        assert_eq!(placement.offset, 0x30, "{placement}");
+        assert_eq!(placement.registers.ptr, RDI);
+        // Were the size in rdx (a third argument) read, the entry would stay.
+        let needs = Needs {
+            size: Some(2),
+            ..FREE
+        };
+        let placement = place(Arch::X86_64, &code, needs, false);
+        assert_eq!(placement.offset, 0, "{placement}");
+        assert!(!placement.emulated, "mov %rdi,%rax is single-stepped");
+    }
+
+    #[test]
+    fn x86_moved_arguments_are_read_where_they_were_moved() {
+        // mimalloc 2.0's malloc: mov tls(%rip),%rax; mov %rdi,%rsi;
+        // mov %fs:(%rax),%rdi; cmp $0x400,%rsi; ja
+        let code = hex("48 8b 05 49 b4 00 00 48 89 fe 64 48 8b 38 48 81 fe 00 04 00 00 77 29");
+        let placement = place(Arch::X86_64, &code, MALLOC, true);
+        assert_eq!(placement.offset, 0x15, "{placement}");
+        assert_eq!(placement.registers.size, RSI);
+        // mimalloc's calloc: the count moved to rax, the size kept in rsi.
+        let code = hex("48 8b 15 c9 ad 00 00 48 89 f8 64 48 8b 3a 48 83 f8 01 74 08");
+        let placement = place(Arch::X86_64, &code, CALLOC, true);
+        assert_eq!(placement.offset, 0x12, "{placement}");
+        assert_eq!(
+            (placement.registers.count, placement.registers.size),
+            (RAX, RSI)
+        );
+    }
+
+    #[test]
+    fn x86_a_product_of_count_and_size_is_the_size() {
+        // glibc's reallocarray: mov %rsi,%rax; mul %rdx; mov %rax,%rsi; jo; jmp realloc
+        let code = hex("48 89 f0 48 f7 e2 48 89 c6 70 05 e9 40 b8 f8 ff");
+        let placement = place(Arch::X86_64, &code, REALLOCARRAY, true);
+        assert_eq!(placement.offset, 9, "{placement}");
+        let registers = placement.registers;
+        // rax and rsi both hold the product there.
+        assert!([RAX, RSI].contains(&registers.size), "{registers:?}");
+        assert_eq!(
+            (registers.count, registers.ptr, registers.out),
+            (NO_REGISTER, RDI, NO_REGISTER)
+        );
+        // A product of anything else is no size.
+        let code = hex("48 89 f0 48 f7 e7 48 89 c6 70 05 e9 40 b8 f8 ff");
+        assert_eq!(place(Arch::X86_64, &code, REALLOCARRAY, true).offset, 0);
     }
 
     #[test]
     fn x86_push_at_entry_stays() {
         // glibc's malloc: push %r12; push %rbp; ret
-        let placement = place(Arch::X86_64, &[0x41, 0x54, 0x55, 0xc3], true);
+        let placement = place(Arch::X86_64, &hex("41 54 55 c3"), MALLOC, true);
         assert_eq!(placement.offset, 0, "{placement}");
+        assert!(placement.emulated);
     }
 
     #[test]
     fn x86_cmpb_then_push_moves_even_with_a_return_probe() {
         // glibc's posix_memalign: cmpb $0,0x10(%rip); push %r12; ret
-        let code = [0x80, 0x3d, 0x10, 0x00, 0x00, 0x00, 0x00, 0x41, 0x54, 0xc3];
-        assert_eq!(place(Arch::X86_64, &code, true).offset, 7);
+        let code = hex("80 3d 10 00 00 00 00 41 54 c3");
+        assert_eq!(place(Arch::X86_64, &code, MALLOC, true).offset, 7);
     }
 
     #[test]
     fn x86_argument_or_stack_writes_keep_the_entry() {
         // mov %rsi,%rdi; push %rbx: the first argument is gone at the push.
-        assert_eq!(
-            place(Arch::X86_64, &[0x48, 0x89, 0xf7, 0x53, 0xc3], false).offset,
-            0
-        );
+        let placement = place(Arch::X86_64, &hex("48 89 f7 53 c3"), FREE, false);
+        assert_eq!(placement.offset, 0, "{placement}");
+        assert!(!placement.emulated);
+        // A 32-bit copy is not the 64-bit value: mov %edi,%eax; xor %edi,%edi; push %rbx.
+        let placement = place(Arch::X86_64, &hex("89 f8 31 ff 53 c3"), MALLOC, false);
+        assert_eq!(placement.offset, 0, "{placement}");
         // sub $8,%rsp; push %rbx: the return address is no longer at the stack pointer,
         // and the stack pointer no longer tells where the call began (with or without
         // a return probe: free's nesting check uses it too).
-        let code = [0x48, 0x83, 0xec, 0x08, 0x53, 0xc3];
-        assert_eq!(place(Arch::X86_64, &code, true).offset, 0);
-        assert_eq!(place(Arch::X86_64, &code, false).offset, 0);
+        let code = hex("48 83 ec 08 53 c3");
+        assert_eq!(place(Arch::X86_64, &code, MALLOC, true).offset, 0);
+        assert_eq!(place(Arch::X86_64, &code, FREE, false).offset, 0);
+        // mov %rdi,%rsp: copying into the stack pointer is no move to follow.
+        let code = hex("48 89 fc 53 c3");
+        assert_eq!(place(Arch::X86_64, &code, FREE, false).offset, 0);
     }
 
     #[test]
     fn x86_branch_back_into_skipped_bytes_keeps_the_entry() {
         // test %rdi,%rdi; je +0; jmp back to the je (offset 3).
-        let code = [
-            0x48, 0x85, 0xff, 0x0f, 0x84, 0x00, 0x00, 0x00, 0x00, 0xeb, 0xf8,
-        ];
-        let placement = place(Arch::X86_64, &code, false);
+        let code = hex("48 85 ff 0f 84 00 00 00 00 eb f8");
+        let placement = place(Arch::X86_64, &code, FREE, false);
         assert_eq!(placement.offset, 0, "{placement}");
         // An indirect jump anywhere: unknowable.
-        let code = [0x48, 0x85, 0xff, 0x74, 0x02, 0xff, 0xe0, 0xc3];
-        assert_eq!(place(Arch::X86_64, &code, false).offset, 0);
+        let code = hex("48 85 ff 74 02 ff e0 c3");
+        assert_eq!(place(Arch::X86_64, &code, FREE, false).offset, 0);
     }
 
     #[test]
     fn x86_garbage_keeps_the_entry() {
-        assert_eq!(place(Arch::X86_64, &[0x0f, 0xff, 0xff], false).offset, 0);
-        assert_eq!(place(Arch::X86_64, &[], false).offset, 0);
+        let placement = place(Arch::X86_64, &[0x0f, 0xff, 0xff], FREE, false);
+        assert_eq!(placement.offset, 0);
+        assert!(!placement.emulated);
+        assert_eq!(place(Arch::X86_64, &[], FREE, false).offset, 0);
     }
 
     fn words(words: &[u32]) -> Vec<u8> {
@@ -375,31 +729,39 @@ mod tests {
     #[test]
     fn arm64_cbz_at_entry_stays_and_cmp_is_skipped() {
         // cbz x0, +8; ret
-        assert_eq!(
-            place(Arch::Aarch64, &words(&[0xb400_0040, 0xd65f_03c0]), false).offset,
-            0
+        let placement = place(
+            Arch::Aarch64,
+            &words(&[0xb400_0040, 0xd65f_03c0]),
+            FREE,
+            false,
         );
+        assert_eq!(placement.offset, 0);
+        assert!(placement.emulated);
         // cmp x0, #0 (subs xzr, x0, #0); b.eq +8; ret
         let code = words(&[0xf100_001f, 0x5400_0040, 0xd65f_03c0]);
-        assert_eq!(place(Arch::Aarch64, &code, false).offset, 4);
+        let placement = place(Arch::Aarch64, &code, FREE, false);
+        assert_eq!(placement.offset, 4);
+        assert_eq!(placement.registers.ptr, 0);
     }
 
     #[test]
     fn arm64_paciasp_is_skipped_only_without_a_return_probe() {
         // paciasp; b.eq +8; ret
         let code = words(&[0xd503_233f, 0x5400_0040, 0xd65f_03c0]);
-        assert_eq!(place(Arch::Aarch64, &code, false).offset, 4);
-        assert_eq!(place(Arch::Aarch64, &code, true).offset, 0);
+        assert_eq!(place(Arch::Aarch64, &code, FREE, false).offset, 4);
+        assert_eq!(place(Arch::Aarch64, &code, MALLOC, true).offset, 0);
     }
 
     #[test]
     fn arm64_unknown_instructions_keep_the_entry() {
         // stp x29, x30, [sp, #-16]!; b.eq +8
         let code = words(&[0xa9bf_7bfd, 0x5400_0040]);
-        assert_eq!(place(Arch::Aarch64, &code, false).offset, 0);
+        let placement = place(Arch::Aarch64, &code, MALLOC, true);
+        assert_eq!(placement.offset, 0);
+        assert!(!placement.emulated, "stp is single-stepped");
         // cmp; b.eq; b back to the b.eq (offset 4)
         let code = words(&[0xf100_001f, 0x5400_0040, 0x17ff_ffff]);
-        assert_eq!(place(Arch::Aarch64, &code, false).offset, 0);
+        assert_eq!(place(Arch::Aarch64, &code, FREE, false).offset, 0);
     }
 
     #[test]

@@ -1,0 +1,107 @@
+//! Probe placement on the real allocators heapprofd probes by default: no probe may sit
+//! on an instruction the kernel single-steps (~10 µs per call against ~0.6-1 µs for an
+//! emulated one), and the registers the programs read there must hold the values the
+//! function's signature names.
+//!
+//! Root-free: the objects are scanned as files, as the daemon scans them. The objects
+//! are Debian's (glibc, jemalloc, tcmalloc, mimalloc, musl), a static glibc program and
+//! the Rust program on tikv-jemallocator (its `_rjem_` names), all installed by
+//! `cargo xtask setup`: a missing one fails the test.
+
+mod common;
+
+use std::path::Path;
+
+use common::{compile, counted, scratch};
+use heapprof_daemon::{
+    allocators::{api::Family, scan},
+    probes::placement::PlacementMode,
+};
+
+/// Scans `path` as the daemon would and returns `(function, placement)` for every
+/// function it would probe there that the kernel single-steps.
+fn single_stepped(path: &Path, executable: bool) -> (usize, Vec<String>) {
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo xtask setup` installs it",
+        path.display()
+    );
+    let scan = scan::scan(
+        path,
+        &path.display().to_string(),
+        executable,
+        &[],
+        PlacementMode::Auto,
+    )
+    .unwrap_or_else(|err| panic!("scanning {}: {err}", path.display()));
+    let probed: Vec<_> = scan
+        .of_families(&[Family::Standard, Family::Vendor])
+        .collect();
+    let stepped = probed
+        .iter()
+        .filter(|f| !f.placement.emulated)
+        .map(|f| format!("{} at {}", f.name, f.placement))
+        .collect();
+    (probed.len(), stepped)
+}
+
+fn assert_none_single_stepped(path: &Path, executable: bool, at_least: usize) {
+    let (probed, stepped) = single_stepped(path, executable);
+    assert!(
+        probed >= at_least,
+        "{}: {probed} allocator functions found, expected at least {at_least}",
+        path.display()
+    );
+    assert!(
+        stepped.is_empty(),
+        "{}: {} of {probed} probes single-stepped:\n{}",
+        path.display(),
+        stepped.len(),
+        stepped.join("\n")
+    );
+}
+
+const LIB: &str = "/usr/lib/x86_64-linux-gnu";
+
+#[test]
+fn glibc_probes_are_all_emulated() {
+    assert_none_single_stepped(Path::new("/lib/x86_64-linux-gnu/libc.so.6"), false, 9);
+}
+
+#[test]
+fn jemalloc_probes_are_all_emulated() {
+    assert_none_single_stepped(&Path::new(LIB).join("libjemalloc.so.2"), false, 20);
+}
+
+#[test]
+fn tcmalloc_probes_are_all_emulated() {
+    assert_none_single_stepped(&Path::new(LIB).join("libtcmalloc_minimal.so.4"), false, 15);
+}
+
+#[test]
+fn mimalloc_probes_are_all_emulated() {
+    assert_none_single_stepped(&Path::new(LIB).join("libmimalloc.so.2"), false, 20);
+}
+
+#[test]
+fn musl_probes_are_all_emulated() {
+    assert_none_single_stepped(Path::new("/usr/lib/x86_64-linux-musl/libc.so"), false, 5);
+}
+
+#[test]
+fn static_glibc_probes_are_all_emulated() {
+    let dir = scratch();
+    let program = compile(
+        dir.path(),
+        "alloc_abc",
+        "alloc_abc-static",
+        &["-O2", "-static"],
+    );
+    assert_none_single_stepped(&program, true, 8);
+}
+
+#[test]
+fn rust_jemalloc_probes_are_all_emulated() {
+    let program = counted::rust_program(true, None, counted::Linker::Lld);
+    assert_none_single_stepped(&program, true, 6);
+}
