@@ -76,10 +76,18 @@ fn read_user(address: u64) -> Option<u64> {
     unsafe { bpf_probe_read_user(address as *const u64) }.ok()
 }
 
+/// Bytes the window grows by: an aligned chunk lies within one page, so it is mapped
+/// whole or not at all (the stack's end is a page boundary), and a chunk, not a page,
+/// is what most stacks need: a copy costs about its size (4 KiB copied up front for
+/// every allocation were a fifth of a shallow-stacked program's time).
+const WINDOW_CHUNK: u64 = 512;
+const WINDOW_CHUNK_WORDS: usize = WINDOW_CHUNK as usize / 8;
+
 /// Reads the 8 bytes at `address` of the user stack through the walk's window: a copy
-/// of the stack made with one `bpf_probe_read_user` (each call costs ~250 ns here,
-/// copying 4 KiB barely more). An address beyond it refills the window with the rest
-/// of the address's page (mapped, as the stack reaches it).
+/// of the stack's aligned chunks from the first one the walk read, grown chunk by
+/// chunk as the walk moves outwards (one `bpf_probe_read_user` per chunk instead of
+/// one per word). An address outside what the window can hold starts it anew there;
+/// an unaligned one, or one whose chunk cannot be read, is read on its own.
 #[inline(always)]
 fn stack_read(walk: &mut Walk, address: u64) -> Option<u64> {
     if address & 7 != 0 {
@@ -87,37 +95,51 @@ fn stack_read(walk: &mut Walk, address: u64) -> Option<u64> {
     }
     let mut offset = address.wrapping_sub(walk.window_base);
     if offset >= u64::from(walk.window_len) {
-        let to_page_end = 4096 - (address & 4095);
-        if !fill_window(walk, address, to_page_end as usize) {
+        if !extend_window(walk, address) {
             return read_user(address);
         }
-        offset = 0;
+        offset = address.wrapping_sub(walk.window_base);
     }
     let window = STACK_WINDOW.get(0)?;
     Some(window.words[(offset / 8) as usize & (STACK_WINDOW_WORDS - 1)])
 }
 
-/// Copies `len` bytes (at most the window's size) of the stack from `address` into this
-/// CPU's window. A read that faults anywhere fails whole.
+/// Grows this CPU's window up to the chunk holding `address`, or starts it there when
+/// the window cannot reach it. A chunk that faults ends the growth.
 #[inline(always)]
-fn fill_window(walk: &mut Walk, address: u64, len: usize) -> bool {
-    if len > STACK_WINDOW_BYTES {
-        return false;
+fn extend_window(walk: &mut Walk, address: u64) -> bool {
+    let chunk = address & !(WINDOW_CHUNK - 1);
+    let reachable = walk.window_len != 0
+        && chunk >= walk.window_base
+        && chunk - walk.window_base < STACK_WINDOW_BYTES as u64;
+    if !reachable {
+        walk.window_base = chunk;
+        walk.window_len = 0;
     }
     let Some(window) = STACK_WINDOW.get_ptr_mut(0) else {
         return false;
     };
-    // SAFETY: a prefix of this CPU's slot, viewed as bytes; programs on one CPU do not
-    // interleave.
-    let bytes =
-        unsafe { core::slice::from_raw_parts_mut((*window).words.as_mut_ptr().cast::<u8>(), len) };
-    // SAFETY: bpf_probe_read_user_buf checks the user address.
-    if unsafe { bpf_probe_read_user_buf(address as *const u8, bytes) }.is_err() {
-        return false;
+    for _ in 0..STACK_WINDOW_BYTES / WINDOW_CHUNK as usize {
+        let end = walk.window_base + u64::from(walk.window_len);
+        if end > chunk {
+            return true;
+        }
+        let first_word = (walk.window_len as usize / 8) & (STACK_WINDOW_WORDS - WINDOW_CHUNK_WORDS);
+        // SAFETY: a chunk-sized part of this CPU's slot, within it by the mask above,
+        // viewed as bytes; programs on one CPU do not interleave.
+        let bytes = unsafe {
+            core::slice::from_raw_parts_mut(
+                (*window).words.as_mut_ptr().add(first_word).cast::<u8>(),
+                WINDOW_CHUNK as usize,
+            )
+        };
+        // SAFETY: bpf_probe_read_user_buf checks the user address.
+        if unsafe { bpf_probe_read_user_buf(end as *const u8, bytes) }.is_err() {
+            return false;
+        }
+        walk.window_len += WINDOW_CHUNK as u32;
     }
-    walk.window_base = address;
-    walk.window_len = len as u32;
-    true
+    walk.window_base + u64::from(walk.window_len) > chunk
 }
 
 /// A binary search in progress: the last entry whose start is at most `key` lies in
@@ -579,12 +601,6 @@ pub fn unwind(
         window_len: 0,
         _pad: 0,
     };
-    // With CFI the window starts with 4 KiB above the stack pointer (most stacks
-    // whole), or the rest of its page where the stack ends sooner. A frame-pointer walk
-    // often stops after a frame or two: it fills the window when it first reads.
-    if mode != UnwindMode::FramePointers as u32 && !fill_window(&mut walk, sp, STACK_WINDOW_BYTES) {
-        fill_window(&mut walk, sp, (4096 - (sp & 4095)) as usize);
-    }
     // SAFETY: the callback is a BPF subprogram taking the context pointer given here,
     // which stays valid for the call.
     unsafe {
