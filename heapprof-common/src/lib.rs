@@ -150,8 +150,10 @@ pub struct InFlight {
     pub slot: u32,
     /// Whether the call's new block is recorded (always, unless sampling).
     pub sampled: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// The thread's process image (its exec generation, see `EXEC_GEN`), looked up
+    /// when the thread's record is created and set at the thread's exec: the return
+    /// probe needs it for every stack and finds it here instead of in a second table.
+    pub exec_gen: u32,
 }
 
 /// Most functions probed in one session, over every allocator object (`PROBES`).

@@ -40,7 +40,7 @@ use aya_ebpf::{
 use heapprof_common::{DropReason, InFlight, MAX_NESTING_SPAN, ProbeSlot, ProbeSpec};
 
 use crate::{
-    maps::{IN_FLIGHT, armed, count_drop, ignored, probe_spec},
+    maps::{EXEC_GEN, IN_FLIGHT, armed, count_drop, ignored, probe_spec},
     regs::{self, RETURN_SP_OFFSET},
     sampling::sampled,
 };
@@ -97,9 +97,11 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
     }
     let (ip, sp) = regs::at_entry(ctx);
     let existing = IN_FLIGHT.get_ptr_mut(&tid);
+    let mut exec_gen = 0;
     if let Some(state) = existing {
         // SAFETY: the entry belongs to this thread; nothing else writes it.
         let state = unsafe { &mut *state };
+        exec_gen = state.exec_gen;
         if state.active != 0 {
             if sp == state.entry_sp {
                 if call.size == state.size && call.old_ptr == state.old_ptr {
@@ -120,12 +122,18 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
         active: 1,
         slot: call.slot,
         sampled: sampled(call.size) as u32,
-        _pad: 0,
+        exec_gen,
     };
     match existing {
         // SAFETY: as above.
         Some(slot) => unsafe { *slot = state },
         None => {
+            let tgid = (tid >> 32) as u32;
+            // SAFETY: a plain value copied out of the map.
+            let state = InFlight {
+                exec_gen: unsafe { EXEC_GEN.get(&tgid) }.copied().unwrap_or(0),
+                ..state
+            };
             if IN_FLIGHT.insert(&tid, &state, 0).is_err() {
                 count_drop(DropReason::InFlightFull);
             }
@@ -178,12 +186,16 @@ pub fn free_is_nested(ctx: &ProbeContext, pid_tgid: u64) -> bool {
     false
 }
 
-/// A thread leaves an allocator call for good (exec): its record must not survive.
+/// A thread replaced its process's image (exec), leaving any allocator call for good:
+/// its record must not survive, and its later stacks belong to image `exec_gen`.
 #[inline(always)]
-pub fn abandon(pid_tgid: u64) {
+pub fn exec(pid_tgid: u64, exec_gen: u32) {
     if let Some(state) = IN_FLIGHT.get_ptr_mut(&pid_tgid) {
         // SAFETY: this thread's own entry.
-        unsafe { (*state).active = 0 };
+        unsafe {
+            (*state).active = 0;
+            (*state).exec_gen = exec_gen;
+        }
     }
 }
 

@@ -4,22 +4,21 @@ use aya_ebpf::programs::RetProbeContext;
 use heapprof_common::{ProbeSlot, StackKey, UserStack};
 
 use crate::{
-    maps::{EXEC_GEN, STACK_SCRATCH, unwind_mode},
+    maps::{STACK_SCRATCH, unwind_mode},
     regs, unwind,
 };
 
-/// Unwinds the caller's stack into the per-CPU scratch stack and hashes it with the
-/// process id; returns the site key and the stack (stored with the site when the site
+/// Unwinds the caller's stack (of process `tgid`'s image `exec_gen`) into the per-CPU
+/// scratch stack and hashes it with the process id; returns the site key and the stack (stored with the site when the site
 /// is new). At the return the caller's frame is intact, so its return address is the
 /// first frame and its registers the unwinder's starting point.
 #[inline(always)]
 pub fn record_stack(
     ctx: &RetProbeContext,
     tgid: u32,
+    exec_gen: u32,
     slot: ProbeSlot,
 ) -> Option<(StackKey, &'static UserStack)> {
-    // SAFETY: a plain value copied out of the map.
-    let exec_gen = unsafe { EXEC_GEN.get(&tgid) }.copied().unwrap_or(0);
     let scratch = STACK_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's scratch slot; programs on one CPU do not interleave.
     let stack = unsafe { &mut *scratch };

@@ -157,7 +157,7 @@ fn on_return(ctx: &RetProbeContext) {
     if ptr == 0 || state.sampled == 0 {
         return;
     }
-    if let Some((site, stack)) = stack::record_stack(ctx, tgid, state.slot) {
+    if let Some((site, stack)) = stack::record_stack(ctx, tgid, state.exec_gen, state.slot) {
         sites::allocated(tgid, ptr, state.size, &site, stack);
     }
 }
@@ -273,7 +273,7 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     };
     // The exec kills the other threads, possibly inside an allocator call: the thread
     // now holding the leader's id must not inherit a call in progress from one of them.
-    calls::abandon(pid_tgid);
+    calls::exec(pid_tgid, exec_gen);
     // The old image's mappings are gone; the daemon loads the new ones.
     let _ = PROCESS_MAPPINGS.remove(&tgid);
     // So are its blocks (the daemon retires them from the live table).
