@@ -122,6 +122,13 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
              and new allocators are found when the process's mappings are next read"
         ),
     }
+    if sample_rate != 0 {
+        log::info!(
+            "sampling about one allocation per {sample_rate} bytes: every allocator call \
+             still traps into the kernel, where the probes decide; sampling saves the stack \
+             walk and table updates of the calls it skips, not the traps"
+        );
+    }
     let cgroup = cgroup_filter(cli)?;
     let mut ebpf = probes::load(
         capacities,
