@@ -75,6 +75,11 @@ pub fn ensure(needs: Needs) -> Result<()> {
             "openssh-client",
         ]);
     }
+    if needs == Needs::Bench {
+        // The benchmark's real service: redis-server (linked with jemalloc) and its
+        // redis-benchmark client.
+        packages.extend(["redis-server", "redis-tools"]);
+    }
     ensure_debian_packages(&packages)
 }
 
