@@ -74,6 +74,18 @@ pub struct StackWindow {
 
 #[map(name = "STACK_WINDOW")]
 pub static STACK_WINDOW: PerCpuArray<StackWindow> = PerCpuArray::with_max_entries(1, 0);
+/// How far up the stack the last walk on this CPU read, and whose stack it was: the
+/// stack between a thread's stack pointer and an address read before is mapped.
+#[repr(C)]
+pub struct StackReach {
+    /// The thread.
+    pub pid_tgid: u64,
+    /// The end of what it read.
+    pub end: u64,
+}
+
+#[map(name = "STACK_REACH")]
+pub static STACK_REACH: PerCpuArray<StackReach> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "RULE_CACHE")]
 pub static RULE_CACHE: PerCpuArray<CachedRule> =
     PerCpuArray::with_max_entries(RULE_CACHE_ENTRIES, 0);

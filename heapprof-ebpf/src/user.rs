@@ -157,7 +157,7 @@ fn on_return(ctx: &RetProbeContext) {
     if ptr == 0 || state.sampled == 0 {
         return;
     }
-    if let Some((site, stack)) = stack::record_stack(ctx, tgid, state.exec_gen, state.slot) {
+    if let Some((site, stack)) = stack::record_stack(ctx, pid_tgid, state.exec_gen, state.slot) {
         sites::allocated(tgid, ptr, state.size, &site, stack);
     }
 }
