@@ -74,7 +74,7 @@ pub const NO_REGISTER: u8 = u8::MAX;
 
 /// How many registers an entry program can read a value from: x86-64's sixteen
 /// general-purpose registers in DWARF numbering (rax 0, rdx 1, rcx 2, rbx 3, rsi 4,
-/// rdi 5, rbp 6, rsp 7, r8 8 ... r15 15); on arm64 x0 to x7 (0 to 7).
+/// rdi 5, rbp 6, rsp 7, r8 8 ... r15 15); on arm64 x0 to x15 (0 to 15).
 pub const VALUE_REGISTERS: usize = 16;
 
 /// How the programs read one probed function's call: its role, which registers hold

@@ -86,7 +86,7 @@ pub fn at_return(ctx: &RetProbeContext) -> (u64, u64, u64) {
 }
 
 /// The registers an entry program can read its values from ([`VALUE_REGISTERS`]:
-/// x86-64's general-purpose registers in DWARF order; arm64's x0 to x7, the rest 0).
+/// x86-64's general-purpose registers in DWARF order; arm64's x0 to x15).
 /// Read with constant offsets into the context, which is all the verifier accepts
 /// there; the callers index the copy.
 #[inline(always)]
@@ -105,7 +105,7 @@ pub fn value_registers(ctx: &ProbeContext) -> [u64; VALUE_REGISTERS] {
     unsafe {
         let r = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
         let mut values = [0; VALUE_REGISTERS];
-        values[..8].copy_from_slice(&r.regs[..8]);
+        values.copy_from_slice(&r.regs[..VALUE_REGISTERS]);
         values
     }
     #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]

@@ -97,7 +97,7 @@ pub struct Needs {
 }
 
 /// Where the values an entry program reads are at the probe spot: register numbers
-/// (x86-64: DWARF's, rax 0 to r15 15; arm64: x0 to x7), or [`NO_REGISTER`].
+/// (x86-64: DWARF's, rax 0 to r15 15; arm64: x0 to x15), or [`NO_REGISTER`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ValueRegisters {
     /// The size, or the product of count and size when `count` is [`NO_REGISTER`]
@@ -470,20 +470,243 @@ mod arm64 {
         }
     }
 
-    /// Instructions known to write nothing but flags (cmp/cmn/tst: subs/adds/ands
-    /// into the zero register), and `bti`. `paciasp` writes only the link register,
-    /// so it may be skipped when no return probe shares the spot.
-    fn skippable(word: u32, return_probe: bool) -> bool {
-        let rd_is_zero = word & 0x1f == 0x1f;
-        let flag_setting_arith =
-            // subs/adds (immediate), (shifted register), ands (immediate/shifted register)
-            (word & 0x5f00_0000 == 0x5100_0000 && word & 0x2000_0000 != 0)
-                || (word & 0x5f20_0000 == 0x4b00_0000 && word & 0x2000_0000 != 0)
-                || word & 0x7f80_0000 == 0x7200_0000
-                || word & 0x7f20_0000 == 0x6a00_0000;
-        let bti = word & 0xffff_ff3f == 0xd503_241f;
-        let paciasp = word == 0xd503_233f;
-        (flag_setting_arith && rd_is_zero) || bti || (paciasp && !return_probe)
+    /// The stack pointer in [`Effect`]'s register numbers.
+    const SP: u8 = 32;
+    /// The link register (return address).
+    const LR: u8 = 30;
+
+    /// What an instruction that falls through does to the registers.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Effect {
+        /// Writes no general-purpose register (flags, memory, hints).
+        Nothing,
+        /// Writes these registers: x0-x30 as 0-30, the stack pointer as [`SP`].
+        Writes([Option<u8>; 3]),
+        /// `mov xd, xm`: a 64-bit copy.
+        Move { to: u8, from: u8 },
+        /// `mul xd, xn, xm`: the low 64 bits of a product.
+        Multiply { to: u8, left: u8, right: u8 },
+    }
+
+    fn field(word: u32, shift: u32) -> u8 {
+        ((word >> shift) & 0x1f) as u8
+    }
+
+    /// Register `number` of an instruction where 31 names the zero register: no write.
+    fn zr(number: u8) -> Option<u8> {
+        (number != 31).then_some(number)
+    }
+
+    /// Register `number` of an instruction where 31 names the stack pointer.
+    fn sp(number: u8) -> Option<u8> {
+        Some(if number == 31 { SP } else { number })
+    }
+
+    /// The effect of the common integer, load/store and system instructions (ARMv8-A
+    /// encodings); `None` for any other, which ends the search.
+    fn effect(word: u32) -> Option<Effect> {
+        let rd = field(word, 0);
+        let rn = field(word, 5);
+        let writes = |a: Option<u8>, b: Option<u8>, c: Option<u8>| Some(Effect::Writes([a, b, c]));
+        let flag_setting = word & 0x2000_0000 != 0;
+        // Data processing, immediate.
+        if word & 0x1f00_0000 == 0x1100_0000 {
+            // add/sub (immediate): rd 31 is sp unless flags are set (cmp, cmn).
+            return writes(if flag_setting { zr(rd) } else { sp(rd) }, None, None);
+        }
+        if word & 0x1f80_0000 == 0x1200_0000 {
+            // Logical (immediate): and/orr/eor into sp, ands (tst) into xzr.
+            let ands = word & 0x6000_0000 == 0x6000_0000;
+            return writes(if ands { zr(rd) } else { sp(rd) }, None, None);
+        }
+        if matches!(word & 0x1f80_0000, 0x1280_0000 | 0x1300_0000 | 0x1380_0000) {
+            // Move wide, bitfield (shifts, extends), extract.
+            return writes(zr(rd), None, None);
+        }
+        // Data processing, register.
+        if word & 0x1f00_0000 == 0x0a00_0000 {
+            // Logical (shifted register); orr xd, xzr, xm is `mov xd, xm`.
+            let mov64 = word & 0xffe0_ffe0 == 0xaa00_03e0;
+            if mov64 && rd != 31 {
+                return Some(Effect::Move {
+                    to: rd,
+                    from: field(word, 16),
+                });
+            }
+            return writes(zr(rd), None, None);
+        }
+        if word & 0x1f20_0000 == 0x0b00_0000 {
+            return writes(zr(rd), None, None); // add/sub (shifted register)
+        }
+        if word & 0x1f20_0000 == 0x0b20_0000 {
+            // add/sub (extended register): rd 31 is sp unless flags are set.
+            return writes(if flag_setting { zr(rd) } else { sp(rd) }, None, None);
+        }
+        if word & 0x1fe0_0000 == 0x1a40_0000 {
+            return Some(Effect::Nothing); // ccmp/ccmn: flags only
+        }
+        if matches!(word & 0x1fe0_0000, 0x1a00_0000 | 0x1a80_0000)
+            || word & 0x5fe0_0000 == 0x1ac0_0000
+            || word & 0x5fe0_0000 == 0x5ac0_0000
+        {
+            // adc/sbc, csel family, data processing with one or two sources.
+            return writes(zr(rd), None, None);
+        }
+        if word & 0x1f00_0000 == 0x1b00_0000 {
+            // Three sources: madd (mul when the addend is xzr), umulh...
+            let madd64 = word & 0xffe0_8000 == 0x9b00_0000;
+            if madd64 && field(word, 10) == 31 && rd != 31 {
+                return Some(Effect::Multiply {
+                    to: rd,
+                    left: rn,
+                    right: field(word, 16),
+                });
+            }
+            return writes(zr(rd), None, None);
+        }
+        // Loads and stores of general-purpose registers (V = 0).
+        let load = word & 0x0040_0000 != 0;
+        if word & 0x3f00_0000 == 0x3900_0000 {
+            // Register, unsigned offset: no write back. PRFM loads nothing.
+            let prefetch = word & 0xffc0_0000 == 0xf980_0000;
+            return writes(if load && !prefetch { zr(rd) } else { None }, None, None);
+        }
+        if word & 0x3f20_0000 == 0x3800_0000 {
+            // Register, unscaled/unprivileged offset, or pre/post-indexed (write back).
+            let write_back = word & 0x0400 != 0;
+            return writes(
+                if load { zr(rd) } else { None },
+                write_back.then(|| sp(rn)).flatten(),
+                None,
+            );
+        }
+        if word & 0x3f20_0c00 == 0x3820_0800 {
+            return writes(if load { zr(rd) } else { None }, None, None); // register offset
+        }
+        if word & 0x3e00_0000 == 0x2800_0000 {
+            // Pair: bits 24-23 01 post-index, 11 pre-index (write back).
+            let write_back = word & 0x0080_0000 != 0;
+            let (rt, rt2) = if load {
+                (zr(rd), zr(field(word, 10)))
+            } else {
+                (None, None)
+            };
+            return writes(rt, rt2, write_back.then(|| sp(rn)).flatten());
+        }
+        // System.
+        if word & 0xfff0_0000 == 0xd530_0000 {
+            return writes(zr(rd), None, None); // mrs
+        }
+        if word & 0xffff_f01f == 0xd503_201f {
+            // Hints: nop, bti...; the pointer-authentication ones sign or check lr.
+            let lr_hint = matches!(word, 0xd503_233f | 0xd503_237f | 0xd503_23bf | 0xd503_23ff);
+            return writes(lr_hint.then_some(LR), None, None);
+        }
+        None
+    }
+
+    /// What a register holds, in terms of the call's arguments.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Value {
+        Unknown,
+        Argument(u8),
+        /// The low 64 bits of the product of two arguments.
+        Product(u8, u8),
+    }
+
+    /// The registers the programs can read on arm64: x0 to x15.
+    const READABLE: u8 = 16;
+
+    /// x0-x30's values, followed through instructions that fall through.
+    struct Registers([Value; 31]);
+
+    impl Registers {
+        fn at_entry() -> Registers {
+            let mut values = [Value::Unknown; 31];
+            for (index, value) in values.iter_mut().enumerate().take(8) {
+                *value = Value::Argument(index as u8);
+            }
+            Registers(values)
+        }
+
+        fn get(&self, register: u8) -> Value {
+            self.0
+                .get(usize::from(register))
+                .copied()
+                .unwrap_or(Value::Unknown)
+        }
+
+        fn set(&mut self, register: u8, value: Value) {
+            if let Some(slot) = self.0.get_mut(usize::from(register)) {
+                *slot = value;
+            }
+        }
+
+        /// Applies `effect`; false if it writes the stack pointer, or the link
+        /// register while a return probe shares the spot.
+        fn apply(&mut self, effect: Effect, return_probe: bool) -> bool {
+            match effect {
+                Effect::Nothing => {}
+                Effect::Move { to, from } => {
+                    let value = if from == 31 {
+                        Value::Unknown
+                    } else {
+                        self.get(from)
+                    };
+                    self.set(to, value);
+                }
+                Effect::Multiply { to, left, right } => {
+                    let value = match (self.get(left), self.get(right)) {
+                        (Value::Argument(a), Value::Argument(b)) => Value::Product(a, b),
+                        _ => Value::Unknown,
+                    };
+                    self.set(to, value);
+                }
+                Effect::Writes(registers) => {
+                    for register in registers.into_iter().flatten() {
+                        if register == SP || (register == LR && return_probe) {
+                            return false;
+                        }
+                        self.set(register, Value::Unknown);
+                    }
+                }
+            }
+            true
+        }
+
+        /// A readable register holding `value`, the argument's own first.
+        fn find(&self, value: Value) -> Option<u8> {
+            if let Value::Argument(index) = value
+                && self.get(index) == value
+            {
+                return Some(index);
+            }
+            (0..READABLE).find(|&r| self.get(r) == value)
+        }
+
+        /// Where `needs` are now, if all are in readable registers.
+        fn locate(&self, needs: Needs) -> Option<ValueRegisters> {
+            let register = |arg: Option<u8>| match arg {
+                None => Some(NO_REGISTER),
+                Some(index) => self.find(Value::Argument(index)),
+            };
+            let (size, count) = match (needs.size, needs.count) {
+                (Some(size), Some(count)) => match self
+                    .find(Value::Product(count, size))
+                    .or_else(|| self.find(Value::Product(size, count)))
+                {
+                    Some(product) => (product, NO_REGISTER),
+                    None => (register(needs.size)?, register(needs.count)?),
+                },
+                _ => (register(needs.size)?, register(needs.count)?),
+            };
+            Some(ValueRegisters {
+                size,
+                count,
+                ptr: register(needs.ptr)?,
+                out: register(needs.out)?,
+            })
+        }
     }
 
     /// The target of a direct branch at `pc`, if the word is one.
@@ -518,16 +741,24 @@ mod arm64 {
             .iter()
             .map(|c| u32::from_le_bytes(*c))
             .collect();
+        let mut registers = Registers::at_entry();
         let mut candidate = None;
         for (index, &word) in words.iter().enumerate().take(MAX_SKIPPED_INSTRUCTIONS + 1) {
             if let Some(what) = simulated(word) {
                 candidate = Some((index as u64 * 4, what));
                 break;
             }
-            if !skippable(word, return_probe) {
+            let Some(effect) = effect(word) else {
                 return entry(
-                    "entry: an instruction before the first simulated one may change state",
+                    "entry: an instruction before the first simulated one is not understood",
                 );
+            };
+            if !registers.apply(effect, return_probe) {
+                return entry(if return_probe {
+                    "entry: an instruction before the first simulated one writes the stack pointer or the link register"
+                } else {
+                    "entry: an instruction before the first simulated one writes the stack pointer"
+                });
             }
         }
         let Some((offset, what)) = candidate else {
@@ -536,6 +767,11 @@ mod arm64 {
         if offset == 0 {
             return entry(&format!("entry: the first instruction is a {what}"));
         }
+        let Some(located) = registers.locate(needs) else {
+            return entry(
+                "entry: a value the probe reads is overwritten before the first simulated instruction",
+            );
+        };
         for (index, &word) in words.iter().enumerate() {
             if indirect_jump(word) {
                 return entry("entry: the function has an indirect jump");
@@ -547,11 +783,16 @@ mod arm64 {
                 return entry("entry: a branch in the function lands in the skipped instructions");
             }
         }
+        let moved = located != ValueRegisters::at_entry(Arch::Aarch64, needs);
         Placement {
             offset,
-            reason: format!("{what}, after instructions that keep the arguments"),
+            reason: if moved {
+                format!("{what}, the values read from the registers they were moved to")
+            } else {
+                format!("{what}, after instructions that keep the values read")
+            },
             emulated: true,
-            registers: ValueRegisters::at_entry(Arch::Aarch64, needs),
+            registers: located,
         }
     }
 }
@@ -762,6 +1003,98 @@ mod tests {
         // cmp; b.eq; b back to the b.eq (offset 4)
         let code = words(&[0xf100_001f, 0x5400_0040, 0x17ff_ffff]);
         assert_eq!(place(Arch::Aarch64, &code, FREE, false).offset, 0);
+    }
+
+    #[test]
+    fn arm64_writes_to_registers_the_probe_does_not_read_are_skipped() {
+        // mimalloc 2.0's free (Debian arm64): mov x3, x0; cbz x0
+        let placement = place(
+            Arch::Aarch64,
+            &words(&[0xaa00_03e3, 0xb400_0360]),
+            FREE,
+            false,
+        );
+        assert_eq!(
+            (placement.offset, placement.registers.ptr),
+            (4, 0),
+            "{placement}"
+        );
+        // jemalloc's sdallocx: cmp x1, #1, lsl #12; ccmp w2, #0, #0, ls; b.ne
+        let code = words(&[0xf140_043f, 0x7a40_9840, 0x5400_03a1]);
+        assert_eq!(place(Arch::Aarch64, &code, FREE, false).offset, 8);
+        // mimalloc's mi_heap_malloc_small(heap, size): four instructions computing into
+        // x2 and x3 from the size in x1, then cbz x3.
+        let code = words(&[
+            0x9100_1c22,
+            0x927d_f042,
+            0x8b02_0002,
+            0xf940_0442,
+            0xf940_0843,
+            0xb400_0103,
+        ]);
+        let size_in_x1 = Needs {
+            size: Some(1),
+            ..MALLOC
+        };
+        let placement = place(Arch::Aarch64, &code, size_in_x1, true);
+        assert_eq!(
+            (placement.offset, placement.registers.size),
+            (20, 1),
+            "{placement}"
+        );
+        // A read value overwritten: the entry stays (here the size, were it in x2).
+        let size_in_x2 = Needs {
+            size: Some(2),
+            ..MALLOC
+        };
+        assert_eq!(place(Arch::Aarch64, &code, size_in_x2, true).offset, 0);
+    }
+
+    #[test]
+    fn arm64_moves_and_products_are_followed() {
+        // mov x3, x0; mov x0, x1; b.eq: the block is read from x3.
+        let code = words(&[0xaa00_03e3, 0xaa01_03e0, 0x5400_0080]);
+        let placement = place(Arch::Aarch64, &code, FREE, false);
+        assert_eq!(
+            (placement.offset, placement.registers.ptr),
+            (8, 3),
+            "{placement}"
+        );
+        // mul x2, x1, x2 (count in x1, size in x2); cbz x2: the size is the product.
+        let code = words(&[0x9b02_7c22, 0xb400_0102]);
+        let needs = Needs {
+            size: Some(2),
+            count: Some(1),
+            ..MALLOC
+        };
+        let placement = place(Arch::Aarch64, &code, needs, true);
+        assert_eq!(
+            (
+                placement.offset,
+                placement.registers.size,
+                placement.registers.count
+            ),
+            (4, 2, NO_REGISTER),
+            "{placement}"
+        );
+    }
+
+    #[test]
+    fn arm64_frame_records_keep_the_entry() {
+        // glibc 2.36's malloc (Debian arm64): stp x29, x30, [sp, #-64]!; mov x29, sp;
+        // stp x23, x24, [sp, #48]; adrp: the stack pointer moves before the first
+        // simulated instruction (and the link register is saved, where a return probe
+        // at the adrp could no longer replace it).
+        let code = words(&[0xa9bc_7bfd, 0x9100_03fd, 0xa903_63f7, 0x9000_08b7]);
+        let placement = place(Arch::Aarch64, &code, MALLOC, true);
+        assert_eq!(placement.offset, 0, "{placement}");
+        assert!(!placement.emulated);
+        // A store without write-back moves nothing: str x19, [sp, #16]; cbz x0.
+        let code = words(&[0xf900_0bf3, 0xb400_0040]);
+        assert_eq!(place(Arch::Aarch64, &code, FREE, false).offset, 4);
+        // pacia sp signs the link register: not before a return probe's spot.
+        let code = words(&[0xd503_233f, 0xb400_0040]);
+        assert_eq!(place(Arch::Aarch64, &code, MALLOC, true).offset, 0);
     }
 
     #[test]
