@@ -8,10 +8,11 @@ use crate::{
     regs, unwind,
 };
 
-/// Unwinds the caller's stack (of thread `pid_tgid`, in its process's image `exec_gen`) into the per-CPU
-/// scratch stack and hashes it with the process id; returns the site key and the stack (stored with the site when the site
-/// is new). At the return the caller's frame is intact, so its return address is the
-/// first frame and its registers the unwinder's starting point.
+/// Unwinds the caller's stack (of thread `pid_tgid`, in its process's image
+/// `exec_gen`) into the per-CPU scratch stack and hashes it with the process id;
+/// returns the site key and the stack (stored with the site when the site is new). At
+/// the return the caller's frame is intact, so its return address is the first frame
+/// and its registers the unwinder's starting point.
 #[inline(always)]
 pub fn record_stack(
     ctx: &RetProbeContext,

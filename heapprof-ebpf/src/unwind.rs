@@ -82,8 +82,8 @@ fn read_user(address: u64) -> Option<u64> {
 /// copy that reached past the stack's top would fault whole and have to be made again,
 /// the costliest case of all (a main thread allocating near its stack's top hit it on
 /// every allocation). So the first copy of a walk reaches as far as the previous walk
-/// of the same thread on this CPU read ([`crate::maps::StackReach`]), and otherwise each copy goes
-/// to the end of its address's 4 KiB block, which lies within one page.
+/// of the same thread on this CPU read ([`crate::maps::StackReach`]), and otherwise
+/// each copy goes to the end of its address's 4 KiB block, which lies within one page.
 #[inline(always)]
 fn stack_read(walk: &mut Walk, address: u64) -> Option<u64> {
     if address & 7 != 0 {

@@ -1,0 +1,349 @@
+//! arm64: fixed-width words decoded by hand, for the instructions the kernel simulates
+//! and the common integer, load/store and system instructions that may come before.
+
+use heapprof_common::NO_REGISTER;
+
+use super::{Arch, MAX_SKIPPED_INSTRUCTIONS, Needs, Placement, ValueRegisters};
+
+/// Instructions the arm64 kernel simulates rather than single-steps
+/// (arch/arm64/kernel/probes/decode-insn.c): PC-relative branches, adr/adrp and
+/// literal loads. Anything newer kernels added is left out: unsure means entry.
+pub(super) fn simulated(word: u32) -> Option<&'static str> {
+    if word & 0xff00_0010 == 0x5400_0000 {
+        Some("b.cond")
+    } else if word & 0x7e00_0000 == 0x3400_0000 {
+        Some("cbz/cbnz")
+    } else if word & 0x7e00_0000 == 0x3600_0000 {
+        Some("tbz/tbnz")
+    } else if word & 0x7c00_0000 == 0x1400_0000 {
+        Some("b/bl")
+    } else if word & 0x1f00_0000 == 0x1000_0000 {
+        Some("adr/adrp")
+    } else {
+        None
+    }
+}
+
+/// The stack pointer in [`Effect`]'s register numbers.
+const SP: u8 = 32;
+/// The link register (return address).
+const LR: u8 = 30;
+
+/// What an instruction that falls through does to the registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Effect {
+    /// Writes no general-purpose register (flags, memory, hints).
+    Nothing,
+    /// Writes these registers: x0-x30 as 0-30, the stack pointer as [`SP`].
+    Writes([Option<u8>; 3]),
+    /// `mov xd, xm`: a 64-bit copy.
+    Move { to: u8, from: u8 },
+    /// `mul xd, xn, xm`: the low 64 bits of a product.
+    Multiply { to: u8, left: u8, right: u8 },
+}
+
+fn field(word: u32, shift: u32) -> u8 {
+    ((word >> shift) & 0x1f) as u8
+}
+
+/// Register `number` of an instruction where 31 names the zero register: no write.
+fn zr(number: u8) -> Option<u8> {
+    (number != 31).then_some(number)
+}
+
+/// Register `number` of an instruction where 31 names the stack pointer.
+fn sp(number: u8) -> Option<u8> {
+    Some(if number == 31 { SP } else { number })
+}
+
+/// The effect of the common integer, load/store and system instructions (ARMv8-A
+/// encodings); `None` for any other, which ends the search.
+fn effect(word: u32) -> Option<Effect> {
+    let rd = field(word, 0);
+    let rn = field(word, 5);
+    let writes = |a: Option<u8>, b: Option<u8>, c: Option<u8>| Some(Effect::Writes([a, b, c]));
+    let flag_setting = word & 0x2000_0000 != 0;
+    // Data processing, immediate.
+    if word & 0x1f00_0000 == 0x1100_0000 {
+        // add/sub (immediate): rd 31 is sp unless flags are set (cmp, cmn).
+        return writes(if flag_setting { zr(rd) } else { sp(rd) }, None, None);
+    }
+    if word & 0x1f80_0000 == 0x1200_0000 {
+        // Logical (immediate): and/orr/eor into sp, ands (tst) into xzr.
+        let ands = word & 0x6000_0000 == 0x6000_0000;
+        return writes(if ands { zr(rd) } else { sp(rd) }, None, None);
+    }
+    if matches!(word & 0x1f80_0000, 0x1280_0000 | 0x1300_0000 | 0x1380_0000) {
+        // Move wide, bitfield (shifts, extends), extract.
+        return writes(zr(rd), None, None);
+    }
+    // Data processing, register.
+    if word & 0x1f00_0000 == 0x0a00_0000 {
+        // Logical (shifted register); orr xd, xzr, xm is `mov xd, xm`.
+        let mov64 = word & 0xffe0_ffe0 == 0xaa00_03e0;
+        if mov64 && rd != 31 {
+            return Some(Effect::Move {
+                to: rd,
+                from: field(word, 16),
+            });
+        }
+        return writes(zr(rd), None, None);
+    }
+    if word & 0x1f20_0000 == 0x0b00_0000 {
+        return writes(zr(rd), None, None); // add/sub (shifted register)
+    }
+    if word & 0x1f20_0000 == 0x0b20_0000 {
+        // add/sub (extended register): rd 31 is sp unless flags are set.
+        return writes(if flag_setting { zr(rd) } else { sp(rd) }, None, None);
+    }
+    if word & 0x1fe0_0000 == 0x1a40_0000 {
+        return Some(Effect::Nothing); // ccmp/ccmn: flags only
+    }
+    if matches!(word & 0x1fe0_0000, 0x1a00_0000 | 0x1a80_0000)
+        || word & 0x5fe0_0000 == 0x1ac0_0000
+        || word & 0x5fe0_0000 == 0x5ac0_0000
+    {
+        // adc/sbc, csel family, data processing with one or two sources.
+        return writes(zr(rd), None, None);
+    }
+    if word & 0x1f00_0000 == 0x1b00_0000 {
+        // Three sources: madd (mul when the addend is xzr), umulh...
+        let madd64 = word & 0xffe0_8000 == 0x9b00_0000;
+        if madd64 && field(word, 10) == 31 && rd != 31 {
+            return Some(Effect::Multiply {
+                to: rd,
+                left: rn,
+                right: field(word, 16),
+            });
+        }
+        return writes(zr(rd), None, None);
+    }
+    // Loads and stores of general-purpose registers (V = 0).
+    let load = word & 0x0040_0000 != 0;
+    if word & 0x3f00_0000 == 0x3900_0000 {
+        // Register, unsigned offset: no write back. PRFM loads nothing.
+        let prefetch = word & 0xffc0_0000 == 0xf980_0000;
+        return writes(if load && !prefetch { zr(rd) } else { None }, None, None);
+    }
+    if word & 0x3f20_0000 == 0x3800_0000 {
+        // Register, unscaled/unprivileged offset, or pre/post-indexed (write back).
+        let write_back = word & 0x0400 != 0;
+        return writes(
+            if load { zr(rd) } else { None },
+            write_back.then(|| sp(rn)).flatten(),
+            None,
+        );
+    }
+    if word & 0x3f20_0c00 == 0x3820_0800 {
+        return writes(if load { zr(rd) } else { None }, None, None); // register offset
+    }
+    if word & 0x3e00_0000 == 0x2800_0000 {
+        // Pair: bits 24-23 01 post-index, 11 pre-index (write back).
+        let write_back = word & 0x0080_0000 != 0;
+        let (rt, rt2) = if load {
+            (zr(rd), zr(field(word, 10)))
+        } else {
+            (None, None)
+        };
+        return writes(rt, rt2, write_back.then(|| sp(rn)).flatten());
+    }
+    // System.
+    if word & 0xfff0_0000 == 0xd530_0000 {
+        return writes(zr(rd), None, None); // mrs
+    }
+    if word & 0xffff_f01f == 0xd503_201f {
+        // Hints: nop, bti...; the pointer-authentication ones sign or check lr.
+        let lr_hint = matches!(word, 0xd503_233f | 0xd503_237f | 0xd503_23bf | 0xd503_23ff);
+        return writes(lr_hint.then_some(LR), None, None);
+    }
+    None
+}
+
+/// What a register holds, in terms of the call's arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Value {
+    Unknown,
+    Argument(u8),
+    /// The low 64 bits of the product of two arguments.
+    Product(u8, u8),
+}
+
+/// The registers the programs can read on arm64: x0 to x15.
+const READABLE: u8 = 16;
+
+/// x0-x30's values, followed through instructions that fall through.
+struct Registers([Value; 31]);
+
+impl Registers {
+    fn at_entry() -> Registers {
+        let mut values = [Value::Unknown; 31];
+        for (index, value) in values.iter_mut().enumerate().take(8) {
+            *value = Value::Argument(index as u8);
+        }
+        Registers(values)
+    }
+
+    fn get(&self, register: u8) -> Value {
+        self.0
+            .get(usize::from(register))
+            .copied()
+            .unwrap_or(Value::Unknown)
+    }
+
+    fn set(&mut self, register: u8, value: Value) {
+        if let Some(slot) = self.0.get_mut(usize::from(register)) {
+            *slot = value;
+        }
+    }
+
+    /// Applies `effect`; false if it writes the stack pointer, or the link
+    /// register while a return probe shares the spot.
+    fn apply(&mut self, effect: Effect, return_probe: bool) -> bool {
+        match effect {
+            Effect::Nothing => {}
+            Effect::Move { to, from } => {
+                let value = if from == 31 {
+                    Value::Unknown
+                } else {
+                    self.get(from)
+                };
+                self.set(to, value);
+            }
+            Effect::Multiply { to, left, right } => {
+                let value = match (self.get(left), self.get(right)) {
+                    (Value::Argument(a), Value::Argument(b)) => Value::Product(a, b),
+                    _ => Value::Unknown,
+                };
+                self.set(to, value);
+            }
+            Effect::Writes(registers) => {
+                for register in registers.into_iter().flatten() {
+                    if register == SP || (register == LR && return_probe) {
+                        return false;
+                    }
+                    self.set(register, Value::Unknown);
+                }
+            }
+        }
+        true
+    }
+
+    /// A readable register holding `value`, the argument's own first.
+    fn find(&self, value: Value) -> Option<u8> {
+        if let Value::Argument(index) = value
+            && self.get(index) == value
+        {
+            return Some(index);
+        }
+        (0..READABLE).find(|&r| self.get(r) == value)
+    }
+
+    /// Where `needs` are now, if all are in readable registers.
+    fn locate(&self, needs: Needs) -> Option<ValueRegisters> {
+        let register = |arg: Option<u8>| match arg {
+            None => Some(NO_REGISTER),
+            Some(index) => self.find(Value::Argument(index)),
+        };
+        let (size, count) = match (needs.size, needs.count) {
+            (Some(size), Some(count)) => match self
+                .find(Value::Product(count, size))
+                .or_else(|| self.find(Value::Product(size, count)))
+            {
+                Some(product) => (product, NO_REGISTER),
+                None => (register(needs.size)?, register(needs.count)?),
+            },
+            _ => (register(needs.size)?, register(needs.count)?),
+        };
+        Some(ValueRegisters {
+            size,
+            count,
+            ptr: register(needs.ptr)?,
+            out: register(needs.out)?,
+        })
+    }
+}
+
+/// The target of a direct branch at `pc`, if the word is one.
+fn branch_target(word: u32, pc: i64) -> Option<i64> {
+    let sign_extend = |value: u32, bits: u32| -> i64 {
+        let shift = 64 - bits;
+        ((i64::from(value)) << shift) >> shift
+    };
+    if word & 0x7c00_0000 == 0x1400_0000 {
+        Some(pc + 4 * sign_extend(word & 0x03ff_ffff, 26))
+    } else if word & 0xff00_0010 == 0x5400_0000 || word & 0x7e00_0000 == 0x3400_0000 {
+        // b.cond, cbz/cbnz: imm19 at bit 5.
+        Some(pc + 4 * sign_extend((word >> 5) & 0x7ffff, 19))
+    } else if word & 0x7e00_0000 == 0x3600_0000 {
+        // tbz/tbnz: imm14 at bit 5.
+        Some(pc + 4 * sign_extend((word >> 5) & 0x3fff, 14))
+    } else {
+        None
+    }
+}
+
+/// br/braa/eret...: register-indirect jumps (blr returns past itself, ret leaves).
+fn indirect_jump(word: u32) -> bool {
+    word & 0xfe60_0000 == 0xd600_0000
+}
+
+pub(super) fn place(code: &[u8], needs: Needs, return_probe: bool) -> Placement {
+    let entry = |reason: &str| Placement::entry(Arch::Aarch64, code, needs, reason);
+    let words: Vec<u32> = code
+        .as_chunks::<4>()
+        .0
+        .iter()
+        .map(|c| u32::from_le_bytes(*c))
+        .collect();
+    let mut registers = Registers::at_entry();
+    let mut candidate = None;
+    for (index, &word) in words.iter().enumerate().take(MAX_SKIPPED_INSTRUCTIONS + 1) {
+        if let Some(what) = simulated(word) {
+            candidate = Some((index as u64 * 4, what));
+            break;
+        }
+        let Some(effect) = effect(word) else {
+            return entry("entry: an instruction before the first simulated one is not understood");
+        };
+        if !registers.apply(effect, return_probe) {
+            return entry(if return_probe {
+                "entry: an instruction before the first simulated one writes the stack pointer or the link register"
+            } else {
+                "entry: an instruction before the first simulated one writes the stack pointer"
+            });
+        }
+    }
+    let Some((offset, what)) = candidate else {
+        return entry("entry: no simulated instruction near the start");
+    };
+    if offset == 0 {
+        return entry(&format!("entry: the first instruction is a {what}"));
+    }
+    let Some(located) = registers.locate(needs) else {
+        return entry(
+            "entry: a value the probe reads is overwritten before the first simulated instruction",
+        );
+    };
+    for (index, &word) in words.iter().enumerate() {
+        if indirect_jump(word) {
+            return entry("entry: the function has an indirect jump");
+        }
+        if let Some(target) = branch_target(word, index as i64 * 4)
+            && target > 0
+            && target <= offset as i64
+        {
+            return entry("entry: a branch in the function lands in the skipped instructions");
+        }
+    }
+    let moved = located != ValueRegisters::at_entry(Arch::Aarch64, needs);
+    Placement {
+        offset,
+        reason: if moved {
+            format!("{what}, the values read from the registers they were moved to")
+        } else {
+            format!("{what}, after instructions that keep the values read")
+        },
+        emulated: true,
+        registers: located,
+    }
+}
