@@ -1,9 +1,7 @@
 //! arm64: fixed-width words decoded by hand, for the instructions the kernel simulates
 //! and the common integer, load/store and system instructions that may come before.
 
-use heapprof_common::NO_REGISTER;
-
-use super::{Arch, MAX_SKIPPED_INSTRUCTIONS, Needs, Placement, ValueRegisters};
+use super::{Arch, MAX_SKIPPED_INSTRUCTIONS, Needs, Placement, Tracked, Value};
 
 /// Instructions the arm64 kernel simulates rather than single-steps
 /// (arch/arm64/kernel/probes/decode-insn.c): PC-relative branches, adr/adrp and
@@ -159,41 +157,12 @@ fn effect(word: u32) -> Option<Effect> {
     None
 }
 
-/// What a register holds, in terms of the call's arguments.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Value {
-    Unknown,
-    Argument(u8),
-    /// The low 64 bits of the product of two arguments.
-    Product(u8, u8),
-}
-
-/// The registers the programs can read on arm64: x0 to x15.
-const READABLE: u8 = 16;
-
 /// x0-x30's values, followed through instructions that fall through.
-struct Registers([Value; 31]);
+struct Registers(Tracked);
 
 impl Registers {
     fn at_entry() -> Registers {
-        let mut values = [Value::Unknown; 31];
-        for (index, value) in values.iter_mut().enumerate().take(8) {
-            *value = Value::Argument(index as u8);
-        }
-        Registers(values)
-    }
-
-    fn get(&self, register: u8) -> Value {
-        self.0
-            .get(usize::from(register))
-            .copied()
-            .unwrap_or(Value::Unknown)
-    }
-
-    fn set(&mut self, register: u8, value: Value) {
-        if let Some(slot) = self.0.get_mut(usize::from(register)) {
-            *slot = value;
-        }
+        Registers(Tracked::at_entry(Arch::Aarch64, 31))
     }
 
     /// Applies `effect`; false if it writes the stack pointer, or the link
@@ -205,61 +174,24 @@ impl Registers {
                 let value = if from == 31 {
                     Value::Unknown
                 } else {
-                    self.get(from)
+                    self.0.get(from)
                 };
-                self.set(to, value);
+                self.0.set(to, value);
             }
             Effect::Multiply { to, left, right } => {
-                let value = match (self.get(left), self.get(right)) {
-                    (Value::Argument(a), Value::Argument(b)) => Value::Product(a, b),
-                    _ => Value::Unknown,
-                };
-                self.set(to, value);
+                let value = self.0.get(left).times(self.0.get(right));
+                self.0.set(to, value);
             }
             Effect::Writes(registers) => {
                 for register in registers.into_iter().flatten() {
                     if register == SP || (register == LR && return_probe) {
                         return false;
                     }
-                    self.set(register, Value::Unknown);
+                    self.0.set(register, Value::Unknown);
                 }
             }
         }
         true
-    }
-
-    /// A readable register holding `value`, the argument's own first.
-    fn find(&self, value: Value) -> Option<u8> {
-        if let Value::Argument(index) = value
-            && self.get(index) == value
-        {
-            return Some(index);
-        }
-        (0..READABLE).find(|&r| self.get(r) == value)
-    }
-
-    /// Where `needs` are now, if all are in readable registers.
-    fn locate(&self, needs: Needs) -> Option<ValueRegisters> {
-        let register = |arg: Option<u8>| match arg {
-            None => Some(NO_REGISTER),
-            Some(index) => self.find(Value::Argument(index)),
-        };
-        let (size, count) = match (needs.size, needs.count) {
-            (Some(size), Some(count)) => match self
-                .find(Value::Product(count, size))
-                .or_else(|| self.find(Value::Product(size, count)))
-            {
-                Some(product) => (product, NO_REGISTER),
-                None => (register(needs.size)?, register(needs.count)?),
-            },
-            _ => (register(needs.size)?, register(needs.count)?),
-        };
-        Some(ValueRegisters {
-            size,
-            count,
-            ptr: register(needs.ptr)?,
-            out: register(needs.out)?,
-        })
     }
 }
 
@@ -319,7 +251,7 @@ pub(super) fn place(code: &[u8], needs: Needs, return_probe: bool) -> Placement 
     if offset == 0 {
         return entry(&format!("entry: the first instruction is a {what}"));
     }
-    let Some(located) = registers.locate(needs) else {
+    let Some(located) = registers.0.locate(needs) else {
         return entry(
             "entry: a value the probe reads is overwritten before the first simulated instruction",
         );
@@ -335,15 +267,5 @@ pub(super) fn place(code: &[u8], needs: Needs, return_probe: bool) -> Placement 
             return entry("entry: a branch in the function lands in the skipped instructions");
         }
     }
-    let moved = located != ValueRegisters::at_entry(Arch::Aarch64, needs);
-    Placement {
-        offset,
-        reason: if moved {
-            format!("{what}, the values read from the registers they were moved to")
-        } else {
-            format!("{what}, after instructions that keep the values read")
-        },
-        emulated: true,
-        registers: located,
-    }
+    Placement::moved(Arch::Aarch64, offset, what, needs, located)
 }

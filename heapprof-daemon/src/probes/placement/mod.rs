@@ -148,6 +148,30 @@ impl Placement {
     }
 }
 
+impl Placement {
+    /// The emulated instruction `what` at `offset`, where the values read are in
+    /// `located`.
+    fn moved(
+        arch: Arch,
+        offset: u64,
+        what: &str,
+        needs: Needs,
+        located: ValueRegisters,
+    ) -> Placement {
+        let moved = located != ValueRegisters::at_entry(arch, needs);
+        Placement {
+            offset,
+            reason: if moved {
+                format!("{what}, the values read from the registers they were moved to")
+            } else {
+                format!("{what}, after instructions that keep the values read")
+            },
+            emulated: true,
+            registers: located,
+        }
+    }
+}
+
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "+{} ({})", self.offset, self.reason)?;
@@ -194,6 +218,95 @@ fn emulated_at(arch: Arch, code: &[u8], offset: usize) -> Option<&'static str> {
 
 mod arm64;
 mod x86;
+
+/// What a register holds, in terms of the call's arguments.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Value {
+    Unknown,
+    Argument(u8),
+    /// The low 64 bits of the product of two arguments.
+    Product(u8, u8),
+}
+
+impl Value {
+    /// The low 64 bits of `self` times `other`, when both are arguments.
+    fn times(self, other: Value) -> Value {
+        match (self, other) {
+            (Value::Argument(a), Value::Argument(b)) => Value::Product(a, b),
+            _ => Value::Unknown,
+        }
+    }
+}
+
+/// The registers' values as a decoder follows them from a function's entry, by
+/// register number ([`ValueRegisters`]' numbering, up to `count`); the programs can
+/// read the first [`heapprof_common::VALUE_REGISTERS`].
+struct Tracked {
+    arch: Arch,
+    values: Vec<Value>,
+}
+
+impl Tracked {
+    fn at_entry(arch: Arch, count: usize) -> Tracked {
+        let mut tracked = Tracked {
+            arch,
+            values: vec![Value::Unknown; count],
+        };
+        for index in 0..8 {
+            tracked.set(arch.argument_register(index), Value::Argument(index));
+        }
+        tracked
+    }
+
+    fn get(&self, register: u8) -> Value {
+        self.values
+            .get(usize::from(register))
+            .copied()
+            .unwrap_or(Value::Unknown)
+    }
+
+    fn set(&mut self, register: u8, value: Value) {
+        if let Some(slot) = self.values.get_mut(usize::from(register)) {
+            *slot = value;
+        }
+    }
+
+    /// A readable register holding `value`, the argument's own first.
+    fn find(&self, value: Value) -> Option<u8> {
+        if let Value::Argument(index) = value {
+            let own = self.arch.argument_register(index);
+            if self.get(own) == value {
+                return Some(own);
+            }
+        }
+        (0..heapprof_common::VALUE_REGISTERS as u8).find(|&r| self.get(r) == value)
+    }
+
+    /// Where `needs` are now, if all are in readable registers: a count and a size
+    /// multiplied together are read as the size.
+    fn locate(&self, needs: Needs) -> Option<ValueRegisters> {
+        let register = |arg: Option<u8>| match arg {
+            None => Some(NO_REGISTER),
+            Some(index) => self.find(Value::Argument(index)),
+        };
+        let product = match (needs.size, needs.count) {
+            (Some(size), Some(count)) => self
+                .find(Value::Product(count, size))
+                .or_else(|| self.find(Value::Product(size, count))),
+            _ => None,
+        };
+        let (size, count) = match product {
+            Some(product) => (product, NO_REGISTER),
+            None => (register(needs.size)?, register(needs.count)?),
+        };
+        Some(ValueRegisters {
+            size,
+            count,
+            ptr: register(needs.ptr)?,
+            out: register(needs.out)?,
+        })
+    }
+}
 
 #[cfg(test)]
 mod tests {

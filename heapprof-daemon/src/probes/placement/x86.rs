@@ -1,13 +1,12 @@
 //! x86-64: iced-x86 decodes the function; moves and products of the arguments are
 //! followed through the instructions before the first one the kernel emulates.
 
-use heapprof_common::NO_REGISTER;
 use iced_x86::{
     Code, Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, OpAccess,
     OpKind, Register,
 };
 
-use super::{Arch, MAX_SKIPPED_INSTRUCTIONS, Needs, Placement, ValueRegisters};
+use super::{Arch, MAX_SKIPPED_INSTRUCTIONS, Needs, Placement, Tracked, Value};
 
 /// The kernel's x86 uprobe code emulates these instead of single-stepping them
 /// (arch/x86/kernel/uprobes.c: branch_setup_xol_ops, push_setup_xol_ops).
@@ -48,22 +47,6 @@ fn number(register: Register) -> Option<u8> {
 
 const RSP: u8 = 7;
 
-/// What a register holds, in terms of the call's arguments.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Value {
-    Unknown,
-    Argument(u8),
-    /// The low 64 bits of the product of two arguments.
-    Product(u8, u8),
-}
-
-fn product(a: Value, b: Value) -> Value {
-    match (a, b) {
-        (Value::Argument(a), Value::Argument(b)) => Value::Product(a, b),
-        _ => Value::Unknown,
-    }
-}
-
 fn writes(access: OpAccess) -> bool {
     matches!(
         access,
@@ -71,21 +54,16 @@ fn writes(access: OpAccess) -> bool {
     )
 }
 
-/// The registers' values, followed through an instruction that falls through.
+/// The registers' values, followed through instructions that fall through.
 struct Registers {
-    values: [Value; 16],
+    tracked: Tracked,
     info: InstructionInfoFactory,
 }
 
 impl Registers {
     fn at_entry() -> Registers {
-        let mut values = [Value::Unknown; 16];
-        for index in 0..6 {
-            let register = Arch::X86_64.argument_register(index);
-            values[usize::from(register)] = Value::Argument(index);
-        }
         Registers {
-            values,
+            tracked: Tracked::at_entry(Arch::X86_64, 16),
             info: InstructionInfoFactory::new(),
         }
     }
@@ -104,18 +82,19 @@ impl Registers {
         );
         match (instruction.code(), operands) {
             (Code::Mov_r64_rm64 | Code::Mov_rm64_r64, (Some(to), Some(from))) if to != RSP => {
-                self.values[usize::from(to)] = self.values[usize::from(from)];
+                self.tracked.set(to, self.tracked.get(from));
                 return true;
             }
             (Code::Mul_rm64, (Some(by), _)) => {
                 // rdx:rax = rax * operand.
-                self.values[0] = product(self.values[0], self.values[usize::from(by)]);
-                self.values[1] = Value::Unknown;
+                self.tracked
+                    .set(0, self.tracked.get(0).times(self.tracked.get(by)));
+                self.tracked.set(1, Value::Unknown);
                 return true;
             }
             (Code::Imul_r64_rm64, (Some(to), Some(by))) if to != RSP => {
-                let value = product(self.values[usize::from(to)], self.values[usize::from(by)]);
-                self.values[usize::from(to)] = value;
+                let value = self.tracked.get(to).times(self.tracked.get(by));
+                self.tracked.set(to, value);
                 return true;
             }
             _ => {}
@@ -126,48 +105,11 @@ impl Registers {
             }
             match number(used.register()) {
                 Some(RSP) => return false,
-                Some(register) => self.values[usize::from(register)] = Value::Unknown,
+                Some(register) => self.tracked.set(register, Value::Unknown),
                 None => {}
             }
         }
         true
-    }
-
-    /// A register holding `value`, the argument's own first.
-    fn find(&self, value: Value) -> Option<u8> {
-        if let Value::Argument(index) = value {
-            let own = Arch::X86_64.argument_register(index);
-            if self.values.get(usize::from(own)) == Some(&value) {
-                return Some(own);
-            }
-        }
-        (0..16u8).find(|&r| self.values[usize::from(r)] == value)
-    }
-
-    /// Where `needs` are now, if all are somewhere.
-    fn locate(&self, needs: Needs) -> Option<ValueRegisters> {
-        let register = |arg: Option<u8>| match arg {
-            None => Some(NO_REGISTER),
-            Some(index) => self.find(Value::Argument(index)),
-        };
-        let (size, count) = match (needs.size, needs.count) {
-            (Some(size), Some(count)) => {
-                let product = self
-                    .find(Value::Product(count, size))
-                    .or_else(|| self.find(Value::Product(size, count)));
-                match product {
-                    Some(register) => (register, NO_REGISTER),
-                    None => (register(needs.size)?, register(needs.count)?),
-                }
-            }
-            _ => (register(needs.size)?, register(needs.count)?),
-        };
-        Some(ValueRegisters {
-            size,
-            count,
-            ptr: register(needs.ptr)?,
-            out: register(needs.out)?,
-        })
     }
 }
 
@@ -237,7 +179,7 @@ pub(super) fn place(code: &[u8], needs: Needs) -> Placement {
     if offset == 0 {
         return entry(&format!("entry: the first instruction is a {what}"));
     }
-    let Some(located) = registers.locate(needs) else {
+    let Some(located) = registers.tracked.locate(needs) else {
         return entry(
             "entry: a value the probe reads is overwritten before the first emulated instruction",
         );
@@ -245,15 +187,5 @@ pub(super) fn place(code: &[u8], needs: Needs) -> Placement {
     if let Some(reason) = branch_into(&instructions, offset) {
         return entry(reason);
     }
-    let moved = located != ValueRegisters::at_entry(Arch::X86_64, needs);
-    Placement {
-        offset,
-        reason: if moved {
-            format!("{what}, the values read from the registers they were moved to")
-        } else {
-            format!("{what}, after instructions that keep the values read")
-        },
-        emulated: true,
-        registers: located,
-    }
+    Placement::moved(Arch::X86_64, offset, what, needs, located)
 }
