@@ -212,6 +212,12 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
             );
         }
     }
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if cpus < 2 {
+        bail!(
+            "the redis section pins redis-server and its client to CPUs 0 and 1: it needs 2 CPUs, this machine has {cpus}"
+        );
+    }
     let requests = if quick { 20_000 } else { 100_000 };
     step(&format!(
         "redis: redis-benchmark -t {TESTS} -n {requests}, {runs} runs x {} modes",
