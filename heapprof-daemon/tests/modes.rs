@@ -393,3 +393,34 @@ fn pid_mode_says_when_an_exec_leaves_every_allocator_it_can_see() {
         "the profile says so too: {comments:?}"
     );
 }
+
+/// A probe the kernel single-steps (~10x an emulated one) is a warning naming the
+/// function: `--probe-placement entry` keeps glibc's `free` on `test %rdi,%rdi`;
+/// the default placement leaves none on the C library.
+#[test]
+fn a_single_stepped_probe_is_a_warning_naming_its_function() {
+    require_root();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let warnings = |placement: &str| -> Vec<String> {
+        let output =
+            run_ok(heapprofd(&out).args(["--probe-placement", placement, "--", "/bin/true"]));
+        String::from_utf8_lossy(&output.stderr)
+            .lines()
+            .filter(|line| line.contains("is single-stepped by the kernel"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let at_entry = warnings("entry");
+    assert!(
+        at_entry
+            .iter()
+            .any(|line| line.contains("free in ") && line.contains("libc.so.6")),
+        "no warning names glibc's free: {at_entry:#?}"
+    );
+    let auto = warnings("auto");
+    assert!(
+        auto.is_empty(),
+        "single-stepped at the default placement: {auto:#?}"
+    );
+}
