@@ -2,7 +2,10 @@
 //! never leave the system worse than it found it nor lose a profile it wrote.
 //!
 //! These tests look at system-wide state (loaded BPF programs), so they run one at a
-//! time (`SERIAL`); other test binaries run after this one, never beside it.
+//! time (`SERIAL`); other test binaries run after this one, never beside it. They judge
+//! only the programs their own daemon loaded (those of heapprofd's names that were
+//! not loaded before it started): other BPF tools, another heapprofd among them, may
+//! run on the machine.
 
 mod common;
 
@@ -19,12 +22,13 @@ use common::*;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Names of heapprofd's BPF programs as the kernel lists them (truncated to 15 characters).
-const PROGRAM_NAMES: [&str; 10] = [
+const PROGRAM_NAMES: [&str; 11] = [
+    "entry",
     "entry_multi",
-    "alloc_return_mu",
-    "malloc_enter",
     "alloc_return",
-    "free_enter",
+    "alloc_return_mu",
+    "loader_state",
+    "loader_state_mu",
     "process_exec",
     "thread_exit",
     "kmalloc",
@@ -32,47 +36,78 @@ const PROGRAM_NAMES: [&str; 10] = [
     "kfree",
 ];
 
-/// heapprofd's programs and links currently loaded, per `bpftool`.
-fn loaded_programs() -> Vec<String> {
+fn bpftool(what: &str) -> String {
     let output = Command::new("bpftool")
-        .args(["prog", "show"])
+        .args([what, "show"])
         .output()
         .expect("running bpftool (install it: cargo xtask setup)");
-    assert!(output.status.success(), "bpftool prog show failed");
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .filter(|l| {
-            PROGRAM_NAMES
-                .iter()
-                .any(|name| l.contains(&format!(" name {name} ")))
-        })
-        .map(str::to_owned)
-        .collect()
-}
-
-fn links() -> String {
-    let output = Command::new("bpftool")
-        .args(["link", "show"])
-        .output()
-        .expect("running bpftool");
+    assert!(output.status.success(), "bpftool {what} show failed");
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
-fn uprobe_events() -> String {
-    std::fs::read_to_string("/sys/kernel/tracing/uprobe_events").unwrap_or_default()
+/// The BPF programs loaded now, as `(id, name)` (`ID: TYPE  name NAME  tag ...`).
+fn loaded_programs() -> Vec<(u32, String)> {
+    bpftool("prog")
+        .lines()
+        .filter_map(|line| {
+            let (id, rest) = line.split_once(':')?;
+            let name = rest
+                .split_whitespace()
+                .skip_while(|w| *w != "name")
+                .nth(1)?;
+            Some((id.trim().parse().ok()?, name.to_owned()))
+        })
+        .collect()
 }
 
-/// Waits (up to 20 s: program teardown is asynchronous) until none of heapprofd's
-/// programs is loaded; returns what is left.
-fn wait_unloaded() -> Vec<String> {
+/// The IDs of the BPF programs loaded now.
+fn loaded_ids() -> Vec<u32> {
+    loaded_programs().into_iter().map(|(id, _)| id).collect()
+}
+
+/// The programs of heapprofd's names loaded since `before` (the IDs loaded then):
+/// the daemon's own, whatever other BPF tools run on the machine.
+fn programs_since(before: &[u32]) -> Vec<u32> {
+    loaded_programs()
+        .into_iter()
+        .filter(|(id, name)| !before.contains(id) && PROGRAM_NAMES.contains(&name.as_str()))
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// The programs of `ids` that links still use (`ID: TYPE  prog PROG_ID`).
+fn linked(ids: &[u32]) -> Vec<u32> {
+    bpftool("link")
+        .lines()
+        .filter_map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let at = words.iter().position(|w| *w == "prog")?;
+            words.get(at + 1)?.parse().ok()
+        })
+        .filter(|id| ids.contains(id))
+        .collect()
+}
+
+/// Waits (up to 20 s: program teardown is asynchronous) until none of the programs
+/// `ids` is loaded; returns those left.
+fn wait_unloaded(ids: &[u32]) -> Vec<u32> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let left = loaded_programs();
+        let loaded: Vec<u32> = loaded_ids();
+        let left: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|id| loaded.contains(id))
+            .collect();
         if left.is_empty() || Instant::now() > deadline {
             return left;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+fn uprobe_events() -> String {
+    std::fs::read_to_string("/sys/kernel/tracing/uprobe_events").unwrap_or_default()
 }
 
 /// The waiter program (tests/programs/waiter.c), ended when dropped.
@@ -84,34 +119,31 @@ fn start_waiter(dir: &Path) -> Driven {
 fn sigkill_leaves_nothing_behind(mode: &[&str]) {
     require_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    assert_eq!(
-        wait_unloaded(),
-        Vec::<String>::new(),
-        "programs left by someone else"
-    );
+    let before: Vec<u32> = loaded_ids();
     let events_before = uprobe_events();
     let dir = scratch();
     let waiter = start_waiter(dir.path());
     let out = dir.path().join("profiles");
     let (mut heapprofd, _log) =
         start_heapprofd(heapprofd(&out).args(mode).args(["--pid", &waiter.pid()]));
-    // The check can fail: while heapprofd runs, its programs are listed.
+    // The checks can fail: while heapprofd runs, its programs are listed, and linked.
+    let ours = programs_since(&before);
     assert!(
-        !loaded_programs().is_empty(),
+        !ours.is_empty(),
         "bpftool does not list heapprofd's programs"
+    );
+    assert!(
+        !linked(&ours).is_empty(),
+        "bpftool does not list heapprofd's links"
     );
     signal(&heapprofd, libc::SIGKILL);
     let _ = heapprofd.wait();
     assert_eq!(
-        wait_unloaded(),
-        Vec::<String>::new(),
+        wait_unloaded(&ours),
+        Vec::<u32>::new(),
         "BPF programs left after SIGKILL"
     );
-    let links = links();
-    assert!(
-        !PROGRAM_NAMES.iter().any(|n| links.contains(n)),
-        "links left after SIGKILL:\n{links}"
-    );
+    assert_eq!(linked(&ours), Vec::<u32>::new(), "links left after SIGKILL");
     assert_eq!(uprobe_events(), events_before, "uprobe_events changed");
 }
 
@@ -129,6 +161,7 @@ fn sigkill_in_kernel_mode_leaves_no_program_behind() {
 fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
     require_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let before: Vec<u32> = loaded_ids();
     let dir = scratch();
     let mut waiter = start_waiter(dir.path());
     let out = dir.path().join("profiles");
@@ -136,6 +169,11 @@ fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
         heapprofd(&out)
             .args(["--interval", "1h", "--pid"])
             .arg(waiter.pid()),
+    );
+    let ours = programs_since(&before);
+    assert!(
+        !ours.is_empty(),
+        "bpftool does not list heapprofd's programs"
     );
     waiter.step("done");
     signal(&heapprofd, libc::SIGTERM);
@@ -146,8 +184,8 @@ fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
     });
     assert_eq!(work, [1000, 48_000, 500, 24_000], "the final profile");
     assert_eq!(
-        wait_unloaded(),
-        Vec::<String>::new(),
+        wait_unloaded(&ours),
+        Vec::<u32>::new(),
         "programs left after SIGTERM"
     );
 }
