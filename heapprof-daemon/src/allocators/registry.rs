@@ -89,8 +89,6 @@ pub struct AllocatorProbes {
     /// Objects each process's `malloc` binds to, by pid (for messages).
     serving: HashMap<u32, (u64, u64)>,
     probes: usize,
-    /// Functions whose probe the kernel single-steps.
-    single_stepped: usize,
     reported: HashSet<String>,
     notes: Vec<String>,
     custom_found: HashSet<String>,
@@ -111,7 +109,6 @@ impl AllocatorProbes {
             scans: HashMap::new(),
             serving: HashMap::new(),
             probes: 0,
-            single_stepped: 0,
             reported: HashSet::new(),
             notes: Vec::new(),
             custom_found: HashSet::new(),
@@ -246,7 +243,6 @@ impl AllocatorProbes {
                 function.placement
             );
             if !function.placement.emulated {
-                self.single_stepped += 1;
                 log::warn!(
                     "{} in {}: the probe at +{} is single-stepped by the kernel on every call \
                      (about 10x an emulated probe's cost): {}",

@@ -215,7 +215,9 @@ fn place(
     signature: Signature,
     mode: PlacementMode,
 ) -> Placement {
-    // An object of an instruction set we do not decode cannot run here: the host's.
+    // An object of an instruction set we do not decode cannot run here: it is given
+    // the host's registers, and its entry.
+    let decoded = arch.is_some();
     let arch = arch.unwrap_or(Arch::HOST);
     let start = usize::try_from(offset).unwrap_or(usize::MAX);
     let needs = signature.needs();
@@ -229,6 +231,9 @@ fn place(
     let entry = |reason: &str| Placement::entry(arch, code, needs, reason);
     if mode == PlacementMode::Entry {
         return entry("entry: --probe-placement=entry");
+    }
+    if !decoded {
+        return entry("entry: instruction set not decoded");
     }
     if known_size.is_none() {
         return entry("entry: the function's size is unknown or too large");
