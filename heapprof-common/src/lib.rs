@@ -7,6 +7,7 @@
 #![no_std]
 
 pub mod kernel;
+pub mod preload;
 pub mod unwind;
 
 /// Maximum number of user-space frames recorded per stack.
@@ -112,6 +113,12 @@ pub struct ProbeSpec {
     pub round_to_pages: u32,
     /// Nonzero once the daemon filled the slot.
     pub in_use: u32,
+    /// Nonzero when the function is in a shared library (not a program): in processes
+    /// the preload library serves, the library's calls of it from its own code are
+    /// internal (mimalloc's `posix_memalign` calling `mi_posix_memalign`).
+    pub in_library: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Per-thread state of the allocator call in progress, keyed by `pid_tgid`.
@@ -252,14 +259,17 @@ pub enum DropReason {
     /// The per-process usage table was full: a process's in-use total and peak are
     /// not recorded (its sites are counted as usual).
     UsageTableFull = 9,
+    /// The preload library's queue of a thread's frees could not be read: those frees
+    /// are not counted (their blocks stay in use).
+    FreeQueueUnreadable = 10,
 }
 
 impl DropReason {
     /// Number of reasons (size of the `DROPS` array).
-    pub const COUNT: u32 = 10;
+    pub const COUNT: u32 = 11;
 
     /// Every reason, indexed by discriminant.
-    pub const ALL: [DropReason; 10] = [
+    pub const ALL: [DropReason; 11] = [
         DropReason::LiveTableFull,
         DropReason::SiteTableFull,
         DropReason::StackTableFull,
@@ -270,6 +280,7 @@ impl DropReason {
         DropReason::ExecTableFull,
         DropReason::StackIncomplete,
         DropReason::UsageTableFull,
+        DropReason::FreeQueueUnreadable,
     ];
 
     /// The BPF table whose filling up causes this drop, in user mode (`kernel`
@@ -304,6 +315,7 @@ impl DropReason {
                 "where they stop is logged and in the profile's comments"
             }
             DropReason::UsageTableFull => "raise --max-processes",
+            DropReason::FreeQueueUnreadable => "the program overwrote heapprofd's preload state",
         }
     }
 
@@ -329,6 +341,9 @@ impl DropReason {
             }
             DropReason::UsageTableFull => {
                 "process usage table full (in-use peak not recorded for some processes)"
+            }
+            DropReason::FreeQueueUnreadable => {
+                "a thread's queued frees unreadable (those blocks stay in use)"
             }
         }
     }
@@ -379,8 +394,9 @@ pub struct Config {
     pub cgroup_id: u64,
     /// The depth of that cgroup below the hierarchy's root (the root is 0).
     pub cgroup_level: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// The slot of the preload library's first function ([`preload::FUNCTIONS`]
+    /// follow in order): the programs' site key names the function called.
+    pub preload_slot_base: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
@@ -469,6 +485,14 @@ pub mod names {
     pub const PROG_THREAD_EXIT: &str = "thread_exit";
     /// The tracepoint it attaches to.
     pub const EXIT_TRACEPOINT: &str = "sched_process_exit";
+    /// Processes served by the preload library (`HashMap<u32, preload::Preloaded>`,
+    /// keyed by tgid).
+    pub const PRELOADED: &str = "PRELOADED";
+    /// Where each thread of those keeps its [`crate::preload::FreeQueue`]
+    /// (`HashMap<u64, u64>`, keyed by pid_tgid), read when the thread exits.
+    pub const FREE_QUEUES: &str = "FREE_QUEUES";
+    /// Uprobe on the preload library's probe site.
+    pub const PROG_PRELOAD: &str = "preload_report";
     /// Uretprobe shared by every function that returns a block.
     pub const PROG_ALLOC_RETURN: &str = "alloc_return";
     /// The entry uprobe of every probed function (one perf event each), the function
@@ -493,6 +517,7 @@ mod pod {
     unsafe impl aya::Pod for super::ExecEvent {}
     unsafe impl aya::Pod for super::ProcessUsage {}
     unsafe impl aya::Pod for super::ProbeSpec {}
+    unsafe impl aya::Pod for super::preload::Preloaded {}
     unsafe impl aya::Pod for super::unwind::UnwindRule {}
     unsafe impl aya::Pod for super::unwind::UnwindRow {}
     unsafe impl aya::Pod for super::unwind::UnwindObject {}

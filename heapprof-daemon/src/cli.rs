@@ -4,7 +4,9 @@ use std::{net::SocketAddr, num::NonZeroUsize, path::PathBuf, time::Duration};
 
 use clap::Parser;
 
-use crate::{pprof::retention::RetentionPolicy, probes::placement::PlacementMode};
+use crate::{
+    pprof::retention::RetentionPolicy, preload::PreloadMode, probes::placement::PlacementMode,
+};
 
 /// eBPF heap profiler: live and cumulative heap usage per call stack, written as Go-pprof heap profiles.
 #[derive(Debug, Parser)]
@@ -164,6 +166,13 @@ pub struct Cli {
     #[arg(long, value_name = "N", default_value_t = 100, requires = "metrics", value_parser = parse_metrics_top)]
     pub metrics_top: usize,
 
+    /// Launch mode: `auto` puts heapprofd's interposer in the command's LD_PRELOAD (one
+    /// cheap probe per allocation, sampling decided in the process); processes it cannot
+    /// serve (static, setuid, LD_PRELOAD dropped) fall back to the allocator's probes.
+    /// `off` uses those probes only (an entry and a return trap per allocation).
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = PreloadMode::Auto)]
+    pub preload: PreloadMode,
+
     /// Benchmark baseline (`cargo xtask bench`): the probes are attached where they
     /// always are, but their programs do nothing, so only the uprobe traps cost.
     #[arg(long, hide = true)]
@@ -241,6 +250,12 @@ impl Cli {
             );
         }
         Ok(target)
+    }
+
+    /// Whether launched commands get the preload library (launch mode, user space,
+    /// `--preload auto`).
+    pub fn uses_preload(&self, target: &Target) -> bool {
+        matches!(target, Target::Launch(_)) && !self.kernel && self.preload == PreloadMode::Auto
     }
 
     /// The retention of the output directory the flags ask for.

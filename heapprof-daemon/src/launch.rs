@@ -8,7 +8,7 @@
 //! final counts before the kernel tears it down. Every other stop is passed on.
 
 use std::{
-    ffi::CString,
+    ffi::{CString, OsString},
     io,
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     path::{Path, PathBuf},
@@ -86,8 +86,29 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Forks a child that will exec `command` once released. Call before starting threads.
-pub fn fork_paused(command: &[String]) -> Result<PausedChild> {
+/// The environment of the launched command: heapprofd's own, with `changes` set.
+fn environment(changes: &[(OsString, OsString)]) -> Result<Vec<CString>> {
+    let mut variables: Vec<(OsString, OsString)> = std::env::vars_os()
+        .filter(|(key, _)| !changes.iter().any(|(changed, _)| changed == key))
+        .collect();
+    variables.extend(changes.iter().cloned());
+    variables
+        .into_iter()
+        .map(|(key, value)| {
+            let mut entry = key.into_encoded_bytes();
+            entry.push(b'=');
+            entry.extend(value.into_encoded_bytes());
+            CString::new(entry).context("an environment variable contains a NUL byte")
+        })
+        .collect()
+}
+
+/// Forks a child that will exec `command` once released, with heapprofd's environment
+/// and `environment` set. Call before starting threads.
+pub fn fork_paused(
+    command: &[String],
+    environment_changes: &[(OsString, OsString)],
+) -> Result<PausedChild> {
     let program = resolve_program(command.first().context("empty command")?)?;
     // Everything the child needs is allocated before fork: after it, only async-signal-safe calls.
     let program = CString::new(program.into_os_string().into_encoded_bytes())
@@ -99,6 +120,9 @@ pub fn fork_paused(command: &[String]) -> Result<PausedChild> {
         .context("an argument contains a NUL byte")?;
     let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
+    let variables = environment(environment_changes)?;
+    let mut envp: Vec<*const libc::c_char> = variables.iter().map(|v| v.as_ptr()).collect();
+    envp.push(std::ptr::null());
 
     let (go_read, go_write) = pipe().context("creating the launch pipe")?;
     let (err_read, err_write) = pipe().context("creating the launch pipe")?;
@@ -118,7 +142,7 @@ pub fn fork_paused(command: &[String]) -> Result<PausedChild> {
                 // The daemon gave up before releasing us.
                 libc::_exit(125);
             }
-            libc::execv(program.as_ptr(), argv.as_ptr());
+            libc::execve(program.as_ptr(), argv.as_ptr(), envp.as_ptr());
             let errno = *libc::__errno_location();
             libc::write(
                 err_write.as_raw_fd(),

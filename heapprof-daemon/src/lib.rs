@@ -12,6 +12,7 @@ pub mod memstats;
 pub mod metrics;
 pub mod pprof;
 pub mod preflight;
+pub mod preload;
 pub mod probes;
 pub mod procmaps;
 #[cfg(test)]

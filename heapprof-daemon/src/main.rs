@@ -10,7 +10,9 @@ use clap::Parser as _;
 use heapprof_daemon::{
     app::{run, start},
     cli::{Cli, Target},
-    launch, report,
+    launch,
+    preload::PreloadLibrary,
+    report,
 };
 
 /// Exit status for bad input and unmet requirements.
@@ -32,9 +34,22 @@ fn main() -> ExitCode {
         Ok(target) => target,
         Err(message) => return usage_error(anyhow::anyhow!(message)),
     };
+    // Launch mode's interposer, installed before the command is forked with it.
+    let preload = if cli.uses_preload(&target) {
+        match PreloadLibrary::install() {
+            Ok(library) => Some(library),
+            Err(err) => return usage_error(err),
+        }
+    } else {
+        None
+    };
+    let environment = preload
+        .as_ref()
+        .map(|library| library.environment(cli.sample_rate.unwrap_or(0)))
+        .unwrap_or_default();
     // Fork before any thread exists (the runtime, the tracer).
     let child = match &target {
-        Target::Launch(command) => match launch::fork_paused(command) {
+        Target::Launch(command) => match launch::fork_paused(command, &environment) {
             Ok(child) => Some(child),
             Err(err) => return usage_error(err),
         },
@@ -48,7 +63,7 @@ fn main() -> ExitCode {
         Err(err) => return usage_error(anyhow::Error::new(err).context("starting the runtime")),
     };
     runtime.block_on(async {
-        let started = match start(&cli, &target, child) {
+        let started = match start(&cli, &target, child, preload) {
             Ok(started) => started,
             Err(err) => return usage_error(err),
         };

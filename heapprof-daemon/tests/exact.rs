@@ -11,17 +11,29 @@ fn page_size() -> i64 {
     unsafe { libc::sysconf(libc::_SC_PAGESIZE) as i64 }
 }
 
+/// Launch mode's default: the preload library reports the calls.
+const PRELOAD: &[&str] = &[];
+/// The allocator's probes, where placement puts them.
+const PROBES_AUTO: &[&str] = &["--preload", "off", "--probe-placement", "auto"];
+/// The allocator's probes at the functions' entries.
+const PROBES_ENTRY: &[&str] = &["--preload", "off", "--probe-placement", "entry"];
+
+#[test]
+fn every_family_function_is_counted_exactly_with_the_preload_library() {
+    every_family_function_is_counted_exactly_across_threads(PRELOAD);
+}
+
 #[test]
 fn every_family_function_is_counted_exactly_with_auto_placement() {
-    every_family_function_is_counted_exactly_across_threads("auto");
+    every_family_function_is_counted_exactly_across_threads(PROBES_AUTO);
 }
 
 #[test]
 fn every_family_function_is_counted_exactly_with_entry_placement() {
-    every_family_function_is_counted_exactly_across_threads("entry");
+    every_family_function_is_counted_exactly_across_threads(PROBES_ENTRY);
 }
 
-fn every_family_function_is_counted_exactly_across_threads(placement: &str) {
+fn every_family_function_is_counted_exactly_across_threads(flags: &[&str]) {
     require_root();
     let dir = scratch();
     let program = compile(dir.path(), "family", "family", &["-O0"]);
@@ -29,7 +41,8 @@ fn every_family_function_is_counted_exactly_across_threads(placement: &str) {
     let (threads, iterations): (i64, i64) = (4, 250);
     run_ok(
         heapprofd(&out)
-            .args(["--probe-placement", placement, "--"])
+            .args(flags)
+            .arg("--")
             .arg(&program)
             .args([threads.to_string(), iterations.to_string()]),
     );
@@ -104,16 +117,21 @@ fn valgrind_summary(stderr: &str) -> (i64, i64, i64, i64, i64) {
 }
 
 #[test]
+fn totals_agree_with_valgrind_with_the_preload_library() {
+    totals_agree_with_valgrind(PRELOAD);
+}
+
+#[test]
 fn totals_agree_with_valgrind_with_auto_placement() {
-    totals_agree_with_valgrind("auto");
+    totals_agree_with_valgrind(PROBES_AUTO);
 }
 
 #[test]
 fn totals_agree_with_valgrind_with_entry_placement() {
-    totals_agree_with_valgrind("entry");
+    totals_agree_with_valgrind(PROBES_ENTRY);
 }
 
-fn totals_agree_with_valgrind(placement: &str) {
+fn totals_agree_with_valgrind(flags: &[&str]) {
     require_root();
     let dir = scratch();
     let program = compile(dir.path(), "family", "family", &["-O2"]);
@@ -137,7 +155,8 @@ fn totals_agree_with_valgrind(placement: &str) {
     let out = dir.path().join("profiles");
     run_ok(
         heapprofd(&out)
-            .args(["--probe-placement", placement, "--"])
+            .args(flags)
+            .arg("--")
             .arg(&program)
             .args(args),
     );

@@ -22,8 +22,9 @@ use common::*;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Names of heapprofd's BPF programs as the kernel lists them (truncated to 15 characters).
-const PROGRAM_NAMES: [&str; 11] = [
+const PROGRAM_NAMES: [&str; 12] = [
     "entry",
+    "preload_report",
     "entry_multi",
     "alloc_return",
     "alloc_return_mu",

@@ -403,8 +403,15 @@ fn a_single_stepped_probe_is_a_warning_naming_its_function() {
     let dir = scratch();
     let out = dir.path().join("profiles");
     let warnings = |placement: &str| -> Vec<String> {
-        let output =
-            run_ok(heapprofd(&out).args(["--probe-placement", placement, "--", "/bin/true"]));
+        let output = run_ok(heapprofd(&out).args([
+            // The allocator's probes, not the preload library.
+            "--preload",
+            "off",
+            "--probe-placement",
+            placement,
+            "--",
+            "/bin/true",
+        ]));
         String::from_utf8_lossy(&output.stderr)
             .lines()
             .filter(|line| line.contains("is single-stepped by the kernel"))

@@ -186,6 +186,27 @@ pub fn free_is_nested(ctx: &ProbeContext, pid_tgid: u64) -> bool {
     false
 }
 
+/// A preload library report with the caller's return address `ra` and stack pointer
+/// `sp`: whether it is an allocation made inside an allocator call that the probes
+/// recorded (a custom pool's function getting a chunk from malloc), which that call
+/// accounts for.
+#[inline(always)]
+pub fn report_is_nested(pid_tgid: u64, ra: u64, sp: u64) -> bool {
+    let Some(state) = IN_FLIGHT.get_ptr_mut(&pid_tgid) else {
+        return false;
+    };
+    // SAFETY: this thread's own entry.
+    let state = unsafe { &*state };
+    if state.active == 0 || sp >= state.entry_sp || state.entry_sp - sp > MAX_NESTING_SPAN {
+        return false;
+    }
+    let Some(spec) = probe_spec(state.slot) else {
+        return false;
+    };
+    let offset = ra.wrapping_sub(state.object_base);
+    offset >= spec.text_start && offset < spec.text_end
+}
+
 /// A thread replaced its process's image (exec), leaving any allocator call for good:
 /// its record must not survive, and its later stacks belong to image `exec_gen`.
 #[inline(always)]

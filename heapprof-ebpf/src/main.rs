@@ -25,6 +25,8 @@ mod log;
 #[cfg(target_arch = "bpf")]
 mod maps;
 #[cfg(target_arch = "bpf")]
+mod preload;
+#[cfg(target_arch = "bpf")]
 mod regs;
 #[cfg(target_arch = "bpf")]
 mod sampling;

@@ -9,6 +9,7 @@ use aya_ebpf::{
 use heapprof_common::{
     CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey,
     MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, SiteCounters, StackKey, UserStack,
+    preload::{FreeQueue, Preloaded},
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
         UnwindRule,
@@ -97,6 +98,15 @@ pub static MAPPINGS_REQUESTED: LruHashMap<u32, u64> = LruHashMap::with_max_entri
 pub static MAPPINGS_REQUESTS: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
 #[map(name = "LOADER_SYNCS")]
 pub static LOADER_SYNCS: Array<u64> = Array::with_max_entries(1, 0);
+/// Processes the preload library serves (see `preload`), keyed by tgid.
+#[map(name = "PRELOADED")]
+pub static PRELOADED: HashMap<u32, Preloaded> = HashMap::with_max_entries(4096, 0);
+/// Where each thread of those keeps its free queue, keyed by pid_tgid.
+#[map(name = "FREE_QUEUES")]
+pub static FREE_QUEUES: HashMap<u64, u64> = HashMap::with_max_entries(16384, 0);
+/// Per-CPU room to copy a free queue into (too big for the BPF stack).
+#[map(name = "QUEUE_SCRATCH")]
+pub static QUEUE_SCRATCH: PerCpuArray<FreeQueue> = PerCpuArray::with_max_entries(1, 0);
 
 /// Written by the daemon before loading (read-only data).
 #[unsafe(no_mangle)]
@@ -111,7 +121,7 @@ static CONFIG: Config = Config {
     track_peak: 0,
     cgroup_id: 0,
     cgroup_level: 0,
-    _pad: 0,
+    preload_slot_base: 0,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
@@ -165,6 +175,20 @@ pub fn hold_at_loader_events() -> bool {
 pub fn empty_programs() -> bool {
     // SAFETY: a plain global (see above).
     unsafe { core::ptr::read_volatile(&CONFIG.empty_programs) != 0 }
+}
+
+/// The slot of the preload library's first function.
+#[inline(always)]
+pub fn preload_slot_base() -> u32 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.preload_slot_base) }
+}
+
+/// Where the preload library's code is in process `tgid`, if it serves the process.
+#[inline(always)]
+pub fn preloaded(tgid: u32) -> Option<Preloaded> {
+    // SAFETY: a plain value read out of the map.
+    unsafe { PRELOADED.get(&tgid) }.copied()
 }
 
 /// Whether each process's in-use total and peak are kept.

@@ -114,3 +114,29 @@ pub fn value_registers(ctx: &ProbeContext) -> [u64; VALUE_REGISTERS] {
         [0; VALUE_REGISTERS]
     }
 }
+
+/// The seven values a call of the preload library's probe site passes (see
+/// `heapprof_common::preload`): x86-64's rdi, rsi, rdx, rcx, r8, r9 and rax; arm64's
+/// x0 to x6.
+#[inline(always)]
+pub fn preload_args(ctx: &ProbeContext) -> [u64; 7] {
+    #[cfg(bpf_target_arch = "x86_64")]
+    // SAFETY: ctx.regs is the probe's pt_regs, readable by the program.
+    unsafe {
+        let r = &*ctx.regs;
+        [r.rdi, r.rsi, r.rdx, r.rcx, r.r8, r.r9, r.rax]
+    }
+    #[cfg(bpf_target_arch = "aarch64")]
+    // SAFETY: the kernel's arm64 pt_regs begins with user_pt_regs.
+    unsafe {
+        let r = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
+        [
+            r.regs[0], r.regs[1], r.regs[2], r.regs[3], r.regs[4], r.regs[5], r.regs[6],
+        ]
+    }
+    #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
+    {
+        let _ = ctx;
+        [0; 7]
+    }
+}

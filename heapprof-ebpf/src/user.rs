@@ -22,9 +22,9 @@ use heapprof_common::{
 use crate::{
     calls::{self, Call},
     maps::{
-        EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, armed,
-        count_drop, empty_programs, hold_at_loader_events, ignored, page_size, probe_spec,
-        target_tgid,
+        EXEC_EVENTS, EXEC_GEN, FREE_QUEUES, LOADER_SYNCS, MAPPINGS_REQUESTS, PRELOADED,
+        PROCESS_MAPPINGS, armed, count_drop, empty_programs, hold_at_loader_events, ignored,
+        page_size, preloaded, probe_spec, target_tgid,
     },
     regs, sites, stack,
 };
@@ -64,6 +64,25 @@ fn requested_size(registers: &[u64; VALUE_REGISTERS], spec: &ProbeSpec) -> u64 {
     size
 }
 
+/// Whether a probe hit in a process the preload library serves is a call the library
+/// reports: made by the library (its forwarding of the program's call) or inside an
+/// allocator library (a function it calls on the way). The program's own calls of
+/// allocator functions the library does not wrap (jemalloc's `mallocx`, `mi_*`, a pool
+/// or a static allocator in the program) come from outside.
+#[inline(always)]
+fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec) -> bool {
+    let Some(library) = preloaded((bpf_get_current_pid_tgid() >> 32) as u32) else {
+        return false;
+    };
+    let (ip, sp) = regs::at_entry(ctx);
+    let caller = regs::return_address_at_entry(ctx, sp);
+    if caller >= library.text_start && caller < library.text_end {
+        return true;
+    }
+    let offset = caller.wrapping_sub(ip.wrapping_sub(spec.probe_offset));
+    spec.in_library != 0 && offset >= spec.text_start && offset < spec.text_end
+}
+
 /// The entry probe of the function in `slot`: free's accounting, or the call matching.
 #[inline(always)]
 fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
@@ -73,6 +92,9 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
     let Some(role) = ProbeRole::from_u32(spec.role) else {
         return;
     };
+    if preload_call(ctx, spec) {
+        return;
+    }
     let registers = regs::value_registers(ctx);
     if role == ProbeRole::Free {
         on_free(ctx, reg(&registers, spec.ptr_reg));
@@ -274,6 +296,10 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     // The exec kills the other threads, possibly inside an allocator call: the thread
     // now holding the leader's id must not inherit a call in progress from one of them.
     calls::exec(pid_tgid, exec_gen);
+    // The new image says for itself whether the preload library serves it; the old
+    // image's queue of this thread is gone with it.
+    let _ = PRELOADED.remove(&tgid);
+    let _ = FREE_QUEUES.remove(&pid_tgid);
     // The old image's mappings are gone; the daemon loads the new ones.
     let _ = PROCESS_MAPPINGS.remove(&tgid);
     // So are its blocks (the daemon retires them from the live table).
@@ -287,6 +313,8 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
 /// starts clean (the thread may have died inside an allocator call).
 #[raw_tracepoint(tracepoint = "sched_process_exit")]
 pub fn thread_exit(_ctx: RawTracePointContext) -> i32 {
-    calls::forget(bpf_get_current_pid_tgid());
+    let pid_tgid = bpf_get_current_pid_tgid();
+    calls::forget(pid_tgid);
+    crate::preload::thread_exit(pid_tgid);
     0
 }

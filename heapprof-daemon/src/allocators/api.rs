@@ -147,6 +147,8 @@ impl Signature {
             out_reg: registers.out,
             round_to_pages: u32::from(self.round_to_pages),
             in_use: 1,
+            in_library: 0,
+            _pad: 0,
         }
     }
 }

@@ -17,7 +17,9 @@ use aya::{
     maps::{Array, MapData},
     programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
 };
-use heapprof_common::{MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, names};
+use std::os::unix::fs::MetadataExt as _;
+
+use heapprof_common::{MAX_PROBE_SLOTS, NO_REGISTER, ProbeSlot, ProbeSpec, names, preload};
 
 use super::{
     api::Family,
@@ -26,6 +28,7 @@ use super::{
     spec::CustomFunction,
 };
 use crate::{
+    preload::PreloadLibrary,
     probes::{AttachMethod, placement::PlacementMode, uprobe},
     procmaps::ObjectFile,
 };
@@ -92,6 +95,10 @@ pub struct AllocatorProbes {
     reported: HashSet<String>,
     notes: Vec<String>,
     custom_found: HashSet<String>,
+    /// Launch mode's preload library and its file's identity.
+    preload: Option<(PreloadLibrary, (u64, u64))>,
+    /// Processes told to fall back from the preload library to the probes.
+    preload_fallbacks: HashSet<u32>,
 }
 
 impl AllocatorProbes {
@@ -112,7 +119,64 @@ impl AllocatorProbes {
             reported: HashSet::new(),
             notes: Vec::new(),
             custom_found: HashSet::new(),
+            preload: None,
+            preload_fallbacks: HashSet::new(),
         })
+    }
+
+    /// Launch mode's preload library: its functions take the first slots (the BPF
+    /// programs' `preload_slot_base` is 0) and its probe site gets the one uprobe that
+    /// reads its reports. The library then lives as long as the probes.
+    pub fn add_preload(&mut self, ebpf: &mut Ebpf, library: PreloadLibrary) -> Result<()> {
+        if !self.slots.is_empty() {
+            bail!("the preload library's functions must take the first probe slots");
+        }
+        let path = library.path().to_owned();
+        let metadata =
+            std::fs::metadata(&path).with_context(|| format!("reading {}", path.display()))?;
+        let id = (metadata.dev(), metadata.ino());
+        for (slot, (name, role)) in preload::FUNCTIONS.iter().enumerate() {
+            let offset = library
+                .functions
+                .iter()
+                .find(|(function, _)| function == name)
+                .map_or(0, |(_, offset)| *offset);
+            let spec = ProbeSpec {
+                probe_offset: offset,
+                role: *role as u32,
+                size_reg: NO_REGISTER,
+                count_reg: NO_REGISTER,
+                ptr_reg: NO_REGISTER,
+                out_reg: NO_REGISTER,
+                in_use: 1,
+                ..ProbeSpec::default()
+            };
+            self.specs
+                .set(slot as ProbeSlot, &spec, 0)
+                .context("writing the probe specs")?;
+            self.slots.push(SlotInfo {
+                function: (*name).to_owned(),
+                object: id,
+                object_path: path.display().to_string(),
+                offset,
+            });
+        }
+        let site = UProbeAttachPoint {
+            location: UProbeAttachLocation::AbsoluteOffset(library.probe_offset),
+            cookie: None,
+        };
+        // Only this session's command tree maps this copy of the file.
+        uprobe(ebpf, names::PROG_PRELOAD)?
+            .attach([site], &path, UProbeScope::AllProcesses)
+            .with_context(|| format!("attaching the uprobe on {}", path.display()))?;
+        self.probes += 1;
+        log::debug!(
+            "preload library {}: probe site at +{:#x}",
+            path.display(),
+            library.probe_offset
+        );
+        self.preload = Some((library, id));
+        Ok(())
     }
 
     /// The function of `slot`.
@@ -228,11 +292,12 @@ impl AllocatorProbes {
         let mut points = Vec::new();
         for (index, function) in new.iter().enumerate() {
             let slot = (first + index) as ProbeSlot;
-            let spec = function.signature.spec(
+            let mut spec = function.signature.spec(
                 function.probe_offset(),
                 function.placement.registers,
                 scan.text,
             );
+            spec.in_library = u32::from(!executable);
             self.specs
                 .set(slot, &spec, 0)
                 .context("writing the probe specs")?;
@@ -274,18 +339,20 @@ impl AllocatorProbes {
     }
 
     /// Probes an object found without a process: all its functions if `malloc` can
-    /// bind to it (a C library, a replacement allocator, a static program), else its
-    /// vendor and custom ones.
+    /// bind to it (a C library, a replacement allocator, a static program) and
+    /// `standard` allows (the preload library serves those names), else its vendor and
+    /// custom ones.
     pub fn probe_found_object(
         &mut self,
         ebpf: &mut Ebpf,
         object: &ObjectFile,
         executable: bool,
+        standard: bool,
     ) -> Result<usize> {
         let scan = self
             .scan(object, executable)
             .map_err(|err| anyhow::anyhow!(err))?;
-        let families: &[Family] = if scan.defines_malloc {
+        let families: &[Family] = if scan.defines_malloc && standard {
             &[Family::Standard, Family::Vendor, Family::Custom]
         } else {
             &[Family::Vendor, Family::Custom]
@@ -358,11 +425,23 @@ impl AllocatorProbes {
         let order = serving::binding_order(process.objects, process.exe, &preloads);
         let mut serving_object = None;
         let mut static_program = None;
+        let preload_id = self.preload.as_ref().map(|(_, id)| *id);
+        // heapprofd's library is first in the LD_PRELOAD it sets (the environment may
+        // be unreadable, or changed since): after the program, it binds first.
+        let preload_mapped = preload_id.filter(|id| process.objects.iter().any(|o| o.id == *id));
         for object in &order {
             if serving::is_loader(object) {
                 continue;
             }
             let executable = process.exe == Some(object.path.as_str());
+            if let Some(id) = preload_mapped
+                && !executable
+            {
+                // The preload library serves the standard names: probe the rest only.
+                self.probe_others(ebpf, process, preload_id);
+                self.serving.insert(process.pid, id);
+                return;
+            }
             match self.scan(object, executable) {
                 Ok(scan) => {
                     if executable && scan.static_executable {
@@ -405,6 +484,7 @@ impl AllocatorProbes {
         }
         if let Some(object) = &serving_object {
             self.serving.insert(process.pid, object.id);
+            self.note_preload_fallback(process, preload_id);
             return;
         }
         // A dynamic program whose loader has mapped nothing else yet is still loading.
@@ -443,6 +523,56 @@ impl AllocatorProbes {
             ),
         };
         self.report(program, message);
+    }
+
+    /// Probes the vendor and custom functions of a process's objects (not the preload
+    /// library's).
+    fn probe_others(
+        &mut self,
+        ebpf: &mut Ebpf,
+        process: &ProcessView<'_>,
+        preload_id: Option<(u64, u64)>,
+    ) {
+        for object in process.objects {
+            if serving::is_loader(object) || Some(object.id) == preload_id {
+                continue;
+            }
+            let executable = process.exe == Some(object.path.as_str());
+            // A library defining malloc is the allocator behind the preload library:
+            // its vendor functions run inside the calls the library reports (mimalloc's
+            // realloc jumps to mi_heap_realloc), and a probe there could not tell.
+            let behind = !executable
+                && self
+                    .scan(object, executable)
+                    .is_ok_and(|scan| scan.defines_malloc);
+            let families: &[Family] = if behind {
+                &[Family::Custom]
+            } else {
+                &[Family::Vendor, Family::Custom]
+            };
+            if let Err(err) = self.probe_object(ebpf, object, families, executable) {
+                log::debug!("pid {}: {}: {err:#}", process.pid, object.path);
+            }
+        }
+    }
+
+    /// Says once per process that the preload library does not serve it, once it is
+    /// past its start-up.
+    fn note_preload_fallback(&mut self, process: &ProcessView<'_>, preload_id: Option<(u64, u64)>) {
+        if preload_id.is_none() || !process.settled || !self.preload_fallbacks.insert(process.pid) {
+            return;
+        }
+        let mapped = process.objects.iter().any(|o| Some(o.id) == preload_id);
+        let why = if mapped {
+            "its program binds malloc ahead of it"
+        } else {
+            "the library is not loaded: a static or setuid program, or LD_PRELOAD dropped"
+        };
+        log::info!(
+            "pid {} ({}): heapprofd's preload library does not serve it ({why}); its              allocator's probes count its calls instead (an entry and a return trap each)",
+            process.pid,
+            process.comm
+        );
     }
 
     /// Custom functions not found in any object so far.

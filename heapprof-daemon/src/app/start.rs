@@ -18,6 +18,7 @@ use crate::{
     launch::{self, PausedChild},
     metrics::{self, TableFigure, server::Endpoint},
     pprof, preflight,
+    preload::PreloadLibrary,
     probes::{self, bpf_log::BpfLog},
     procmaps::ObjectCache,
     session::{
@@ -43,7 +44,12 @@ pub struct Started {
 }
 
 /// Everything that can fail on bad input or a missing requirement: checks, libc, load, attach.
-pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<Started> {
+pub fn start(
+    cli: &Cli,
+    target: &Target,
+    child: Option<PausedChild>,
+    preload: Option<PreloadLibrary>,
+) -> Result<Started> {
     let sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     preflight::check_privileges()?;
@@ -155,6 +161,11 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
         bail!("--allocator names {name} twice; give each function once");
     }
     let mut allocators = AllocatorProbes::new(&mut ebpf, settings)?;
+    // With the preload library, the C library's standard names are left to it.
+    let preloading = preload.is_some();
+    if let Some(library) = preload {
+        allocators.add_preload(&mut ebpf, library)?;
+    }
     let mut objects = ObjectCache::default();
     for (path, executable) in initial_allocators(cli, target, program.as_deref())? {
         let label = path.display().to_string();
@@ -162,9 +173,9 @@ pub fn start(cli: &Cli, target: &Target, child: Option<PausedChild>) -> Result<S
             .open(&path, &label)
             .with_context(|| format!("opening {label}"))?;
         let probed = allocators
-            .probe_found_object(&mut ebpf, &object, executable)
+            .probe_found_object(&mut ebpf, &object, executable, executable || !preloading)
             .with_context(|| format!("probing the allocator in {label}"))?;
-        if probed == 0 && cli.libc.as_deref() == Some(path.as_path()) {
+        if probed == 0 && !preloading && cli.libc.as_deref() == Some(path.as_path()) {
             bail!(
                 "{label} has no malloc/free symbols; point --libc at the library that \
                  provides the program's allocator"

@@ -70,6 +70,7 @@ const fn reason_label(reason: DropReason) -> &'static str {
         DropReason::StackTruncated => "stack_truncated",
         DropReason::InFlightFull => "in_flight_full",
         DropReason::OutPtrUnreadable => "out_ptr_unreadable",
+        DropReason::FreeQueueUnreadable => "free_queue_unreadable",
         DropReason::StackUnavailable => "stack_unavailable",
         DropReason::ExecTableFull => "exec_table_full",
         DropReason::StackIncomplete => "stack_incomplete",

@@ -77,7 +77,8 @@ pub fn load(
         track_peak: u32::from(track_peak && sample_rate == 0),
         cgroup_id: cgroup.map_or(0, |c| c.id),
         cgroup_level: cgroup.map_or(0, |c| c.level),
-        _pad: 0,
+        // The registry gives the preload library's functions the first slots.
+        preload_slot_base: 0,
     };
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {

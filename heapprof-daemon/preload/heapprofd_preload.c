@@ -1,0 +1,736 @@
+/*
+ * heapprofd's preload library: launch mode's interposer.
+ *
+ * heapprofd puts this object in the LD_PRELOAD of the commands it launches. It wraps
+ * the C and C++ allocation functions, calls the real ones (whatever object the
+ * dynamic linker finds next: glibc, musl, jemalloc, tcmalloc, mimalloc) and reports
+ * each allocation through one call of the probe site, where heapprofd's uprobe reads
+ * it (see heapprof-common's `preload` module for the interface; preload_abi.h is
+ * generated from it). Frees are queued per thread and reported with the next call.
+ *
+ * It links against nothing (no DT_NEEDED): the few C library functions it uses bind
+ * to whatever C library the process has, so one build loads into glibc and musl
+ * programs alike. It allocates nothing itself after start-up, and until the real
+ * functions are known (dlsym may allocate) it serves from a small static arena.
+ *
+ * Sampling (HEAPPROFD_SAMPLE_RATE) is decided here, so that unsampled calls cost no
+ * probe at all; frees are then reported only for the sampled blocks, which a small
+ * lock-free set remembers.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "preload_abi.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define likely(x) __builtin_expect(!!(x), 1)
+#define unlikely(x) __builtin_expect(!!(x), 0)
+
+/* The C library functions used, bound at load time to the process's C library. */
+typedef struct {
+    const char *dli_fname;
+    void *dli_fbase;
+    const char *dli_sname;
+    void *dli_saddr;
+} dl_info_t;
+extern void *dlsym(void *handle, const char *symbol);
+extern int dladdr(const void *address, dl_info_t *info);
+extern char *getenv(const char *name);
+extern long sysconf(int name);
+extern int pthread_atfork(void (*prepare)(void), void (*parent)(void), void (*child)(void));
+extern void *mmap(void *address, size_t length, int prot, int flags, int fd, long offset);
+#define RTLD_NEXT ((void *)-1L)
+#define RTLD_DEFAULT ((void *)0)
+#define SC_PAGESIZE 30 /* the same on glibc and musl */
+#define PROT_READ 1
+#define PROT_WRITE 2
+#define MAP_PRIVATE 2
+#define MAP_ANONYMOUS 0x20
+#define MAP_FAILED ((void *)-1)
+
+/* ---- the probe site ---------------------------------------------------------- */
+
+/*
+ * A 5-byte NOP and a return: the kernel optimizes a uprobe there into a call. The
+ * wrappers reach it through a hidden alias (no PLT); the exported name is how
+ * heapprofd finds it in the file.
+ */
+#if defined(__x86_64__)
+__asm__(".text\n"
+        ".globl " HP_PROBE_SITE_SYMBOL "\n"
+        ".type " HP_PROBE_SITE_SYMBOL ", @function\n"
+        ".globl hp_probe_site_local\n"
+        ".hidden hp_probe_site_local\n"
+        ".p2align 4\n" HP_PROBE_SITE_SYMBOL ":\n"
+        "hp_probe_site_local:\n"
+        "    .byte 0x0f, 0x1f, 0x44, 0x00, 0x00\n"
+        "    ret\n"
+        ".size " HP_PROBE_SITE_SYMBOL ", . - " HP_PROBE_SITE_SYMBOL "\n");
+
+/* The call clobbers nothing: the site only returns (the red zone is off, see the
+ * build flags, so the pushed return address overwrites nothing). */
+static inline __attribute__((always_inline)) void
+probe(uint64_t block, uint64_t size, uint64_t ra, uint64_t cfa, uint64_t fp,
+      uint64_t queue, uint64_t meta)
+{
+    register uint64_t r8 __asm__("r8") = fp;
+    register uint64_t r9 __asm__("r9") = queue;
+    __asm__ volatile("call hp_probe_site_local"
+                     :
+                     : "D"(block), "S"(size), "d"(ra), "c"(cfa), "r"(r8), "r"(r9),
+                       "a"(meta)
+                     : "memory");
+}
+#elif defined(__aarch64__)
+__asm__(".text\n"
+        ".globl " HP_PROBE_SITE_SYMBOL "\n"
+        ".type " HP_PROBE_SITE_SYMBOL ", %function\n"
+        ".globl hp_probe_site_local\n"
+        ".hidden hp_probe_site_local\n"
+        ".p2align 4\n" HP_PROBE_SITE_SYMBOL ":\n"
+        "hp_probe_site_local:\n"
+        "    nop\n"
+        "    ret\n"
+        ".size " HP_PROBE_SITE_SYMBOL ", . - " HP_PROBE_SITE_SYMBOL "\n");
+
+static inline __attribute__((always_inline)) void
+probe(uint64_t block, uint64_t size, uint64_t ra, uint64_t cfa, uint64_t fp,
+      uint64_t queue, uint64_t meta)
+{
+    register uint64_t x0 __asm__("x0") = block;
+    register uint64_t x1 __asm__("x1") = size;
+    register uint64_t x2 __asm__("x2") = ra;
+    register uint64_t x3 __asm__("x3") = cfa;
+    register uint64_t x4 __asm__("x4") = fp;
+    register uint64_t x5 __asm__("x5") = queue;
+    register uint64_t x6 __asm__("x6") = meta;
+    __asm__ volatile("bl hp_probe_site_local"
+                     :
+                     : "r"(x0), "r"(x1), "r"(x2), "r"(x3), "r"(x4), "r"(x5), "r"(x6)
+                     : "x30", "memory");
+}
+#else
+#error "heapprofd's preload library supports x86-64 and arm64"
+#endif
+
+/* The caller's registers at the wrapper's return, taken in the wrapper itself (built
+ * with frame pointers: the wrapper's frame record holds the caller's frame pointer). */
+#define CALLER_RA() ((uint64_t)__builtin_extract_return_addr(__builtin_return_address(0)))
+#define CALLER_SP() ((uint64_t)__builtin_dwarf_cfa())
+#define CALLER_FP() (*(uint64_t *)__builtin_frame_address(0))
+
+/* ---- per-thread state --------------------------------------------------------- */
+
+struct thread_state {
+    struct hp_free_queue queue; /* read by the BPF program: first */
+    uint32_t depth;             /* inside a real allocator call: nested calls pass */
+    uint32_t registered;        /* the queue's address was reported */
+    uint32_t cxx_depth;         /* inside a replacement allocator's C++ operator */
+    uint32_t pad_;
+    uint64_t until_sample;      /* bytes left before the next sampled allocation */
+    uint64_t random;            /* xorshift state */
+};
+
+static __thread struct thread_state thread_state __attribute__((tls_model("initial-exec")));
+
+/* ---- the real functions --------------------------------------------------------- */
+
+enum state { UNINITIALIZED, INITIALIZING, ACTIVE, INERT };
+static volatile int state = UNINITIALIZED;
+static uint64_t sample_rate;
+static uint64_t page_size = 4096;
+/* The C++ operators are libstdc++'s, which allocate through malloc: pass through. */
+static int cxx_through_malloc = 1;
+/* Else the object defining them (their calls of each other are nested). */
+static void *cxx_base;
+
+static struct {
+    void *(*malloc)(size_t);
+    void *(*calloc)(size_t, size_t);
+    void *(*realloc)(void *, size_t);
+    void *(*reallocarray)(void *, size_t, size_t);
+    int (*posix_memalign)(void **, size_t, size_t);
+    void *(*aligned_alloc)(size_t, size_t);
+    void *(*memalign)(size_t, size_t);
+    void *(*valloc)(size_t);
+    void *(*pvalloc)(size_t);
+    void (*free)(void *);
+    void *(*cxx_new[8])();
+    void (*cxx_delete[12])();
+} real;
+
+/* ---- the start-up arena ---------------------------------------------------------- */
+
+/* Serves the allocations made while the real functions are looked up (dlsym's error
+ * buffer); its blocks are never freed. Each has a 16-byte header with its size. */
+static char arena[65536] __attribute__((aligned(16)));
+static size_t arena_used;
+
+static void *arena_alloc(size_t size, int zero)
+{
+    (void)zero; /* static memory starts zeroed and is never reused */
+    size_t need = (size + 16 + 15) & ~(size_t)15;
+    size_t at = __atomic_fetch_add(&arena_used, need, __ATOMIC_RELAXED);
+    if (at + need > sizeof arena || need < size)
+        return NULL;
+    *(size_t *)(arena + at) = size;
+    return arena + at + 16;
+}
+
+static inline int in_arena(const void *p)
+{
+    return (const char *)p >= arena && (const char *)p < arena + sizeof arena;
+}
+
+static inline size_t arena_size(const void *p) { return *(const size_t *)((const char *)p - 16); }
+
+/* ---- sampling ----------------------------------------------------------------------- */
+
+/* -ln(u) for u in (0, 1]: ln(m * 2^e) with m in [1, 2), ln(m) by the atanh series. */
+static double neg_log(double u)
+{
+    union { double d; uint64_t bits; } v = { .d = u };
+    int exponent = (int)((v.bits >> 52) & 0x7ff) - 1023;
+    v.bits = (v.bits & ((1ULL << 52) - 1)) | (1023ULL << 52);
+    double s = (v.d - 1) / (v.d + 1), s2 = s * s;
+    double ln_m = 2 * s * (1 + s2 * (1.0 / 3 + s2 * (1.0 / 5 + s2 * (1.0 / 7 + s2 / 9))));
+    return -(exponent * 0.6931471805599453 + ln_m);
+}
+
+static uint64_t next_random(struct thread_state *t)
+{
+    if (t->random == 0)
+        t->random = (uint64_t)(uintptr_t)t ^ 0x9e3779b97f4a7c15ULL;
+    t->random ^= t->random << 13;
+    t->random ^= t->random >> 7;
+    t->random ^= t->random << 17;
+    return t->random;
+}
+
+/* Bytes until the next sampled allocation: exponential with mean sample_rate. */
+static uint64_t draw(struct thread_state *t)
+{
+    double u = (double)((next_random(t) >> 11) + 1) / 9007199254740992.0;
+    uint64_t bytes = (uint64_t)(neg_log(u) * (double)sample_rate);
+    return bytes ? bytes : 1;
+}
+
+/* Whether an allocation of `size` bytes is sampled (Poisson over bytes, as Go's and
+ * tcmalloc's heap profilers). */
+static inline int sampled(struct thread_state *t, uint64_t size)
+{
+    if (t->until_sample == 0)
+        t->until_sample = draw(t);
+    if (size < t->until_sample) {
+        t->until_sample -= size;
+        return 0;
+    }
+    t->until_sample = draw(t);
+    return 1;
+}
+
+/* The sampled blocks still allocated: open addressing, at most PROBE_LIMIT slots from
+ * a block's home. A full neighbourhood makes the set "saturated": from then on every
+ * free is reported (the program ignores blocks it does not know), never one missed. */
+#define SET_SLOTS (1u << 17)
+#define PROBE_LIMIT 64
+#define SET_EMPTY 0
+#define SET_TOMBSTONE 1
+static uint64_t *sampled_set;
+static int set_saturated;
+
+static inline uint32_t set_home(uint64_t p)
+{
+    return (uint32_t)((p * 0x9e3779b97f4a7c15ULL) >> 47) & (SET_SLOTS - 1);
+}
+
+static void set_insert(uint64_t p)
+{
+    if (!sampled_set) {
+        set_saturated = 1;
+        return;
+    }
+    uint32_t home = set_home(p);
+    for (uint32_t i = 0; i < PROBE_LIMIT; i++) {
+        uint64_t *slot = &sampled_set[(home + i) & (SET_SLOTS - 1)];
+        uint64_t seen = __atomic_load_n(slot, __ATOMIC_RELAXED);
+        while (seen == SET_EMPTY || seen == SET_TOMBSTONE) {
+            if (__atomic_compare_exchange_n(slot, &seen, p, 0, __ATOMIC_RELAXED,
+                                            __ATOMIC_RELAXED))
+                return;
+        }
+    }
+    __atomic_store_n(&set_saturated, 1, __ATOMIC_RELAXED);
+}
+
+/* Whether `p` was sampled (then forgotten), or may have been. */
+static inline int set_remove(uint64_t p)
+{
+    if (sampled_set) {
+        uint32_t home = set_home(p);
+        for (uint32_t i = 0; i < PROBE_LIMIT; i++) {
+            uint64_t *slot = &sampled_set[(home + i) & (SET_SLOTS - 1)];
+            uint64_t seen = __atomic_load_n(slot, __ATOMIC_RELAXED);
+            if (seen == p)
+                return __atomic_compare_exchange_n(slot, &seen, SET_TOMBSTONE, 0,
+                                                   __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+            if (seen == SET_EMPTY)
+                break;
+        }
+    }
+    return __atomic_load_n(&set_saturated, __ATOMIC_RELAXED);
+}
+
+/* ---- reporting ---------------------------------------------------------------------- */
+
+static inline uint64_t meta(struct thread_state *t, unsigned function, unsigned kind)
+{
+    uint64_t word = function | (uint64_t)kind << HP_META_KIND_SHIFT |
+                    (uint64_t)t->queue.count << HP_META_COUNT_SHIFT;
+    if (!t->registered)
+        word |= HP_META_REGISTER_QUEUE;
+    return word;
+}
+
+static inline void reported(struct thread_state *t)
+{
+    t->queue.count = 0;
+    t->registered = 1;
+}
+
+/* Reports the queued frees alone. */
+static __attribute__((noinline)) void flush(struct thread_state *t)
+{
+    if (t->queue.count == 0)
+        return;
+    probe(0, 0, 0, 0, 0, (uint64_t)(uintptr_t)&t->queue, meta(t, 0, HP_KIND_FLUSH));
+    reported(t);
+}
+
+/* Queues the free of `p` (a block of the real allocator, not NULL). */
+static inline void queue_free(struct thread_state *t, void *p)
+{
+    if (sample_rate && !set_remove((uint64_t)(uintptr_t)p))
+        return;
+    uint32_t at = t->queue.count;
+    t->queue.frees[at] = (uint64_t)(uintptr_t)p;
+    t->queue.count = at + 1;
+    if (at + 1 == HP_FREE_QUEUE_LEN)
+        flush(t);
+}
+
+/* Reports an allocation of `size` bytes at `p` by wrapped function `function`, with
+ * the caller's registers. */
+static inline void report(struct thread_state *t, unsigned function, void *p, uint64_t size,
+                          uint64_t ra, uint64_t sp, uint64_t fp)
+{
+    if (!p)
+        return;
+    if (sample_rate) {
+        if (!sampled(t, size))
+            return;
+        set_insert((uint64_t)(uintptr_t)p);
+    }
+    probe((uint64_t)(uintptr_t)p, size, ra, sp, fp, (uint64_t)(uintptr_t)&t->queue,
+          meta(t, function, HP_KIND_ALLOC));
+    reported(t);
+}
+
+/* ---- start-up ------------------------------------------------------------------------- */
+
+/* The linker's marks: this object's first byte and the end of its code. */
+extern const char __ehdr_start[] __attribute__((visibility("hidden")));
+extern const char etext[] __attribute__((visibility("hidden")));
+
+/* Tells heapprofd that this library serves the process, and where its code is. */
+static void hello(void)
+{
+    struct thread_state *t = &thread_state;
+    probe((uint64_t)(uintptr_t)__ehdr_start, (uint64_t)(uintptr_t)etext, 0, 0, 0,
+          (uint64_t)(uintptr_t)&t->queue, meta(t, 0, HP_KIND_HELLO));
+    reported(t);
+}
+
+static void before_fork(void)
+{
+    if (state == ACTIVE)
+        flush(&thread_state);
+}
+
+static void in_child(void)
+{
+    /* A new process with a new thread id: it says hello and registers its queue. */
+    thread_state.queue.count = 0;
+    thread_state.registered = 0;
+    if (state == ACTIVE)
+        hello();
+}
+
+static void *next(const char *name) { return dlsym(RTLD_NEXT, name); }
+
+/* Whether the C++ operators found next are libstdc++'s (or libc++'s), which allocate
+ * with malloc: those pass through and malloc reports, as without this library. */
+static int cxx_allocates_with_malloc(void)
+{
+    dl_info_t info;
+    if (!real.cxx_new[0] || !dladdr((void *)real.cxx_new[0], &info) || !info.dli_fname)
+        return 1;
+    const char *name = info.dli_fname;
+    for (const char *c = name; *c; c++)
+        if (*c == '/')
+            name = c + 1;
+    return (name[0] == 'l' && name[1] == 'i' && name[2] == 'b' && name[3] == 's' &&
+            name[4] == 't' && name[5] == 'd' && name[6] == 'c' && name[7] == '+') ||
+           (name[0] == 'l' && name[1] == 'i' && name[2] == 'b' && name[3] == 'c' &&
+            name[4] == '+' && name[5] == '+');
+}
+
+static void initialize(void);
+
+/* Whether the process's malloc is this library's. */
+static int serves_malloc(void)
+{
+    dl_info_t bound, self;
+    void *found = dlsym(RTLD_DEFAULT, "malloc");
+    return found && dladdr(found, &bound) && dladdr((void *)initialize, &self) &&
+           bound.dli_fbase == self.dli_fbase;
+}
+
+static uint64_t parse_u64(const char *s)
+{
+    uint64_t value = 0;
+    for (; s && *s >= '0' && *s <= '9'; s++)
+        value = value * 10 + (uint64_t)(*s - '0');
+    return value;
+}
+
+static void initialize(void)
+{
+    int expected = UNINITIALIZED;
+    if (!__atomic_compare_exchange_n(&state, &expected, INITIALIZING, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return; /* another thread is at it: the arena serves meanwhile */
+    real.malloc = next("malloc");
+    real.calloc = next("calloc");
+    real.realloc = next("realloc");
+    real.reallocarray = next("reallocarray");
+    real.posix_memalign = next("posix_memalign");
+    real.aligned_alloc = next("aligned_alloc");
+    real.memalign = next("memalign");
+    real.valloc = next("valloc");
+    real.pvalloc = next("pvalloc");
+    real.free = next("free");
+    for (unsigned i = 0; i < 8; i++)
+        real.cxx_new[i] = next(hp_function_names[HP_FN_FIRST_NEW + i]);
+    for (unsigned i = 0; i < 12; i++)
+        real.cxx_delete[i] = next(hp_function_names[HP_FN_FIRST_DELETE + i]);
+    /* The program (a static allocator in it) may bind malloc before this library:
+     * then this library sees no call, and heapprofd's probes do the work. */
+    int serves = serves_malloc();
+    if (!serves || !real.malloc || !real.free || !real.calloc || !real.realloc) {
+        __atomic_store_n(&state, INERT, __ATOMIC_RELEASE);
+        return;
+    }
+    cxx_through_malloc = cxx_allocates_with_malloc();
+    dl_info_t cxx;
+    if (real.cxx_new[0] && dladdr((void *)real.cxx_new[0], &cxx))
+        cxx_base = cxx.dli_fbase;
+    long page = sysconf(SC_PAGESIZE);
+    if (page > 0)
+        page_size = (uint64_t)page;
+    sample_rate = parse_u64(getenv(HP_SAMPLE_RATE_ENV));
+    if (sample_rate) {
+        void *set = mmap(NULL, SET_SLOTS * sizeof(uint64_t), PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        sampled_set = set == MAP_FAILED ? NULL : set;
+    }
+    pthread_atfork(before_fork, NULL, in_child);
+    hello();
+    __atomic_store_n(&state, ACTIVE, __ATOMIC_RELEASE);
+}
+
+__attribute__((constructor)) static void on_load(void)
+{
+    if (state == UNINITIALIZED)
+        initialize();
+}
+
+/* The thread calling exit() reports its last frees (other threads' queues are read by
+ * heapprofd when they exit). */
+__attribute__((destructor)) static void on_unload(void)
+{
+    if (state == ACTIVE)
+        flush(&thread_state);
+}
+
+/* Whether the wrappers report; otherwise they pass the call on (or, before the real
+ * functions are known, serve it from the arena). */
+static inline __attribute__((always_inline)) int active(void)
+{
+    int now = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (likely(now == ACTIVE))
+        return 1;
+    if (now == UNINITIALIZED) {
+        initialize();
+        now = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    }
+    return now == ACTIVE;
+}
+
+static inline int ready(void) { return __atomic_load_n(&state, __ATOMIC_ACQUIRE) >= ACTIVE; }
+
+/* ---- the C functions -------------------------------------------------------------------- */
+
+/* Runs `call` as a real allocator call of this thread (nested calls pass through). */
+#define REAL_CALL(t, call)                                                                 \
+    ({                                                                                     \
+        (t)->depth++;                                                                      \
+        __typeof__(call) result_ = (call);                                                 \
+        (t)->depth--;                                                                      \
+        result_;                                                                           \
+    })
+
+EXPORT void *malloc(size_t size)
+{
+    if (unlikely(!active()))
+        return ready() ? real.malloc(size) : arena_alloc(size, 0);
+    struct thread_state *t = &thread_state;
+    if (t->depth)
+        return real.malloc(size);
+    void *p = REAL_CALL(t, real.malloc(size));
+    report(t, HP_FN_MALLOC, p, size, CALLER_RA(), CALLER_SP(), CALLER_FP());
+    return p;
+}
+
+EXPORT void *calloc(size_t count, size_t size)
+{
+    if (unlikely(!active())) {
+        if (ready())
+            return real.calloc(count, size);
+        size_t bytes;
+        return __builtin_mul_overflow(count, size, &bytes) ? NULL : arena_alloc(bytes, 1);
+    }
+    struct thread_state *t = &thread_state;
+    if (t->depth)
+        return real.calloc(count, size);
+    void *p = REAL_CALL(t, real.calloc(count, size));
+    report(t, HP_FN_CALLOC, p, (uint64_t)count * size, CALLER_RA(), CALLER_SP(), CALLER_FP());
+    return p;
+}
+
+/* A block of the start-up arena moved to the real allocator. */
+static void *from_arena(void *old, size_t size)
+{
+    void *p = real.malloc ? real.malloc(size) : arena_alloc(size, 0);
+    if (p) {
+        size_t keep = arena_size(old) < size ? arena_size(old) : size;
+        for (size_t i = 0; i < keep; i++)
+            ((char *)p)[i] = ((char *)old)[i];
+    }
+    return p;
+}
+
+/* realloc's accounting: the old block goes once the call succeeded (or, for a request
+ * of 0 bytes answered with NULL, freed it), then the new one comes. */
+static inline void moved(struct thread_state *t, unsigned function, void *old, void *p,
+                         uint64_t size, uint64_t ra, uint64_t sp, uint64_t fp)
+{
+    if (old && (p || size == 0))
+        queue_free(t, old);
+    report(t, function, p, size, ra, sp, fp);
+}
+
+EXPORT void *realloc(void *old, size_t size)
+{
+    if (unlikely(in_arena(old)))
+        return from_arena(old, size);
+    if (unlikely(!active()))
+        return ready() ? real.realloc(old, size) : arena_alloc(size, 0);
+    struct thread_state *t = &thread_state;
+    if (t->depth)
+        return real.realloc(old, size);
+    void *p = REAL_CALL(t, real.realloc(old, size));
+    moved(t, HP_FN_REALLOC, old, p, size, CALLER_RA(), CALLER_SP(), CALLER_FP());
+    return p;
+}
+
+EXPORT void *reallocarray(void *old, size_t count, size_t size)
+{
+    size_t bytes;
+    int overflow = __builtin_mul_overflow(count, size, &bytes);
+    if (unlikely(in_arena(old)))
+        return overflow ? NULL : from_arena(old, bytes);
+    if (unlikely(!active()) || !real.reallocarray)
+        return ready() && real.reallocarray ? real.reallocarray(old, count, size)
+               : overflow                   ? NULL
+                                            : realloc(old, bytes);
+    struct thread_state *t = &thread_state;
+    if (t->depth)
+        return real.reallocarray(old, count, size);
+    void *p = REAL_CALL(t, real.reallocarray(old, count, size));
+    moved(t, HP_FN_REALLOCARRAY, old, p, overflow ? 0 : bytes, CALLER_RA(), CALLER_SP(),
+          CALLER_FP());
+    return p;
+}
+
+EXPORT int posix_memalign(void **out, size_t alignment, size_t size)
+{
+    if (unlikely(!active()) || !real.posix_memalign) {
+        if (ready() && real.posix_memalign)
+            return real.posix_memalign(out, alignment, size);
+        return 12; /* ENOMEM: nothing aligned before start-up */
+    }
+    struct thread_state *t = &thread_state;
+    if (t->depth)
+        return real.posix_memalign(out, alignment, size);
+    int error = REAL_CALL(t, real.posix_memalign(out, alignment, size));
+    if (error == 0)
+        report(t, HP_FN_POSIX_MEMALIGN, *out, size, CALLER_RA(), CALLER_SP(), CALLER_FP());
+    return error;
+}
+
+/* The aligned allocators with (alignment, size) arguments, or (size) for valloc and
+ * pvalloc: pass through before start-up and inside allocator calls. */
+#define ALIGNED_WRAPPER(name, index, params, args, bytes)                                 \
+    EXPORT void *name params                                                               \
+    {                                                                                      \
+        if (unlikely(!active()) || !real.name)                                             \
+            return ready() && real.name ? real.name args : NULL;                           \
+        struct thread_state *t = &thread_state;                                            \
+        if (t->depth)                                                                      \
+            return real.name args;                                                         \
+        void *p = REAL_CALL(t, real.name args);                                            \
+        report(t, index, p, bytes, CALLER_RA(), CALLER_SP(), CALLER_FP());                 \
+        return p;                                                                          \
+    }
+
+ALIGNED_WRAPPER(aligned_alloc, HP_FN_ALIGNED_ALLOC, (size_t alignment, size_t size),
+                (alignment, size), size)
+ALIGNED_WRAPPER(memalign, HP_FN_MEMALIGN, (size_t alignment, size_t size), (alignment, size),
+                size)
+ALIGNED_WRAPPER(valloc, HP_FN_VALLOC, (size_t size), (size), size)
+/* glibc hands out whole pages, and one page for 0 bytes. */
+ALIGNED_WRAPPER(pvalloc, HP_FN_PVALLOC, (size_t size), (size),
+                size ? (size + page_size - 1) / page_size * page_size : page_size)
+
+EXPORT void free(void *p)
+{
+    if (unlikely(!p || in_arena(p)))
+        return;
+    if (unlikely(!active())) {
+        if (ready())
+            real.free(p);
+        return; /* before start-up only arena blocks exist */
+    }
+    struct thread_state *t = &thread_state;
+    if (!t->depth)
+        queue_free(t, p);
+    real.free(p);
+}
+
+EXPORT void cfree(void *p) { free(p); }
+
+/* A thread ending the process without exit() reports its last frees first. */
+EXPORT __attribute__((noreturn)) void _exit(int status)
+{
+    static void (*real_exit)(int);
+    if (state == ACTIVE)
+        flush(&thread_state);
+    if (!real_exit)
+        real_exit = (void (*)(int))next("_exit");
+    real_exit(status);
+    __builtin_unreachable();
+}
+
+/* ---- the C++ operators -------------------------------------------------------------------- */
+
+/*
+ * libstdc++'s operators allocate with malloc: they are passed through as tail calls
+ * (no frame of this library on the stack, none an exception crosses) and malloc
+ * reports, with the same stacks as without this library. Operators of a replacement
+ * allocator (tcmalloc, jemalloc, mimalloc) allocate inside it: they are reported here.
+ */
+typedef void *(*new1_t)(size_t);
+typedef void *(*new2_t)(size_t, uint64_t);
+typedef void *(*new3_t)(size_t, uint64_t, uint64_t);
+typedef void (*delete1_t)(void *);
+typedef void (*delete2_t)(void *, uint64_t);
+typedef void (*delete3_t)(void *, uint64_t, uint64_t);
+
+/* Whether an operator call inside another one (its depth kept in the thread) comes
+ * from the allocator's own code (operator new[] calling operator new): then the outer
+ * call reports. An exception out of an operator leaves the depth raised; the check on
+ * the caller keeps that from silencing the program's later calls. */
+static __attribute__((noinline)) int cxx_nested(uint64_t ra)
+{
+    dl_info_t caller;
+    return cxx_base && dladdr((void *)(uintptr_t)ra, &caller) && caller.dli_fbase == cxx_base;
+}
+
+#define NEW_WRAPPER(name, slot, type, params, args)                                       \
+    EXPORT void *name params                                                               \
+    {                                                                                      \
+        type next_ = (type)real.cxx_new[slot];                                             \
+        if (unlikely(!active()) || cxx_through_malloc || !next_)                           \
+            return next_ ? next_ args : malloc(size);                                      \
+        struct thread_state *t = &thread_state;                                            \
+        uint64_t ra = CALLER_RA();                                                         \
+        if (t->cxx_depth && cxx_nested(ra))                                                \
+            return next_ args;                                                             \
+        t->cxx_depth++;                                                                    \
+        void *p = next_ args;                                                              \
+        t->cxx_depth--;                                                                    \
+        report(t, HP_FN_FIRST_NEW + slot, p, size, ra, CALLER_SP(), CALLER_FP());          \
+        return p;                                                                          \
+    }
+
+NEW_WRAPPER(_Znwm, 0, new1_t, (size_t size), (size))
+NEW_WRAPPER(_Znam, 1, new1_t, (size_t size), (size))
+NEW_WRAPPER(_ZnwmRKSt9nothrow_t, 2, new2_t, (size_t size, uint64_t a), (size, a))
+NEW_WRAPPER(_ZnamRKSt9nothrow_t, 3, new2_t, (size_t size, uint64_t a), (size, a))
+NEW_WRAPPER(_ZnwmSt11align_val_t, 4, new2_t, (size_t size, uint64_t a), (size, a))
+NEW_WRAPPER(_ZnamSt11align_val_t, 5, new2_t, (size_t size, uint64_t a), (size, a))
+NEW_WRAPPER(_ZnwmSt11align_val_tRKSt9nothrow_t, 6, new3_t, (size_t size, uint64_t a, uint64_t b),
+            (size, a, b))
+NEW_WRAPPER(_ZnamSt11align_val_tRKSt9nothrow_t, 7, new3_t, (size_t size, uint64_t a, uint64_t b),
+            (size, a, b))
+
+#define DELETE_WRAPPER(name, slot, type, params, args)                                    \
+    EXPORT void name params                                                                \
+    {                                                                                      \
+        type next_ = (type)real.cxx_delete[slot];                                          \
+        if (unlikely(!active()) || cxx_through_malloc || !next_) {                         \
+            if (next_)                                                                     \
+                next_ args;                                                                \
+            else                                                                           \
+                free(p);                                                                   \
+            return;                                                                        \
+        }                                                                                  \
+        struct thread_state *t = &thread_state;                                            \
+        if (t->cxx_depth && cxx_nested(CALLER_RA())) {                                     \
+            next_ args;                                                                    \
+            return;                                                                        \
+        }                                                                                  \
+        if (p)                                                                             \
+            queue_free(t, p);                                                              \
+        t->cxx_depth++;                                                                    \
+        next_ args;                                                                        \
+        t->cxx_depth--;                                                                    \
+    }
+
+DELETE_WRAPPER(_ZdlPv, 0, delete1_t, (void *p), (p))
+DELETE_WRAPPER(_ZdaPv, 1, delete1_t, (void *p), (p))
+DELETE_WRAPPER(_ZdlPvm, 2, delete2_t, (void *p, uint64_t a), (p, a))
+DELETE_WRAPPER(_ZdaPvm, 3, delete2_t, (void *p, uint64_t a), (p, a))
+DELETE_WRAPPER(_ZdlPvRKSt9nothrow_t, 4, delete2_t, (void *p, uint64_t a), (p, a))
+DELETE_WRAPPER(_ZdaPvRKSt9nothrow_t, 5, delete2_t, (void *p, uint64_t a), (p, a))
+DELETE_WRAPPER(_ZdlPvSt11align_val_t, 6, delete2_t, (void *p, uint64_t a), (p, a))
+DELETE_WRAPPER(_ZdaPvSt11align_val_t, 7, delete2_t, (void *p, uint64_t a), (p, a))
+DELETE_WRAPPER(_ZdlPvmSt11align_val_t, 8, delete3_t, (void *p, uint64_t a, uint64_t b),
+               (p, a, b))
+DELETE_WRAPPER(_ZdaPvmSt11align_val_t, 9, delete3_t, (void *p, uint64_t a, uint64_t b),
+               (p, a, b))
+DELETE_WRAPPER(_ZdlPvSt11align_val_tRKSt9nothrow_t, 10, delete3_t,
+               (void *p, uint64_t a, uint64_t b), (p, a, b))
+DELETE_WRAPPER(_ZdaPvSt11align_val_tRKSt9nothrow_t, 11, delete3_t,
+               (void *p, uint64_t a, uint64_t b), (p, a, b))

@@ -1,0 +1,231 @@
+//! Launch mode's preload library: the interposer heapprofd puts in the `LD_PRELOAD`
+//! of the commands it starts (`--preload auto`).
+//!
+//! The library (`preload/heapprofd_preload.c`, built by the build script and embedded
+//! here) wraps the malloc family and C++'s operators and reports each allocation with
+//! one call of its probe site, a 5-byte NOP that Linux 6.18 turns into a call instead
+//! of a trap; frees ride along in a per-thread queue, and sampling is decided in the
+//! process. See `heapprof_common::preload` for the interface.
+//!
+//! Each session installs its own copy of the file: uprobes go on a file, so the probe
+//! on this copy sees only the processes of this session's command tree (children
+//! inherit `LD_PRELOAD`), never those of another heapprofd. The copy is removed when
+//! the session ends.
+
+use std::{
+    ffi::OsString,
+    io::Write as _,
+    os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _},
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, Result, bail};
+use heapprof_common::preload::{PROBE_SITE_SYMBOL, SAMPLE_RATE_ENV};
+use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+
+/// The library, built for the target's architecture.
+static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libheapprofd_preload.so"));
+
+/// The library's file name.
+const FILE_NAME: &str = "libheapprofd_preload.so";
+
+/// `--preload`: whether launched commands get the interposer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum PreloadMode {
+    /// Launched commands get the preload library (one cheap probe per allocation);
+    /// processes it cannot serve fall back to the allocator's probes.
+    Auto,
+    /// The allocator's probes only (an entry and a return trap per allocation).
+    Off,
+}
+
+/// This session's copy of the library.
+#[derive(Debug)]
+pub struct PreloadLibrary {
+    dir: PathBuf,
+    path: PathBuf,
+    /// File offset of the probe site.
+    pub probe_offset: u64,
+    /// File offsets of the wrapped functions, by symbol.
+    pub functions: Vec<(String, u64)>,
+}
+
+impl PreloadLibrary {
+    /// Writes this session's copy of the library, readable by every user (a command
+    /// may change its user), in a directory only root can write.
+    pub fn install() -> Result<Self> {
+        let (probe_offset, functions) = symbol_offsets(LIBRARY)?;
+        let dir = session_dir()?;
+        let path = dir.join(FILE_NAME);
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .open(&path)
+            .with_context(|| format!("writing the preload library to {}", path.display()))?;
+        file.write_all(LIBRARY)
+            .with_context(|| format!("writing the preload library to {}", path.display()))?;
+        Ok(Self {
+            dir,
+            path,
+            probe_offset,
+            functions,
+        })
+    }
+
+    /// Where the library is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The environment variables a launched command gets: `LD_PRELOAD` with the
+    /// library first (ahead of a preloaded allocator, which it then wraps), and the
+    /// sample rate.
+    pub fn environment(&self, sample_rate: u64) -> Vec<(OsString, OsString)> {
+        let mut preload = OsString::from(&self.path);
+        if let Some(existing) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+            preload.push(":");
+            preload.push(existing);
+        }
+        let mut variables = vec![("LD_PRELOAD".into(), preload)];
+        if sample_rate != 0 {
+            variables.push((SAMPLE_RATE_ENV.into(), sample_rate.to_string().into()));
+        }
+        variables
+    }
+}
+
+impl Drop for PreloadLibrary {
+    fn drop(&mut self) {
+        // Processes still running keep their mapping of the deleted file.
+        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// A new directory for this session: under `/run/heapprofd` when heapprofd may write
+/// there (root), else in the temporary directory; created fresh (never an existing
+/// one someone else could have prepared).
+fn session_dir() -> Result<PathBuf> {
+    let id = std::process::id();
+    let run = Path::new("/run/heapprofd");
+    let parent = if std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(run)
+        .is_ok()
+    {
+        run.to_owned()
+    } else {
+        std::env::temp_dir()
+    };
+    for attempt in 0..100u32 {
+        let dir = parent.join(format!("preload-{id}-{attempt}"));
+        match std::fs::DirBuilder::new().mode(0o755).create(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(err) => {
+                return Err(err).with_context(|| {
+                    format!(
+                        "creating {} for the preload library (or run with --preload off)",
+                        dir.display()
+                    )
+                });
+            }
+        }
+    }
+    bail!(
+        "cannot create a directory for the preload library in {}: clean up old \
+         preload-{id}-* directories there, or run with --preload off",
+        parent.display()
+    )
+}
+
+/// The file offsets of the probe site and of the wrapped functions.
+fn symbol_offsets(library: &[u8]) -> Result<(u64, Vec<(String, u64)>)> {
+    let file = object::File::parse(library).context("reading the embedded preload library")?;
+    let file_offset = |address: u64| {
+        file.segments().find_map(|segment| {
+            let (start, size) = (segment.address(), segment.size());
+            let (offset, _) = segment.file_range();
+            (address >= start && address < start + size).then(|| address - start + offset)
+        })
+    };
+    let mut probe = None;
+    let mut functions = Vec::new();
+    for symbol in file.dynamic_symbols() {
+        let (Ok(name), Some(offset)) = (symbol.name(), file_offset(symbol.address())) else {
+            continue;
+        };
+        if name == PROBE_SITE_SYMBOL {
+            probe = Some(offset);
+        } else if symbol.is_definition() {
+            functions.push((name.to_owned(), offset));
+        }
+    }
+    let probe = probe.context("the embedded preload library has no probe site")?;
+    Ok((probe, functions))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_embedded_library_has_its_probe_site_and_every_wrapped_function() {
+        let (probe, functions) = symbol_offsets(LIBRARY).expect("symbols");
+        let at = probe as usize;
+        let nop5 = [0x0f, 0x1f, 0x44, 0x00, 0x00];
+        if cfg!(target_arch = "x86_64") {
+            assert_eq!(
+                LIBRARY.get(at..at + 5),
+                Some(&nop5[..]),
+                "the probe site is a NOP5"
+            );
+        }
+        for (name, _) in heapprof_common::preload::FUNCTIONS {
+            assert!(
+                functions.iter().any(|(n, _)| n == name),
+                "{name} is not exported by the preload library"
+            );
+        }
+    }
+
+    #[test]
+    fn the_library_needs_only_functions_every_c_library_has() {
+        let file = object::File::parse(LIBRARY).expect("ELF");
+        let allowed = [
+            "dladdr",
+            "dlsym",
+            "getenv",
+            "mmap",
+            "pthread_atfork",
+            "sysconf",
+        ];
+        for symbol in file.dynamic_symbols().filter(|s| s.is_undefined()) {
+            let name = symbol.name().expect("name");
+            assert!(
+                name.is_empty() || allowed.contains(&name),
+                "the preload library needs {name}, which a C library may not have"
+            );
+        }
+    }
+
+    #[test]
+    fn the_library_goes_first_in_ld_preload() {
+        let library = PreloadLibrary {
+            dir: PathBuf::from("/nonexistent"),
+            path: PathBuf::from("/nonexistent/lib.so"),
+            probe_offset: 0,
+            functions: Vec::new(),
+        };
+        let environment = library.environment(4096);
+        let preload = &environment[0].1;
+        assert!(preload.to_string_lossy().starts_with("/nonexistent/lib.so"));
+        assert!(
+            environment
+                .iter()
+                .any(|(k, v)| k == SAMPLE_RATE_ENV && v == "4096")
+        );
+    }
+}
