@@ -6,7 +6,8 @@
 //!   bpftrace (the kernel-mode test's independent count, and the benchmark's baseline),
 //!   google-perftools and chromium (the report tests), prometheus (the metrics test),
 //!   jemalloc, tcmalloc, mimalloc and musl-tools (the allocator tests), dpkg-dev and
-//!   systemd (the Debian package and its unit's check).
+//!   systemd (the Debian package and its unit's check); for the benchmark also
+//!   redis-server, redis-tools and heaptrack.
 
 use std::{
     path::{Path, PathBuf},
@@ -37,7 +38,9 @@ pub fn ensure(needs: Needs) -> Result<()> {
     ensure_toolchain(STABLE, &["clippy", "rustfmt"])?;
     ensure_toolchain(NIGHTLY, &["rust-src"])?;
     ensure_bpf_linker()?;
-    let mut packages = vec!["gcc", "libc6-dev"];
+    // gcc builds launch mode's preload library; the arm64 cross compiler builds it for
+    // the board (`cargo xtask run --arch aarch64`).
+    let mut packages = vec!["gcc", "libc6-dev", "gcc-aarch64-linux-gnu"];
     if needs != Needs::Build {
         // The Debian package: dpkg-shlibdeps computes its Depends, systemd-analyze
         // verifies its unit.
@@ -77,8 +80,10 @@ pub fn ensure(needs: Needs) -> Result<()> {
     }
     if needs == Needs::Bench {
         // The benchmark's real service: redis-server (linked with jemalloc) and its
-        // redis-benchmark client.
-        packages.extend(["redis-server", "redis-tools"]);
+        // redis-benchmark client; its launch-mode section's baseline, heaptrack, and its
+        // sqlite3 workload (also a test target, listed above: listed again so that the
+        // benchmark's needs stand on their own).
+        packages.extend(["redis-server", "redis-tools", "heaptrack", "sqlite3"]);
     }
     ensure_debian_packages(&packages)
 }
@@ -246,11 +251,14 @@ fn has_package(package: &str) -> bool {
 }
 
 fn ensure_debian_packages(packages: &[&str]) -> Result<()> {
-    let missing: Vec<&str> = packages
+    let mut missing: Vec<&str> = packages
         .iter()
         .copied()
         .filter(|p| !has_package(p))
         .collect();
+    // A package two needs list (sqlite3) is installed once.
+    missing.sort_unstable();
+    missing.dedup();
     if missing.is_empty() {
         return Ok(());
     }

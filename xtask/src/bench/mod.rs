@@ -15,6 +15,9 @@
 //! finds the callers; for each workload the mean frames per allocation of heapprofd's
 //! profiles (CFI and frame pointers) and the unwind tables' BPF map memory are given,
 //! and a last section times the unwind-table build of the machine's largest library.
+//! Two more sections: a real service (redis.rs: redis-server attached to and launched)
+//! and launch mode (launch.rs: whole commands under `heapprofd -- CMD` against
+//! heaptrack, whose added time is the baseline there).
 
 use std::{
     collections::BTreeMap,
@@ -30,6 +33,7 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{step, workspace_root};
 
+mod launch;
 mod redis;
 
 /// Settings of a benchmark run.
@@ -1097,7 +1101,7 @@ fn json_string(text: &str) -> String {
 }
 
 /// Sections of the benchmark besides the workloads, which `--only` can also name.
-const SECTIONS: [&str; 5] = ["library", "dumps", "shutdown", "load", "redis"];
+const SECTIONS: [&str; 6] = ["library", "dumps", "shutdown", "load", "redis", "launch"];
 
 /// Runs the benchmark and writes target/bench/summary.{txt,json}.
 pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
@@ -1501,6 +1505,16 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
             json_stats.join(", ")
         ));
     }
+    let mut launch_json = "null".to_owned();
+    if section("launch") {
+        note_foreign_tracers("launch", &mut warnings);
+        let report = launch::section(&bench, &stl, options.runs, options.quick, &mut text)?;
+        for (key, goal) in &report.goals {
+            let _ = writeln!(goals_text, "{key} (launch): {}", goal.describe());
+            json_goals.push(goal.json(key));
+        }
+        launch_json = report.json;
+    }
     let _ = writeln!(
         text,
         "\n## Goals (figures of this run, never pass/fail; ratios of added time per allocation, medians)\n\n{goals_text}"
@@ -1630,7 +1644,7 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         );
     }
     let json = format!(
-        "{{\n  \"load_average\": {{\"start\": {}, \"end\": {}}},\n  \"warnings\": [{}],\n  \"workloads\": [\n    {}\n  ],\n  \"goals\": [\n    {}\n  ],\n  \"largest_library\": {},\n  \"dumps\": [{}],\n  \"shutdown\": {{{}}},\n  \"redis\": {},\n  \"daemon_load\": {{\"seconds\": {}, \"cpu_s\": {}, \"cpu_percent_of_core\": {}, \"peak_rss_kib\": {rss}}}\n}}\n",
+        "{{\n  \"load_average\": {{\"start\": {}, \"end\": {}}},\n  \"warnings\": [{}],\n  \"workloads\": [\n    {}\n  ],\n  \"goals\": [\n    {}\n  ],\n  \"largest_library\": {},\n  \"dumps\": [{}],\n  \"shutdown\": {{{}}},\n  \"redis\": {},\n  \"launch\": {},\n  \"daemon_load\": {{\"seconds\": {}, \"cpu_s\": {}, \"cpu_percent_of_core\": {}, \"peak_rss_kib\": {rss}}}\n}}\n",
         json_string(&load_before),
         json_string(&load_average()),
         warnings
@@ -1644,6 +1658,7 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         json_dumps.join(", "),
         json_shutdown.join(", "),
         redis_json,
+        launch_json,
         json_number(wall),
         json_number(cpu),
         json_number(cpu / wall * 100.0),

@@ -1,6 +1,9 @@
 //! The real-service section: Debian's redis-server (linked with jemalloc) under
 //! `redis-benchmark`, bare against `heapprofd --pid` attached to it (exact, sampled, and
-//! the trap floor with `--empty-programs`).
+//! the trap floor with `--empty-programs`), and against redis-server launched by heapprofd
+//! (`heapprofd -- taskset -c 0 redis-server ...`, exact and sampled; launch mode uses the
+//! LD_PRELOAD interposer by default). The sampled launch's profile is read back to check
+//! that its stacks go through redis's `zmalloc`.
 //!
 //! redis runs on CPU 0 and the client on CPU 1, so that redis, not the client, is what
 //! limits the throughput; heapprofd runs beside the client. Each run starts a fresh
@@ -10,20 +13,24 @@
 
 use std::{
     fmt::Write as _,
-    path::Path,
-    process::{Child, Command, Stdio},
+    io::Read as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{Bench, json_number, json_string, spread};
+use super::{Bench, json_number, json_string, spread, written_profile};
 use crate::step;
 
 /// Loopback port of the benchmark's redis (outside redis's default 6379).
 const PORT: &str = "16399";
 /// The commands timed, as the issue measured them.
 const TESTS: &str = "set,get,lpush,lpop,sadd,hset";
+/// The goal of the sampled launch: at least this fraction of bare redis's requests/s.
+const LAUNCH_SAMPLED_GOAL: f64 = 0.95;
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum RedisMode {
@@ -31,14 +38,20 @@ enum RedisMode {
     Floor,
     Exact,
     Sampled,
+    /// redis-server launched by heapprofd, exact.
+    LaunchExact,
+    /// redis-server launched by heapprofd, `--sample-rate 524288`.
+    LaunchSampled,
 }
 
 impl RedisMode {
-    const ALL: [RedisMode; 4] = [
+    const ALL: [RedisMode; 6] = [
         RedisMode::Bare,
         RedisMode::Floor,
         RedisMode::Exact,
         RedisMode::Sampled,
+        RedisMode::LaunchExact,
+        RedisMode::LaunchSampled,
     ];
 
     fn name(self) -> &'static str {
@@ -47,6 +60,8 @@ impl RedisMode {
             RedisMode::Floor => "trap floor (--empty-programs)",
             RedisMode::Exact => "heapprofd --pid exact",
             RedisMode::Sampled => "heapprofd --pid sampled 512KiB",
+            RedisMode::LaunchExact => "heapprofd launch exact",
+            RedisMode::LaunchSampled => "heapprofd launch sampled 512KiB",
         }
     }
 
@@ -56,16 +71,36 @@ impl RedisMode {
             RedisMode::Floor => "heapprofd_empty_programs",
             RedisMode::Exact => "heapprofd_exact",
             RedisMode::Sampled => "heapprofd_sampled",
+            RedisMode::LaunchExact => "heapprofd_launch_exact",
+            RedisMode::LaunchSampled => "heapprofd_launch_sampled",
         }
     }
 
+    /// heapprofd's flags for `--pid` on a running redis; `None` for the other modes.
     fn flags(self) -> Option<&'static [&'static str]> {
         match self {
-            RedisMode::Bare => None,
+            RedisMode::Bare | RedisMode::LaunchExact | RedisMode::LaunchSampled => None,
             RedisMode::Floor => Some(&["--interval", "1h", "--empty-programs"]),
             RedisMode::Exact => Some(&["--interval", "1h"]),
             RedisMode::Sampled => Some(&["--interval", "1h", "--sample-rate", "512KiB"]),
         }
+    }
+
+    /// heapprofd's flags when it launches redis; `None` for the other modes.
+    fn launch_flags(self) -> Option<&'static [&'static str]> {
+        match self {
+            RedisMode::LaunchExact => Some(&["--interval", "1h"]),
+            RedisMode::LaunchSampled => Some(&["--interval", "1h", "--sample-rate", "524288"]),
+            _ => None,
+        }
+    }
+
+    /// Its index in [`RedisMode::ALL`].
+    fn index(self) -> usize {
+        RedisMode::ALL
+            .iter()
+            .position(|m| *m == self)
+            .unwrap_or_default()
     }
 }
 
@@ -76,6 +111,9 @@ struct Pass {
     cpu_us_per_request: f64,
     /// heapprofd's warnings about single-stepped probes.
     single_stepped: Option<usize>,
+    /// Launch modes: whether the profile's stacks go through `zmalloc` (`None`: no
+    /// profile read).
+    through_zmalloc: Option<bool>,
 }
 
 /// Lines of heapprofd's log that report a single-stepped probe.
@@ -100,53 +138,166 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
     Ok((ticks(11)? + ticks(12)?) / hz)
 }
 
-/// A redis-server on [`PORT`], pinned to CPU 0, without persistence.
+/// redis-server's arguments after `redis-server`: loopback [`PORT`], no persistence.
+const SERVER_ARGS: [&str; 10] = [
+    "--port",
+    PORT,
+    "--bind",
+    "127.0.0.1",
+    "--save",
+    "",
+    "--appendonly",
+    "no",
+    "--loglevel",
+    "warning",
+];
+
+/// A redis-server on [`PORT`], pinned to CPU 0, without persistence; bare or launched by
+/// heapprofd.
 struct Redis {
+    /// `taskset` (which becomes redis-server), or heapprofd in launch mode.
     child: Child,
+    /// redis-server's pid.
+    pid: u32,
+    /// Launch mode: heapprofd's log, read to its end by a thread.
+    log: Option<JoinHandle<String>>,
 }
 
 impl Redis {
+    /// Starts a bare redis-server.
     fn start() -> Result<Redis> {
         let child = Command::new("taskset")
-            .args([
-                "-c",
-                "0",
-                "redis-server",
-                "--port",
-                PORT,
-                "--bind",
-                "127.0.0.1",
-            ])
-            .args(["--save", "", "--appendonly", "no", "--loglevel", "warning"])
+            .args(["-c", "0", "redis-server"])
+            .args(SERVER_ARGS)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .context("starting redis-server")?;
-        let redis = Redis { child };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            let pong = Command::new("redis-cli")
-                .args(["-p", PORT, "ping"])
-                .output()
-                .is_ok_and(|o| o.stdout.starts_with(b"PONG"));
-            if pong {
-                return Ok(redis);
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        // taskset execs redis-server: the same pid.
+        let pid = child.id();
+        let redis = Redis {
+            child,
+            pid,
+            log: None,
+        };
+        wait_for_pong()?;
+        Ok(redis)
+    }
+
+    /// Starts redis-server under `heapprofd FLAGS -o DIR -- taskset -c 0 redis-server`
+    /// (heapprofd itself not pinned, as in the attach modes).
+    fn launch(bench: &Bench, flags: &[&str]) -> Result<Redis> {
+        let mut child = Command::new(&bench.heapprofd)
+            .args(flags)
+            .arg("-o")
+            .arg(bench.dir.join("profiles"))
+            .args(["--", "taskset", "-c", "0", "redis-server"])
+            .args(SERVER_ARGS)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting heapprofd -- redis-server")?;
+        let mut stderr = child.stderr.take().context("heapprofd stderr")?;
+        let log = std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text);
+            text
+        });
+        let pid = child.id();
+        let mut redis = Redis {
+            child,
+            pid,
+            log: Some(log),
+        };
+        if let Err(err) = wait_for_pong() {
+            let log = redis.stop().map(|(_, log)| log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(6).collect();
+            bail!(
+                "{err:#}; heapprofd's last lines (newest first): {}",
+                tail.join(" | ")
+            );
         }
-        bail!("redis-server did not answer on port {PORT} within 10 s (is the port taken?)")
+        redis.pid = server_pid().context("redis-cli info server gave no process_id")?;
+        Ok(redis)
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.pid
+    }
+
+    /// Launch mode: SIGINT to heapprofd (which passes it to redis and writes its final
+    /// profile); its exit status (redis's: 0 on SIGINT) and its log. `None` and an empty
+    /// log for a bare redis.
+    fn stop(&mut self) -> Result<(Option<ExitStatus>, String)> {
+        let Some(log) = self.log.take() else {
+            return Ok((None, String::new()));
+        };
+        super::interrupt(&self.child);
+        let status = self.child.wait()?;
+        Ok((Some(status), log.join().unwrap_or_default()))
     }
 }
 
 impl Drop for Redis {
     fn drop(&mut self) {
+        if self.log.is_some() && self.pid != self.child.id() {
+            // A launched redis whose heapprofd did not stop it: end it too.
+            // SAFETY: plain kill(2) of a process of ours.
+            unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) };
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Waits until redis answers PING on [`PORT`].
+fn wait_for_pong() -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let pong = Command::new("redis-cli")
+            .args(["-p", PORT, "ping"])
+            .output()
+            .is_ok_and(|o| o.stdout.starts_with(b"PONG"));
+        if pong {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bail!("redis-server did not answer on port {PORT} within 10 s (is the port taken?)")
+}
+
+/// The pid redis-server reports (`INFO server`).
+fn server_pid() -> Option<u32> {
+    let output = Command::new("redis-cli")
+        .args(["-p", PORT, "info", "server"])
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("process_id:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Whether a profile's stacks go through redis's `zmalloc` (any frame naming it), from
+/// `go tool pprof -traces`; `None` when go cannot read it.
+fn through_zmalloc(profile: &Path) -> Option<bool> {
+    let output = Command::new("go")
+        .args(["tool", "pprof", "-traces"])
+        .arg(profile)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    Some(
+        text.lines()
+            .filter(|l| !l.contains(':'))
+            .any(|l| l.contains("zmalloc")),
+    )
 }
 
 /// `redis-benchmark` on CPU 1: `requests` of each of [`TESTS`] (or `tests`).
@@ -174,8 +325,12 @@ fn client(tests: &str, requests: u32) -> Result<()> {
     Ok(())
 }
 
+/// One pass in `mode`: a fresh redis (bare, attached to or launched), warmed, then timed.
 fn pass(bench: &Bench, mode: RedisMode, requests: u32) -> Result<Pass> {
-    let redis = Redis::start()?;
+    let mut redis = match mode.launch_flags() {
+        Some(flags) => Redis::launch(bench, flags)?,
+        None => Redis::start()?,
+    };
     client("set,get", requests / 5)?;
     let daemon = match mode.flags() {
         Some(flags) => Some(bench.start_heapprofd(flags, redis.pid())?),
@@ -186,25 +341,77 @@ fn pass(bench: &Bench, mode: RedisMode, requests: u32) -> Result<Pass> {
     client(TESTS, requests)?;
     let wall = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds(redis.pid())? - cpu_before;
-    let single_stepped = match daemon {
+    let (single_stepped, through_zmalloc) = match daemon {
         Some(mut daemon) => {
             super::interrupt(&daemon.child);
             daemon.child.wait()?;
             daemon.log.extend(daemon.lines.try_iter());
-            Some(single_stepped(&daemon.log))
+            (Some(single_stepped(&daemon.log)), None)
         }
-        None => None,
+        None if mode.launch_flags().is_some() => {
+            let (status, log) = redis.stop()?;
+            let log: Vec<String> = log.lines().map(str::to_owned).collect();
+            if let Some(status) = status.filter(|s| !s.success()) {
+                bail!("heapprofd -- redis-server ended with {status}");
+            }
+            let profile: Option<PathBuf> = written_profile(&log);
+            (
+                Some(single_stepped(&log)),
+                profile.as_deref().and_then(through_zmalloc),
+            )
+        }
+        None => (None, None),
     };
     let total = f64::from(requests) * TESTS.split(',').count() as f64;
     Ok(Pass {
         requests_per_second: total / wall,
         cpu_us_per_request: cpu / total * 1e6,
         single_stepped,
+        through_zmalloc,
     })
 }
 
-/// Runs the section; appends its table to `text` and returns its JSON object.
-pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Result<String> {
+/// The passes of every mode (index of [`RedisMode::ALL`]), and why a mode failed when it
+/// did: a failing mode is reported and left out of the later rounds.
+struct Passes {
+    passes: Vec<Vec<Pass>>,
+    failures: Vec<Option<String>>,
+}
+
+/// Runs `runs` rounds of every mode, interleaved in rotated order.
+fn run_passes(bench: &Bench, runs: usize, requests: u32) -> Passes {
+    let count = RedisMode::ALL.len();
+    let mut passes: Vec<Vec<Pass>> = RedisMode::ALL.iter().map(|_| Vec::new()).collect();
+    let mut failures: Vec<Option<String>> = vec![None; count];
+    for round in 0..runs {
+        for i in 0..count {
+            let index = (i + round) % count;
+            let mode = RedisMode::ALL[index];
+            if failures[index].is_some() {
+                continue;
+            }
+            match pass(bench, mode, requests) {
+                Ok(pass) => {
+                    eprintln!(
+                        "xtask:   round {} {:<32} {:9.0} requests/s",
+                        round + 1,
+                        mode.name(),
+                        pass.requests_per_second
+                    );
+                    passes[index].push(pass);
+                }
+                Err(err) => {
+                    eprintln!("xtask:   redis, {} failed: {err:#}", mode.name());
+                    failures[index] = Some(format!("{err:#}"));
+                }
+            }
+        }
+    }
+    Passes { passes, failures }
+}
+
+/// Checks that the section can run: redis's tools, taskset and two CPUs.
+fn check_tools() -> Result<()> {
     for tool in ["redis-server", "redis-benchmark", "redis-cli", "taskset"] {
         if !Path::new("/usr/bin").join(tool).exists() {
             bail!(
@@ -218,32 +425,23 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
             "the redis section pins redis-server and its client to CPUs 0 and 1: it needs 2 CPUs, this machine has {cpus}"
         );
     }
+    Ok(())
+}
+
+/// Runs the section; appends its table to `text` and returns its JSON object.
+pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Result<String> {
+    check_tools()?;
     let requests = if quick { 20_000 } else { 100_000 };
     step(&format!(
         "redis: redis-benchmark -t {TESTS} -n {requests}, {runs} runs x {} modes",
         RedisMode::ALL.len()
     ));
-    let mut passes: Vec<Vec<Pass>> = RedisMode::ALL.iter().map(|_| Vec::new()).collect();
-    for round in 0..runs {
-        for i in 0..RedisMode::ALL.len() {
-            let index = (i + round) % RedisMode::ALL.len();
-            let mode = RedisMode::ALL[index];
-            let pass =
-                pass(bench, mode, requests).with_context(|| format!("redis, {}", mode.name()))?;
-            eprintln!(
-                "xtask:   round {} {:<32} {:9.0} requests/s",
-                round + 1,
-                mode.name(),
-                pass.requests_per_second
-            );
-            passes[index].push(pass);
-        }
-    }
-    let median = |index: usize, f: fn(&Pass) -> f64| {
-        spread(&passes[index].iter().map(f).collect::<Vec<_>>()).median
+    let Passes { passes, failures } = run_passes(bench, runs, requests);
+    let median = |mode: RedisMode, f: fn(&Pass) -> f64| {
+        spread(&passes[mode.index()].iter().map(f).collect::<Vec<_>>()).median
     };
-    let bare_rps = median(0, |p| p.requests_per_second);
-    let bare_cpu = median(0, |p| p.cpu_us_per_request);
+    let bare_rps = median(RedisMode::Bare, |p| p.requests_per_second);
+    let bare_cpu = median(RedisMode::Bare, |p| p.cpu_us_per_request);
     let _ = writeln!(
         text,
         "\n## redis-server (jemalloc) under redis-benchmark -c 20 -d 256 -t {TESTS} -n {requests}, {runs} runs\n"
@@ -255,16 +453,61 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
     );
     let mut json_modes = Vec::new();
     for (index, mode) in RedisMode::ALL.iter().enumerate() {
-        let rates = spread(
-            &passes[index]
-                .iter()
-                .map(|p| p.requests_per_second)
-                .collect::<Vec<_>>(),
-        );
-        let cpu = median(index, |p| p.cpu_us_per_request);
-        let stepped = passes[index].iter().filter_map(|p| p.single_stepped).max();
-        let _ = writeln!(
-            text,
+        let (line, json) = mode_row(*mode, &passes[index], failures[index].as_deref(), bare_rps);
+        let _ = writeln!(text, "{line}");
+        json_modes.push(json);
+    }
+    let added = |mode: RedisMode| median(mode, |p| p.cpu_us_per_request) - bare_cpu;
+    let (floor_added, exact_added) = (added(RedisMode::Floor), added(RedisMode::Exact));
+    let _ = writeln!(
+        text,
+        "redis CPU added per request: exact {exact_added:.2} us, trap floor {floor_added:.2} us: exact = {:.2}x the floor; launch exact {:.2} us, launch sampled {:.2} us",
+        exact_added / floor_added,
+        added(RedisMode::LaunchExact),
+        added(RedisMode::LaunchSampled)
+    );
+    let sampled = median(RedisMode::LaunchSampled, |p| p.requests_per_second) / bare_rps;
+    let (goal_line, goal_json) = launch_goal(sampled);
+    let _ = writeln!(text, "goal: {goal_line}");
+    let zmalloc = |mode: RedisMode| zmalloc_answer(&passes[mode.index()]);
+    let _ = writeln!(
+        text,
+        "stacks through zmalloc (final profile): sampled launch {}, exact launch {}",
+        zmalloc(RedisMode::LaunchSampled),
+        zmalloc(RedisMode::LaunchExact)
+    );
+    Ok(format!(
+        "{{{}, \"launch_sampled_goal\": {goal_json}, \"stacks_through_zmalloc\": {{\"heapprofd_launch_sampled\": {}, \"heapprofd_launch_exact\": {}}}}}",
+        json_modes.join(", "),
+        json_string(zmalloc(RedisMode::LaunchSampled)),
+        json_string(zmalloc(RedisMode::LaunchExact))
+    ))
+}
+
+/// The table row and JSON member of `mode`.
+fn mode_row(
+    mode: RedisMode,
+    passes: &[Pass],
+    failure: Option<&str>,
+    bare_rps: f64,
+) -> (String, String) {
+    let rates = spread(
+        &passes
+            .iter()
+            .map(|p| p.requests_per_second)
+            .collect::<Vec<_>>(),
+    );
+    let cpu = spread(
+        &passes
+            .iter()
+            .map(|p| p.cpu_us_per_request)
+            .collect::<Vec<_>>(),
+    )
+    .median;
+    let stepped = passes.iter().filter_map(|p| p.single_stepped).max();
+    let line = match failure {
+        Some(failure) if passes.is_empty() => format!("{:<32} failed: {failure}", mode.name()),
+        _ => format!(
             "{:<32} {:>12.0} {:>5.0}-{:<6.0} {:>14.3} {:>10.2} {:>15}",
             mode.name(),
             rates.median,
@@ -273,22 +516,55 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
             rates.median / bare_rps,
             cpu,
             stepped.map_or("-".into(), |n| n.to_string())
-        );
-        json_modes.push(format!(
-            "{}: {{\"requests_per_second\": {}, \"to_bare\": {}, \"cpu_us_per_request\": {}, \"single_stepped\": {}}}",
-            json_string(mode.key()),
-            json_number(rates.median),
-            json_number(rates.median / bare_rps),
-            json_number(cpu),
-            stepped.map_or("null".into(), |n| n.to_string())
-        ));
-    }
-    let floor_added = median(1, |p| p.cpu_us_per_request) - bare_cpu;
-    let exact_added = median(2, |p| p.cpu_us_per_request) - bare_cpu;
-    let _ = writeln!(
-        text,
-        "redis CPU added per request: exact {exact_added:.2} us, trap floor {floor_added:.2} us: exact = {:.2}x the floor",
-        exact_added / floor_added
+        ),
+    };
+    let json = format!(
+        "{}: {{\"runs\": {}, \"requests_per_second\": {}, \"to_bare\": {}, \"cpu_us_per_request\": {}, \"single_stepped\": {}, \"failed\": {}}}",
+        json_string(mode.key()),
+        passes.len(),
+        json_number(rates.median),
+        json_number(rates.median / bare_rps),
+        json_number(cpu),
+        stepped.map_or("null".into(), |n| n.to_string()),
+        failure.map_or("null".into(), json_string)
     );
-    Ok(format!("{{{}}}", json_modes.join(", ")))
+    (line, json)
+}
+
+/// The goal of the sampled launch (at least [`LAUNCH_SAMPLED_GOAL`] of bare's
+/// requests/s), as a line and a JSON object; a figure, never pass/fail.
+fn launch_goal(to_bare: f64) -> (String, String) {
+    let met = to_bare
+        .is_finite()
+        .then_some(to_bare >= LAUNCH_SAMPLED_GOAL);
+    let line = format!(
+        "heapprofd launch sampled 512KiB requests/s / bare: {} (goal: at least {LAUNCH_SAMPLED_GOAL:.2}x): {}",
+        if to_bare.is_finite() {
+            format!("{to_bare:.3}x")
+        } else {
+            "-".into()
+        },
+        match met {
+            Some(true) => "met",
+            Some(false) => "not met",
+            None => "no figure",
+        }
+    );
+    let json = format!(
+        "{{\"value\": {}, \"limit\": {LAUNCH_SAMPLED_GOAL}, \"met\": {}}}",
+        json_number(to_bare),
+        met.map_or("null".into(), |m| m.to_string())
+    );
+    (line, json)
+}
+
+/// "yes" when every profile read went through zmalloc, "no" when one did not, "no
+/// profile read" when none was read.
+fn zmalloc_answer(passes: &[Pass]) -> &'static str {
+    let answers: Vec<bool> = passes.iter().filter_map(|p| p.through_zmalloc).collect();
+    match answers.as_slice() {
+        [] => "no profile read",
+        a if a.iter().all(|&b| b) => "yes",
+        _ => "no",
+    }
 }
