@@ -138,10 +138,11 @@ pub struct Cli {
 
     /// Record a sample of allocations instead of every one: on average one per BYTES
     /// allocated (Poisson by bytes, as Go's heap profiler; e.g. 512KiB). Values are scaled
-    /// back to estimates. Default: every allocation, exact. Every allocator call still
-    /// traps into the kernel (the probes decide in there): sampling saves the stack walk
-    /// and table updates of the calls it skips, about half of heapprofd's cost, not the
-    /// traps.
+    /// back to estimates. Default: every allocation, exact. In launch mode the preload
+    /// library decides in the process, so skipped calls cost nothing; in attach mode (and
+    /// with --preload off) every allocator call still traps into the kernel (the probes
+    /// decide in there): sampling saves the stack walk and table updates of the calls it
+    /// skips, about half of heapprofd's cost, not the traps.
     #[arg(long, value_name = "BYTES", value_parser = parse_sample_rate, conflicts_with = "kernel")]
     pub sample_rate: Option<u64>,
 

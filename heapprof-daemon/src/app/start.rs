@@ -128,7 +128,12 @@ pub fn start(
              and new allocators are found when the process's mappings are next read"
         ),
     }
-    if sample_rate != 0 {
+    if sample_rate != 0 && preload.is_some() {
+        log::info!(
+            "sampling about one allocation per {sample_rate} bytes, decided in the launched \
+             processes by the preload library: the calls it skips cost no probe"
+        );
+    } else if sample_rate != 0 {
         log::info!(
             "sampling about one allocation per {sample_rate} bytes: every allocator call \
              still traps into the kernel, where the probes decide; sampling saves the stack \
