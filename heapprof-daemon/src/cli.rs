@@ -171,7 +171,7 @@ pub struct Cli {
     /// cheap probe per allocation, sampling decided in the process); processes it cannot
     /// serve (static, setuid, LD_PRELOAD dropped) fall back to the allocator's probes.
     /// `off` uses those probes only (an entry and a return trap per allocation).
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = PreloadMode::Auto)]
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = PreloadMode::Off)]
     pub preload: PreloadMode,
 
     /// Benchmark baseline (`cargo xtask bench`): the probes are attached where they

@@ -11,8 +11,8 @@ fn page_size() -> i64 {
     unsafe { libc::sysconf(libc::_SC_PAGESIZE) as i64 }
 }
 
-/// Launch mode's default: the preload library reports the calls.
-const PRELOAD: &[&str] = &[];
+/// The preload library reports the calls.
+const PRELOAD: &[&str] = &["--preload", "auto"];
 /// The allocator's probes, where placement puts them.
 const PROBES_AUTO: &[&str] = &["--preload", "off", "--probe-placement", "auto"];
 /// The allocator's probes at the functions' entries.
