@@ -394,9 +394,10 @@ pub struct Config {
     pub cgroup_id: u64,
     /// The depth of that cgroup below the hierarchy's root (the root is 0).
     pub cgroup_level: u32,
-    /// The slot of the preload library's first function ([`preload::FUNCTIONS`]
-    /// follow in order): the programs' site key names the function called.
-    pub preload_slot_base: u32,
+    /// Nonzero when launched commands get the preload library: its functions take
+    /// the first slots, in [`preload::FUNCTIONS`] order, and the allocator's probes
+    /// look up `PRELOADED` (otherwise they skip that lookup).
+    pub preload: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the

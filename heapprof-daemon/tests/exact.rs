@@ -117,11 +117,6 @@ fn valgrind_summary(stderr: &str) -> (i64, i64, i64, i64, i64) {
 }
 
 #[test]
-fn totals_agree_with_valgrind_with_the_preload_library() {
-    totals_agree_with_valgrind(PRELOAD);
-}
-
-#[test]
 fn totals_agree_with_valgrind_with_auto_placement() {
     totals_agree_with_valgrind(PROBES_AUTO);
 }

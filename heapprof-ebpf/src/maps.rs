@@ -121,7 +121,7 @@ static CONFIG: Config = Config {
     track_peak: 0,
     cgroup_id: 0,
     cgroup_level: 0,
-    preload_slot_base: 0,
+    preload: 0,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
@@ -177,16 +177,14 @@ pub fn empty_programs() -> bool {
     unsafe { core::ptr::read_volatile(&CONFIG.empty_programs) != 0 }
 }
 
-/// The slot of the preload library's first function.
-#[inline(always)]
-pub fn preload_slot_base() -> u32 {
-    // SAFETY: a plain global (see above).
-    unsafe { core::ptr::read_volatile(&CONFIG.preload_slot_base) }
-}
-
 /// Where the preload library's code is in process `tgid`, if it serves the process.
+/// Without the library in the session, no lookup is made.
 #[inline(always)]
 pub fn preloaded(tgid: u32) -> Option<Preloaded> {
+    // SAFETY: a plain global (see above).
+    if unsafe { core::ptr::read_volatile(&CONFIG.preload) } == 0 {
+        return None;
+    }
     // SAFETY: a plain value read out of the map.
     unsafe { PRELOADED.get(&tgid) }.copied()
 }

@@ -16,7 +16,7 @@ use crate::{
     calls,
     maps::{
         EXEC_GEN, FREE_QUEUES, PRELOADED, QUEUE_SCRATCH, STACK_SCRATCH, armed, count_drop,
-        empty_programs, ignored, preload_slot_base, unwind_mode,
+        empty_programs, ignored, unwind_mode,
     },
     regs, sites, unwind,
 };
@@ -76,7 +76,8 @@ fn allocated(pid_tgid: u64, function: u32, block: u64, size: u64, caller: (u64, 
         tgid,
         exec_gen,
         stack: hash,
-        slot: preload_slot_base() + function,
+        // The library's functions take the first slots.
+        slot: function,
         _pad: 0,
     };
     sites::allocated(tgid, block, size, &site, stack);

@@ -125,7 +125,7 @@ impl AllocatorProbes {
     }
 
     /// Launch mode's preload library: its functions take the first slots (the BPF
-    /// programs' `preload_slot_base` is 0) and its probe site gets the one uprobe that
+    /// programs expect them there) and its probe site gets the one uprobe that
     /// reads its reports. The library then lives as long as the probes.
     pub fn add_preload(&mut self, ebpf: &mut Ebpf, library: PreloadLibrary) -> Result<()> {
         if !self.slots.is_empty() {

@@ -100,6 +100,7 @@ pub fn start(
         processes: cli.max_processes,
         hold_at_loader_events: child.is_some() && !cli.empty_programs,
         empty_programs: cli.empty_programs,
+        preload: preload.is_some(),
     };
     let program = match target {
         Target::Launch(command) => command

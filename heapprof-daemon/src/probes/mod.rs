@@ -52,6 +52,8 @@ pub struct UnwindSettings {
     pub hold_at_loader_events: bool,
     /// The benchmark's trap floor: the uprobe programs do nothing.
     pub empty_programs: bool,
+    /// Launched commands get the preload library.
+    pub preload: bool,
 }
 
 /// Loads the BPF object for user mode with the given capacities and sampling rate
@@ -77,8 +79,7 @@ pub fn load(
         track_peak: u32::from(track_peak && sample_rate == 0),
         cgroup_id: cgroup.map_or(0, |c| c.id),
         cgroup_level: cgroup.map_or(0, |c| c.level),
-        // The registry gives the preload library's functions the first slots.
-        preload_slot_base: 0,
+        preload: u32::from(unwind.preload),
     };
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {
