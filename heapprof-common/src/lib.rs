@@ -489,9 +489,12 @@ pub mod names {
     /// Processes served by the preload library (`HashMap<u32, preload::Preloaded>`,
     /// keyed by tgid).
     pub const PRELOADED: &str = "PRELOADED";
-    /// Where each thread of those keeps its [`crate::preload::FreeQueue`]
+    /// Where each thread of those keeps its [`crate::preload::ReportQueue`]
     /// (`HashMap<u64, u64>`, keyed by pid_tgid), read when the thread exits.
-    pub const FREE_QUEUES: &str = "FREE_QUEUES";
+    pub const REPORT_QUEUES: &str = "REPORT_QUEUES";
+    /// The answers to the preload library's allocation reports (a memory-mappable
+    /// `Array<preload::StackReply>`; see [`crate::preload::REPLY_SLOTS`]).
+    pub const REPLIES: &str = "REPLIES";
     /// Uprobe on the preload library's probe site.
     pub const PROG_PRELOAD: &str = "preload_report";
     /// Uretprobe shared by every function that returns a block.

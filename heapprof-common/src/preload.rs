@@ -15,7 +15,7 @@
 //! | 2 | the wrapper's return address: the allocation site in the caller |
 //! | 3 | the caller's stack pointer after that return (the wrapper's CFA) |
 //! | 4 | the caller's frame pointer |
-//! | 5 | the address of the thread's [`FreeQueue`] |
+//! | 5 | the address of the thread's [`ReportQueue`] |
 //! | 6 | the meta word: function, [`Kind`], queued frees, flags ([`Meta`]) |
 //!
 //! Registers 2 to 4 are what a return probe in the caller would see, so the unwinder
@@ -27,32 +27,111 @@
 //! or when the thread exits (the exit tracepoint reads the queue through the address
 //! registered by the thread's first report).
 //!
+//! Allocations at a stack the program has walked before need no probe either: the
+//! program answers a report with the places of the stack words its walk read
+//! ([`StackReply`]), the library keeps them per thread, and an allocation whose
+//! caller's registers and those words are unchanged is queued with the stack's hash.
+//! The program counts it when it applies the queue, in order with the frees.
+//!
 //! The C side of this interface is generated from these constants by the daemon's
 //! build script (`preload_abi.h`), so this module is its one definition.
 
-/// Frees a thread queues before it reports them.
-pub const FREE_QUEUE_LEN: usize = 62;
+/// Words of a thread's report queue.
+pub const QUEUE_WORDS: usize = 126;
 
-/// A thread's queued frees, in the preload library's thread-local storage.
+/// A thread's queued reports, in the preload library's thread-local storage: frees,
+/// and allocations at stacks the program has already unwound for this thread (see
+/// [`StackReply`]), as records of [`Record`]'s forms, oldest first.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct FreeQueue {
-    /// The blocks freed, oldest first.
-    pub frees: [u64; FREE_QUEUE_LEN],
-    /// How many of `frees` are in use (read by the exit tracepoint only; reports carry
+pub struct ReportQueue {
+    /// The records.
+    pub words: [u64; QUEUE_WORDS],
+    /// How many of `words` are in use (read by the exit tracepoint only; reports carry
     /// the count in their meta word).
-    pub count: u32,
-    /// Library-private state after the queue (nesting depth and the like).
-    pub _private: u32,
+    pub len: u32,
+    /// Explicit padding.
+    pub _pad: u32,
 }
+
+/// The forms of a [`ReportQueue`]'s records.
+///
+/// A word with bit 0 clear is the free of that address (every block the C and C++
+/// allocation functions return is at least 8-aligned). A word with bit 0 set opens a
+/// three-word record: this header, an address, and a stack hash. The header's bit 1
+/// says the record frees the address (an odd one) rather than allocating it; bits 2-7
+/// are the allocating function's number ([`FUNCTIONS`]) and bits 8-63 the size.
+pub struct Record;
+
+impl Record {
+    /// Header bit 0: a three-word record.
+    pub const EXTENDED: u64 = 1;
+    /// Header bit 1: the record frees its address.
+    pub const FREE: u64 = 2;
+    /// Header bits 2-7: the function.
+    pub const FUNCTION_SHIFT: u32 = 2;
+    /// Header bits 2-7, in place.
+    pub const FUNCTION_MASK: u64 = 0x3f;
+    /// Header bits 8-63: the size.
+    pub const SIZE_SHIFT: u32 = 8;
+    /// Words of an extended record.
+    pub const EXTENDED_WORDS: u32 = 3;
+}
+
+/// Stack reads a [`StackReply`] lists at most: deeper walks are not answered.
+pub const REPLY_READS: usize = 64;
+
+/// What the program answers (in the thread's slot of `REPLIES`, see [`REPLY_SLOTS`])
+/// to an allocation whose stack walk was complete and
+/// depended only on the caller's registers and the stack words it read: those words'
+/// places. While the caller's return address, stack pointer (and frame pointer, if
+/// `uses_fp`) and those words are unchanged, a walk would find the same frames, so
+/// the library queues such allocations with `hash` instead of calling the probe site.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct StackReply {
+    /// The stack's hash (a site key's `stack`).
+    pub hash: u64,
+    /// [`StackReply::KNOWN`] when answered; the library clears it before each report.
+    pub status: u32,
+    /// How many of `offsets` are used.
+    pub reads: u32,
+    /// Whether the walk used the caller's frame pointer register.
+    pub uses_fp: u32,
+    /// Explicit padding.
+    pub _pad: u32,
+    /// The words read, as byte offsets from the caller's stack pointer, in walk order.
+    pub offsets: [i32; REPLY_READS],
+}
+
+impl StackReply {
+    /// `status` of an answered report.
+    pub const KNOWN: u32 = 1;
+}
+
+/// Slots of the `REPLIES` map (a memory-mappable array of [`StackReply`]), where the
+/// program answers allocation reports: slot 0 is the library's (its `hash` counts the
+/// slots taken), each thread takes one of the others for good, and a thread that
+/// finds none left reports every allocation through the probe site.
+///
+/// The daemon hands the map to the command it launches as file descriptor
+/// [`REPLIES_FD`] (named by [`REPLIES_FD_ENV`]), which the library maps; commands the
+/// program execs inherit it.
+pub const REPLY_SLOTS: u32 = 4096;
+
+/// The file descriptor the launched command finds the `REPLIES` map at.
+pub const REPLIES_FD: i32 = 1000;
+
+/// The environment variable naming [`REPLIES_FD`] to the library.
+pub const REPLIES_FD_ENV: &str = "HEAPPROFD_REPLIES_FD";
 
 /// What a call of the probe site reports.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
-    /// An allocation (after the queued frees).
+    /// An allocation (after the queued records).
     Alloc = 0,
-    /// Only the queued frees: the queue is full, or the thread is about to fork or exit.
+    /// Only the queued records: the queue is full, or the thread is about to fork or exit.
     Flush = 1,
     /// The library serves this process's allocations: the allocator's own probes, if
     /// any are attached, must not count its calls again.
@@ -79,10 +158,15 @@ impl Meta {
     pub const FUNCTION_MASK: u64 = 0xff;
     /// Bits 8-15: the [`Kind`].
     pub const KIND_SHIFT: u32 = 8;
-    /// Bits 16-23: how many frees are queued.
+    /// Bits 16-23: how many words of the queue are in use.
     pub const COUNT_SHIFT: u32 = 16;
     /// Bit 24: the thread's first report: register its queue's address for its exit.
     pub const REGISTER_QUEUE: u64 = 1 << 24;
+    /// Bit 25: the thread's last report (its state goes to another thread): forget its
+    /// queue's address after applying the queue.
+    pub const UNREGISTER_QUEUE: u64 = 1 << 25;
+    /// Bits 32-47: the thread's slot of the `REPLIES` map ([`REPLY_SLOTS`]), 0 if none.
+    pub const SLOT_SHIFT: u32 = 32;
 }
 
 /// The functions the library wraps, in the order of their function numbers, with the

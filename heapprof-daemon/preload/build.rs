@@ -7,7 +7,8 @@ use std::{fmt::Write as _, path::Path, process::Command};
 
 use anyhow::{Context as _, Result, bail};
 use heapprof_common::preload::{
-    FREE_QUEUE_LEN, FUNCTIONS, Kind, Meta, PROBE_SITE_SYMBOL, SAMPLE_RATE_ENV,
+    FUNCTIONS, Kind, Meta, PROBE_SITE_SYMBOL, QUEUE_WORDS, REPLIES_FD_ENV, REPLY_READS,
+    REPLY_SLOTS, Record, ReportQueue, SAMPLE_RATE_ENV, StackReply,
 };
 
 /// The library's file name in `$OUT_DIR`.
@@ -83,12 +84,38 @@ fn header() -> String {
     );
     let _ = writeln!(h, "#define HP_PROBE_SITE_SYMBOL \"{PROBE_SITE_SYMBOL}\"");
     let _ = writeln!(h, "#define HP_SAMPLE_RATE_ENV \"{SAMPLE_RATE_ENV}\"");
-    let _ = writeln!(h, "#define HP_FREE_QUEUE_LEN {FREE_QUEUE_LEN}");
-    let _ = writeln!(
-        h,
-        "struct hp_free_queue {{\n    uint64_t frees[HP_FREE_QUEUE_LEN];\n    \
-         uint32_t count;\n    uint32_t private_;\n}};"
+    let _ = writeln!(h, "#define HP_QUEUE_WORDS {QUEUE_WORDS}");
+    let _ = writeln!(h, "#define HP_REPLY_READS {REPLY_READS}");
+    let _ = writeln!(h, "#define HP_REPLY_KNOWN {}u", StackReply::KNOWN);
+    let _ = writeln!(h, "#define HP_REPLY_SLOTS {REPLY_SLOTS}u");
+    let _ = writeln!(h, "#define HP_REPLIES_FD_ENV \"{REPLIES_FD_ENV}\"");
+    h.push_str(
+        "struct hp_report_queue {\n    uint64_t words[HP_QUEUE_WORDS];\n    uint32_t len;\n    \
+         uint32_t pad_;\n};\n\
+         struct hp_stack_reply {\n    uint64_t hash;\n    uint32_t status;\n    \
+         uint32_t reads;\n    uint32_t uses_fp;\n    uint32_t pad_;\n    \
+         int32_t offsets[HP_REPLY_READS];\n};\n",
     );
+    // The C compiler checks that it lays the structures out as Rust does.
+    for (what, size) in [
+        ("struct hp_report_queue", size_of::<ReportQueue>()),
+        ("struct hp_stack_reply", size_of::<StackReply>()),
+    ] {
+        let _ = writeln!(
+            h,
+            "_Static_assert(sizeof({what}) == {size}, \"{what} differs from heapprof-common\");"
+        );
+    }
+    for (name, value) in [
+        ("EXTENDED", Record::EXTENDED),
+        ("FREE", Record::FREE),
+        ("FUNCTION_SHIFT", u64::from(Record::FUNCTION_SHIFT)),
+        ("FUNCTION_MASK", Record::FUNCTION_MASK),
+        ("SIZE_SHIFT", u64::from(Record::SIZE_SHIFT)),
+        ("EXTENDED_WORDS", u64::from(Record::EXTENDED_WORDS)),
+    ] {
+        let _ = writeln!(h, "#define HP_RECORD_{name} {value}ULL");
+    }
     for (name, kind) in [
         ("ALLOC", Kind::Alloc),
         ("FLUSH", Kind::Flush),
@@ -102,6 +129,12 @@ fn header() -> String {
         h,
         "#define HP_META_REGISTER_QUEUE {}ULL",
         Meta::REGISTER_QUEUE
+    );
+    let _ = writeln!(h, "#define HP_META_SLOT_SHIFT {}", Meta::SLOT_SHIFT);
+    let _ = writeln!(
+        h,
+        "#define HP_META_UNREGISTER_QUEUE {}ULL",
+        Meta::UNREGISTER_QUEUE
     );
     let mut names = String::from("static const char *const hp_function_names[] = {\n");
     for (index, (name, _)) in FUNCTIONS.iter().enumerate() {

@@ -8,6 +8,12 @@
  * it (see heapprof-common's `preload` module for the interface; preload_abi.h is
  * generated from it). Frees are queued per thread and reported with the next call.
  *
+ * The program answers each allocation report, in the thread's slot of a BPF map that
+ * heapprofd hands the process (HEAPPROFD_REPLIES_FD), with the places of the stack
+ * words its walk read. While an allocation's caller has the same registers and those words are
+ * unchanged, the walk would find the same frames: such an allocation is queued with
+ * the stack's hash, like a free, and costs no probe (the "known stacks").
+ *
  * It links against nothing (no DT_NEEDED): the few C library functions it uses bind
  * to whatever C library the process has, so one build loads into glibc and musl
  * programs alike. It allocates nothing itself after start-up, and until the real
@@ -37,13 +43,24 @@ extern void *dlsym(void *handle, const char *symbol);
 extern int dladdr(const void *address, dl_info_t *info);
 extern char *getenv(const char *name);
 extern long sysconf(int name);
-extern int pthread_atfork(void (*prepare)(void), void (*parent)(void), void (*child)(void));
+/* Fork handlers: glibc's own registration (its pthread_atfork is a static stub in
+ * libc_nonshared.a, exported by libc.so.6 only as an x86-64 compatibility symbol),
+ * or musl's pthread_atfork. Weak: the one the C library lacks is NULL. */
+extern int __register_atfork(void (*prepare)(void), void (*parent)(void), void (*child)(void),
+                             void *dso_handle) __attribute__((weak));
+extern int pthread_atfork(void (*prepare)(void), void (*parent)(void), void (*child)(void))
+    __attribute__((weak));
 extern void *mmap(void *address, size_t length, int prot, int flags, int fd, long offset);
+extern int pthread_key_create(unsigned *key, void (*destructor)(void *));
+extern void *pthread_getspecific(unsigned key);
+extern int pthread_setspecific(unsigned key, const void *value);
+extern long readlink(const char *path, char *buffer, size_t size);
 #define RTLD_NEXT ((void *)-1L)
 #define RTLD_DEFAULT ((void *)0)
 #define SC_PAGESIZE 30 /* the same on glibc and musl */
 #define PROT_READ 1
 #define PROT_WRITE 2
+#define MAP_SHARED 1
 #define MAP_PRIVATE 2
 #define MAP_ANONYMOUS 0x20
 #define MAP_FAILED ((void *)-1)
@@ -121,17 +138,62 @@ probe(uint64_t block, uint64_t size, uint64_t ra, uint64_t cfa, uint64_t fp,
 
 /* ---- per-thread state --------------------------------------------------------- */
 
-struct thread_state {
-    struct hp_free_queue queue; /* read by the BPF program: first */
-    uint32_t depth;             /* inside a real allocator call: nested calls pass */
-    uint32_t registered;        /* the queue's address was reported */
-    uint32_t cxx_depth;         /* inside a replacement allocator's C++ operator */
-    uint32_t pad_;
-    uint64_t until_sample;      /* bytes left before the next sampled allocation */
-    uint64_t random;            /* xorshift state */
+/* A stack the program walked for this thread: its caller's registers and the stack
+ * words the walk read (offsets from `cfa`, values as they were). */
+struct known_stack {
+    uint64_t ra; /* 0: empty */
+    uint64_t cfa;
+    uint64_t fp;
+    uint64_t hash;
+    uint32_t reads;
+    uint32_t uses_fp;
+    int32_t offsets[HP_REPLY_READS];
+    uint64_t values[HP_REPLY_READS];
 };
 
-static __thread struct thread_state thread_state __attribute__((tls_model("initial-exec")));
+/* Known stacks per thread, any in any place: their return addresses are kept apart,
+ * where one scan finds the candidates (a hash into sets made a few of a program's
+ * hot sites evict each other on every call). Replaced in turn. */
+#define KNOWN_STACKS 32
+
+/* A thread's reply_slot when the map had no slot left for it. */
+#define NO_SLOT 0xffffffffu
+
+struct thread_state {
+    struct hp_report_queue queue; /* read by the BPF program */
+    uint32_t depth;               /* inside a real allocator call: nested calls pass */
+    uint32_t registered;          /* the queue's address was reported */
+    uint32_t cxx_depth;           /* inside a replacement allocator's C++ operator */
+    uint32_t reply_slot;          /* its slot of `replies`; 0 until taken */
+    uint64_t until_sample;           /* bytes left before the next sampled allocation */
+    uint64_t random;                 /* xorshift state */
+    uint32_t known_victim;                /* the place replaced next */
+    uint64_t known_ra[KNOWN_STACKS];      /* known[i].ra, or 0 */
+    struct known_stack known[KNOWN_STACKS];
+    struct thread_state *next_spare;      /* in `spare_states` */
+};
+
+/*
+ * Each thread's state is found through a pthread key, not thread-local storage: a TLS
+ * block would make this library one more TLS module, and glibc would allocate 16 more
+ * bytes for every new thread's DTV, an allocation the program makes only because of
+ * heapprofd. The key's destructor reports the thread's last records and hands its
+ * state to the next thread (which keeps its known stacks and its reply slot: both
+ * hold for any thread of the process).
+ */
+static unsigned thread_key;
+static struct thread_state *spare_states;
+static int spare_lock;
+/* The state of threads that could get none (no memory): it passes every call on. */
+static struct thread_state no_state = { .depth = 1u << 30 };
+
+static struct thread_state *adopt_thread(void);
+
+static inline struct thread_state *this_thread(void)
+{
+    struct thread_state *t = pthread_getspecific(thread_key);
+    return likely(t != NULL) ? t : adopt_thread();
+}
 
 /* ---- the real functions --------------------------------------------------------- */
 
@@ -141,6 +203,8 @@ static uint64_t sample_rate;
 static uint64_t page_size = 4096;
 /* The C++ operators are libstdc++'s, which allocate through malloc: pass through. */
 static int cxx_through_malloc = 1;
+/* The program's answers (the REPLIES map), or NULL: then every allocation probes. */
+static struct hp_stack_reply *replies;
 /* Else the object defining them (their calls of each other are nested). */
 static void *cxx_base;
 
@@ -283,10 +347,23 @@ static inline int set_remove(uint64_t p)
 
 /* ---- reporting ---------------------------------------------------------------------- */
 
+/* The thread's slot of `replies`, taken on first use; 0 if it has none. */
+static inline uint32_t reply_slot(struct thread_state *t)
+{
+    if (likely(t->reply_slot))
+        return t->reply_slot == NO_SLOT ? 0 : t->reply_slot;
+    if (!replies)
+        return 0;
+    /* Slot 0's hash counts the slots taken, by every process sharing the map. */
+    uint64_t taken = __atomic_add_fetch(&replies[0].hash, 1, __ATOMIC_RELAXED);
+    t->reply_slot = taken < HP_REPLY_SLOTS ? (uint32_t)taken : NO_SLOT;
+    return t->reply_slot == NO_SLOT ? 0 : t->reply_slot;
+}
+
 static inline uint64_t meta(struct thread_state *t, unsigned function, unsigned kind)
 {
     uint64_t word = function | (uint64_t)kind << HP_META_KIND_SHIFT |
-                    (uint64_t)t->queue.count << HP_META_COUNT_SHIFT;
+                    (uint64_t)t->queue.len << HP_META_COUNT_SHIFT;
     if (!t->registered)
         word |= HP_META_REGISTER_QUEUE;
     return word;
@@ -294,46 +371,139 @@ static inline uint64_t meta(struct thread_state *t, unsigned function, unsigned 
 
 static inline void reported(struct thread_state *t)
 {
-    t->queue.count = 0;
+    t->queue.len = 0;
     t->registered = 1;
 }
 
-/* Reports the queued frees alone. */
+static inline uint64_t queue_address(struct thread_state *t)
+{
+    return (uint64_t)(uintptr_t)&t->queue;
+}
+
+/* Reports the queued records alone. */
 static __attribute__((noinline)) void flush(struct thread_state *t)
 {
-    if (t->queue.count == 0)
+    if (t->queue.len == 0)
         return;
-    probe(0, 0, 0, 0, 0, (uint64_t)(uintptr_t)&t->queue, meta(t, 0, HP_KIND_FLUSH));
+    probe(0, 0, 0, 0, 0, queue_address(t), meta(t, 0, HP_KIND_FLUSH));
     reported(t);
+}
+
+/* Queues a record of `words` words, reporting the queue first if it has no room. */
+static inline void queue_record(struct thread_state *t, const uint64_t *record, uint32_t words)
+{
+    if (t->queue.len + words > HP_QUEUE_WORDS)
+        flush(t);
+    uint32_t at = t->queue.len;
+    for (uint32_t i = 0; i < words; i++)
+        t->queue.words[at + i] = record[i];
+    t->queue.len = at + words;
 }
 
 /* Queues the free of `p` (a block of the real allocator, not NULL). */
 static inline void queue_free(struct thread_state *t, void *p)
 {
-    if (sample_rate && !set_remove((uint64_t)(uintptr_t)p))
+    if (unlikely(t->depth))
+        return; /* inside an allocator call, or a thread without state */
+    uint64_t block = (uint64_t)(uintptr_t)p;
+    if (sample_rate && !set_remove(block))
         return;
-    uint32_t at = t->queue.count;
-    t->queue.frees[at] = (uint64_t)(uintptr_t)p;
-    t->queue.count = at + 1;
-    if (at + 1 == HP_FREE_QUEUE_LEN)
-        flush(t);
+    if (likely(!(block & HP_RECORD_EXTENDED))) {
+        queue_record(t, &block, 1);
+        return;
+    }
+    uint64_t record[3] = { HP_RECORD_EXTENDED | HP_RECORD_FREE, block, 0 };
+    queue_record(t, record, HP_RECORD_EXTENDED_WORDS);
+}
+
+typedef uint64_t __attribute__((may_alias)) stack_word;
+
+/* The known stack of a caller with these registers, or NULL. */
+static inline const struct known_stack *find_known(struct thread_state *t, uint64_t ra,
+                                                   uint64_t cfa, uint64_t fp);
+
+/* Whether `k` is the stack of a caller with these registers: the words its walk read
+ * are checked in walk order, so each place is read only after the words that led the
+ * walk there were found unchanged. */
+static inline int still_known(const struct known_stack *k, uint64_t ra, uint64_t cfa,
+                              uint64_t fp)
+{
+    if (k->ra != ra || k->cfa != cfa || (k->uses_fp && k->fp != fp))
+        return 0;
+    for (uint32_t i = 0; i < k->reads; i++)
+        if (*(const stack_word *)(uintptr_t)(cfa + (int64_t)k->offsets[i]) != k->values[i])
+            return 0;
+    return 1;
+}
+
+/* Keeps the program's answer to the last report, if it gave one. */
+static __attribute__((noinline)) void remember(struct thread_state *t,
+                                               const struct hp_stack_reply *reply, uint64_t ra,
+                                               uint64_t cfa, uint64_t fp)
+{
+    if (reply->status != HP_REPLY_KNOWN || reply->reads > HP_REPLY_READS)
+        return;
+    for (uint32_t i = 0; i < reply->reads; i++)
+        if (reply->offsets[i] < 0) /* below the caller's frame: not the caller's */
+            return;
+    uint32_t at = t->known_victim;
+    t->known_victim = (at + 1) % KNOWN_STACKS;
+    struct known_stack *k = &t->known[at];
+    /* Emptied while it changes: a signal handler allocating meanwhile passes it by. */
+    t->known_ra[at] = 0;
+    k->ra = 0;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    k->cfa = cfa;
+    k->fp = fp;
+    k->hash = reply->hash;
+    k->uses_fp = reply->uses_fp;
+    k->reads = reply->reads;
+    for (uint32_t i = 0; i < reply->reads; i++) {
+        k->offsets[i] = reply->offsets[i];
+        k->values[i] = *(const stack_word *)(uintptr_t)(cfa + (int64_t)reply->offsets[i]);
+    }
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    k->ra = ra;
+    t->known_ra[at] = ra;
+}
+
+static inline const struct known_stack *find_known(struct thread_state *t, uint64_t ra,
+                                                   uint64_t cfa, uint64_t fp)
+{
+    for (uint32_t i = 0; i < KNOWN_STACKS; i++)
+        if (t->known_ra[i] == ra && still_known(&t->known[i], ra, cfa, fp))
+            return &t->known[i];
+    return NULL;
 }
 
 /* Reports an allocation of `size` bytes at `p` by wrapped function `function`, with
- * the caller's registers. */
+ * the caller's registers: queued if its stack is known, else through the probe site. */
 static inline void report(struct thread_state *t, unsigned function, void *p, uint64_t size,
                           uint64_t ra, uint64_t sp, uint64_t fp)
 {
-    if (!p)
+    if (!p || unlikely(t->depth))
         return;
     if (sample_rate) {
         if (!sampled(t, size))
             return;
         set_insert((uint64_t)(uintptr_t)p);
     }
-    probe((uint64_t)(uintptr_t)p, size, ra, sp, fp, (uint64_t)(uintptr_t)&t->queue,
-          meta(t, function, HP_KIND_ALLOC));
+    const struct known_stack *k;
+    if (likely(size >> (64 - HP_RECORD_SIZE_SHIFT) == 0) && (k = find_known(t, ra, sp, fp))) {
+        uint64_t record[3] = { HP_RECORD_EXTENDED | (uint64_t)function << HP_RECORD_FUNCTION_SHIFT |
+                                   size << HP_RECORD_SIZE_SHIFT,
+                               (uint64_t)(uintptr_t)p, k->hash };
+        queue_record(t, record, HP_RECORD_EXTENDED_WORDS);
+        return;
+    }
+    uint32_t slot = reply_slot(t);
+    if (slot)
+        replies[slot].status = 0;
+    probe((uint64_t)(uintptr_t)p, size, ra, sp, fp, queue_address(t),
+          meta(t, function, HP_KIND_ALLOC) | (uint64_t)slot << HP_META_SLOT_SHIFT);
     reported(t);
+    if (slot && replies[slot].status == HP_REPLY_KNOWN)
+        remember(t, &replies[slot], ra, sp, fp);
 }
 
 /* ---- start-up ------------------------------------------------------------------------- */
@@ -345,25 +515,90 @@ extern const char etext[] __attribute__((visibility("hidden")));
 /* Tells heapprofd that this library serves the process, and where its code is. */
 static void hello(void)
 {
-    struct thread_state *t = &thread_state;
+    struct thread_state *t = this_thread();
     probe((uint64_t)(uintptr_t)__ehdr_start, (uint64_t)(uintptr_t)etext, 0, 0, 0,
-          (uint64_t)(uintptr_t)&t->queue, meta(t, 0, HP_KIND_HELLO));
+          queue_address(t), meta(t, 0, HP_KIND_HELLO));
     reported(t);
 }
 
 static void before_fork(void)
 {
-    if (state == ACTIVE)
-        flush(&thread_state);
+    if (state != ACTIVE)
+        return;
+    struct thread_state *t = pthread_getspecific(thread_key);
+    if (t)
+        flush(t);
 }
 
 static void in_child(void)
 {
-    /* A new process with a new thread id: it says hello and registers its queue. */
-    thread_state.queue.count = 0;
-    thread_state.registered = 0;
+    /* A new process with a new thread id: it says hello and registers its queue; its
+     * stacks' hashes are the parent's (they are seeded with the process). Spare states
+     * are the parent's threads': they stay, as the parent's reply slots do. */
+    struct thread_state *t = state == ACTIVE ? pthread_getspecific(thread_key) : NULL;
+    if (t && t != &no_state) {
+        t->queue.len = 0;
+        t->registered = 0;
+        /* The map is shared with the parent, whose thread keeps its slot. */
+        t->reply_slot = 0;
+        for (unsigned i = 0; i < KNOWN_STACKS; i++) {
+            t->known_ra[i] = 0;
+            t->known[i].ra = 0;
+        }
+    }
+    spare_lock = 0;
     if (state == ACTIVE)
         hello();
+}
+
+/* A state for a thread that has none: a spare one, else new memory. */
+static __attribute__((noinline)) struct thread_state *adopt_thread(void)
+{
+    while (__atomic_exchange_n(&spare_lock, 1, __ATOMIC_ACQUIRE))
+        ;
+    struct thread_state *t = spare_states;
+    if (t)
+        spare_states = t->next_spare;
+    __atomic_store_n(&spare_lock, 0, __ATOMIC_RELEASE);
+    if (t) {
+        t->queue.len = 0;
+        t->registered = 0;
+        t->depth = 0;
+        t->cxx_depth = 0;
+        t->until_sample = 0;
+        t->next_spare = NULL;
+    } else {
+        void *fresh = mmap(NULL, sizeof(struct thread_state), PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (fresh == MAP_FAILED)
+            return &no_state;
+        t = fresh;
+    }
+    if (pthread_setspecific(thread_key, t) != 0) {
+        t->next_spare = NULL;
+        return &no_state; /* never on glibc or musl: the key exists */
+    }
+    return t;
+}
+
+/* The key's destructor: the thread ends. Its last records are reported and its queue
+ * unregistered (the state will be another thread's), then the state is spare. */
+static void thread_ends(void *value)
+{
+    struct thread_state *t = value;
+    if (!t || t == &no_state)
+        return;
+    if (state == ACTIVE && (t->registered || t->queue.len)) {
+        probe(0, 0, 0, 0, 0, queue_address(t),
+              meta(t, 0, HP_KIND_FLUSH) | HP_META_UNREGISTER_QUEUE);
+        reported(t);
+    }
+    t->registered = 0;
+    while (__atomic_exchange_n(&spare_lock, 1, __ATOMIC_ACQUIRE))
+        ;
+    t->next_spare = spare_states;
+    spare_states = t;
+    __atomic_store_n(&spare_lock, 0, __ATOMIC_RELEASE);
 }
 
 static void *next(const char *name) { return dlsym(RTLD_NEXT, name); }
@@ -387,13 +622,38 @@ static int cxx_allocates_with_malloc(void)
 
 static void initialize(void);
 
-/* Whether the process's malloc is this library's. */
-static int serves_malloc(void)
+static uint64_t parse_u64(const char *s);
+
+/* Maps the program's answers, if heapprofd handed the map over: the descriptor named
+ * by HEAPPROFD_REPLIES_FD, if it is a BPF map (the variable may outlive it: a program
+ * may close descriptors it does not know, then open others). */
+static void map_replies(void)
 {
-    dl_info_t bound, self;
-    void *found = dlsym(RTLD_DEFAULT, "malloc");
-    return found && dladdr(found, &bound) && dladdr((void *)initialize, &self) &&
-           bound.dli_fbase == self.dli_fbase;
+    uint64_t fd = parse_u64(getenv(HP_REPLIES_FD_ENV));
+    if (fd == 0 || fd > 999999)
+        return;
+    int descriptor = (int)fd;
+    char path[32] = "/proc/self/fd/";
+    char digits[8];
+    int n = 0;
+    do
+        digits[n++] = (char)('0' + fd % 10);
+    while ((fd /= 10) != 0);
+    int at = 14;
+    while (n > 0)
+        path[at++] = digits[--n];
+    path[at] = 0;
+    static const char expected[] = "anon_inode:bpf-map";
+    char target[sizeof expected + 1];
+    long length = readlink(path, target, sizeof target);
+    if (length != (long)sizeof expected - 1)
+        return;
+    for (long i = 0; i < length; i++)
+        if (target[i] != expected[i])
+            return;
+    void *mapped = mmap(NULL, (size_t)HP_REPLY_SLOTS * sizeof(struct hp_stack_reply),
+                        PROT_READ | PROT_WRITE, MAP_SHARED, descriptor, 0);
+    replies = mapped == MAP_FAILED ? NULL : mapped;
 }
 
 static uint64_t parse_u64(const char *s)
@@ -424,10 +684,13 @@ static void initialize(void)
         real.cxx_new[i] = next(hp_function_names[HP_FN_FIRST_NEW + i]);
     for (unsigned i = 0; i < 12; i++)
         real.cxx_delete[i] = next(hp_function_names[HP_FN_FIRST_DELETE + i]);
-    /* The program (a static allocator in it) may bind malloc before this library:
-     * then this library sees no call, and heapprofd's probes do the work. */
-    int serves = serves_malloc();
-    if (!serves || !real.malloc || !real.free || !real.calloc || !real.realloc) {
+    /* Only the program comes before this library in the binding order. If it defines
+     * malloc itself, its calls (and the libraries') bind there and heapprofd's probes
+     * on the program count them; this library then sees the functions it does not
+     * define. If it only takes malloc's address (a non-PIE program's canonical PLT
+     * entry, as python3's), that entry leads here. Either way it stays active. */
+    if (!real.malloc || !real.free || !real.calloc || !real.realloc ||
+        pthread_key_create(&thread_key, thread_ends) != 0) {
         __atomic_store_n(&state, INERT, __ATOMIC_RELEASE);
         return;
     }
@@ -439,12 +702,17 @@ static void initialize(void)
     if (page > 0)
         page_size = (uint64_t)page;
     sample_rate = parse_u64(getenv(HP_SAMPLE_RATE_ENV));
+    map_replies();
     if (sample_rate) {
         void *set = mmap(NULL, SET_SLOTS * sizeof(uint64_t), PROT_READ | PROT_WRITE,
                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         sampled_set = set == MAP_FAILED ? NULL : set;
     }
-    pthread_atfork(before_fork, NULL, in_child);
+    /* No DSO handle: the handlers stay for the process's life (-z nodelete). */
+    if (__register_atfork)
+        __register_atfork(before_fork, NULL, in_child, NULL);
+    else if (pthread_atfork)
+        pthread_atfork(before_fork, NULL, in_child);
     hello();
     __atomic_store_n(&state, ACTIVE, __ATOMIC_RELEASE);
 }
@@ -459,8 +727,11 @@ __attribute__((constructor)) static void on_load(void)
  * heapprofd when they exit). */
 __attribute__((destructor)) static void on_unload(void)
 {
-    if (state == ACTIVE)
-        flush(&thread_state);
+    if (state != ACTIVE)
+        return;
+    struct thread_state *t = pthread_getspecific(thread_key);
+    if (t)
+        flush(t);
 }
 
 /* Whether the wrappers report; otherwise they pass the call on (or, before the real
@@ -494,7 +765,7 @@ EXPORT void *malloc(size_t size)
 {
     if (unlikely(!active()))
         return ready() ? real.malloc(size) : arena_alloc(size, 0);
-    struct thread_state *t = &thread_state;
+    struct thread_state *t = this_thread();
     if (t->depth)
         return real.malloc(size);
     void *p = REAL_CALL(t, real.malloc(size));
@@ -510,7 +781,7 @@ EXPORT void *calloc(size_t count, size_t size)
         size_t bytes;
         return __builtin_mul_overflow(count, size, &bytes) ? NULL : arena_alloc(bytes, 1);
     }
-    struct thread_state *t = &thread_state;
+    struct thread_state *t = this_thread();
     if (t->depth)
         return real.calloc(count, size);
     void *p = REAL_CALL(t, real.calloc(count, size));
@@ -546,7 +817,7 @@ EXPORT void *realloc(void *old, size_t size)
         return from_arena(old, size);
     if (unlikely(!active()))
         return ready() ? real.realloc(old, size) : arena_alloc(size, 0);
-    struct thread_state *t = &thread_state;
+    struct thread_state *t = this_thread();
     if (t->depth)
         return real.realloc(old, size);
     void *p = REAL_CALL(t, real.realloc(old, size));
@@ -564,7 +835,7 @@ EXPORT void *reallocarray(void *old, size_t count, size_t size)
         return ready() && real.reallocarray ? real.reallocarray(old, count, size)
                : overflow                   ? NULL
                                             : realloc(old, bytes);
-    struct thread_state *t = &thread_state;
+    struct thread_state *t = this_thread();
     if (t->depth)
         return real.reallocarray(old, count, size);
     void *p = REAL_CALL(t, real.reallocarray(old, count, size));
@@ -580,7 +851,7 @@ EXPORT int posix_memalign(void **out, size_t alignment, size_t size)
             return real.posix_memalign(out, alignment, size);
         return 12; /* ENOMEM: nothing aligned before start-up */
     }
-    struct thread_state *t = &thread_state;
+    struct thread_state *t = this_thread();
     if (t->depth)
         return real.posix_memalign(out, alignment, size);
     int error = REAL_CALL(t, real.posix_memalign(out, alignment, size));
@@ -596,7 +867,7 @@ EXPORT int posix_memalign(void **out, size_t alignment, size_t size)
     {                                                                                      \
         if (unlikely(!active()) || !real.name)                                             \
             return ready() && real.name ? real.name args : NULL;                           \
-        struct thread_state *t = &thread_state;                                            \
+        struct thread_state *t = this_thread();                                            \
         if (t->depth)                                                                      \
             return real.name args;                                                         \
         void *p = REAL_CALL(t, real.name args);                                            \
@@ -622,7 +893,7 @@ EXPORT void free(void *p)
             real.free(p);
         return; /* before start-up only arena blocks exist */
     }
-    struct thread_state *t = &thread_state;
+    struct thread_state *t = this_thread();
     if (!t->depth)
         queue_free(t, p);
     real.free(p);
@@ -634,8 +905,11 @@ EXPORT void cfree(void *p) { free(p); }
 EXPORT __attribute__((noreturn)) void _exit(int status)
 {
     static void (*real_exit)(int);
-    if (state == ACTIVE)
-        flush(&thread_state);
+    if (state == ACTIVE) {
+        struct thread_state *t = pthread_getspecific(thread_key);
+        if (t)
+            flush(t);
+    }
     if (!real_exit)
         real_exit = (void (*)(int))next("_exit");
     real_exit(status);
@@ -673,7 +947,7 @@ static __attribute__((noinline)) int cxx_nested(uint64_t ra)
         type next_ = (type)real.cxx_new[slot];                                             \
         if (unlikely(!active()) || cxx_through_malloc || !next_)                           \
             return next_ ? next_ args : malloc(size);                                      \
-        struct thread_state *t = &thread_state;                                            \
+        struct thread_state *t = this_thread();                                            \
         uint64_t ra = CALLER_RA();                                                         \
         if (t->cxx_depth && cxx_nested(ra))                                                \
             return next_ args;                                                             \
@@ -706,7 +980,7 @@ NEW_WRAPPER(_ZnamSt11align_val_tRKSt9nothrow_t, 7, new3_t, (size_t size, uint64_
                 free(p);                                                                   \
             return;                                                                        \
         }                                                                                  \
-        struct thread_state *t = &thread_state;                                            \
+        struct thread_state *t = this_thread();                                            \
         if (t->cxx_depth && cxx_nested(CALLER_RA())) {                                     \
             next_ args;                                                                    \
             return;                                                                        \

@@ -1,7 +1,8 @@
 //! Launch mode: start a command paused, attach, then let it exec.
 //!
-//! The child is forked before the probes exist and waits on a pipe; once the
-//! probes are attached to its pid it execs, so its first allocation (inside the
+//! The child is forked before the probes exist and waits on a socket; once the
+//! probes are attached to its pid it execs (with the preload library, it is handed
+//! the map of the library's answers first, at a fixed descriptor), so its first allocation (inside the
 //! dynamic loader, before main) is already traced. A tracer thread seizes the
 //! child with ptrace, asking only for the exit event: at that stop the process
 //! still has its address space, so the daemon can read its mappings and take the
@@ -17,6 +18,7 @@ use std::{
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
+use heapprof_common::preload::REPLIES_FD;
 use tokio::sync::{mpsc, oneshot};
 
 /// What the tracer thread reports.
@@ -51,6 +53,8 @@ pub struct PausedChild {
     pub pid: u32,
     go: OwnedFd,
     exec_error: OwnedFd,
+    /// Handed to the child with the go signal, at [`REPLIES_FD`].
+    handed: Option<OwnedFd>,
 }
 
 /// Finds `program` the way execvp would, so that a typo is reported before anything starts.
@@ -74,6 +78,102 @@ pub fn resolve_program(program: &str) -> Result<PathBuf> {
         .with_context(|| {
             format!("cannot run `{program}`: not found in PATH; check the command after `--`")
         })
+}
+
+/// A connected pair of Unix stream sockets (the go signal can carry a descriptor).
+fn socket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: fds is a valid array of two ints.
+    let made = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    if made != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: socketpair returned two fresh descriptors that nothing else owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Room for one descriptor's control message.
+#[repr(C)]
+struct FdMessage {
+    header: libc::cmsghdr,
+    fd: libc::c_int,
+}
+
+/// Sends the go byte on `socket`, with `fd` attached if given.
+fn send_go(socket: &OwnedFd, fd: Option<&OwnedFd>) -> io::Result<()> {
+    let mut byte = *b"g";
+    let mut data = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: plain-integer structures, zero is a valid value.
+    let mut control: FdMessage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &raw mut data;
+    message.msg_iovlen = 1;
+    if let Some(fd) = fd {
+        // SAFETY: CMSG_LEN and CMSG_SPACE only compute sizes.
+        control.header.cmsg_len = unsafe { libc::CMSG_LEN(size_of::<libc::c_int>() as u32) } as _;
+        control.header.cmsg_level = libc::SOL_SOCKET;
+        control.header.cmsg_type = libc::SCM_RIGHTS;
+        control.fd = fd.as_raw_fd();
+        message.msg_control = (&raw mut control).cast();
+        message.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) } as _;
+    }
+    // SAFETY: the message points to live buffers of the sizes given.
+    if unsafe { libc::sendmsg(socket.as_raw_fd(), &message, libc::MSG_NOSIGNAL) } != 1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// In the child: waits for the go byte; a descriptor sent with it is moved to
+/// `REPLIES_FD`. Returns whether the byte came. Only async-signal-safe calls.
+///
+/// # Safety
+/// Called in the forked child only, before exec.
+unsafe fn receive_go(socket: libc::c_int) -> bool {
+    let mut byte = 0u8;
+    let mut data = libc::iovec {
+        iov_base: (&raw mut byte).cast(),
+        iov_len: 1,
+    };
+    // SAFETY: plain-integer structures, zero is a valid value.
+    let mut control: FdMessage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &raw mut data;
+    message.msg_iovlen = 1;
+    message.msg_control = (&raw mut control).cast();
+    message.msg_controllen = size_of::<FdMessage>() as _;
+    // SAFETY: the message points to live buffers of the sizes given.
+    let received = unsafe { libc::recvmsg(socket, &mut message, libc::MSG_CMSG_CLOEXEC) };
+    if received != 1 {
+        return false;
+    }
+    if message.msg_controllen as usize >= size_of::<libc::cmsghdr>()
+        && control.header.cmsg_level == libc::SOL_SOCKET
+        && control.header.cmsg_type == libc::SCM_RIGHTS
+    {
+        // dup2 leaves the copy open across exec; the received one closes there.
+        // SAFETY: plain descriptor calls.
+        unsafe {
+            if control.fd == REPLIES_FD {
+                libc::fcntl(REPLIES_FD, libc::F_SETFD, 0);
+            } else {
+                libc::dup2(control.fd, REPLIES_FD);
+            }
+        }
+    }
+    true
 }
 
 fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -124,7 +224,7 @@ pub fn fork_paused(
     let mut envp: Vec<*const libc::c_char> = variables.iter().map(|v| v.as_ptr()).collect();
     envp.push(std::ptr::null());
 
-    let (go_read, go_write) = pipe().context("creating the launch pipe")?;
+    let (go_read, go_write) = socket_pair().context("creating the launch socket")?;
     let (err_read, err_write) = pipe().context("creating the launch pipe")?;
     // SAFETY: the process is still single-threaded here (called before the runtime starts).
     let pid = unsafe { libc::fork() };
@@ -136,9 +236,7 @@ pub fn fork_paused(
         unsafe {
             libc::close(go_write.as_raw_fd());
             libc::close(err_read.as_raw_fd());
-            let mut byte = 0u8;
-            let n = libc::read(go_read.as_raw_fd(), (&raw mut byte).cast(), 1);
-            if n != 1 {
+            if !receive_go(go_read.as_raw_fd()) {
                 // The daemon gave up before releasing us.
                 libc::_exit(125);
             }
@@ -158,10 +256,17 @@ pub fn fork_paused(
         pid: pid as u32,
         go: go_write,
         exec_error: err_read,
+        handed: None,
     })
 }
 
 impl PausedChild {
+    /// Hands `fd` to the child with the go signal: it execs with it at
+    /// [`REPLIES_FD`].
+    pub fn hand_over(&mut self, fd: OwnedFd) {
+        self.handed = Some(fd);
+    }
+
     /// Starts the tracer thread, which lets the child exec and reports its exit.
     pub fn release(self) -> mpsc::UnboundedReceiver<ChildEvent> {
         let (events, receiver) = mpsc::unbounded_channel();
@@ -179,6 +284,7 @@ impl PausedChild {
             pid,
             go,
             exec_error,
+            handed,
         } = self;
         let pid = pid as libc::pid_t;
         // SAFETY: plain ptrace request on our own child.
@@ -196,9 +302,10 @@ impl PausedChild {
                 io::Error::last_os_error()
             );
         }
-        // SAFETY: writing one byte to our own pipe.
-        unsafe { libc::write(go.as_raw_fd(), b"g".as_ptr().cast(), 1) };
-        drop(go);
+        if let Err(err) = send_go(&go, handed.as_ref()) {
+            log::error!("cannot release the command: {err}");
+        }
+        drop((go, handed));
 
         loop {
             let mut status = 0;

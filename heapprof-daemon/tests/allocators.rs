@@ -155,6 +155,28 @@ fn glibc_dynamic_baseline() {
     check_launch("glibc (dynamic), launched directly", &[], &[program.into()]);
 }
 
+/// A command that drops heapprofd's `LD_PRELOAD` before it execs the program: the
+/// program is counted by the allocator's probes instead, exactly, and the log says so.
+#[test]
+fn a_program_started_without_the_preload_library_is_counted_by_the_probes() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O2"]);
+    let command: Vec<OsString> = vec![
+        "env".into(),
+        "-u".into(),
+        "LD_PRELOAD".into(),
+        program.into(),
+    ];
+    let run = check_launch("glibc, LD_PRELOAD dropped by env -u", &[], &command);
+    assert!(
+        run.log
+            .contains("preload library does not serve it (the library is not loaded"),
+        "no log line names the fallback to the probes:\n{}",
+        run.log
+    );
+}
+
 #[test]
 fn jemalloc_preloaded() {
     preloaded(JEMALLOC);

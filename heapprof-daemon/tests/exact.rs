@@ -88,6 +88,47 @@ fn every_family_function_is_counted_exactly_across_threads(flags: &[&str]) {
     assert_eq!(per_function, expected, "allocations per function");
 }
 
+/// With the preload library, an allocation at a stack the BPF program already walked
+/// for the thread is queued, not probed: the family program allocates from the same
+/// ten stacks in a loop, so nearly all of its allocations reach heapprofd without a
+/// call of the probe site, and are still counted exactly (the test above).
+#[test]
+fn allocations_at_known_stacks_skip_the_probe() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "family", "family", &["-O2"]);
+    let out = dir.path().join("profiles");
+    let (threads, iterations): (i64, i64) = (2, 2000);
+    let output = run_ok(
+        heapprofd(&out)
+            .args(PRELOAD)
+            .arg("--bpf-stats")
+            .arg("--")
+            .arg(&program)
+            .args([threads.to_string(), iterations.to_string()]),
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let runs = stderr
+        .split("preload_report ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse::<i64>().ok())
+        .unwrap_or_else(|| panic!("no run count of preload_report in:\n{stderr}"));
+    let samples = samples(&last_profile(&out));
+    let [alloc_objects, ..] = totals(&samples, |s: &Sample| {
+        s.stack.iter().any(|f| f == "exercise")
+    });
+    assert_eq!(alloc_objects, 10 * threads * iterations, "allocations");
+    // Each queue report carries up to 42 allocations (or 126 frees), and only the
+    // first allocation at each stack and thread is probed; without known stacks every
+    // allocation would be a call.
+    assert!(
+        runs * 10 < alloc_objects,
+        "{runs} calls of the probe site for {alloc_objects} allocations: the known stacks \
+         are not used\n{stderr}"
+    );
+}
+
 /// Parses valgrind's "in use at exit: B bytes in N blocks" and
 /// "total heap usage: A allocs, F frees, T bytes allocated".
 fn valgrind_summary(stderr: &str) -> (i64, i64, i64, i64, i64) {
@@ -119,6 +160,11 @@ fn valgrind_summary(stderr: &str) -> (i64, i64, i64, i64, i64) {
 #[test]
 fn totals_agree_with_valgrind_with_auto_placement() {
     totals_agree_with_valgrind(PROBES_AUTO);
+}
+
+#[test]
+fn totals_agree_with_valgrind_with_the_preload_library() {
+    totals_agree_with_valgrind(PRELOAD);
 }
 
 #[test]

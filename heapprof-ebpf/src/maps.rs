@@ -9,7 +9,7 @@ use aya_ebpf::{
 use heapprof_common::{
     CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey,
     MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, SiteCounters, StackKey, UserStack,
-    preload::{FreeQueue, Preloaded},
+    preload::{Preloaded, REPLY_SLOTS, ReportQueue, StackReply},
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
         UnwindRule,
@@ -101,12 +101,45 @@ pub static LOADER_SYNCS: Array<u64> = Array::with_max_entries(1, 0);
 /// Processes the preload library serves (see `preload`), keyed by tgid.
 #[map(name = "PRELOADED")]
 pub static PRELOADED: HashMap<u32, Preloaded> = HashMap::with_max_entries(4096, 0);
-/// Where each thread of those keeps its free queue, keyed by pid_tgid.
-#[map(name = "FREE_QUEUES")]
-pub static FREE_QUEUES: HashMap<u64, u64> = HashMap::with_max_entries(16384, 0);
-/// Per-CPU room to copy a free queue into (too big for the BPF stack).
+/// Where each thread of those keeps its `ThreadReports`, keyed by pid_tgid.
+#[map(name = "REPORT_QUEUES")]
+pub static REPORT_QUEUES: HashMap<u64, u64> = HashMap::with_max_entries(16384, 0);
+/// A report queue's copy, with room past its end: an extended record's last word is
+/// read at most two words after the last place the verifier can tell a record starts.
+#[repr(C)]
+pub struct QueueScratch {
+    /// The copy.
+    pub queue: ReportQueue,
+    /// Never read as part of a record.
+    pub slack: [u64; 2],
+}
+
+/// Per-CPU room to copy a report queue into (too big for the BPF stack).
 #[map(name = "QUEUE_SCRATCH")]
-pub static QUEUE_SCRATCH: PerCpuArray<FreeQueue> = PerCpuArray::with_max_entries(1, 0);
+pub static QUEUE_SCRATCH: PerCpuArray<QueueScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// A [`StackReply`] being written by a walk, with the stack pointer its offsets are
+/// from.
+#[repr(C)]
+pub struct ReplyScratch {
+    /// The answer, as the library will read it.
+    pub reply: StackReply,
+    /// The caller's stack pointer at the walk's start.
+    pub base: u64,
+}
+
+/// Per-CPU room for the answer to a preload report (see `unwind::unwind`'s `answer`).
+#[map(name = "REPLY_SCRATCH")]
+pub static REPLY_SCRATCH: PerCpuArray<ReplyScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// Per-CPU room for a stack walk's state (see `unwind::Walk`).
+#[map(name = "WALK_SCRATCH")]
+pub static WALK_SCRATCH: PerCpuArray<crate::unwind::Walk> = PerCpuArray::with_max_entries(1, 0);
+
+/// The answers to preload reports, one slot per thread, mapped by the launched
+/// processes (see `heapprof_common::preload::REPLY_SLOTS`).
+#[map(name = "REPLIES")]
+pub static REPLIES: Array<StackReply> = Array::with_max_entries(REPLY_SLOTS, BPF_F_MMAPABLE);
 
 /// Written by the daemon before loading (read-only data).
 #[unsafe(no_mangle)]

@@ -1,48 +1,74 @@
 //! The preload library's reports (launch mode's interposer; see
 //! `heapprof_common::preload`): one uprobe on its probe site, where each call brings
-//! an allocation with the caller's registers, the thread's queued frees, or both.
+//! an allocation with the caller's registers, the thread's queued records, or both.
+//!
+//! An allocation report is answered, in the thread's slot of the `REPLIES` map (which
+//! the process maps), with the places of the stack words its walk read, so the
+//! library can queue later allocations at the same stack instead of calling the probe
+//! site.
+
+use core::ffi::c_void;
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_probe_read_user_buf},
+    helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user_buf},
     macros::uprobe,
     programs::ProbeContext,
 };
 use heapprof_common::{
     DropReason, StackKey,
-    preload::{FREE_QUEUE_LEN, FreeQueue, Kind, Meta, Preloaded},
+    preload::{Kind, Meta, Preloaded, QUEUE_WORDS, REPLY_SLOTS, Record, ReportQueue, StackReply},
 };
 
 use crate::{
     calls,
     maps::{
-        EXEC_GEN, FREE_QUEUES, PRELOADED, QUEUE_SCRATCH, STACK_SCRATCH, armed, count_drop,
-        empty_programs, ignored, unwind_mode,
+        EXEC_GEN, PRELOADED, QUEUE_SCRATCH, REPLIES, REPLY_SCRATCH, REPORT_QUEUES, STACK_SCRATCH,
+        armed, count_drop, empty_programs, ignored, unwind_mode,
     },
     regs, sites, unwind,
 };
 
-/// Applies the first `count` frees of the queue at `queue` (a user address) for
-/// process `tgid`. With `with_count`, the count is the queue's own (a thread exiting).
+/// Where the queue's records are being applied, for [`heapprof_apply_record`].
+#[repr(C)]
+pub struct QueueCursor {
+    tgid: u32,
+    exec_gen: u32,
+    /// The next record's first word.
+    index: u32,
+    /// Words in the queue.
+    len: u32,
+}
+
+/// The image generation of process `tgid` (0 before its first exec is seen).
 #[inline(always)]
-fn apply_frees(tgid: u32, queue: u64, count: u32, with_count: bool) {
+fn exec_gen_of(tgid: u32) -> u32 {
+    // SAFETY: a plain value read out of the map.
+    unsafe { EXEC_GEN.get(&tgid) }.copied().unwrap_or(0)
+}
+
+/// Applies the first `len` words of the queue at `queue` (a user address) for process
+/// `tgid`. With `own_len`, the length is the queue's own (a thread exiting).
+#[inline(always)]
+fn apply_queue(tgid: u32, queue: u64, len: u32, own_len: bool) {
     let Some(scratch) = QUEUE_SCRATCH.get_ptr_mut(0) else {
         return;
     };
-    // SAFETY: this CPU's scratch slot; programs on one CPU do not interleave.
-    let copy = unsafe { &mut *scratch };
-    let len = if with_count {
-        size_of::<FreeQueue>()
+    // SAFETY: a field of this CPU's slot.
+    let scratch = unsafe { &raw mut (*scratch).queue };
+    let bytes_len = if own_len {
+        size_of::<ReportQueue>()
     } else {
-        count as usize * 8
+        len as usize * 8
     };
-    if len == 0 {
+    if bytes_len == 0 {
         return;
     }
-    // SAFETY: a plain-integer struct viewed as bytes, the length bounded by its size.
+    // SAFETY: this CPU's scratch slot viewed as bytes, the length bounded by its size;
+    // programs on one CPU do not interleave.
     let bytes = unsafe {
         core::slice::from_raw_parts_mut(
-            (copy as *mut FreeQueue).cast::<u8>(),
-            len.min(size_of::<FreeQueue>()),
+            scratch.cast::<u8>(),
+            bytes_len.min(size_of::<ReportQueue>()),
         )
     };
     // SAFETY: bpf_probe_read_user_buf checks the user address.
@@ -50,37 +76,170 @@ fn apply_frees(tgid: u32, queue: u64, count: u32, with_count: bool) {
         count_drop(DropReason::FreeQueueUnreadable);
         return;
     }
-    let count = if with_count { copy.count } else { count }.min(FREE_QUEUE_LEN as u32);
-    for index in 0..FREE_QUEUE_LEN {
-        if index as u32 >= count {
-            break;
-        }
-        sites::release(tgid, copy.frees[index]);
+    // SAFETY: as above.
+    let len = if own_len {
+        unsafe { (*scratch).len }
+    } else {
+        len
+    };
+    let mut cursor = QueueCursor {
+        tgid,
+        exec_gen: exec_gen_of(tgid),
+        index: 0,
+        len: len.min(QUEUE_WORDS as u32),
+    };
+    // SAFETY: the callback is a BPF subprogram taking the context pointer given here,
+    // which stays valid for the call.
+    unsafe {
+        bpf_loop(
+            QUEUE_WORDS as u32,
+            apply_record as *mut c_void,
+            (&raw mut cursor).cast(),
+            0,
+        );
     }
 }
 
+/// `bpf_loop`'s callback: one record (see [`heapprof_apply_record`]).
+extern "C" fn apply_record(_index: u64, context: *mut c_void) -> i64 {
+    // As in the unwinder's callback: the global function keeps the verifier from
+    // checking the loop's body once per iteration, and the volatile read keeps the
+    // return's mask, which the verifier needs.
+    let stop = heapprof_apply_record(context.cast::<QueueCursor>());
+    // SAFETY: reads a local.
+    unsafe { core::ptr::read_volatile(&stop) & 1 }
+}
+
+/// Applies the record at the cursor (see `heapprof_common::preload::Record`) and
+/// moves the cursor past it; returns 1 after the last. A global function: the
+/// verifier checks it once, on its own.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
+    if cursor.is_null() {
+        return 1;
+    }
+    // SAFETY: `apply_queue`'s own cursor, alive for the whole loop.
+    let cursor = unsafe { &mut *cursor };
+    // Map keys must be on this function's stack (see `unwind::fallback_step`).
+    let tgid = cursor.tgid;
+    let Some(scratch) = QUEUE_SCRATCH.get(0) else {
+        return 1;
+    };
+    let queue = &scratch.queue;
+    let at = cursor.index as usize;
+    if at >= cursor.len as usize || at >= QUEUE_WORDS {
+        return 1;
+    }
+    let header = queue.words[at];
+    if header & Record::EXTENDED == 0 {
+        cursor.index += 1;
+        sites::release(tgid, header);
+        return 0;
+    }
+    let words = Record::EXTENDED_WORDS as usize;
+    if at + words > cursor.len as usize || at + words > QUEUE_WORDS {
+        return 1;
+    }
+    cursor.index += Record::EXTENDED_WORDS;
+    let block = queue.words[at + 1];
+    if header & Record::FREE != 0 {
+        sites::release(tgid, block);
+        return 0;
+    }
+    let site = StackKey {
+        tgid,
+        exec_gen: cursor.exec_gen,
+        stack: queue.words[at + 2],
+        slot: ((header >> Record::FUNCTION_SHIFT) & Record::FUNCTION_MASK) as u32,
+        _pad: 0,
+    };
+    sites::allocated(tgid, block, header >> Record::SIZE_SHIFT, &site, None);
+    0
+}
+
 /// Counts the allocation `block` of `size` bytes by preload function `function`,
-/// unwinding from the caller's registers.
+/// unwinding from the caller's registers; answers the report in `REPLIES` slot
+/// `slot` (0: none) when the walk allows.
 #[inline(always)]
-fn allocated(pid_tgid: u64, function: u32, block: u64, size: u64, caller: (u64, u64, u64)) {
+fn allocated(
+    pid_tgid: u64,
+    function: u32,
+    (block, size): (u64, u64),
+    caller: (u64, u64, u64),
+    slot: u32,
+) {
+    let answer = slot != 0 && slot < REPLY_SLOTS;
     let tgid = (pid_tgid >> 32) as u32;
     let Some(scratch) = STACK_SCRATCH.get_ptr_mut(0) else {
         return;
     };
     // SAFETY: this CPU's scratch slot; programs on one CPU do not interleave.
     let stack = unsafe { &mut *scratch };
-    // SAFETY: a plain value read out of the map.
-    let exec_gen = unsafe { EXEC_GEN.get(&tgid) }.copied().unwrap_or(0);
-    let hash = unwind::unwind(pid_tgid, exec_gen, unwind_mode(), caller, stack);
-    let site = StackKey {
-        tgid,
-        exec_gen,
-        stack: hash,
-        // The library's functions take the first slots.
-        slot: function,
-        _pad: 0,
+    let exec_gen = exec_gen_of(tgid);
+    let hash = unwind::unwind(pid_tgid, exec_gen, unwind_mode(), caller, stack, answer);
+    let allocation = NewBlock {
+        site: StackKey {
+            tgid,
+            exec_gen,
+            stack: hash,
+            // The library's functions take the first slots.
+            slot: function,
+            _pad: 0,
+        },
+        block,
+        size,
     };
-    sites::allocated(tgid, block, size, &site, stack);
+    if heapprof_count_block(&allocation) != 0 && answer {
+        send_answer(slot, hash);
+    }
+}
+
+/// An allocation to count, for [`heapprof_count_block`].
+#[repr(C)]
+pub struct NewBlock {
+    site: StackKey,
+    block: u64,
+    size: u64,
+}
+
+/// Counts `allocation`, whose stack is in this CPU's `STACK_SCRATCH`; returns 1 if
+/// its site counted it. A global function: the counting's locals get a frame of
+/// their own instead of adding to the probe's, which the unwinder's calls share (the
+/// combined stack of a call chain is limited to 512 bytes).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn heapprof_count_block(allocation: *const NewBlock) -> i64 {
+    if allocation.is_null() {
+        return 0;
+    }
+    // SAFETY: the caller's own value; map keys are copied to this function's stack
+    // (see `unwind::fallback_step`).
+    let (site, block, size) =
+        unsafe { ((*allocation).site, (*allocation).block, (*allocation).size) };
+    let Some(stack) = STACK_SCRATCH.get(0) else {
+        return 0;
+    };
+    i64::from(sites::allocated(site.tgid, block, size, &site, Some(stack)))
+}
+
+/// Copies this CPU's answer, if the walk allowed one, into the thread's slot.
+#[inline(always)]
+fn send_answer(slot: u32, hash: u64) {
+    let (Some(scratch), Some(target)) = (REPLY_SCRATCH.get_ptr_mut(0), REPLIES.get_ptr_mut(slot))
+    else {
+        return;
+    };
+    // SAFETY: this CPU's scratch slot (programs on one CPU do not interleave), and the
+    // thread's slot, which only its own reports write and it reads after they return.
+    unsafe {
+        let reply = &mut (*scratch).reply;
+        if reply.status != StackReply::KNOWN {
+            return;
+        }
+        reply.hash = hash;
+        core::ptr::copy_nonoverlapping(reply as *const StackReply, target, 1);
+    }
 }
 
 #[inline(always)]
@@ -90,10 +249,10 @@ fn on_report(ctx: &ProbeContext) {
         return;
     }
     let tgid = (pid_tgid >> 32) as u32;
-    let [block, size, ra, sp, fp, queue, meta] = regs::preload_args(ctx);
+    let [block, size, ra, sp, fp, reports, meta] = regs::preload_args(ctx);
     let kind = ((meta >> Meta::KIND_SHIFT) & 0xff) as u32;
-    let count = ((meta >> Meta::COUNT_SHIFT) & 0xff) as u32;
-    if meta & Meta::REGISTER_QUEUE != 0 && FREE_QUEUES.insert(&pid_tgid, &queue, 0).is_err() {
+    let len = ((meta >> Meta::COUNT_SHIFT) & 0xff) as u32;
+    if meta & Meta::REGISTER_QUEUE != 0 && REPORT_QUEUES.insert(&pid_tgid, &reports, 0).is_err() {
         count_drop(DropReason::InFlightFull);
     }
     match Kind::from_u32(kind) {
@@ -104,14 +263,20 @@ fn on_report(ctx: &ProbeContext) {
             };
             let _ = PRELOADED.insert(&tgid, &code, 0);
         }
-        Some(Kind::Flush) => apply_frees(tgid, queue, count, false),
+        Some(Kind::Flush) => {
+            apply_queue(tgid, reports, len, false);
+            if meta & Meta::UNREGISTER_QUEUE != 0 {
+                let _ = REPORT_QUEUES.remove(&pid_tgid);
+            }
+        }
         Some(Kind::Alloc) => {
-            apply_frees(tgid, queue, count, false);
+            apply_queue(tgid, reports, len, false);
             if calls::report_is_nested(pid_tgid, ra, sp) {
                 return;
             }
             let function = (meta & Meta::FUNCTION_MASK) as u32;
-            allocated(pid_tgid, function, block, size, (ra, fp, sp));
+            let slot = ((meta >> Meta::SLOT_SHIFT) & 0xffff) as u32;
+            allocated(pid_tgid, function, (block, size), (ra, fp, sp), slot);
         }
         None => {}
     }
@@ -126,17 +291,17 @@ pub fn preload_report(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// A thread exits: the frees still in its queue are applied (its process's memory is
-/// still there at this tracepoint), and its entries go.
+/// A thread exits: the records still in its queue are applied (its process's memory
+/// is still there at this tracepoint), and its entries go.
 #[inline(always)]
 pub fn thread_exit(pid_tgid: u64) {
     // SAFETY: a plain value read out of the map.
-    let Some(queue) = (unsafe { FREE_QUEUES.get(&pid_tgid) }).copied() else {
+    let Some(queue) = (unsafe { REPORT_QUEUES.get(&pid_tgid) }).copied() else {
         return;
     };
-    let _ = FREE_QUEUES.remove(&pid_tgid);
+    let _ = REPORT_QUEUES.remove(&pid_tgid);
     let tgid = (pid_tgid >> 32) as u32;
-    apply_frees(tgid, queue, 0, true);
+    apply_queue(tgid, queue, 0, true);
     if pid_tgid as u32 == tgid {
         let _ = PRELOADED.remove(&tgid);
     }

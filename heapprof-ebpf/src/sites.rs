@@ -68,12 +68,20 @@ pub fn release(tgid: u32, ptr: u64) {
     usage::shrink(tgid, block.size);
 }
 
-/// Counts a new block at `site` and remembers it until its free.
+/// Counts a new block at `site` and remembers it until its free; `stack` is stored
+/// if the site is new (a site known by its hash alone has its stack stored already).
+/// Returns whether the site counted it.
 #[inline(always)]
-pub fn allocated(tgid: u32, ptr: u64, size: u64, site: &StackKey, stack: &UserStack) {
-    if !add_to_site(site, Some(stack), 1, size, 0, 0) {
+pub fn allocated(
+    tgid: u32,
+    ptr: u64,
+    size: u64,
+    site: &StackKey,
+    stack: Option<&UserStack>,
+) -> bool {
+    if !add_to_site(site, stack, 1, size, 0, 0) {
         count_drop(DropReason::SiteTableFull);
-        return;
+        return false;
     }
     let key = LiveKey { ptr, tgid, _pad: 0 };
     let block = LiveBlock { size, site: *site };
@@ -90,7 +98,8 @@ pub fn allocated(tgid: u32, ptr: u64, size: u64, site: &StackKey, stack: &UserSt
         // what is tracked instead of growing by blocks that may be long gone.
         count_drop(DropReason::LiveTableFull);
         add_to_site(site, None, 0, 0, 1, size);
-        return;
+        return true;
     }
     usage::grow(tgid, size);
+    true
 }

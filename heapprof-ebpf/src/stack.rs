@@ -30,6 +30,7 @@ pub fn record_stack(
         unwind_mode(),
         regs::at_return(ctx),
         stack,
+        false,
     );
     let site = StackKey {
         tgid,

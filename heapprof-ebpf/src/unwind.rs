@@ -21,10 +21,12 @@ use heapprof_common::{
     },
 };
 
+use heapprof_common::preload::{REPLY_READS, StackReply};
+
 use crate::maps::{
-    MAPPINGS_REQUESTED, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, RULE_CACHE, STACK_REACH,
-    STACK_SCRATCH, STACK_WINDOW, STACK_WINDOW_BYTES, STACK_WINDOW_WORDS, UNWIND_GAPS,
-    UNWIND_OBJECTS, UNWIND_ROWS, UNWIND_RULES, count_drop, count_only,
+    MAPPINGS_REQUESTED, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, REPLY_SCRATCH, RULE_CACHE,
+    STACK_REACH, STACK_SCRATCH, STACK_WINDOW, STACK_WINDOW_BYTES, STACK_WINDOW_WORDS, UNWIND_GAPS,
+    UNWIND_OBJECTS, UNWIND_ROWS, UNWIND_RULES, WALK_SCRATCH, count_drop, count_only,
 };
 
 /// Multiplier of the stack hash (2^64 / golden ratio).
@@ -63,6 +65,25 @@ struct Frame {
     sp_known: bool,
 }
 
+/// [`Walk::flags`]: the walk notes the places of the stack words it reads, for an
+/// answer to the preload library (see `heapprof_common::preload::StackReply`).
+const NOTING_READS: u32 = 1;
+/// The walk's frames depend on more than the caller's registers and the words read
+/// (a mapping lookup, an unaligned read, too many reads), or it was cut short.
+const UNANSWERABLE: u32 = 2;
+/// The walk used the caller's frame pointer register.
+const USES_FP: u32 = 4;
+
+/// [`Walk::fp_source`] when the frame pointer is still the caller's register; 0 when
+/// it is a constant or its source was noted; else the stack address it was read from.
+/// A saved frame pointer is noted only once a rule uses it: in code built without
+/// frame pointers it is any value, and noting it would make the answer fail whenever
+/// that value changes, for nothing.
+const FP_FROM_CALLER: u64 = 1;
+
+// `copy_to_window`'s length arithmetic is written for a 4 KiB window.
+const _: () = assert!(STACK_WINDOW_BYTES == 4096);
+
 /// Why a stack ended.
 enum Stop {
     /// At its outermost frame: complete.
@@ -86,7 +107,15 @@ fn read_user(address: u64) -> Option<u64> {
 /// each copy goes to the end of its address's 4 KiB block, which lies within one page.
 #[inline(always)]
 fn stack_read(walk: &mut Walk, address: u64) -> Option<u64> {
+    note_read(walk, address);
+    stack_read_unnoted(walk, address)
+}
+
+/// [`stack_read`], without noting the place (see [`FP_FROM_CALLER`]).
+#[inline(always)]
+fn stack_read_unnoted(walk: &mut Walk, address: u64) -> Option<u64> {
     if address & 7 != 0 {
+        walk.flags |= UNANSWERABLE;
         return read_user(address);
     }
     let mut offset = address.wrapping_sub(walk.window_base);
@@ -98,6 +127,39 @@ fn stack_read(walk: &mut Walk, address: u64) -> Option<u64> {
     }
     let window = STACK_WINDOW.get(0)?;
     Some(window.words[(offset / 8) as usize & (STACK_WINDOW_WORDS - 1)])
+}
+
+/// The walk uses the frame's frame pointer: its source is noted.
+#[inline(always)]
+fn use_fp(walk: &mut Walk) {
+    match walk.fp_source {
+        0 => {}
+        FP_FROM_CALLER => walk.flags |= USES_FP,
+        address => note_read(walk, address),
+    }
+    walk.fp_source = 0;
+}
+
+/// Notes the place of a word the walk reads, when it does so for an answer.
+#[inline(always)]
+fn note_read(walk: &mut Walk, address: u64) {
+    if walk.flags & (NOTING_READS | UNANSWERABLE) != NOTING_READS {
+        return;
+    }
+    let Some(scratch) = REPLY_SCRATCH.get_ptr_mut(0) else {
+        walk.flags |= UNANSWERABLE;
+        return;
+    };
+    // SAFETY: this CPU's slot; programs on one CPU do not interleave.
+    let scratch = unsafe { &mut *scratch };
+    let index = scratch.reply.reads as usize;
+    let offset = address.wrapping_sub(scratch.base) as i64;
+    if index >= REPLY_READS || offset < i64::from(i32::MIN) || offset > i64::from(i32::MAX) {
+        walk.flags |= UNANSWERABLE;
+        return;
+    }
+    scratch.reply.offsets[index] = offset as i32;
+    scratch.reply.reads = index as u32 + 1;
 }
 
 /// Copies the stack from `address` into this CPU's window: up to the walk's known
@@ -120,12 +182,28 @@ fn fill_window(walk: &mut Walk, address: u64) -> bool {
 /// faults anywhere fails whole.
 #[inline(always)]
 fn copy_to_window(walk: &mut Walk, address: u64, len: usize) -> bool {
-    if len > STACK_WINDOW_BYTES || len == 0 {
-        return false;
-    }
     let Some(window) = STACK_WINDOW.get_ptr_mut(0) else {
         return false;
     };
+    if len > STACK_WINDOW_BYTES || len == 0 {
+        return false;
+    }
+    // The compiler may hand the read a copy of the length it spilled before the
+    // checks, whose bounds Linux 6.1's verifier does not know. Computed in assembly,
+    // which the compiler cannot see into, the length carries its bounds in every
+    // copy: ((len - 1) & 4095) + 1 is len for 1..=4096 and within them for any value.
+    let mut len = len as u64;
+    // SAFETY: arithmetic on a register.
+    unsafe {
+        core::arch::asm!(
+            "{len} += -1",
+            "{len} &= 0xfff",
+            "{len} += 1",
+            len = inout(reg) len,
+            options(nostack)
+        );
+    }
+    let len = len as usize;
     // SAFETY: a prefix of this CPU's slot, viewed as bytes; programs on one CPU do not
     // interleave.
     let bytes =
@@ -272,7 +350,10 @@ fn cfi_step(walk: &mut Walk, rule: &UnwindRule) -> Result<(), Stop> {
         Some(CfaRule::SpOffset) if frame.sp_known => {
             frame.sp.wrapping_add(rule.cfa_offset as i64 as u64)
         }
-        Some(CfaRule::FpOffset) => frame.fp.wrapping_add(rule.cfa_offset as i64 as u64),
+        Some(CfaRule::FpOffset) => {
+            use_fp(walk);
+            frame.fp.wrapping_add(rule.cfa_offset as i64 as u64)
+        }
         Some(CfaRule::PltX86) if frame.sp_known => {
             frame.sp + 8 + 8 * u64::from(frame.pc & 15 >= 11)
         }
@@ -292,10 +373,16 @@ fn cfi_step(walk: &mut Walk, rule: &UnwindRule) -> Result<(), Stop> {
         .ok_or(Stop::Cut(GapReason::Unreadable))?
         & ADDRESS_MASK;
     let fp = match RegRule::from_u8(rule.fp) {
-        Some(RegRule::AtCfa) => stack_read(walk, cfa.wrapping_add(rule.fp_offset as i64 as u64))
-            .ok_or(Stop::Cut(GapReason::Unreadable))?,
+        Some(RegRule::AtCfa) => {
+            let address = cfa.wrapping_add(rule.fp_offset as i64 as u64);
+            walk.fp_source = address;
+            stack_read_unnoted(walk, address).ok_or(Stop::Cut(GapReason::Unreadable))?
+        }
         Some(RegRule::Same) => frame.fp,
-        _ => 0,
+        _ => {
+            walk.fp_source = 0;
+            0
+        }
     };
     if return_address == 0 {
         return Err(Stop::Complete);
@@ -317,6 +404,7 @@ fn cfi_step(walk: &mut Walk, rule: &UnwindRule) -> Result<(), Stop> {
 #[inline(always)]
 fn fp_step(walk: &mut Walk) -> bool {
     let Frame { sp, fp, .. } = walk.frame;
+    use_fp(walk);
     if fp < sp || fp - sp > MAX_STACK_SPAN || fp & 7 != 0 {
         return false;
     }
@@ -343,6 +431,8 @@ fn fp_step(walk: &mut Walk) -> bool {
 /// in its frame-pointer register, and the chain then yields garbage, not frames).
 #[inline(always)]
 fn fallback_step(walk: &mut Walk) -> bool {
+    // Whether it is taken depends on the mappings, not only on the stack.
+    walk.flags |= UNANSWERABLE;
     let before = walk.frame;
     if fp_step(walk) {
         // The key must be on this function's stack: `walk` is a global function's
@@ -473,9 +563,10 @@ pub fn request_mappings(tgid: u32, reason: RequestReason) {
     );
 }
 
-/// The state of a stack walk, kept in the caller's stack frame while `bpf_loop` calls
-/// [`walk_one`] once per frame: plain scalars, so the callback needs no map lookup
-/// for the process's mappings unless a rule is not in the cache.
+/// The state of a stack walk, kept in this CPU's `WALK_SCRATCH` slot while `bpf_loop`
+/// calls [`walk_one`] once per frame (not on the BPF stack, whose 512 bytes the
+/// callers' frames and the callbacks' share): plain scalars, so a frame needs no map
+/// lookup for the process's mappings unless a rule is not in the cache.
 #[repr(C)]
 pub struct Walk {
     frame: Frame,
@@ -494,20 +585,23 @@ pub struct Walk {
     /// The end of the stack known to be mapped (see [`crate::maps::StackReach`]), or 0.
     reach: u64,
     window_len: u32,
-    _pad: u32,
+    /// [`NOTING_READS`] and the other walk flags.
+    flags: u32,
+    /// Where the frame pointer came from (see [`FP_FROM_CALLER`]).
+    fp_source: u64,
 }
 
 /// `bpf_loop`'s callback: one frame (see [`heapprof_unwind_frame`]).
-extern "C" fn walk_one(_index: u64, context: *mut c_void) -> i64 {
+extern "C" fn walk_one(_index: u64, _context: *mut c_void) -> i64 {
     // The verifier wants a callback's return known to be 0 or 1; a global function's
     // is any number to it. The compiler knows better and would drop the mask: a
     // volatile read hides the value from it.
-    let stop = heapprof_unwind_frame(context.cast::<Walk>());
+    let stop = heapprof_unwind_frame();
     // SAFETY: reads a local.
     unsafe { core::ptr::read_volatile(&stop) & 1 }
 }
 
-/// Unwinds one frame of `walk` and records it; returns 1 to stop.
+/// Unwinds one frame of this CPU's walk and records it; returns 1 to stop.
 ///
 /// A global function (public, unmangled): the verifier checks it once, on its own,
 /// where a loop's body, or a static function, is checked again in every context it is
@@ -515,11 +609,12 @@ extern "C" fn walk_one(_index: u64, context: *mut c_void) -> i64 {
 /// million instructions; as a `bpf_loop` callback it took the verifier 2 s.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn heapprof_unwind_frame(walk: *mut Walk) -> i64 {
-    if walk.is_null() {
+pub extern "C" fn heapprof_unwind_frame() -> i64 {
+    let Some(walk) = WALK_SCRATCH.get_ptr_mut(0) else {
         return 1;
-    }
-    // SAFETY: the caller's own `Walk`, alive for the whole loop.
+    };
+    // SAFETY: this CPU's walk, set up by `unwind`; programs on one CPU do not
+    // interleave.
     let walk = unsafe { &mut *walk };
     let stepped = if walk.mode == UnwindMode::FramePointers as u32 {
         if fp_step(walk) {
@@ -534,6 +629,7 @@ pub extern "C" fn heapprof_unwind_frame(walk: *mut Walk) -> i64 {
         Ok(()) => {}
         Err(Stop::Complete) => return 1,
         Err(Stop::Cut(reason)) => {
+            walk.flags |= UNANSWERABLE;
             if reason == GapReason::NoMapping {
                 request_mappings(walk.tgid, RequestReason::UnknownAddress);
             }
@@ -548,6 +644,7 @@ pub extern "C" fn heapprof_unwind_frame(walk: *mut Walk) -> i64 {
     let stack = unsafe { &mut *stack };
     let depth = walk.depth as usize;
     if depth >= MAX_STACK_DEPTH as usize {
+        walk.flags |= UNANSWERABLE;
         count_drop(DropReason::StackTruncated);
         return 1;
     }
@@ -562,6 +659,10 @@ pub extern "C" fn heapprof_unwind_frame(walk: *mut Walk) -> i64 {
 /// Unwinds the stack of thread `pid_tgid` from the caller's registers at the allocator's return
 /// (`pc`, `fp`, `sp`) into `stack` (this CPU's `STACK_SCRATCH` slot); returns the
 /// stack's hash (seeded with the process).
+///
+/// With `answer`, the walk also notes where it read the stack, into this CPU's
+/// `REPLY_SCRATCH`, whose status then says whether the walk can be answered (see
+/// `heapprof_common::preload::StackReply`); the hash is left for the caller to set.
 #[inline(always)]
 pub fn unwind(
     pid_tgid: u64,
@@ -569,6 +670,7 @@ pub fn unwind(
     mode: u32,
     (pc, fp, sp): (u64, u64, u64),
     stack: &mut UserStack,
+    answer: bool,
 ) -> u64 {
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: the value is only read; the daemon replaces whole entries.
@@ -589,33 +691,50 @@ pub fn unwind(
         .map_or(0, |slot| slot.end);
     stack.frames[0] = pc;
     stack.len = 1;
-    let mut walk = Walk {
-        frame: Frame {
-            pc,
-            lookup: pc,
-            sp,
-            fp,
-            sp_known: true,
-        },
-        hash: (u64::from(tgid) ^ pc).wrapping_mul(HASH_MULTIPLIER),
-        tgid,
-        exec_gen,
-        version: mappings.map_or(0, |m| m.version),
-        has_mappings: u32::from(mappings.is_some()),
-        mode,
-        depth: 1,
-        window_base: 0,
-        reach,
-        window_len: 0,
-        _pad: 0,
+    let first_hash = (u64::from(tgid) ^ pc).wrapping_mul(HASH_MULTIPLIER);
+    let Some(walk) = WALK_SCRATCH.get_ptr_mut(0) else {
+        return first_hash;
     };
-    // SAFETY: the callback is a BPF subprogram taking the context pointer given here,
-    // which stays valid for the call.
+    // SAFETY: this CPU's slot; programs on one CPU do not interleave. Set field by
+    // field, so that no copy of it is made on the stack.
+    let walk = unsafe { &mut *walk };
+    walk.frame.pc = pc;
+    walk.frame.lookup = pc;
+    walk.frame.sp = sp;
+    walk.frame.fp = fp;
+    walk.frame.sp_known = true;
+    walk.hash = first_hash;
+    walk.tgid = tgid;
+    walk.exec_gen = exec_gen;
+    walk.version = mappings.map_or(0, |m| m.version);
+    walk.has_mappings = u32::from(mappings.is_some());
+    walk.mode = mode;
+    walk.depth = 1;
+    walk.window_base = 0;
+    walk.reach = reach;
+    walk.window_len = 0;
+    walk.flags = 0;
+    walk.fp_source = FP_FROM_CALLER;
+    let reply_slot = if answer {
+        REPLY_SCRATCH.get_ptr_mut(0)
+    } else {
+        None
+    };
+    if let Some(slot) = reply_slot {
+        // SAFETY: this CPU's slot; programs on one CPU do not interleave.
+        unsafe {
+            (*slot).reply.status = 0;
+            (*slot).reply.reads = 0;
+            (*slot).base = sp;
+        }
+        walk.flags |= NOTING_READS;
+    }
+    // SAFETY: the callback is a BPF subprogram; it takes no context.
     unsafe {
         bpf_loop(
             MAX_STACK_DEPTH,
             walk_one as *mut c_void,
-            (&raw mut walk).cast(),
+            core::ptr::null_mut(),
             0,
         );
     }
@@ -624,6 +743,15 @@ pub fn unwind(
         unsafe {
             (*slot).pid_tgid = pid_tgid;
             (*slot).end = walk.reach;
+        }
+    }
+    if let Some(slot) = reply_slot
+        && walk.flags & UNANSWERABLE == 0
+    {
+        // SAFETY: as above.
+        unsafe {
+            (*slot).reply.status = StackReply::KNOWN;
+            (*slot).reply.uses_fp = u32::from(walk.flags & USES_FP != 0);
         }
     }
     walk.hash

@@ -22,8 +22,8 @@ use heapprof_common::{
 use crate::{
     calls::{self, Call},
     maps::{
-        EXEC_EVENTS, EXEC_GEN, FREE_QUEUES, LOADER_SYNCS, MAPPINGS_REQUESTS, PRELOADED,
-        PROCESS_MAPPINGS, armed, count_drop, empty_programs, hold_at_loader_events, ignored,
+        EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PRELOADED, PROCESS_MAPPINGS,
+        REPORT_QUEUES, armed, count_drop, empty_programs, hold_at_loader_events, ignored,
         page_size, preloaded, probe_spec, target_tgid,
     },
     regs, sites, stack,
@@ -180,7 +180,7 @@ fn on_return(ctx: &RetProbeContext) {
         return;
     }
     if let Some((site, stack)) = stack::record_stack(ctx, pid_tgid, state.exec_gen, state.slot) {
-        sites::allocated(tgid, ptr, state.size, &site, stack);
+        sites::allocated(tgid, ptr, state.size, &site, Some(stack));
     }
 }
 
@@ -299,7 +299,7 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     // The new image says for itself whether the preload library serves it; the old
     // image's queue of this thread is gone with it.
     let _ = PRELOADED.remove(&tgid);
-    let _ = FREE_QUEUES.remove(&pid_tgid);
+    let _ = REPORT_QUEUES.remove(&pid_tgid);
     // The old image's mappings are gone; the daemon loads the new ones.
     let _ = PROCESS_MAPPINGS.remove(&tgid);
     // So are its blocks (the daemon retires them from the live table).

@@ -569,7 +569,8 @@ impl AllocatorProbes {
             "the library is not loaded: a static or setuid program, or LD_PRELOAD dropped"
         };
         log::info!(
-            "pid {} ({}): heapprofd's preload library does not serve it ({why}); its              allocator's probes count its calls instead (an entry and a return trap each)",
+            "pid {} ({}): heapprofd's preload library does not serve it ({why}); its \
+             allocator's probes count its calls instead (an entry and a return trap each)",
             process.pid,
             process.comm
         );

@@ -9,7 +9,7 @@ use tokio::{
     signal::unix::{Signal, SignalKind, signal},
 };
 
-use heapprof_common::unwind::UnwindMode;
+use heapprof_common::{names as map_names, unwind::UnwindMode};
 
 use super::AnySession;
 use crate::{
@@ -47,7 +47,7 @@ pub struct Started {
 pub fn start(
     cli: &Cli,
     target: &Target,
-    child: Option<PausedChild>,
+    mut child: Option<PausedChild>,
     preload: Option<PreloadLibrary>,
 ) -> Result<Started> {
     let sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
@@ -171,6 +171,9 @@ pub fn start(
     let preloading = preload.is_some();
     if let Some(library) = preload {
         allocators.add_preload(&mut ebpf, library)?;
+        if let Some(child) = child.as_mut() {
+            child.hand_over(replies_map(&ebpf)?);
+        }
     }
     let mut objects = ObjectCache::default();
     for (path, executable) in initial_allocators(cli, target, program.as_deref())? {
@@ -424,4 +427,21 @@ fn initial_allocators(
     let mut seen = std::collections::HashSet::new();
     objects.retain(|(path, _)| seen.insert(std::fs::canonicalize(path).unwrap_or(path.clone())));
     Ok(objects)
+}
+
+/// A descriptor of the map where the preload library finds its answers, for the
+/// launched command.
+fn replies_map(ebpf: &aya::Ebpf) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::AsFd as _;
+    let name = map_names::REPLIES;
+    let map = ebpf
+        .map(name)
+        .with_context(|| format!("BPF map {name} missing from the object"))?;
+    let aya::maps::Map::Array(data) = map else {
+        bail!("BPF map {name} is not an array");
+    };
+    data.fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .with_context(|| format!("duplicating the descriptor of BPF map {name}"))
 }

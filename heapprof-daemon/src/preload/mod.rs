@@ -20,7 +20,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use heapprof_common::preload::{PROBE_SITE_SYMBOL, SAMPLE_RATE_ENV};
+use heapprof_common::preload::{PROBE_SITE_SYMBOL, REPLIES_FD, REPLIES_FD_ENV, SAMPLE_RATE_ENV};
 use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
 
 /// The library, built for the target's architecture.
@@ -87,7 +87,10 @@ impl PreloadLibrary {
             preload.push(":");
             preload.push(existing);
         }
-        let mut variables = vec![("LD_PRELOAD".into(), preload)];
+        let mut variables = vec![
+            ("LD_PRELOAD".into(), preload),
+            (REPLIES_FD_ENV.into(), REPLIES_FD.to_string().into()),
+        ];
         if sample_rate != 0 {
             variables.push((SAMPLE_RATE_ENV.into(), sample_rate.to_string().into()));
         }
@@ -194,19 +197,31 @@ mod tests {
     #[test]
     fn the_library_needs_only_functions_every_c_library_has() {
         let file = object::File::parse(LIBRARY).expect("ELF");
-        let allowed = [
+        // Bound at load: every C library (glibc 2.34+, musl) exports them.
+        let required = [
             "dladdr",
             "dlsym",
             "getenv",
             "mmap",
-            "pthread_atfork",
+            "pthread_getspecific",
+            "pthread_key_create",
+            "pthread_setspecific",
+            "readlink",
             "sysconf",
         ];
+        // Weak: one C library has the one, another the other.
+        let optional = ["__register_atfork", "pthread_atfork"];
         for symbol in file.dynamic_symbols().filter(|s| s.is_undefined()) {
             let name = symbol.name().expect("name");
+            let allowed = if symbol.is_weak() {
+                optional.contains(&name)
+            } else {
+                required.contains(&name)
+            };
             assert!(
-                name.is_empty() || allowed.contains(&name),
-                "the preload library needs {name}, which a C library may not have"
+                name.is_empty() || allowed,
+                "the preload library needs {name} (weak: {}), which a C library may not have",
+                symbol.is_weak()
             );
         }
     }
