@@ -167,11 +167,12 @@ pub struct Cli {
     #[arg(long, value_name = "N", default_value_t = 100, requires = "metrics", value_parser = parse_metrics_top)]
     pub metrics_top: usize,
 
-    /// Launch mode: `auto` puts heapprofd's interposer in the command's LD_PRELOAD (one
-    /// cheap probe per allocation, sampling decided in the process); processes it cannot
-    /// serve (static, setuid, LD_PRELOAD dropped) fall back to the allocator's probes.
-    /// `off` uses those probes only (an entry and a return trap per allocation).
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = PreloadMode::Off)]
+    /// Launch mode: `auto` puts heapprofd's interposer in the command's LD_PRELOAD (an
+    /// allocation at a stack already walked costs no probe, others one cheap probe;
+    /// sampling is decided in the process); processes it cannot serve (static, setuid,
+    /// LD_PRELOAD dropped) fall back to the allocator's probes. `off` uses those probes
+    /// only (an entry and a return trap per allocation).
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = PreloadMode::Auto)]
     pub preload: PreloadMode,
 
     /// Benchmark baseline (`cargo xtask bench`): the probes are attached where they
