@@ -25,7 +25,10 @@ use crate::{
         EXEC_GEN, PRELOADED, QUEUE_SCRATCH, REPLIES, REPLY_SCRATCH, REPORT_QUEUES, STACK_SCRATCH,
         armed, count_drop, empty_programs, ignored, unwind_mode,
     },
-    regs, sites, unwind,
+    regs,
+    sites::{self, Usage},
+    unwind,
+    usage::UsageBatch,
 };
 
 /// Where the queue's records are being applied, for [`heapprof_apply_record`].
@@ -37,6 +40,8 @@ pub struct QueueCursor {
     index: u32,
     /// Words in the queue.
     len: u32,
+    /// The records' change of the process's in-use bytes.
+    usage: UsageBatch,
 }
 
 /// The image generation of process `tgid` (0 before its first exec is seen).
@@ -87,6 +92,7 @@ fn apply_queue(tgid: u32, queue: u64, len: u32, own_len: bool) {
         exec_gen: exec_gen_of(tgid),
         index: 0,
         len: len.min(QUEUE_WORDS as u32),
+        usage: UsageBatch::default(),
     };
     // SAFETY: the callback is a BPF subprogram taking the context pointer given here,
     // which stays valid for the call.
@@ -98,6 +104,7 @@ fn apply_queue(tgid: u32, queue: u64, len: u32, own_len: bool) {
             0,
         );
     }
+    cursor.usage.apply(tgid);
 }
 
 /// `bpf_loop`'s callback: one record (see [`heapprof_apply_record`]).
@@ -132,9 +139,10 @@ pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
         return 1;
     }
     let header = queue.words[at];
+    let mut usage = Usage::Batch(&mut cursor.usage);
     if header & Record::EXTENDED == 0 {
         cursor.index += 1;
-        sites::release(tgid, header);
+        sites::release_into(tgid, header, &mut usage);
         return 0;
     }
     let words = Record::EXTENDED_WORDS as usize;
@@ -144,7 +152,7 @@ pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
     cursor.index += Record::EXTENDED_WORDS;
     let block = queue.words[at + 1];
     if header & Record::FREE != 0 {
-        sites::release(tgid, block);
+        sites::release_into(tgid, block, &mut usage);
         return 0;
     }
     let site = StackKey {
@@ -154,7 +162,13 @@ pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
         slot: ((header >> Record::FUNCTION_SHIFT) & Record::FUNCTION_MASK) as u32,
         _pad: 0,
     };
-    sites::allocated(tgid, block, header >> Record::SIZE_SHIFT, &site, None);
+    sites::allocated_into(
+        tgid,
+        (block, header >> Record::SIZE_SHIFT),
+        &site,
+        None,
+        &mut usage,
+    );
     0
 }
 

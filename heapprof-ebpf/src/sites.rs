@@ -51,9 +51,42 @@ pub fn add_to_site(
     }
 }
 
+/// Where a change of a process's in-use bytes goes: straight to its total, or into
+/// a batch that is added at its end (see [`usage::UsageBatch`]).
+pub enum Usage<'a> {
+    /// `PROCESS_USAGE`, one atomic update per block.
+    Direct,
+    /// A batch of one thread's records.
+    Batch(&'a mut usage::UsageBatch),
+}
+
+impl Usage<'_> {
+    #[inline(always)]
+    fn grow(&mut self, tgid: u32, bytes: u64) {
+        match self {
+            Usage::Direct => usage::grow(tgid, bytes),
+            Usage::Batch(batch) => batch.grow(bytes),
+        }
+    }
+
+    #[inline(always)]
+    fn shrink(&mut self, tgid: u32, bytes: u64) {
+        match self {
+            Usage::Direct => usage::shrink(tgid, bytes),
+            Usage::Batch(batch) => batch.shrink(bytes),
+        }
+    }
+}
+
 /// Credits the free of a tracked block to the site that allocated it.
 #[inline(always)]
 pub fn release(tgid: u32, ptr: u64) {
+    release_into(tgid, ptr, &mut Usage::Direct);
+}
+
+/// [`release`], with the in-use change going to `usage`.
+#[inline(always)]
+pub fn release_into(tgid: u32, ptr: u64, usage: &mut Usage<'_>) {
     if ptr == 0 {
         return;
     }
@@ -65,7 +98,7 @@ pub fn release(tgid: u32, ptr: u64) {
     };
     let _ = LIVE.remove(&key);
     add_to_site(&block.site, None, 0, 0, 1, block.size);
-    usage::shrink(tgid, block.size);
+    usage.shrink(tgid, block.size);
 }
 
 /// Counts a new block at `site` and remembers it until its free; `stack` is stored
@@ -79,6 +112,18 @@ pub fn allocated(
     site: &StackKey,
     stack: Option<&UserStack>,
 ) -> bool {
+    allocated_into(tgid, (ptr, size), site, stack, &mut Usage::Direct)
+}
+
+/// [`allocated`], with the in-use change going to `usage`.
+#[inline(always)]
+pub fn allocated_into(
+    tgid: u32,
+    (ptr, size): (u64, u64),
+    site: &StackKey,
+    stack: Option<&UserStack>,
+    usage: &mut Usage<'_>,
+) -> bool {
     if !add_to_site(site, stack, 1, size, 0, 0) {
         count_drop(DropReason::SiteTableFull);
         return false;
@@ -90,7 +135,7 @@ pub fn allocated(
         // Still recorded at this address: it was freed by a path we did not see (the
         // allocator reused it). Close it so its site's in-use stays right. Checked only
         // on this rare failure, so the common path costs one map operation.
-        release(tgid, ptr);
+        release_into(tgid, ptr, usage);
         inserted = LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
     if inserted.is_err() {
@@ -100,6 +145,6 @@ pub fn allocated(
         add_to_site(site, None, 0, 0, 1, size);
         return true;
     }
-    usage::grow(tgid, size);
+    usage.grow(tgid, size);
     true
 }

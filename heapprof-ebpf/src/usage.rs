@@ -43,8 +43,18 @@ pub fn grow(tgid: u32, bytes: u64) {
 #[inline(always)]
 unsafe fn add_and_raise_peak(usage: *mut ProcessUsage, bytes: u64) {
     // SAFETY (each block): as the caller promises.
-    let (inuse, peak) = unsafe { (&raw mut (*usage).inuse_bytes, &raw mut (*usage).peak_bytes) };
-    let total = unsafe { fetch_add(inuse, bytes) }.wrapping_add(bytes);
+    let total = unsafe { fetch_add(&raw mut (*usage).inuse_bytes, bytes) }.wrapping_add(bytes);
+    unsafe { raise_peak(usage, total) };
+}
+
+/// Raises the peak of `usage` to `total` with compare-and-swap.
+///
+/// # Safety
+/// As [`add_and_raise_peak`].
+#[inline(always)]
+unsafe fn raise_peak(usage: *mut ProcessUsage, total: u64) {
+    // SAFETY (each block): as the caller promises.
+    let peak = unsafe { &raw mut (*usage).peak_bytes };
     let mut seen = unsafe { core::ptr::read_volatile(peak) };
     for _ in 0..PEAK_ATTEMPTS {
         if total <= seen {
@@ -99,6 +109,59 @@ unsafe fn compare_exchange(target: *mut u64, expected: u64, new: u64) -> u64 {
         );
     }
     found
+}
+
+/// The in-use change of a batch of one thread's records (the preload library's
+/// queue), applied in order: added to the process's total once at the batch's end,
+/// the peak raised to the total before it plus the batch's highest running sum, as
+/// if no other thread's change had come between the records.
+#[repr(C)]
+#[derive(Default)]
+pub struct UsageBatch {
+    /// Bytes added so far (wrapping: frees subtract).
+    delta: u64,
+    /// The highest value `delta` reached (signed), at least 0.
+    high: u64,
+}
+
+impl UsageBatch {
+    /// A block of `bytes` comes.
+    #[inline(always)]
+    pub fn grow(&mut self, bytes: u64) {
+        self.delta = self.delta.wrapping_add(bytes);
+        if (self.delta as i64) > (self.high as i64) {
+            self.high = self.delta;
+        }
+    }
+
+    /// A block of `bytes` goes.
+    #[inline(always)]
+    pub fn shrink(&mut self, bytes: u64) {
+        self.delta = self.delta.wrapping_sub(bytes);
+    }
+
+    /// Adds the batch to `tgid`'s total and raises its peak.
+    #[inline(always)]
+    pub fn apply(&self, tgid: u32) {
+        if !track_peak() || (self.delta == 0 && self.high == 0) {
+            return;
+        }
+        let mut usage = PROCESS_USAGE.get_ptr_mut(&tgid);
+        if usage.is_none() {
+            let _ = PROCESS_USAGE.insert(&tgid, &ProcessUsage::default(), BPF_NOEXIST as u64);
+            usage = PROCESS_USAGE.get_ptr_mut(&tgid);
+        }
+        let Some(usage) = usage else {
+            count_drop(DropReason::UsageTableFull);
+            return;
+        };
+        // SAFETY: a map value, valid for the program's run; its fields are only
+        // accessed atomically.
+        unsafe {
+            let before = fetch_add(&raw mut (*usage).inuse_bytes, self.delta);
+            raise_peak(usage, before.wrapping_add(self.high));
+        }
+    }
 }
 
 /// Takes a freed block's bytes off `tgid`'s total.
