@@ -88,6 +88,30 @@ fn every_family_function_is_counted_exactly_across_threads(flags: &[&str]) {
     assert_eq!(per_function, expected, "allocations per function");
 }
 
+/// A block one thread frees while its queue waits, whose address another thread then
+/// gets from the allocator: the late free must not close the second thread's block.
+#[test]
+fn a_queued_free_of_an_address_another_thread_took_closes_nothing() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "reuse", "reuse", &["-O2", "-pthread"]);
+    let out = dir.path().join("profiles");
+    let output = run_ok(heapprofd(&out).args(PRELOAD).arg("--").arg(&program).env(
+        "GLIBC_TUNABLES",
+        "glibc.malloc.arena_max=1:glibc.malloc.tcache_count=0",
+    ));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("reused=1"),
+        "the allocator did not hand the freed address to the other thread, so this \
+         test shows nothing (glibc's tunables?): {stdout}"
+    );
+    let samples = samples(&last_profile(&out));
+    let at = |function: &str| totals(&samples, |s: &Sample| s.stack.iter().any(|f| f == function));
+    assert_eq!(at("a_allocates"), [1, 2000, 0, 0], "a_allocates: freed");
+    assert_eq!(at("b_allocates"), [1, 2000, 1, 2000], "b_allocates: kept");
+}
+
 /// With the preload library, an allocation at a stack the BPF program already walked
 /// for the thread is queued, not probed: the family program allocates from the same
 /// ten stacks in a loop, so nearly all of its allocations reach heapprofd without a

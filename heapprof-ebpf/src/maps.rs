@@ -132,6 +132,15 @@ pub struct ReplyScratch {
 #[map(name = "REPLY_SCRATCH")]
 pub static REPLY_SCRATCH: PerCpuArray<ReplyScratch> = PerCpuArray::with_max_entries(1, 0);
 
+/// Late frees expected: addresses whose block was closed when another thread's
+/// allocation took the address while its free still waited in a preload queue (see
+/// `sites::release_into`), with how many such frees are to come.
+#[map(name = "STALE_FREES")]
+pub static STALE_FREES: LruHashMap<LiveKey, u32> = LruHashMap::with_max_entries(16384, 0);
+/// How many late frees `STALE_FREES` expects in all (0: no queued free looks there).
+#[map(name = "STALE_PENDING")]
+pub static STALE_PENDING: Array<u64> = Array::with_max_entries(1, 0);
+
 /// Per-CPU room for a stack walk's state (see `unwind::Walk`).
 #[map(name = "WALK_SCRATCH")]
 pub static WALK_SCRATCH: PerCpuArray<crate::unwind::Walk> = PerCpuArray::with_max_entries(1, 0);

@@ -26,7 +26,7 @@ use crate::{
         armed, count_drop, empty_programs, ignored, unwind_mode,
     },
     regs,
-    sites::{self, Usage},
+    sites::{self, Frees, Usage},
     unwind,
     usage::UsageBatch,
 };
@@ -142,7 +142,7 @@ pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
     let mut usage = Usage::Batch(&mut cursor.usage);
     if header & Record::EXTENDED == 0 {
         cursor.index += 1;
-        sites::release_into(tgid, header, &mut usage);
+        sites::release_into(tgid, header, &mut usage, Frees::Queued);
         return 0;
     }
     let words = Record::EXTENDED_WORDS as usize;
@@ -152,7 +152,7 @@ pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
     cursor.index += Record::EXTENDED_WORDS;
     let block = queue.words[at + 1];
     if header & Record::FREE != 0 {
-        sites::release_into(tgid, block, &mut usage);
+        sites::release_into(tgid, block, &mut usage, Frees::Queued);
         return 0;
     }
     let site = StackKey {
@@ -168,6 +168,7 @@ pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
         &site,
         None,
         &mut usage,
+        Frees::Queued,
     );
     0
 }
@@ -234,7 +235,14 @@ pub extern "C" fn heapprof_count_block(allocation: *const NewBlock) -> i64 {
     let Some(stack) = STACK_SCRATCH.get(0) else {
         return 0;
     };
-    i64::from(sites::allocated(site.tgid, block, size, &site, Some(stack)))
+    i64::from(sites::allocated_into(
+        site.tgid,
+        (block, size),
+        &site,
+        Some(stack),
+        &mut Usage::Direct,
+        Frees::Queued,
+    ))
 }
 
 /// Copies this CPU's answer, if the walk allowed one, into the thread's slot.

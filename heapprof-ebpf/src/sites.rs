@@ -4,9 +4,54 @@ use aya_ebpf::bindings::BPF_NOEXIST;
 use heapprof_common::{DropReason, LiveBlock, LiveKey, SiteCounters, StackKey, UserStack};
 
 use crate::{
-    maps::{LIVE, SITES, STACKS, count_drop},
+    maps::{LIVE, SITES, STACKS, STALE_FREES, STALE_PENDING, count_drop},
     usage,
 };
+
+/// Whether any late free is expected (one array lookup spares the others a hash
+/// lookup on every queued free).
+#[inline(always)]
+fn stale_frees_pending() -> bool {
+    STALE_PENDING.get(0).is_some_and(|pending| *pending != 0)
+}
+
+/// Notes that a free of `key` waiting in some thread's queue is stale.
+#[inline(always)]
+fn expect_stale_free(key: &LiveKey) {
+    match STALE_FREES.get_ptr_mut(key) {
+        // SAFETY: a counter of a map value; a lost update under a race between CPUs
+        // only lets one late free through, as without this map.
+        Some(count) => unsafe { *count += 1 },
+        None => {
+            let _ = STALE_FREES.insert(key, &1, 0);
+        }
+    }
+    if let Some(pending) = STALE_PENDING.get_ptr_mut(0) {
+        // SAFETY: a map value, only accessed atomically.
+        unsafe { usage::fetch_add(pending, 1) };
+    }
+}
+
+/// Consumes an expected late free of `key`; returns whether there was one.
+#[inline(always)]
+fn consume_stale_free(key: &LiveKey) -> bool {
+    let Some(count) = STALE_FREES.get_ptr_mut(key) else {
+        return false;
+    };
+    // SAFETY: as in `expect_stale_free`.
+    unsafe {
+        if *count > 1 {
+            *count -= 1;
+        } else {
+            let _ = STALE_FREES.remove(key);
+        }
+    }
+    if let Some(pending) = STALE_PENDING.get_ptr_mut(0) {
+        // SAFETY: as in `expect_stale_free`.
+        unsafe { usage::fetch_add(pending, 1u64.wrapping_neg()) };
+    }
+    true
+}
 
 const EEXIST: i32 = 17;
 
@@ -78,19 +123,35 @@ impl Usage<'_> {
     }
 }
 
+/// Whether a free may reach the program late, from a thread's queue (the preload
+/// library's), after the allocator gave its address to another thread: see
+/// [`STALE_FREES`].
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Frees {
+    /// Frees are seen when they happen (the allocator's probes).
+    OnTime,
+    /// Frees wait in their thread's queue.
+    Queued,
+}
+
 /// Credits the free of a tracked block to the site that allocated it.
 #[inline(always)]
 pub fn release(tgid: u32, ptr: u64) {
-    release_into(tgid, ptr, &mut Usage::Direct);
+    release_into(tgid, ptr, &mut Usage::Direct, Frees::OnTime);
 }
 
-/// [`release`], with the in-use change going to `usage`.
+/// [`release`], with the in-use change going to `usage`. A queued free of an address
+/// that another thread's allocation was seen to take before it is that free's late
+/// arrival: the block it freed was closed then, so it is consumed without effect.
 #[inline(always)]
-pub fn release_into(tgid: u32, ptr: u64, usage: &mut Usage<'_>) {
+pub fn release_into(tgid: u32, ptr: u64, usage: &mut Usage<'_>, frees: Frees) {
     if ptr == 0 {
         return;
     }
     let key = LiveKey { ptr, tgid, _pad: 0 };
+    if frees == Frees::Queued && stale_frees_pending() && consume_stale_free(&key) {
+        return;
+    }
     // SAFETY: the value is copied out before the entry is removed.
     let Some(block) = (unsafe { LIVE.get(&key) }).copied() else {
         // Allocated before tracing began (or not tracked): ignored, never negative.
@@ -112,7 +173,14 @@ pub fn allocated(
     site: &StackKey,
     stack: Option<&UserStack>,
 ) -> bool {
-    allocated_into(tgid, (ptr, size), site, stack, &mut Usage::Direct)
+    allocated_into(
+        tgid,
+        (ptr, size),
+        site,
+        stack,
+        &mut Usage::Direct,
+        Frees::OnTime,
+    )
 }
 
 /// [`allocated`], with the in-use change going to `usage`.
@@ -123,6 +191,7 @@ pub fn allocated_into(
     site: &StackKey,
     stack: Option<&UserStack>,
     usage: &mut Usage<'_>,
+    frees: Frees,
 ) -> bool {
     if !add_to_site(site, stack, 1, size, 0, 0) {
         count_drop(DropReason::SiteTableFull);
@@ -133,9 +202,13 @@ pub fn allocated_into(
     let mut inserted = LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     if inserted == Err(-EEXIST) {
         // Still recorded at this address: it was freed by a path we did not see (the
-        // allocator reused it). Close it so its site's in-use stays right. Checked only
-        // on this rare failure, so the common path costs one map operation.
-        release_into(tgid, ptr, usage);
+        // allocator reused it), or its free waits in another thread's queue. Close it
+        // so its site's in-use stays right. Checked only on this rare failure, so the
+        // common path costs one map operation.
+        release_into(tgid, ptr, usage, Frees::OnTime);
+        if frees == Frees::Queued {
+            expect_stale_free(&key);
+        }
         inserted = LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
     if inserted.is_err() {

@@ -77,7 +77,7 @@ unsafe fn raise_peak(usage: *mut ProcessUsage, total: u64) {
 /// # Safety
 /// `target` is valid, aligned, and only accessed atomically.
 #[inline(always)]
-unsafe fn fetch_add(target: *mut u64, value: u64) -> u64 {
+pub unsafe fn fetch_add(target: *mut u64, value: u64) -> u64 {
     let before: u64;
     // SAFETY: as the caller promises.
     unsafe {
