@@ -489,9 +489,15 @@ pub mod names {
     /// Processes served by the preload library (`HashMap<u32, preload::Preloaded>`,
     /// keyed by tgid).
     pub const PRELOADED: &str = "PRELOADED";
-    /// Where each thread of those keeps its [`crate::preload::ReportQueue`]
-    /// (`HashMap<u64, u64>`, keyed by pid_tgid), read when the thread exits.
+    /// Where each thread of those keeps its [`crate::preload::ReportQueue`] and how
+    /// much of it was applied (`HashMap<u64, preload::QueueState>`, keyed by
+    /// pid_tgid).
     pub const REPORT_QUEUES: &str = "REPORT_QUEUES";
+    /// Raw tracepoint on `sched_switch`: a preloaded thread's queued records are
+    /// applied when it is switched out.
+    pub const PROG_SWITCH: &str = "thread_switch";
+    /// The tracepoint it attaches to.
+    pub const SWITCH_TRACEPOINT: &str = "sched_switch";
     /// The answers to the preload library's allocation reports (a memory-mappable
     /// `Array<preload::StackReply>`; see [`crate::preload::REPLY_SLOTS`]).
     pub const REPLIES: &str = "REPLIES";

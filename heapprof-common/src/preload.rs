@@ -45,13 +45,31 @@ pub const QUEUE_WORDS: usize = 126;
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ReportQueue {
+    /// How many of `words` are in use (reports also carry it in their meta word). The
+    /// library writes it after the words it covers.
+    pub len: u32,
+    /// Counts the queue's reports: the library empties the queue after each and then
+    /// adds 1, so the program can tell a queue it has partly applied (when the thread
+    /// was switched out, see [`QueueState`]) from a new one.
+    pub generation: u32,
     /// The records.
     pub words: [u64; QUEUE_WORDS],
-    /// How many of `words` are in use (read by the exit tracepoint only; reports carry
-    /// the count in their meta word).
-    pub len: u32,
-    /// Explicit padding.
-    pub _pad: u32,
+}
+
+/// What the program keeps of a thread's queue (the `REPORT_QUEUES` map's value): its
+/// address, and how much of which generation it has applied. Records reach the
+/// program with the thread's reports, and also whenever the thread is switched out
+/// (`sched_switch`), so that a thread that allocates and then waits is not left out
+/// of interval profiles and in-use peaks.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct QueueState {
+    /// The queue's address in the thread's process.
+    pub address: u64,
+    /// The generation `applied` belongs to.
+    pub generation: u32,
+    /// Words of that generation already applied.
+    pub applied: u32,
 }
 
 /// The forms of a [`ReportQueue`]'s records.

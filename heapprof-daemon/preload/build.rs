@@ -90,8 +90,8 @@ fn header() -> String {
     let _ = writeln!(h, "#define HP_REPLY_SLOTS {REPLY_SLOTS}u");
     let _ = writeln!(h, "#define HP_REPLIES_FD_ENV \"{REPLIES_FD_ENV}\"");
     h.push_str(
-        "struct hp_report_queue {\n    uint64_t words[HP_QUEUE_WORDS];\n    uint32_t len;\n    \
-         uint32_t pad_;\n};\n\
+        "struct hp_report_queue {\n    uint32_t len;\n    uint32_t generation;\n    \
+         uint64_t words[HP_QUEUE_WORDS];\n};\n\
          struct hp_stack_reply {\n    uint64_t hash;\n    uint32_t status;\n    \
          uint32_t reads;\n    uint32_t uses_fp;\n    uint32_t pad_;\n    \
          int32_t offsets[HP_REPLY_READS];\n};\n",

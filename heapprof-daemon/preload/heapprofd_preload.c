@@ -369,9 +369,15 @@ static inline uint64_t meta(struct thread_state *t, unsigned function, unsigned 
     return word;
 }
 
+/* The queue was reported: it starts again, as a new generation. The program may read
+ * it whenever the thread is switched out, so the order of these stores matters: an
+ * emptied queue of the old generation is nothing new to it, a full one of the new
+ * generation would be applied twice. */
 static inline void reported(struct thread_state *t)
 {
     t->queue.len = 0;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    t->queue.generation++;
     t->registered = 1;
 }
 
@@ -397,6 +403,8 @@ static inline void queue_record(struct thread_state *t, const uint64_t *record, 
     uint32_t at = t->queue.len;
     for (uint32_t i = 0; i < words; i++)
         t->queue.words[at + i] = record[i];
+    /* The words before the length that covers them (see reported()). */
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
     t->queue.len = at + words;
 }
 

@@ -22,8 +22,9 @@ use common::*;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Names of heapprofd's BPF programs as the kernel lists them (truncated to 15 characters).
-const PROGRAM_NAMES: [&str; 12] = [
+const PROGRAM_NAMES: [&str; 13] = [
     "entry",
+    "thread_switch",
     "preload_report",
     "entry_multi",
     "alloc_return",

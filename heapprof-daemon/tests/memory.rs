@@ -46,12 +46,12 @@ fn the_peak_counts_every_thread_at_once() {
     let program = compile(dir.path(), "peak", "peak", &["-O1", "-pthread"]);
     let out = dir.path().join("profiles");
     let threads = 4;
-    // The allocator's probes: with the preload library each thread's queued records
-    // reach the program in batches, so a peak that threads make together is seen
-    // only in part (the README's launch-mode section says so).
+    // With the preload library (the default) the threads' allocations wait in their
+    // queues until they block at the barrier, when they are switched out: the
+    // program applies the queues then, so the peak still counts them all at once.
     run_ok(
         heapprofd(&out)
-            .args(["--preload", "off", "--"])
+            .arg("--")
             .arg(&program)
             .args(["threads", &threads.to_string()]),
     );

@@ -9,7 +9,7 @@ use aya_ebpf::{
 use heapprof_common::{
     CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey,
     MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, SiteCounters, StackKey, UserStack,
-    preload::{Preloaded, REPLY_SLOTS, ReportQueue, StackReply},
+    preload::{Preloaded, QueueState, REPLY_SLOTS, ReportQueue, StackReply},
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
         UnwindRule,
@@ -103,7 +103,7 @@ pub static LOADER_SYNCS: Array<u64> = Array::with_max_entries(1, 0);
 pub static PRELOADED: HashMap<u32, Preloaded> = HashMap::with_max_entries(4096, 0);
 /// Where each thread of those keeps its `ThreadReports`, keyed by pid_tgid.
 #[map(name = "REPORT_QUEUES")]
-pub static REPORT_QUEUES: HashMap<u64, u64> = HashMap::with_max_entries(16384, 0);
+pub static REPORT_QUEUES: HashMap<u64, QueueState> = HashMap::with_max_entries(16384, 0);
 /// A report queue's copy, with room past its end: an extended record's last word is
 /// read at most two words after the last place the verifier can tell a record starts.
 #[repr(C)]

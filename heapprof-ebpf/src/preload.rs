@@ -10,13 +10,13 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user_buf},
+    helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user, bpf_probe_read_user_buf},
     macros::uprobe,
     programs::ProbeContext,
 };
 use heapprof_common::{
     DropReason, StackKey,
-    preload::{Kind, Meta, Preloaded, QUEUE_WORDS, REPLY_SLOTS, Record, ReportQueue, StackReply},
+    preload::{Kind, Meta, Preloaded, QUEUE_WORDS, QueueState, REPLY_SLOTS, Record, StackReply},
 };
 
 use crate::{
@@ -51,47 +51,63 @@ fn exec_gen_of(tgid: u32) -> u32 {
     unsafe { EXEC_GEN.get(&tgid) }.copied().unwrap_or(0)
 }
 
-/// Applies the first `len` words of the queue at `queue` (a user address) for process
-/// `tgid`. With `own_len`, the length is the queue's own (a thread exiting).
+/// Applies what is new in the queue at `address` (a user address) of thread
+/// `pid_tgid`: its words from where the last application of the same generation
+/// stopped (see `heapprof_common::preload::QueueState`) to its length.
 #[inline(always)]
-fn apply_queue(tgid: u32, queue: u64, len: u32, own_len: bool) {
+fn apply_queue(pid_tgid: u64, address: u64) {
+    let tgid = (pid_tgid >> 32) as u32;
+    // SAFETY: bpf_probe_read_user checks the user address.
+    let Ok(header) = (unsafe { bpf_probe_read_user(address as *const [u32; 2]) }) else {
+        count_drop(DropReason::FreeQueueUnreadable);
+        return;
+    };
+    let (len, generation) = (header[0].min(QUEUE_WORDS as u32), header[1]);
+    let Some(state) = REPORT_QUEUES.get_ptr_mut(&pid_tgid) else {
+        return;
+    };
+    // SAFETY: a map value; only this thread's programs, which do not interleave, use it.
+    let state = unsafe { &mut *state };
+    let start = if state.generation == generation {
+        state.applied.min(len)
+    } else {
+        0
+    };
+    state.generation = generation;
+    state.applied = len;
+    if start >= len {
+        return;
+    }
     let Some(scratch) = QUEUE_SCRATCH.get_ptr_mut(0) else {
         return;
     };
-    // SAFETY: a field of this CPU's slot.
-    let scratch = unsafe { &raw mut (*scratch).queue };
-    let bytes_len = if own_len {
-        size_of::<ReportQueue>()
-    } else {
-        len as usize * 8
-    };
-    if bytes_len == 0 {
+    let mut words = u64::from(len - start);
+    // The length keeps its bounds in every copy the compiler makes (see
+    // `unwind::copy_to_window`).
+    // SAFETY: arithmetic on a register.
+    unsafe { core::arch::asm!("{n} &= 0x7f", n = inout(reg) words, options(nostack)) };
+    if words == 0 || words > QUEUE_WORDS as u64 {
         return;
     }
-    // SAFETY: this CPU's scratch slot viewed as bytes, the length bounded by its size;
-    // programs on one CPU do not interleave.
+    // SAFETY: the words of this CPU's scratch queue viewed as bytes, the length bounded
+    // by their size; programs on one CPU do not interleave.
     let bytes = unsafe {
         core::slice::from_raw_parts_mut(
-            scratch.cast::<u8>(),
-            bytes_len.min(size_of::<ReportQueue>()),
+            (&raw mut (*scratch).queue.words).cast::<u8>(),
+            words as usize * 8,
         )
     };
+    let first = address + 8 + u64::from(start) * 8;
     // SAFETY: bpf_probe_read_user_buf checks the user address.
-    if unsafe { bpf_probe_read_user_buf(queue as *const u8, bytes) }.is_err() {
+    if unsafe { bpf_probe_read_user_buf(first as *const u8, bytes) }.is_err() {
         count_drop(DropReason::FreeQueueUnreadable);
         return;
     }
-    // SAFETY: as above.
-    let len = if own_len {
-        unsafe { (*scratch).len }
-    } else {
-        len
-    };
     let mut cursor = QueueCursor {
         tgid,
         exec_gen: exec_gen_of(tgid),
         index: 0,
-        len: len.min(QUEUE_WORDS as u32),
+        len: words as u32,
         usage: UsageBatch::default(),
     };
     // SAFETY: the callback is a BPF subprogram taking the context pointer given here,
@@ -273,9 +289,15 @@ fn on_report(ctx: &ProbeContext) {
     let tgid = (pid_tgid >> 32) as u32;
     let [block, size, ra, sp, fp, reports, meta] = regs::preload_args(ctx);
     let kind = ((meta >> Meta::KIND_SHIFT) & 0xff) as u32;
-    let len = ((meta >> Meta::COUNT_SHIFT) & 0xff) as u32;
-    if meta & Meta::REGISTER_QUEUE != 0 && REPORT_QUEUES.insert(&pid_tgid, &reports, 0).is_err() {
-        count_drop(DropReason::InFlightFull);
+    if meta & Meta::REGISTER_QUEUE != 0 {
+        let state = QueueState {
+            address: reports,
+            generation: 0,
+            applied: 0,
+        };
+        if REPORT_QUEUES.insert(&pid_tgid, &state, 0).is_err() {
+            count_drop(DropReason::InFlightFull);
+        }
     }
     match Kind::from_u32(kind) {
         Some(Kind::Hello) => {
@@ -286,13 +308,13 @@ fn on_report(ctx: &ProbeContext) {
             let _ = PRELOADED.insert(&tgid, &code, 0);
         }
         Some(Kind::Flush) => {
-            apply_queue(tgid, reports, len, false);
+            apply_queue(pid_tgid, reports);
             if meta & Meta::UNREGISTER_QUEUE != 0 {
                 let _ = REPORT_QUEUES.remove(&pid_tgid);
             }
         }
         Some(Kind::Alloc) => {
-            apply_queue(tgid, reports, len, false);
+            apply_queue(pid_tgid, reports);
             if calls::report_is_nested(pid_tgid, ra, sp) {
                 return;
             }
@@ -313,17 +335,28 @@ pub fn preload_report(ctx: ProbeContext) -> u32 {
     0
 }
 
+/// A thread is switched out: what its queue holds is applied, so that a thread that
+/// waits after allocating is not left out of interval profiles and peaks.
+#[inline(always)]
+pub fn thread_switched_out(pid_tgid: u64) {
+    // SAFETY: a plain value read out of the map.
+    if let Some(state) = unsafe { REPORT_QUEUES.get(&pid_tgid) } {
+        let address = state.address;
+        apply_queue(pid_tgid, address);
+    }
+}
+
 /// A thread exits: the records still in its queue are applied (its process's memory
 /// is still there at this tracepoint), and its entries go.
 #[inline(always)]
 pub fn thread_exit(pid_tgid: u64) {
     // SAFETY: a plain value read out of the map.
-    let Some(queue) = (unsafe { REPORT_QUEUES.get(&pid_tgid) }).copied() else {
+    let Some(queue) = (unsafe { REPORT_QUEUES.get(&pid_tgid) }).map(|state| state.address) else {
         return;
     };
+    apply_queue(pid_tgid, queue);
     let _ = REPORT_QUEUES.remove(&pid_tgid);
     let tgid = (pid_tgid >> 32) as u32;
-    apply_queue(tgid, queue, 0, true);
     if pid_tgid as u32 == tgid {
         let _ = PRELOADED.remove(&tgid);
     }

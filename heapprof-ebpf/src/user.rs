@@ -309,6 +309,17 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     0
 }
 
+/// A thread is switched out: a preloaded thread's queued records are applied (see
+/// `preload::thread_switched_out`). Attached in sessions that use the library only.
+#[raw_tracepoint(tracepoint = "sched_switch")]
+pub fn thread_switch(_ctx: RawTracePointContext) -> i32 {
+    if empty_programs() || !armed() {
+        return 0;
+    }
+    crate::preload::thread_switched_out(bpf_get_current_pid_tgid());
+    0
+}
+
 /// A thread exits: its call record goes with it, so that a thread reusing its id later
 /// starts clean (the thread may have died inside an allocator call).
 #[raw_tracepoint(tracepoint = "sched_process_exit")]

@@ -192,6 +192,9 @@ pub fn start(
         }
     }
     let process_probes = probes::attach_process_events(&mut ebpf, loader.as_ref(), pid, method)?;
+    if preloading {
+        probes::attach_thread_switch(&mut ebpf)?;
+    }
     probes::arm(&mut ebpf)?;
     let config = SessionConfig {
         target: target.clone(),

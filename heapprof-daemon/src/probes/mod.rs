@@ -226,6 +226,12 @@ pub fn attach_process_events(
     Ok(probes)
 }
 
+/// With the preload library: applies a thread's queued records when it is switched
+/// out (see `heapprof_common::preload::QueueState`).
+pub fn attach_thread_switch(ebpf: &mut Ebpf) -> Result<()> {
+    raw_tracepoint(ebpf, names::PROG_SWITCH, names::SWITCH_TRACEPOINT)
+}
+
 /// Lets the programs count: called once the first probes are attached. Probes attached
 /// later (a new process's allocator) count from their attachment: their specs are in
 /// place before them.
