@@ -56,7 +56,6 @@ extern void *pthread_getspecific(unsigned key);
 extern int pthread_setspecific(unsigned key, const void *value);
 extern long readlink(const char *path, char *buffer, size_t size);
 #define RTLD_NEXT ((void *)-1L)
-#define RTLD_DEFAULT ((void *)0)
 #define SC_PAGESIZE 30 /* the same on glibc and musl */
 #define PROT_READ 1
 #define PROT_WRITE 2
@@ -627,8 +626,6 @@ static int cxx_allocates_with_malloc(void)
            (name[0] == 'l' && name[1] == 'i' && name[2] == 'b' && name[3] == 'c' &&
             name[4] == '+' && name[5] == '+');
 }
-
-static void initialize(void);
 
 static uint64_t parse_u64(const char *s);
 

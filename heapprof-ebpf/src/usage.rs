@@ -22,18 +22,26 @@ pub fn grow(tgid: u32, bytes: u64) {
     if !track_peak() {
         return;
     }
+    let Some(usage) = usage_of(tgid) else {
+        return;
+    };
+    // SAFETY: a map value, valid for the program's run.
+    unsafe { add_and_raise_peak(usage, bytes) };
+}
+
+/// `tgid`'s entry of `PROCESS_USAGE`, created on first use.
+#[inline(always)]
+fn usage_of(tgid: u32) -> Option<*mut ProcessUsage> {
     let mut usage = PROCESS_USAGE.get_ptr_mut(&tgid);
     if usage.is_none() {
         // Another CPU may create it first: NOEXIST then fails harmlessly.
         let _ = PROCESS_USAGE.insert(&tgid, &ProcessUsage::default(), BPF_NOEXIST as u64);
         usage = PROCESS_USAGE.get_ptr_mut(&tgid);
     }
-    let Some(usage) = usage else {
+    if usage.is_none() {
         count_drop(DropReason::UsageTableFull);
-        return;
-    };
-    // SAFETY: a map value, valid for the program's run.
-    unsafe { add_and_raise_peak(usage, bytes) };
+    }
+    usage
 }
 
 /// The atomic part of [`grow`]: adds `bytes` and raises the peak to the new total.
@@ -146,13 +154,7 @@ impl UsageBatch {
         if !track_peak() || (self.delta == 0 && self.high == 0) {
             return;
         }
-        let mut usage = PROCESS_USAGE.get_ptr_mut(&tgid);
-        if usage.is_none() {
-            let _ = PROCESS_USAGE.insert(&tgid, &ProcessUsage::default(), BPF_NOEXIST as u64);
-            usage = PROCESS_USAGE.get_ptr_mut(&tgid);
-        }
-        let Some(usage) = usage else {
-            count_drop(DropReason::UsageTableFull);
+        let Some(usage) = usage_of(tgid) else {
             return;
         };
         // SAFETY: a map value, valid for the program's run; its fields are only
