@@ -7,6 +7,7 @@
 #![no_std]
 
 pub mod kernel;
+pub mod live;
 pub mod preload;
 pub mod unwind;
 
@@ -208,7 +209,7 @@ pub struct SiteCounters {
     pub free_bytes: u64,
 }
 
-/// Key of the live-block table: a block is identified by its process and address.
+/// A block, identified by its process and address (the key of `STALE_FREES`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct LiveKey {
@@ -218,16 +219,6 @@ pub struct LiveKey {
     pub tgid: u32,
     /// Explicit padding, always zero.
     pub _pad: u32,
-}
-
-/// A block allocated while tracing and not yet freed.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LiveBlock {
-    /// Size the user asked for, in bytes.
-    pub size: u64,
-    /// The site that allocated it; its counters are decremented on free.
-    pub site: StackKey,
 }
 
 /// Reasons an event could not be fully recorded, the indices of the per-CPU
@@ -349,6 +340,25 @@ impl DropReason {
     }
 }
 
+/// What became of an allocation's stack walk in attach mode (the per-CPU counters of
+/// `WALK_STATS`, indexed by these).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WalkOutcome {
+    /// A walk remembered on the CPU still held: no walk.
+    Remembered = 0,
+    /// Walked, and remembered for the next allocation there.
+    Walked = 1,
+    /// Walked; the walk cannot be remembered (it depended on more than the stack's
+    /// words, read too many of them, or was cut short).
+    NotRememberable = 2,
+}
+
+impl WalkOutcome {
+    /// Number of outcomes (size of `WALK_STATS`).
+    pub const COUNT: u32 = 3;
+}
+
 /// One process's in-use bytes as the programs count them (blocks allocated while
 /// tracing and not yet freed), and the highest value they reached. Updated with
 /// atomic operations, so the peak is exact across CPUs: every allocation's new total
@@ -398,6 +408,10 @@ pub struct Config {
     /// the first slots, in [`preload::FUNCTIONS`] order, and the allocator's probes
     /// look up `PRELOADED` (otherwise they skip that lookup).
     pub preload: u32,
+    /// Buckets of the live-block table (see [`live`]).
+    pub live_buckets: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
@@ -436,8 +450,12 @@ pub mod names {
     /// Switches set by the daemon at run time (`Array<u32>`, indexed by
     /// [`crate::CONTROL_ARMED`]).
     pub const CONTROL: &str = "CONTROL";
-    /// Live blocks (`HashMap<LiveKey, LiveBlock>`).
+    /// The live-block table's tags (`Array<live::LiveBucket>`, one per bucket; see
+    /// [`crate::live`]).
     pub const LIVE: &str = "LIVE";
+    /// The live-block table's entries (`Array<live::LiveEntry>`, bucket `b`'s at
+    /// `b * live::BUCKET_SLOTS ..`).
+    pub const LIVE_ENTRIES: &str = "LIVE_ENTRIES";
     /// Per-site counters (`PerCpuHashMap<StackKey, SiteCounters>`).
     pub const SITES: &str = "SITES";
     /// User stacks (`HashMap<u64, UserStack>`, keyed by the hash in `StackKey::stack`).
@@ -466,6 +484,12 @@ pub mod names {
     pub const UNWIND_ROWS: &str = "UNWIND_ROWS";
     /// The deduplicated rules (`Array<unwind::UnwindRule>`).
     pub const UNWIND_RULES: &str = "UNWIND_RULES";
+    /// How many times the daemon has written a process's mappings (`Array<u64>`, one
+    /// slot): walks remembered before a write are not trusted after it.
+    pub const WALK_EPOCH: &str = "WALK_EPOCH";
+    /// Per-CPU counts of what became of the allocations' stack walks
+    /// (`PerCpuArray<u64>`, indexed by [`crate::WalkOutcome`]).
+    pub const WALK_STATS: &str = "WALK_STATS";
     /// Per-CPU cache of resolved rules (`PerCpuArray<unwind::CachedRule>`).
     pub const RULE_CACHE: &str = "RULE_CACHE";
     /// Where stacks were cut short (`LruHashMap<unwind::UnwindGap, u64>`, counts).
@@ -521,7 +545,8 @@ mod pod {
     unsafe impl aya::Pod for super::StackKey {}
     unsafe impl aya::Pod for super::SiteCounters {}
     unsafe impl aya::Pod for super::LiveKey {}
-    unsafe impl aya::Pod for super::LiveBlock {}
+    unsafe impl aya::Pod for super::live::LiveBucket {}
+    unsafe impl aya::Pod for super::live::LiveEntry {}
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::UserStack {}
     unsafe impl aya::Pod for super::ExecEvent {}

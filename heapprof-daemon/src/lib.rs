@@ -4,6 +4,7 @@
 pub mod aggregate;
 pub mod allocators;
 pub mod app;
+mod bpf_array;
 pub mod cgroup;
 pub mod cli;
 pub mod launch;

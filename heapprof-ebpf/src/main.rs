@@ -17,9 +17,13 @@
 #![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
 #[cfg(target_arch = "bpf")]
+mod atomic;
+#[cfg(target_arch = "bpf")]
 mod calls;
 #[cfg(target_arch = "bpf")]
 mod kernel;
+#[cfg(target_arch = "bpf")]
+mod live;
 #[cfg(target_arch = "bpf")]
 mod log;
 #[cfg(target_arch = "bpf")]
@@ -40,6 +44,8 @@ mod unwind;
 mod usage;
 #[cfg(target_arch = "bpf")]
 mod user;
+#[cfg(target_arch = "bpf")]
+mod walk_cache;
 
 #[cfg(not(target_arch = "bpf"))]
 fn main() {}

@@ -7,9 +7,10 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
 };
 use heapprof_common::{
-    CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveBlock, LiveKey,
-    MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, SiteCounters, StackKey, UserStack,
-    preload::{Preloaded, QueueState, REPLY_SLOTS, ReportQueue, StackReply},
+    CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveKey, MAX_PROBE_SLOTS,
+    ProbeSlot, ProbeSpec, ProcessUsage, SiteCounters, StackKey, UserStack,
+    live::{BUCKET_SLOTS, LiveBucket, LiveEntry},
+    preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, ReportQueue, StackReply},
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
         UnwindRule,
@@ -25,8 +26,14 @@ pub static IN_FLIGHT: HashMap<u64, InFlight> = HashMap::with_max_entries(16384, 
 pub static PROBES: Array<ProbeSpec> = Array::with_max_entries(MAX_PROBE_SLOTS, 0);
 #[map(name = "CONTROL")]
 pub static CONTROL: Array<u32> = Array::with_max_entries(CONTROL_SLOTS, 0);
+/// The live-block table's tags, one bucket each (see `crate::live`); mapped by the
+/// daemon.
 #[map(name = "LIVE")]
-pub static LIVE: HashMap<LiveKey, LiveBlock> = HashMap::with_max_entries(1 << 20, 0);
+pub static LIVE: Array<LiveBucket> = Array::with_max_entries(1, BPF_F_MMAPABLE);
+/// The live-block table's entries, `BUCKET_SLOTS` per bucket; mapped by the daemon.
+#[map(name = "LIVE_ENTRIES")]
+pub static LIVE_ENTRIES: Array<LiveEntry> =
+    Array::with_max_entries(BUCKET_SLOTS as u32, BPF_F_MMAPABLE);
 #[map(name = "SITES")]
 pub static SITES: PerCpuHashMap<StackKey, SiteCounters> = PerCpuHashMap::with_max_entries(65536, 0);
 // Written only when a site is new, so allocated on demand rather than preallocated
@@ -119,13 +126,15 @@ pub struct QueueScratch {
 pub static QUEUE_SCRATCH: PerCpuArray<QueueScratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// A [`StackReply`] being written by a walk, with the stack pointer its offsets are
-/// from.
+/// from and the values of the words read (for `crate::walk_cache`).
 #[repr(C)]
 pub struct ReplyScratch {
     /// The answer, as the library will read it.
     pub reply: StackReply,
     /// The caller's stack pointer at the walk's start.
     pub base: u64,
+    /// The words read, in the order of `reply.offsets`.
+    pub values: [u64; REPLY_READS],
 }
 
 /// Per-CPU room for the answer to a preload report (see `unwind::unwind`'s `answer`).
@@ -150,6 +159,19 @@ pub static WALK_SCRATCH: PerCpuArray<crate::unwind::Walk> = PerCpuArray::with_ma
 #[map(name = "REPLIES")]
 pub static REPLIES: Array<StackReply> = Array::with_max_entries(REPLY_SLOTS, BPF_F_MMAPABLE);
 
+/// How many times the daemon has written a process's mappings (see `walk_cache`).
+#[map(name = "WALK_EPOCH")]
+pub static WALK_EPOCH: Array<u64> = Array::with_max_entries(1, 0);
+
+/// The daemon's count of mapping writes (see `walk_cache`).
+#[inline(always)]
+pub fn walk_epoch() -> u64 {
+    WALK_EPOCH.get(0).map_or(0, |epoch| {
+        // SAFETY: a map value the daemon replaces whole.
+        unsafe { core::ptr::read_volatile(epoch) }
+    })
+}
+
 /// Written by the daemon before loading (read-only data).
 #[unsafe(no_mangle)]
 static CONFIG: Config = Config {
@@ -164,6 +186,8 @@ static CONFIG: Config = Config {
     cgroup_id: 0,
     cgroup_level: 0,
     preload: 0,
+    live_buckets: 1,
+    _pad: 0,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
@@ -229,6 +253,13 @@ pub fn preloaded(tgid: u32) -> Option<Preloaded> {
     }
     // SAFETY: a plain value read out of the map.
     unsafe { PRELOADED.get(&tgid) }.copied()
+}
+
+/// Buckets of the live-block table (at least 1).
+#[inline(always)]
+pub fn live_buckets() -> u32 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.live_buckets) }.max(1)
 }
 
 /// Whether each process's in-use total and peak are kept.

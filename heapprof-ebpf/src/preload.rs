@@ -26,7 +26,7 @@ use crate::{
         armed, count_drop, empty_programs, ignored, unwind_mode,
     },
     regs,
-    sites::{self, Frees, Usage},
+    sites::{self, Frees, NewSite, Usage},
     unwind,
     usage::UsageBatch,
 };
@@ -182,7 +182,7 @@ pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
         tgid,
         (block, header >> Record::SIZE_SHIFT),
         &site,
-        None,
+        NewSite::Stored,
         &mut usage,
         Frees::Queued,
     );
@@ -255,7 +255,7 @@ pub extern "C" fn heapprof_count_block(allocation: *const NewBlock) -> i64 {
         site.tgid,
         (block, size),
         &site,
-        Some(stack),
+        NewSite::Stack(stack),
         &mut Usage::Direct,
         Frees::Queued,
     ))

@@ -1,11 +1,12 @@
 //! Per-site counters and the live-block table.
 
 use aya_ebpf::bindings::BPF_NOEXIST;
-use heapprof_common::{DropReason, LiveBlock, LiveKey, SiteCounters, StackKey, UserStack};
+use heapprof_common::{DropReason, LiveKey, SiteCounters, StackKey, UserStack, live::LiveEntry};
 
 use crate::{
-    maps::{LIVE, SITES, STACKS, STALE_FREES, STALE_PENDING, count_drop},
-    usage,
+    atomic::fetch_add,
+    live::{self, Inserted},
+    maps::{SITES, STACKS, STALE_FREES, STALE_PENDING, count_drop},
 };
 
 /// Whether any late free is expected (one array lookup spares the others a hash
@@ -28,7 +29,7 @@ fn expect_stale_free(key: &LiveKey) {
     }
     if let Some(pending) = STALE_PENDING.get_ptr_mut(0) {
         // SAFETY: a map value, only accessed atomically.
-        unsafe { usage::fetch_add(pending, 1) };
+        unsafe { fetch_add(pending, 1) };
     }
 }
 
@@ -48,19 +49,30 @@ fn consume_stale_free(key: &LiveKey) -> bool {
     }
     if let Some(pending) = STALE_PENDING.get_ptr_mut(0) {
         // SAFETY: as in `expect_stale_free`.
-        unsafe { usage::fetch_add(pending, 1u64.wrapping_neg()) };
+        unsafe { fetch_add(pending, 1u64.wrapping_neg()) };
     }
     true
 }
 
 const EEXIST: i32 = 17;
 
-/// Adds to the counters of `site`, creating them on first use; a new site's stack,
-/// when given, is stored then (one site lookup per call on the common path).
+/// What to do when a site has no counters yet.
+#[derive(Clone, Copy)]
+pub enum NewSite<'a> {
+    /// Create them, storing the site's stack, just walked.
+    Stack(&'a UserStack),
+    /// Create them; the stack is stored already (or could not be).
+    Stored,
+    /// Leave the call uncounted: the caller has the stack walked and counts it then.
+    Refuse,
+}
+
+/// Adds to the counters of `site`, creating them on first use as `new` says (one site
+/// lookup per call on the common path); returns whether the site counted it.
 #[inline(always)]
 pub fn add_to_site(
     site: &StackKey,
-    new_stack: Option<&UserStack>,
+    new: NewSite<'_>,
     alloc_objects: u64,
     alloc_bytes: u64,
     free_objects: u64,
@@ -68,12 +80,16 @@ pub fn add_to_site(
 ) -> bool {
     let mut counters = SITES.get_ptr_mut(site);
     if counters.is_none() {
-        if let Some(stack) = new_stack {
-            // Another kind at the same stack may have stored it already.
-            match STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
-                Ok(()) => {}
-                Err(err) if err == -EEXIST => {}
-                Err(_) => count_drop(DropReason::StackTableFull),
+        match new {
+            NewSite::Refuse => return false,
+            NewSite::Stored => {}
+            NewSite::Stack(stack) => {
+                // Another kind at the same stack may have stored it already.
+                match STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
+                    Ok(()) => {}
+                    Err(err) if err == -EEXIST => {}
+                    Err(_) => count_drop(DropReason::StackTableFull),
+                }
             }
         }
         let zero = SiteCounters::default();
@@ -97,19 +113,19 @@ pub fn add_to_site(
 }
 
 /// Where a change of a process's in-use bytes goes: straight to its total, or into
-/// a batch that is added at its end (see [`usage::UsageBatch`]).
+/// a batch that is added at its end (see [`crate::usage::UsageBatch`]).
 pub enum Usage<'a> {
     /// `PROCESS_USAGE`, one atomic update per block.
     Direct,
     /// A batch of one thread's records.
-    Batch(&'a mut usage::UsageBatch),
+    Batch(&'a mut crate::usage::UsageBatch),
 }
 
 impl Usage<'_> {
     #[inline(always)]
     fn grow(&mut self, tgid: u32, bytes: u64) {
         match self {
-            Usage::Direct => usage::grow(tgid, bytes),
+            Usage::Direct => crate::usage::grow(tgid, bytes),
             Usage::Batch(batch) => batch.grow(bytes),
         }
     }
@@ -117,7 +133,7 @@ impl Usage<'_> {
     #[inline(always)]
     fn shrink(&mut self, tgid: u32, bytes: u64) {
         match self {
-            Usage::Direct => usage::shrink(tgid, bytes),
+            Usage::Direct => crate::usage::shrink(tgid, bytes),
             Usage::Batch(batch) => batch.shrink(bytes),
         }
     }
@@ -148,36 +164,28 @@ pub fn release_into(tgid: u32, ptr: u64, usage: &mut Usage<'_>, frees: Frees) {
     if ptr == 0 {
         return;
     }
-    let key = LiveKey { ptr, tgid, _pad: 0 };
-    if frees == Frees::Queued && stale_frees_pending() && consume_stale_free(&key) {
+    if frees == Frees::Queued
+        && stale_frees_pending()
+        && consume_stale_free(&LiveKey { ptr, tgid, _pad: 0 })
+    {
         return;
     }
-    // SAFETY: the value is copied out before the entry is removed.
-    let Some(block) = (unsafe { LIVE.get(&key) }).copied() else {
-        // Allocated before tracing began (or not tracked): ignored, never negative.
-        return;
-    };
-    let _ = LIVE.remove(&key);
-    add_to_site(&block.site, None, 0, 0, 1, block.size);
-    usage.shrink(tgid, block.size);
+    // Not found: allocated before tracing began (or not tracked): ignored, never negative.
+    if let Some(block) = live::remove(tgid, ptr) {
+        add_to_site(&block.site, NewSite::Stored, 0, 0, 1, block.size);
+        usage.shrink(tgid, block.size);
+    }
 }
 
-/// Counts a new block at `site` and remembers it until its free; `stack` is stored
-/// if the site is new (a site known by its hash alone has its stack stored already).
-/// Returns whether the site counted it.
+/// Counts a new block at `site` and remembers it until its free; a new site is
+/// created as `new` says. Returns whether the site counted it.
 #[inline(always)]
-pub fn allocated(
-    tgid: u32,
-    ptr: u64,
-    size: u64,
-    site: &StackKey,
-    stack: Option<&UserStack>,
-) -> bool {
+pub fn allocated(tgid: u32, ptr: u64, size: u64, site: &StackKey, new: NewSite<'_>) -> bool {
     allocated_into(
         tgid,
         (ptr, size),
         site,
-        stack,
+        new,
         &mut Usage::Direct,
         Frees::OnTime,
     )
@@ -189,34 +197,40 @@ pub fn allocated_into(
     tgid: u32,
     (ptr, size): (u64, u64),
     site: &StackKey,
-    stack: Option<&UserStack>,
+    new: NewSite<'_>,
     usage: &mut Usage<'_>,
     frees: Frees,
 ) -> bool {
-    if !add_to_site(site, stack, 1, size, 0, 0) {
-        count_drop(DropReason::SiteTableFull);
+    if !add_to_site(site, new, 1, size, 0, 0) {
+        if !matches!(new, NewSite::Refuse) {
+            count_drop(DropReason::SiteTableFull);
+        }
         return false;
     }
-    let key = LiveKey { ptr, tgid, _pad: 0 };
-    let block = LiveBlock { size, site: *site };
-    let mut inserted = LIVE.insert(&key, &block, BPF_NOEXIST as u64);
-    if inserted == Err(-EEXIST) {
-        // Still recorded at this address: it was freed by a path we did not see (the
-        // allocator reused it), or its free waits in another thread's queue. Close it
-        // so its site's in-use stays right. Checked only on this rare failure, so the
-        // common path costs one map operation.
-        release_into(tgid, ptr, usage, Frees::OnTime);
-        if frees == Frees::Queued {
-            expect_stale_free(&key);
+    let block = LiveEntry {
+        ptr,
+        size,
+        site: *site,
+    };
+    match live::insert(tgid, &block) {
+        Inserted::New => {}
+        Inserted::Replaced(old) => {
+            // Still recorded at this address: it was freed by a path we did not see (the
+            // allocator reused it), or its free waits in another thread's queue. Closed
+            // now, so its site's in-use stays right.
+            add_to_site(&old.site, NewSite::Stored, 0, 0, 1, old.size);
+            usage.shrink(tgid, old.size);
+            if frees == Frees::Queued {
+                expect_stale_free(&LiveKey { ptr, tgid, _pad: 0 });
+            }
         }
-        inserted = LIVE.insert(&key, &block, BPF_NOEXIST as u64);
-    }
-    if inserted.is_err() {
-        // Its free cannot be matched: count it as released now, so that in-use stays
-        // what is tracked instead of growing by blocks that may be long gone.
-        count_drop(DropReason::LiveTableFull);
-        add_to_site(site, None, 0, 0, 1, size);
-        return true;
+        Inserted::Full => {
+            // Its free cannot be matched: count it as released now, so that in-use stays
+            // what is tracked instead of growing by blocks that may be long gone.
+            count_drop(DropReason::LiveTableFull);
+            add_to_site(site, NewSite::Stored, 0, 0, 1, size);
+            return true;
+        }
     }
     usage.grow(tgid, size);
     true

@@ -107,8 +107,9 @@ fn read_user(address: u64) -> Option<u64> {
 /// each copy goes to the end of its address's 4 KiB block, which lies within one page.
 #[inline(always)]
 fn stack_read(walk: &mut Walk, address: u64) -> Option<u64> {
-    note_read(walk, address);
-    stack_read_unnoted(walk, address)
+    let value = stack_read_unnoted(walk, address)?;
+    note_read(walk, address, value);
+    Some(value)
 }
 
 /// [`stack_read`], without noting the place (see [`FP_FROM_CALLER`]).
@@ -135,14 +136,15 @@ fn use_fp(walk: &mut Walk) {
     match walk.fp_source {
         0 => {}
         FP_FROM_CALLER => walk.flags |= USES_FP,
-        address => note_read(walk, address),
+        // The frame pointer was read from there: it is the word's value.
+        address => note_read(walk, address, walk.frame.fp),
     }
     walk.fp_source = 0;
 }
 
-/// Notes the place of a word the walk reads, when it does so for an answer.
+/// Notes the place and value of a word the walk reads, when it does so for an answer.
 #[inline(always)]
-fn note_read(walk: &mut Walk, address: u64) {
+fn note_read(walk: &mut Walk, address: u64, value: u64) {
     if walk.flags & (NOTING_READS | UNANSWERABLE) != NOTING_READS {
         return;
     }
@@ -159,6 +161,7 @@ fn note_read(walk: &mut Walk, address: u64) {
         return;
     }
     scratch.reply.offsets[index] = offset as i32;
+    scratch.values[index] = value;
     scratch.reply.reads = index as u32 + 1;
 }
 

@@ -9,7 +9,10 @@
 use aya_ebpf::bindings::BPF_NOEXIST;
 use heapprof_common::{DropReason, ProcessUsage};
 
-use crate::maps::{PROCESS_USAGE, count_drop, track_peak};
+use crate::{
+    atomic::{compare_exchange, fetch_add},
+    maps::{PROCESS_USAGE, count_drop, track_peak},
+};
 
 /// Compare-and-swap attempts to raise the peak: each failure means another CPU moved
 /// it, and its value is re-read; more than a few in a row is contention the next
@@ -74,49 +77,6 @@ unsafe fn raise_peak(usage: *mut ProcessUsage, total: u64) {
         }
         seen = found;
     }
-}
-
-// The fetching atomics are written as instructions: LLVM selects them only when the
-// whole object is built for BPF v3 (`-C target-cpu`, which aya-build does not pass),
-// while the kernel runs them whatever the object was built for (Linux 5.12+).
-
-/// Atomically adds `value` to `*target`; returns the value before.
-///
-/// # Safety
-/// `target` is valid, aligned, and only accessed atomically.
-#[inline(always)]
-pub unsafe fn fetch_add(target: *mut u64, value: u64) -> u64 {
-    let before: u64;
-    // SAFETY: as the caller promises.
-    unsafe {
-        core::arch::asm!(
-            "{v} = atomic_fetch_add((u64 *)({p} + 0), {v})",
-            p = in(reg) target,
-            v = inout(reg) value => before,
-            options(nostack),
-        );
-    }
-    before
-}
-
-/// Atomically replaces `*target` with `new` if it holds `expected`; returns what it held.
-///
-/// # Safety
-/// `target` is valid, aligned, and only accessed atomically.
-#[inline(always)]
-unsafe fn compare_exchange(target: *mut u64, expected: u64, new: u64) -> u64 {
-    let found: u64;
-    // SAFETY: as the caller promises. BPF_CMPXCHG compares with and returns in r0.
-    unsafe {
-        core::arch::asm!(
-            "r0 = cmpxchg_64({p} + 0, r0, {n})",
-            p = in(reg) target,
-            n = in(reg) new,
-            inout("r0") expected => found,
-            options(nostack),
-        );
-    }
-    found
 }
 
 /// The in-use change of a batch of one thread's records (the preload library's

@@ -26,7 +26,9 @@ use crate::{
         REPORT_QUEUES, armed, count_drop, empty_programs, hold_at_loader_events, ignored,
         page_size, preloaded, probe_spec, target_tgid,
     },
-    regs, sites, stack,
+    regs,
+    sites::{self, NewSite},
+    stack,
 };
 
 /// The signal that holds a launched command at a loader event. Its tracer intercepts
@@ -179,8 +181,15 @@ fn on_return(ctx: &RetProbeContext) {
     if ptr == 0 || state.sampled == 0 {
         return;
     }
-    if let Some((site, stack)) = stack::record_stack(ctx, pid_tgid, state.exec_gen, state.slot) {
-        sites::allocated(tgid, ptr, state.size, &site, Some(stack));
+    let start = stack::walk_start(ctx, pid_tgid, state.exec_gen);
+    if let Some(site) = stack::remembered(&start, state.slot)
+        && sites::allocated(tgid, ptr, state.size, &site, NewSite::Refuse)
+    {
+        return;
+    }
+    if let Some(recorded) = stack::walk(&start, state.slot) {
+        let new = recorded.frames.map_or(NewSite::Stored, NewSite::Stack);
+        sites::allocated(tgid, ptr, state.size, &recorded.site, new);
     }
 }
 

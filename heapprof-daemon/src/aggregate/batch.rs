@@ -146,63 +146,6 @@ pub fn for_each_batch<K: Pod, V: Pod>(
     }
 }
 
-/// `BPF_MAP_DELETE_BATCH` in `enum bpf_cmd`.
-const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
-
-/// Deletes `keys` from the hash map `map`, a batch per system call. A key already
-/// gone (the programs delete too) is skipped. Returns how many were deleted, or
-/// `None`, having deleted nothing, when the kernel has no batch deletes for this
-/// map (the caller deletes them one by one instead).
-pub fn delete_keys<K: Pod>(map: impl AsFd, keys: &[K]) -> io::Result<Option<usize>> {
-    let max = *BATCH_ENTRIES.end();
-    let mut remaining = keys;
-    let mut deleted = 0;
-    let mut first = true;
-    while !remaining.is_empty() {
-        let chunk = remaining.len().min(max);
-        let mut attr = BatchAttr {
-            keys: remaining.as_ptr() as u64,
-            count: chunk as u32,
-            map_fd: map.as_fd().as_raw_fd() as u32,
-            ..Default::default()
-        };
-        // SAFETY: `attr` is a valid `bpf_attr` batch member naming `count` keys of
-        // `K`, the map's key type (the callers take it from the typed aya map of the
-        // same fd), which the kernel only reads.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_DELETE_BATCH,
-                std::ptr::addr_of_mut!(attr),
-                size_of::<BatchAttr>(),
-            )
-        };
-        // The kernel stops at the first key it could not delete; `count` is how many
-        // it did before that one.
-        let done = (attr.count as usize).min(chunk);
-        if ret >= 0 {
-            deleted += chunk;
-            remaining = &remaining[chunk..];
-        } else {
-            let err = io::Error::last_os_error();
-            match err.raw_os_error() {
-                Some(libc::ENOENT) => {
-                    deleted += done;
-                    remaining = &remaining[(done + 1).min(remaining.len())..];
-                }
-                Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | 524)
-                    if first && done == 0 =>
-                {
-                    return Ok(None);
-                }
-                _ => return Err(err),
-            }
-        }
-        first = false;
-    }
-    Ok(Some(deleted))
-}
-
 #[cfg(test)]
 mod tests {
     use std::os::fd::{FromRawFd as _, OwnedFd};
@@ -211,9 +154,8 @@ mod tests {
 
     use super::*;
 
-    /// `BPF_MAP_CREATE`, `BPF_MAP_UPDATE_ELEM`, `BPF_MAP_LOOKUP_ELEM`.
+    /// `BPF_MAP_CREATE`, `BPF_MAP_UPDATE_ELEM`.
     const BPF_MAP_CREATE: libc::c_long = 0;
-    const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
     const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
     const BPF_MAP_TYPE_HASH: u32 = 1;
     const BPF_MAP_TYPE_PERCPU_HASH: u32 = 5;
@@ -271,20 +213,8 @@ mod tests {
         bpf(BPF_MAP_UPDATE_ELEM, &mut attr).expect("updating a test map");
     }
 
-    fn contains(map: &OwnedFd, key: u64, value_bytes: usize) -> bool {
-        let mut value = vec![0u8; value_bytes];
-        let mut attr = ElemAttr {
-            map_fd: map.as_raw_fd() as u32,
-            _pad: 0,
-            key: std::ptr::from_ref(&key) as u64,
-            value: value.as_mut_ptr() as u64,
-            flags: 0,
-        };
-        bpf(BPF_MAP_LOOKUP_ELEM, &mut attr).is_ok()
-    }
-
     #[test]
-    fn batches_read_every_entry_and_deletes_skip_keys_already_gone() {
+    fn batches_read_every_entry() {
         const ENTRIES: u64 = 10_000;
         let map = create_map(BPF_MAP_TYPE_HASH, 8, 16, ENTRIES as u32);
         for key in 0..ENTRIES {
@@ -305,20 +235,6 @@ mod tests {
         seen.sort_unstable();
         assert_eq!(seen, (0..ENTRIES).collect::<Vec<_>>(), "every key, once");
         assert!(batches > 1, "more than one batch: {batches}");
-
-        // Every tenth key twice, and keys never there: each missing key is skipped.
-        let mut doomed: Vec<u64> = (0..ENTRIES).step_by(10).collect();
-        doomed.extend([ENTRIES + 1, 50, ENTRIES + 2]);
-        let deleted = delete_keys(&map, &doomed).expect("deleting in batches");
-        assert_eq!(deleted, Some(ENTRIES as usize / 10));
-        assert!(!contains(&map, 0, 16) && !contains(&map, 9990, 16));
-        assert!(contains(&map, 1, 16) && contains(&map, 9999, 16));
-        let mut left = 0;
-        for_each_batch(&map, None, |keys: &[u64], _: &[[u64; 2]]| {
-            left += keys.len()
-        })
-        .expect("reading in batches");
-        assert_eq!(left, ENTRIES as usize * 9 / 10);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 
 mod batch;
 pub mod kernel;
+mod live;
 pub mod sampling;
 pub mod stacks;
 
@@ -23,9 +24,9 @@ use aya::{
     maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuHashMap},
 };
 use heapprof_common::{
-    DropReason, InFlight, LiveBlock, LiveKey, ProcessUsage, SiteCounters, StackKey, UserStack,
-    names,
+    DropReason, InFlight, ProcessUsage, SiteCounters, StackKey, UserStack, names,
 };
+use live::LiveTable;
 use stacks::StackStore;
 
 /// Counts of one site, summed over CPUs.
@@ -81,15 +82,14 @@ pub struct Occupancy {
 pub struct Maps {
     sites: PerCpuHashMap<MapData, StackKey, SiteCounters>,
     stacks: BpfHashMap<MapData, u64, UserStack>,
-    live: BpfHashMap<MapData, LiveKey, LiveBlock>,
+    live: LiveTable,
     drops: PerCpuArray<MapData, u64>,
     in_flight: BpfHashMap<MapData, u64, InFlight>,
     exec_gen: BpfHashMap<MapData, u32, u32>,
     usage: BpfHashMap<MapData, u32, ProcessUsage>,
-    /// The site, stack and live-block tables again, for batch reads.
+    /// The site and stack tables again, for batch reads.
     sites_fd: OwnedFd,
     stacks_fd: OwnedFd,
-    live_fd: OwnedFd,
     /// Possible CPUs: the values per entry of a per-CPU table.
     cpus: usize,
     /// Stacks already read; a hash names one stack for as long as its process lives.
@@ -257,18 +257,16 @@ impl Maps {
     pub fn new(ebpf: &mut Ebpf) -> Result<Self> {
         let (sites, sites_fd) = take_with_fd(ebpf, names::SITES)?;
         let (stacks, stacks_fd) = take_with_fd(ebpf, names::STACKS)?;
-        let (live, live_fd) = take_with_fd(ebpf, names::LIVE)?;
         Ok(Self {
             sites,
             stacks,
-            live,
+            live: LiveTable::take(ebpf)?,
             drops: take(ebpf, names::DROPS)?,
             in_flight: take(ebpf, names::IN_FLIGHT)?,
             exec_gen: take(ebpf, names::EXEC_GEN)?,
             usage: take(ebpf, names::PROCESS_USAGE)?,
             sites_fd,
             stacks_fd,
-            live_fd,
             cpus: possible_cpus()?,
             stack_store: StackStore::new(),
             retired: HashMap::new(),
@@ -388,29 +386,6 @@ impl Maps {
         Ok(pids)
     }
 
-    /// The keys of the live blocks `pick` picks, read in batches.
-    fn live_keys(&self, pick: impl Fn(&LiveKey, &LiveBlock) -> bool) -> Result<Vec<LiveKey>> {
-        let mut keys = Vec::new();
-        let table = &self.live;
-        read_entries(
-            &self.live_fd,
-            None,
-            |key, block: &[LiveBlock]| {
-                if block.first().is_some_and(|block| pick(&key, block)) {
-                    keys.push(key);
-                }
-            },
-            |each| {
-                // A block freed during the walk is skipped.
-                for (key, block) in table.iter().filter_map(Result::ok) {
-                    each(key, std::slice::from_ref(&block));
-                }
-                Ok(())
-            },
-        )?;
-        Ok(keys)
-    }
-
     /// Drop counters summed over CPUs, indexed by [`DropReason`].
     pub fn read_drops(&self) -> Result<[u64; DropReason::COUNT as usize]> {
         read_drops(&self.drops)
@@ -459,13 +434,14 @@ impl Maps {
         if dead.is_empty() {
             return Ok(());
         }
-        let stale_live = self.live_keys(|key, _| dead.contains(&key.tgid))?;
+        let removed = self
+            .live
+            .remove_where(|block| dead.contains(&block.site.tgid));
         let sites = self.retire_sites(|key| dead.contains(&key.tgid))?;
         for pid in dead {
             let _ = self.exec_gen.remove(pid);
             let _ = self.usage.remove(pid);
         }
-        let removed = self.remove_live(&stale_live);
         log::debug!(
             "retired {} exited process(es): {sites} sites, {removed} live blocks removed",
             dead.len(),
@@ -525,23 +501,10 @@ impl Maps {
             return Ok(0);
         }
         // Live blocks first: once they are gone, no free can be credited to a retired site.
-        let stale_live = self.live_keys(|_, block| replaced(&block.site))?;
-        let removed = self.remove_live(&stale_live);
+        let removed = self.live.remove_where(|block| replaced(&block.site));
         let count = self.retire_sites_in(sites, replaced);
         log::debug!("retired {count} sites of replaced images, {removed} live blocks removed");
         Ok(count)
-    }
-
-    /// Deletes live blocks, in batches where the kernel can; returns how many.
-    fn remove_live(&mut self, keys: &[LiveKey]) -> usize {
-        match batch::delete_keys(&self.live_fd, keys) {
-            Ok(Some(deleted)) => deleted,
-            Ok(None) => keys.iter().filter(|k| self.live.remove(k).is_ok()).count(),
-            Err(err) => {
-                log::debug!("deleting live blocks in batches: {err}");
-                keys.iter().filter(|k| self.live.remove(k).is_ok()).count()
-            }
-        }
     }
 
     /// Moves the sites matching `retire` out of the BPF table into `retired`, with

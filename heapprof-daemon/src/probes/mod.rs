@@ -17,7 +17,7 @@ use aya::{
     sys::UProbeMultiFeature,
 };
 use heapprof_common::{
-    CONTROL_ARMED, Config, kernel::names as kernel_names, names, unwind::UnwindMode,
+    CONTROL_ARMED, Config, kernel::names as kernel_names, live, names, unwind::UnwindMode,
 };
 
 pub use self::loader::DynamicLoader;
@@ -80,6 +80,8 @@ pub fn load(
         cgroup_id: cgroup.map_or(0, |c| c.id),
         cgroup_level: cgroup.map_or(0, |c| c.level),
         preload: u32::from(unwind.preload),
+        live_buckets: live::buckets_for(capacities.live_blocks),
+        _pad: 0,
     };
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {
@@ -97,7 +99,11 @@ pub fn load(
     };
     EbpfLoader::new()
         .override_global(names::CONFIG, &config, true)
-        .map_max_entries(names::LIVE, capacities.live_blocks)
+        .map_max_entries(names::LIVE, config.live_buckets)
+        .map_max_entries(
+            names::LIVE_ENTRIES,
+            config.live_buckets * live::BUCKET_SLOTS as u32,
+        )
         .map_max_entries(names::SITES, capacities.sites)
         .map_max_entries(names::STACKS, capacities.stacks)
         .map_max_entries(names::IN_FLIGHT, capacities.threads)

@@ -261,6 +261,10 @@ pub struct TableLoader {
     warned_full: bool,
     /// The version of the last mappings written (see `ProcessMappings::version`).
     version: u32,
+    /// Mapping writes so far, published in `WALK_EPOCH` after each: walks the
+    /// programs remembered before a write are not trusted after it.
+    walk_epoch: Array<MapData, u64>,
+    epoch: u64,
 }
 
 impl TableLoader {
@@ -276,6 +280,8 @@ impl TableLoader {
             .context("BPF map UNWIND_OBJECTS has an unexpected type")?;
         let gaps = BpfHashMap::try_from(take(ebpf, names::UNWIND_GAPS)?)
             .context("BPF map UNWIND_GAPS has an unexpected type")?;
+        let walk_epoch = Array::try_from(take(ebpf, names::WALK_EPOCH)?)
+            .context("BPF map WALK_EPOCH has an unexpected type")?;
         Ok(Self {
             process_mappings,
             objects_map,
@@ -288,6 +294,8 @@ impl TableLoader {
             usage: TableUsage::default(),
             warned_full: false,
             version: 0,
+            walk_epoch,
+            epoch: 0,
         })
     }
 
@@ -341,7 +349,11 @@ impl TableLoader {
         value.mappings[..mappings.len()].copy_from_slice(&mappings);
         self.process_mappings
             .insert(&pid, value.as_ref(), 0)
-            .with_context(|| format!("writing the mappings of pid {pid} for the unwinder"))
+            .with_context(|| format!("writing the mappings of pid {pid} for the unwinder"))?;
+        self.epoch += 1;
+        self.walk_epoch
+            .set(0, &self.epoch, 0)
+            .context("publishing the mappings' epoch for the unwinder")
     }
 
     /// Forgets a process's mappings (it exec'd or exited).

@@ -1,0 +1,196 @@
+//! The live-block table's layout: the blocks allocated while tracing and not yet
+//! freed, each with its size and site, found again by process and address when it is
+//! freed.
+//!
+//! A BPF hash map costs a bucket lock, a free-list pop or push and several kernel
+//! function calls per insert and delete (about 250 ns each on the development
+//! machine, a third of heapprofd's work per malloc/free pair). This table is two
+//! plain BPF arrays instead, which the programs index directly and change with atomic
+//! instructions only:
+//! - `LIVE`, one [`LiveBucket`] per bucket (a cache line): [`BUCKET_SLOTS`] tags (a
+//!   slot's tag is 0 when it is free, [`TAG_BUSY`] while a program fills it, else the
+//!   [`tag`] of the block in it) and a word of flags;
+//! - `LIVE_ENTRIES`, the slots' [`LiveEntry`]s (bucket `b`'s slots at `b *
+//!   BUCKET_SLOTS ..`).
+//!
+//! A block goes to its **home** bucket, chosen by its address (each bucket covers 128
+//! bytes of a process's address space, so blocks allocated one after the other share
+//! buckets and cache lines, and a program's frees find their buckets in the cache),
+//! or, when that is full, to a second bucket chosen by hash; the home bucket is then
+//! marked [`OVERFLOWED`], and lookups of its blocks read the second bucket too. No
+//! tombstones are needed: a lookup reads its buckets whole. The daemon maps both
+//! arrays (`BPF_F_MMAPABLE`) to read and clear the entries of exited processes with
+//! the same atomic operations.
+
+use crate::StackKey;
+
+/// Slots per bucket: 7 tags and the flags fill one 64-byte cache line.
+pub const BUCKET_SLOTS: usize = 7;
+
+/// A bucket's flag: a block whose home it is went to its second bucket.
+pub const OVERFLOWED: u64 = 1;
+
+/// Bytes of a process's address space a home bucket covers: at most four blocks of
+/// glibc's smallest chunk (32 bytes), so a program's own blocks fill no bucket.
+pub const HOME_SPAN_SHIFT: u32 = 7;
+
+/// The tag of a slot a program has claimed and is filling (even: no [`tag`] is).
+pub const TAG_BUSY: u64 = 2;
+
+/// The slots provisioned per block of capacity asked for, as a fraction
+/// (`SLOTS_NUMERATOR / SLOTS_DENOMINATOR`): two-choice buckets start to overflow at
+/// about 80% of their slots (with hashed homes; address homes are fuller where a
+/// heap is dense, emptier elsewhere).
+const SLOTS_NUMERATOR: u64 = 5;
+const SLOTS_DENOMINATOR: u64 = 4;
+
+/// Most buckets: the slot index of the last one still fits in a `u32`.
+pub const MAX_BUCKETS: u32 = u32::MAX / BUCKET_SLOTS as u32;
+
+/// One bucket's tags and flags (`LIVE`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LiveBucket {
+    /// 0 (free), [`TAG_BUSY`], or a block's [`tag`].
+    pub tags: [u64; BUCKET_SLOTS],
+    /// [`OVERFLOWED`], once set never cleared.
+    pub flags: u64,
+}
+
+/// A block allocated while tracing and not yet freed (`LIVE_ENTRIES`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LiveEntry {
+    /// The block's address in its process.
+    pub ptr: u64,
+    /// Size the user asked for, in bytes.
+    pub size: u64,
+    /// The site that allocated it (its process included); its counters are
+    /// decremented on free.
+    pub site: StackKey,
+}
+
+/// Where a block can be: its two buckets and its tag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// The home bucket, by address.
+    pub first: u32,
+    /// The second bucket, by hash (may equal the first).
+    pub second: u32,
+    /// The block's tag: odd, so never 0 or [`TAG_BUSY`].
+    pub tag: u64,
+}
+
+/// A 64-bit mix of a block's address and process (the finalizer of MurmurHash3).
+#[inline(always)]
+pub const fn hash(ptr: u64, tgid: u32) -> u64 {
+    let mut h = ptr ^ (tgid as u64).rotate_right(24);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^ (h >> 33)
+}
+
+/// The tag of a block with hash `hash`.
+#[inline(always)]
+pub const fn tag(hash: u64) -> u64 {
+    hash | 1
+}
+
+/// The buckets and tag of the block at `ptr` in process `tgid`, in a table of
+/// `buckets` buckets (at least 1). The home is the block's 128-byte span of address
+/// space, shifted per process; the second bucket comes from the hash by
+/// multiplication, so any bucket count works.
+#[inline(always)]
+pub const fn placement(ptr: u64, tgid: u32, buckets: u32) -> Placement {
+    let h = hash(ptr, tgid);
+    let shift = (tgid as u64).wrapping_mul(0x9e37_79b9);
+    let first = ((ptr >> HOME_SPAN_SHIFT).wrapping_add(shift)) % buckets as u64;
+    let second = ((h >> 32) * buckets as u64) >> 32;
+    Placement {
+        first: first as u32,
+        second: second as u32,
+        tag: tag(h),
+    }
+}
+
+/// Buckets for a table meant to hold `blocks` blocks (at least one bucket).
+pub const fn buckets_for(blocks: u32) -> u32 {
+    let slots = (blocks as u64 * SLOTS_NUMERATOR).div_ceil(SLOTS_DENOMINATOR);
+    let buckets = slots.div_ceil(BUCKET_SLOTS as u64);
+    if buckets == 0 {
+        1
+    } else if buckets > MAX_BUCKETS as u64 {
+        MAX_BUCKETS
+    } else {
+        buckets as u32
+    }
+}
+
+/// Bytes of kernel memory a table of `buckets` buckets takes (tags and entries).
+pub const fn table_bytes(buckets: u32) -> u64 {
+    buckets as u64
+        * (core::mem::size_of::<LiveBucket>() as u64
+            + BUCKET_SLOTS as u64 * core::mem::size_of::<LiveEntry>() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_are_never_free_or_busy() {
+        for ptr in [0u64, 1, 2, 0x7fff_0000_1000, u64::MAX] {
+            for tgid in [0u32, 1, 4_194_304] {
+                let t = placement(ptr, tgid, 7).tag;
+                assert_ne!(t, 0);
+                assert_ne!(t, TAG_BUSY);
+            }
+        }
+    }
+
+    #[test]
+    fn buckets_stay_in_range_for_any_count() {
+        for buckets in [1u32, 2, 3, 7, 1000, 163_840, MAX_BUCKETS] {
+            for i in 0..2000u64 {
+                let p = placement(0x5555_0000_0000 + i * 16, (i % 5) as u32, buckets);
+                assert!(
+                    p.first < buckets && p.second < buckets,
+                    "{p:?} of {buckets}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_two_buckets_differ_for_most_blocks() {
+        let same = (0..10_000u64)
+            .filter(|i| {
+                let p = placement(0x5555_0000_0000 + i * 16, 42, 1 << 16);
+                p.first == p.second
+            })
+            .count();
+        assert!(same < 10, "{same} blocks with one bucket");
+    }
+
+    #[test]
+    fn neighbouring_blocks_share_their_home() {
+        let base = 0x5555_0000_0000u64;
+        let homes: [u32; 8] =
+            core::array::from_fn(|i| placement(base + i as u64 * 32, 7, 163_840).first);
+        assert!(homes[..4].iter().all(|&h| h == homes[0]), "{homes:?}");
+        assert!(homes[4..].iter().all(|&h| h == homes[4]), "{homes:?}");
+        assert_eq!((homes[0] + 1) % 163_840, homes[4]);
+    }
+
+    #[test]
+    fn capacity_is_provisioned_with_room() {
+        assert_eq!(buckets_for(0), 1);
+        assert_eq!(buckets_for(16), 3);
+        // 1,048,576 blocks: 1,310,720 slots in 187,246 buckets, 64 + 7 * 40 bytes each.
+        assert_eq!(buckets_for(1 << 20), 187_246);
+        assert_eq!(table_bytes(187_246), 187_246 * (64 + 7 * 40));
+        assert_eq!(buckets_for(u32::MAX), MAX_BUCKETS);
+    }
+}

@@ -1,0 +1,58 @@
+//! The live-block table as the daemon sees it: both of its arrays mapped (see
+//! `heapprof_common::live`), to drop the blocks of processes and images that are
+//! gone without a system call per block.
+
+use std::sync::atomic::Ordering;
+
+use anyhow::Result;
+use aya::Ebpf;
+use heapprof_common::{
+    live::{BUCKET_SLOTS, LiveBucket, LiveEntry, TAG_BUSY},
+    names,
+};
+
+use crate::bpf_array::MappedArray;
+
+/// The live-block table, mapped.
+pub(crate) struct LiveTable {
+    tags: MappedArray<LiveBucket>,
+    entries: MappedArray<LiveEntry>,
+}
+
+impl LiveTable {
+    /// Takes the table's arrays out of a loaded object.
+    pub(crate) fn take(ebpf: &mut Ebpf) -> Result<Self> {
+        Ok(Self {
+            tags: MappedArray::take(ebpf, names::LIVE)?,
+            entries: MappedArray::take(ebpf, names::LIVE_ENTRIES)?,
+        })
+    }
+
+    /// Removes the blocks `pick` picks; returns how many. A slot is released with the
+    /// same atomic swap the programs use, so a block freed meanwhile is not counted.
+    pub(crate) fn remove_where(&self, pick: impl Fn(&LiveEntry) -> bool) -> usize {
+        let mut removed = 0;
+        for bucket in 0..self.tags.len() {
+            for index in 0..BUCKET_SLOTS {
+                let Some(tag_word) = self.tags.word(bucket, index * 8) else {
+                    continue;
+                };
+                let tag = tag_word.load(Ordering::Acquire);
+                if tag == 0 || tag == TAG_BUSY {
+                    continue;
+                }
+                let Some(entry) = self.entries.read(bucket * BUCKET_SLOTS + index) else {
+                    continue;
+                };
+                if pick(&entry)
+                    && tag_word
+                        .compare_exchange(tag, 0, Ordering::AcqRel, Ordering::Relaxed)
+                        .is_ok()
+                {
+                    removed += 1;
+                }
+            }
+        }
+        removed
+    }
+}

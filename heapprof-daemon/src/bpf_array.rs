@@ -1,0 +1,115 @@
+//! A BPF array map created with `BPF_F_MMAPABLE`, mapped whole into the daemon's
+//! memory: its values are read and changed in place, with no system call per value.
+
+use std::{
+    marker::PhantomData,
+    os::fd::{AsFd as _, AsRawFd as _},
+    ptr::NonNull,
+    sync::atomic::AtomicU64,
+};
+
+use anyhow::{Context as _, Result, bail};
+use aya::{
+    Ebpf,
+    maps::{Map, MapData},
+};
+
+/// A mapped BPF array of `T` (plain data whose size is a multiple of 8, so that the
+/// kernel lays the values out as a `[T]`).
+pub(crate) struct MappedArray<T> {
+    /// Kept so the map outlives the mapping's users (it stays alive as long as the
+    /// mapping anyway).
+    _map: MapData,
+    base: NonNull<T>,
+    len: usize,
+    bytes: usize,
+    _values: PhantomData<T>,
+}
+
+// SAFETY: the mapping is shared memory that the kernel's programs change with atomic
+// instructions; the daemon reads it with volatile or atomic accesses only.
+unsafe impl<T> Send for MappedArray<T> {}
+
+impl<T: Copy> MappedArray<T> {
+    /// Takes the array `name` out of a loaded object and maps it.
+    pub(crate) fn take(ebpf: &mut Ebpf, name: &str) -> Result<Self> {
+        let map = match ebpf.take_map(name) {
+            Some(Map::Array(map)) => map,
+            Some(_) => bail!("BPF map {name} is not an array"),
+            None => bail!("BPF map {name} missing from the object"),
+        };
+        let info = map
+            .info()
+            .with_context(|| format!("reading BPF map {name}"))?;
+        if info.value_size() as usize != size_of::<T>() || !size_of::<T>().is_multiple_of(8) {
+            bail!("BPF map {name} has values of {} bytes", info.value_size());
+        }
+        let len = info.max_entries() as usize;
+        let page = crate::probes::page_size() as usize;
+        let bytes = (len * size_of::<T>()).next_multiple_of(page).max(page);
+        // SAFETY: a shared mapping of the whole array, which the kernel allows for
+        // BPF_F_MMAPABLE arrays; unmapped once, on drop.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                map.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("mapping BPF map {name} into memory"));
+        }
+        let base = NonNull::new(base.cast::<T>()).context("mmap returned a null mapping")?;
+        Ok(Self {
+            _map: map,
+            base,
+            len,
+            bytes,
+            _values: PhantomData,
+        })
+    }
+
+    /// Values in the array.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// A copy of value `index` as it is now (the programs may change it meanwhile).
+    pub(crate) fn read(&self, index: usize) -> Option<T> {
+        (index < self.len).then(|| {
+            // SAFETY: inside the mapping; T is plain data, read whole.
+            unsafe { self.base.as_ptr().add(index).read_volatile() }
+        })
+    }
+
+    /// The 64-bit word at byte offset `offset` of value `index`, for atomic access.
+    pub(crate) fn word(&self, index: usize, offset: usize) -> Option<&AtomicU64> {
+        if index >= self.len || !offset.is_multiple_of(8) || offset + 8 > size_of::<T>() {
+            return None;
+        }
+        // SAFETY: an aligned word inside the mapping (values are 8-byte multiples at
+        // a page-aligned base), valid while self is; the kernel side changes it with
+        // atomic instructions too.
+        Some(unsafe {
+            AtomicU64::from_ptr(
+                self.base
+                    .as_ptr()
+                    .add(index)
+                    .cast::<u8>()
+                    .add(offset)
+                    .cast(),
+            )
+        })
+    }
+}
+
+impl<T> Drop for MappedArray<T> {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `take`, unmapped once.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.bytes) };
+    }
+}

@@ -1,0 +1,314 @@
+//! The live-block table (`heapprof_common::live`): blocks by process and address, in
+//! two arrays changed with atomic instructions only, so that an allocation's insert
+//! and a free's removal cost no kernel function call, and mostly touch one bucket near
+//! the ones the program's last calls touched.
+//!
+//! A slot is claimed by swapping its tag from 0 to `TAG_BUSY`, filled, then published
+//! by storing the block's tag; it is released by swapping the tag back to 0. Two
+//! programs working on the same block at once (a free applied from a preload queue
+//! while another thread's allocation takes the address) can miss each other, as they
+//! could with a hash map; the table itself stays consistent.
+//!
+//! The operations are global functions: the verifier checks each once, on its own,
+//! instead of once per path of every program that reaches it (the slot loops,
+//! inlined, took the entry program past the verifier's instruction limit).
+
+use heapprof_common::live::{self, BUCKET_SLOTS, LiveBucket, LiveEntry, OVERFLOWED, TAG_BUSY};
+
+use crate::{
+    atomic::{compare_exchange, exchange, fetch_or},
+    maps::{LIVE, LIVE_ENTRIES, live_buckets},
+};
+
+/// What an insert did.
+pub enum Inserted {
+    /// The block took a free slot.
+    New,
+    /// The address was still recorded for the process (its free went unseen, or waits
+    /// in a preload queue): that entry, now replaced by the new block.
+    Replaced(LiveEntry),
+    /// Both of the block's buckets are full.
+    Full,
+}
+
+/// Copies a live entry field by field, as another CPU may change the source: a struct
+/// copy becomes a call of a byte-at-a-time `memmove` on the BPF target.
+///
+/// # Safety
+/// Both point to live entries (map values or the stack).
+#[inline(always)]
+unsafe fn copy_entry(dst: *mut LiveEntry, src: *const LiveEntry) {
+    // SAFETY (each line): as the caller promises.
+    unsafe {
+        (*dst).ptr = core::ptr::read_volatile(&raw const (*src).ptr);
+        (*dst).size = core::ptr::read_volatile(&raw const (*src).size);
+        (*dst).site.tgid = core::ptr::read_volatile(&raw const (*src).site.tgid);
+        (*dst).site.exec_gen = core::ptr::read_volatile(&raw const (*src).site.exec_gen);
+        (*dst).site.stack = core::ptr::read_volatile(&raw const (*src).site.stack);
+        (*dst).site.slot = core::ptr::read_volatile(&raw const (*src).site.slot);
+        (*dst).site._pad = 0;
+    }
+}
+
+/// [`heapprof_live_insert`]'s results.
+const INSERTED_NEW: i64 = 0;
+const INSERTED_REPLACED: i64 = 1;
+const INSERTED_FULL: i64 = 2;
+
+/// No slot found (above every slot index).
+const NO_SLOT: usize = 8;
+
+const _: () = assert!(BUCKET_SLOTS < NO_SLOT);
+
+/// 1 if `x` is not 0, else 0, without a branch. In assembly: the compiler would turn
+/// the arithmetic back into a comparison, which the BPF target makes a branch.
+#[inline(always)]
+fn nonzero(x: u64) -> u64 {
+    let result: u64;
+    // SAFETY: arithmetic on registers.
+    unsafe {
+        core::arch::asm!(
+            "{r} = {x}",
+            "{r} = -{r}",
+            "{r} |= {x}",
+            "{r} >>= 63",
+            x = in(reg) x,
+            r = out(reg) result,
+            options(pure, nomem, nostack),
+        );
+    }
+    result
+}
+
+/// The index of the lowest set bit of `mask` (below `2^8`), or [`NO_SLOT`] for 0,
+/// without a branch.
+#[inline(always)]
+fn lowest_slot(mask: u64) -> usize {
+    let bit = mask & mask.wrapping_neg();
+    let index = nonzero(bit & 0xaa) | nonzero(bit & 0xcc) << 1 | nonzero(bit & 0xf0) << 2;
+    (index | (1 - nonzero(mask)) << 3) as usize
+}
+
+/// What a scan of one bucket found, as masks of slots: those with the tag, the free
+/// ones. Computed without branches: a branch per slot, on constants the verifier
+/// tracks, took it past its instruction limit.
+struct Scan {
+    tagged: u64,
+    free: u64,
+}
+
+/// Scans `tags` for `tag`.
+///
+/// # Safety
+/// `tags` is a live map value.
+#[inline(always)]
+unsafe fn scan(tags: *mut LiveBucket, tag: u64) -> Scan {
+    let mut scan = Scan { tagged: 0, free: 0 };
+    for index in 0..BUCKET_SLOTS {
+        // SAFETY: as the caller promises; other CPUs change tags atomically.
+        let value = unsafe { core::ptr::read_volatile(&raw const (*tags).tags[index]) };
+        scan.tagged |= (1 - nonzero(value ^ tag)) << index;
+        scan.free |= (1 - nonzero(value)) << index;
+    }
+    scan
+}
+
+/// The entry of slot `index` of `bucket` if it holds the block `(tgid, ptr)`.
+#[inline(always)]
+fn entry_of(bucket: u32, index: usize, ptr: u64, tgid: u32) -> Option<*mut LiveEntry> {
+    if index >= BUCKET_SLOTS {
+        return None;
+    }
+    let entry =
+        LIVE_ENTRIES.get_ptr_mut(bucket.wrapping_mul(BUCKET_SLOTS as u32) + index as u32)?;
+    // SAFETY: a live map value; a published slot's fields are set.
+    unsafe { ((*entry).ptr == ptr && (*entry).site.tgid == tgid).then_some(entry) }
+}
+
+/// Claims one of the `free` slots (a mask) of `bucket` (tags at `tags`) for `block`
+/// and publishes it with `tag`; returns whether it got one.
+///
+/// # Safety
+/// `tags` is `bucket`'s live map value.
+#[inline(always)]
+unsafe fn claim(
+    tags: *mut LiveBucket,
+    bucket: u32,
+    mut free: u64,
+    tag: u64,
+    block: &LiveEntry,
+) -> bool {
+    for _ in 0..BUCKET_SLOTS {
+        let index = lowest_slot(free);
+        if index >= BUCKET_SLOTS {
+            return false;
+        }
+        free &= free - 1;
+        // SAFETY (each block): as the caller promises; a tag is only changed
+        // atomically, and a claimed slot is this program's until published.
+        let slot_tag = unsafe { &raw mut (*tags).tags[index] };
+        if unsafe { compare_exchange(slot_tag, 0, TAG_BUSY) } != 0 {
+            continue; // taken meanwhile
+        }
+        let published = match LIVE_ENTRIES
+            .get_ptr_mut(bucket.wrapping_mul(BUCKET_SLOTS as u32) + index as u32)
+        {
+            Some(entry) => {
+                // SAFETY: the slot claimed above.
+                unsafe { copy_entry(entry, block) };
+                tag
+            }
+            None => 0,
+        };
+        // SAFETY: as above.
+        unsafe { exchange(slot_tag, published) };
+        return published != 0;
+    }
+    false
+}
+
+/// Whether the block whose home is `tags` may be in its second bucket.
+///
+/// # Safety
+/// `tags` is a live map value.
+#[inline(always)]
+unsafe fn overflowed(tags: *mut LiveBucket) -> bool {
+    // SAFETY: as the caller promises.
+    unsafe { core::ptr::read_volatile(&raw const (*tags).flags) & OVERFLOWED != 0 }
+}
+
+/// Inserts `block` of process `tgid` (see [`insert`]); returns an `INSERTED_*`, with
+/// the entry replaced in `found`.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn heapprof_live_insert(
+    tgid: u32,
+    block: *const LiveEntry,
+    found: *mut LiveEntry,
+) -> i64 {
+    if block.is_null() || found.is_null() {
+        return INSERTED_FULL;
+    }
+    // SAFETY: the caller's own value.
+    let block = unsafe { &*block };
+    let ptr = block.ptr;
+    let place = live::placement(ptr, tgid, live_buckets());
+    let Some(home) = LIVE.get_ptr_mut(place.first) else {
+        return INSERTED_FULL;
+    };
+    // SAFETY (each block): the buckets' own map values.
+    let at_home = unsafe { scan(home, place.tag) };
+    let mut existing = entry_of(place.first, lowest_slot(at_home.tagged), ptr, tgid);
+    let spilled = unsafe { overflowed(home) };
+    let mut second_free = None;
+    if existing.is_none() && spilled {
+        let Some(second) = LIVE.get_ptr_mut(place.second) else {
+            return INSERTED_FULL;
+        };
+        let there = unsafe { scan(second, place.tag) };
+        existing = entry_of(place.second, lowest_slot(there.tagged), ptr, tgid);
+        second_free = Some(there.free);
+    }
+    if let Some(entry) = existing {
+        // SAFETY: a published slot; replaced in place under the same tag.
+        unsafe {
+            copy_entry(found, entry);
+            copy_entry(entry, block);
+        }
+        return INSERTED_REPLACED;
+    }
+    if unsafe { claim(home, place.first, at_home.free, place.tag, block) } {
+        return INSERTED_NEW;
+    }
+    // Home is full: the flag first, so that a lookup that misses the block at home
+    // after it is published in the second bucket looks there.
+    let Some(second) = LIVE.get_ptr_mut(place.second) else {
+        return INSERTED_FULL;
+    };
+    if !spilled {
+        unsafe { fetch_or(&raw mut (*home).flags, OVERFLOWED) };
+    }
+    let free = match second_free {
+        Some(free) => free,
+        None => unsafe { scan(second, place.tag) }.free,
+    };
+    if unsafe { claim(second, place.second, free, place.tag, block) } {
+        INSERTED_NEW
+    } else {
+        INSERTED_FULL
+    }
+}
+
+/// Removes the block at `ptr` of process `tgid` from `bucket` (tags at `tags`) into
+/// `found`: `Some(removed)` if the bucket held it.
+///
+/// # Safety
+/// `tags` is `bucket`'s live map value.
+#[inline(always)]
+unsafe fn remove_from(
+    tags: *mut LiveBucket,
+    bucket: u32,
+    tag: u64,
+    (ptr, tgid): (u64, u32),
+    found: *mut LiveEntry,
+) -> Option<bool> {
+    // SAFETY: as the caller promises.
+    let tagged = lowest_slot(unsafe { scan(tags, tag) }.tagged);
+    let entry = entry_of(bucket, tagged, ptr, tgid)?;
+    if tagged >= BUCKET_SLOTS {
+        return None;
+    }
+    // SAFETY: a published slot: copied out, then released; a failed swap means
+    // another program released it first.
+    unsafe {
+        copy_entry(found, entry);
+        Some(compare_exchange(&raw mut (*tags).tags[tagged], tag, 0) == tag)
+    }
+}
+
+/// Removes the block at `ptr` of process `tgid` into `found`; returns 1 if it was
+/// recorded.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn heapprof_live_remove(ptr: u64, tgid: u32, found: *mut LiveEntry) -> i64 {
+    if found.is_null() {
+        return 0;
+    }
+    let place = live::placement(ptr, tgid, live_buckets());
+    let Some(home) = LIVE.get_ptr_mut(place.first) else {
+        return 0;
+    };
+    // SAFETY (each block): the buckets' own map values.
+    if let Some(removed) = unsafe { remove_from(home, place.first, place.tag, (ptr, tgid), found) }
+    {
+        return i64::from(removed);
+    }
+    if !unsafe { overflowed(home) } {
+        return 0;
+    }
+    let Some(second) = LIVE.get_ptr_mut(place.second) else {
+        return 0;
+    };
+    unsafe { remove_from(second, place.second, place.tag, (ptr, tgid), found) }.map_or(0, i64::from)
+}
+
+/// Records `block`, a block of process `tgid`.
+#[inline(always)]
+pub fn insert(tgid: u32, block: &LiveEntry) -> Inserted {
+    let mut found = core::mem::MaybeUninit::<LiveEntry>::uninit();
+    match heapprof_live_insert(tgid, block, found.as_mut_ptr()) {
+        INSERTED_NEW => Inserted::New,
+        // SAFETY: set by the insert when it replaced an entry.
+        INSERTED_REPLACED => Inserted::Replaced(unsafe { found.assume_init() }),
+        _ => Inserted::Full,
+    }
+}
+
+/// Removes the block at `ptr` of process `tgid`; returns it if it was recorded.
+#[inline(always)]
+pub fn remove(tgid: u32, ptr: u64) -> Option<LiveEntry> {
+    let mut found = core::mem::MaybeUninit::<LiveEntry>::uninit();
+    // SAFETY: set by the removal when it found the block.
+    (heapprof_live_remove(ptr, tgid, found.as_mut_ptr()) != 0)
+        .then(|| unsafe { found.assume_init() })
+}
