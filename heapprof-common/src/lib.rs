@@ -164,6 +164,18 @@ pub struct InFlight {
     pub exec_gen: u32,
 }
 
+/// A thread's call record in `IN_FLIGHT_SLOTS`, the array slot its thread id picks
+/// (the id modulo the array's size), with the thread owning it (0: free). A thread
+/// whose slot another owns keeps its record in `IN_FLIGHT` instead.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct InFlightSlot {
+    /// The owner's pid_tgid, or 0.
+    pub owner: u64,
+    /// Its record.
+    pub state: InFlight,
+}
+
 /// Most functions probed in one session, over every allocator object (`PROBES`).
 pub const MAX_PROBE_SLOTS: u32 = 4096;
 
@@ -194,6 +206,11 @@ pub struct StackKey {
     /// Explicit padding, always zero.
     pub _pad: u32,
 }
+
+/// A site's index in `SITE_COUNTERS`, given by the programs when they first meet the
+/// site (`SITES` maps the site's key to it) and handed out again by the daemon once
+/// the site is retired (`SITE_IDS_FREE`).
+pub type SiteId = u32;
 
 /// Cumulative counters of one allocation site. In-use = allocated - freed.
 #[repr(C)]
@@ -340,6 +357,23 @@ impl DropReason {
     }
 }
 
+/// The counters in `WALK_EPOCH`, each written by one part of the daemon.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WalkEpoch {
+    /// Mapping writes (the unwind tables' loader): a walk depends on the rules of the
+    /// addresses it visits.
+    Mappings = 0,
+    /// Site retirements (the aggregator): a remembered walk keeps its site's index,
+    /// which a retired site gives back.
+    Sites = 1,
+}
+
+impl WalkEpoch {
+    /// Number of counters (size of `WALK_EPOCH`).
+    pub const COUNT: u32 = 2;
+}
+
 /// What became of an allocation's stack walk in attach mode (the per-CPU counters of
 /// `WALK_STATS`, indexed by these).
 #[repr(u32)]
@@ -370,6 +404,19 @@ pub struct ProcessUsage {
     pub inuse_bytes: u64,
     /// The most bytes ever in use at once since tracing began.
     pub peak_bytes: u64,
+}
+
+/// A process's usage in `USAGE_SLOTS`, the array slot its id picks (the id modulo the
+/// array's size), with the process owning it (0: free; the daemon zeroes a slot before
+/// it frees it). A process whose slot another owns keeps its usage in
+/// `PROCESS_USAGE` instead.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProcessUsageSlot {
+    /// The owner's tgid, or 0.
+    pub owner: u64,
+    /// Its usage.
+    pub usage: ProcessUsage,
 }
 
 /// Settings written by the daemon into the BPF programs' read-only data before loading.
@@ -410,8 +457,12 @@ pub struct Config {
     pub preload: u32,
     /// Buckets of the live-block table (see [`live`]).
     pub live_buckets: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// Capacity of the site table (`SITE_COUNTERS`): site indices stay below it.
+    pub max_sites: u32,
+    /// Slots of `IN_FLIGHT_SLOTS` (a power of two).
+    pub in_flight_slots: u32,
+    /// Slots of `USAGE_SLOTS` (a power of two).
+    pub usage_slots: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
@@ -442,6 +493,10 @@ pub mod names {
     /// entry lives as long as its thread: updating it in place costs less than an insert
     /// and a delete per call. A thread's exit removes it (the daemon sweeps too).
     pub const IN_FLIGHT: &str = "IN_FLIGHT";
+    /// Per-thread allocator call state by thread id (`Array<InFlightSlot>`, a power of
+    /// two of slots; mapped by the daemon): a thread's record when it owns the slot
+    /// its id picks, which spares its calls the hash lookups of [`IN_FLIGHT`].
+    pub const IN_FLIGHT_SLOTS: &str = "IN_FLIGHT_SLOTS";
     /// How each probed function's calls are read (`Array<ProbeSpec>`, indexed by
     /// [`crate::ProbeSlot`]). Filled by the daemon before a function's probes are
     /// attached, so that allocators found later (a new process's static binary, a
@@ -456,8 +511,18 @@ pub mod names {
     /// The live-block table's entries (`Array<live::LiveEntry>`, bucket `b`'s at
     /// `b * live::BUCKET_SLOTS ..`).
     pub const LIVE_ENTRIES: &str = "LIVE_ENTRIES";
-    /// Per-site counters (`PerCpuHashMap<StackKey, SiteCounters>`).
+    /// The sites (`HashMap<StackKey, SiteId>`): each site's index in
+    /// [`SITE_COUNTERS`].
     pub const SITES: &str = "SITES";
+    /// Per-site counters (`PerCpuArray<SiteCounters>`, indexed by [`crate::SiteId`]):
+    /// a free finds its site's counters by the index its live block keeps, with no
+    /// hash lookup.
+    pub const SITE_COUNTERS: &str = "SITE_COUNTERS";
+    /// The next site index never handed out (`Array<u64>`, one slot).
+    pub const SITE_IDS_NEXT: &str = "SITE_IDS_NEXT";
+    /// Site indices the daemon has freed (`Queue<u32>`): those of retired sites, their
+    /// counters zeroed, handed out before new ones.
+    pub const SITE_IDS_FREE: &str = "SITE_IDS_FREE";
     /// User stacks (`HashMap<u64, UserStack>`, keyed by the hash in `StackKey::stack`).
     pub const STACKS: &str = "STACKS";
     /// Drop counters (`PerCpuArray<u64>`, indexed by [`crate::DropReason`]).
@@ -470,6 +535,11 @@ pub mod names {
     pub const EXEC_GEN: &str = "EXEC_GEN";
     /// Per-process in-use bytes and peak ([`crate::ProcessUsage`]), keyed by tgid.
     pub const PROCESS_USAGE: &str = "PROCESS_USAGE";
+    /// Per-process in-use bytes and peak by process id (`Array<ProcessUsageSlot>`, a
+    /// power of two of slots; mapped by the daemon): a process's usage when it owns the
+    /// slot its id picks, which spares its calls the hash lookups of
+    /// [`PROCESS_USAGE`].
+    pub const USAGE_SLOTS: &str = "USAGE_SLOTS";
     /// [`crate::ExecEvent`]s for the daemon (`RingBuf`).
     pub const EXEC_EVENTS: &str = "EXEC_EVENTS";
     /// Raw tracepoint on `sched_process_exec` (needs no tracefs).
@@ -484,8 +554,8 @@ pub mod names {
     pub const UNWIND_ROWS: &str = "UNWIND_ROWS";
     /// The deduplicated rules (`Array<unwind::UnwindRule>`).
     pub const UNWIND_RULES: &str = "UNWIND_RULES";
-    /// How many times the daemon has written a process's mappings (`Array<u64>`, one
-    /// slot): walks remembered before a write are not trusted after it.
+    /// What the walks the programs remember depend on (`Array<u64>`, indexed by
+    /// [`crate::WalkEpoch`]): walks remembered before a change are not trusted after it.
     pub const WALK_EPOCH: &str = "WALK_EPOCH";
     /// Per-CPU counts of what became of the allocations' stack walks
     /// (`PerCpuArray<u64>`, indexed by [`crate::WalkOutcome`]).
@@ -542,6 +612,7 @@ pub mod names {
 mod pod {
     // SAFETY: all of these are repr(C), Copy, made only of integers, with explicit padding.
     unsafe impl aya::Pod for super::InFlight {}
+    unsafe impl aya::Pod for super::InFlightSlot {}
     unsafe impl aya::Pod for super::StackKey {}
     unsafe impl aya::Pod for super::SiteCounters {}
     unsafe impl aya::Pod for super::LiveKey {}
@@ -551,6 +622,7 @@ mod pod {
     unsafe impl aya::Pod for super::UserStack {}
     unsafe impl aya::Pod for super::ExecEvent {}
     unsafe impl aya::Pod for super::ProcessUsage {}
+    unsafe impl aya::Pod for super::ProcessUsageSlot {}
     unsafe impl aya::Pod for super::ProbeSpec {}
     unsafe impl aya::Pod for super::preload::Preloaded {}
     unsafe impl aya::Pod for super::unwind::UnwindRule {}

@@ -22,7 +22,7 @@
 //! arrays (`BPF_F_MMAPABLE`) to read and clear the entries of exited processes with
 //! the same atomic operations.
 
-use crate::StackKey;
+use crate::SiteId;
 
 /// Slots per bucket: 7 tags and the flags fill one 64-byte cache line.
 pub const BUCKET_SLOTS: usize = 7;
@@ -65,9 +65,10 @@ pub struct LiveEntry {
     pub ptr: u64,
     /// Size the user asked for, in bytes.
     pub size: u64,
-    /// The site that allocated it (its process included); its counters are
-    /// decremented on free.
-    pub site: StackKey,
+    /// The process.
+    pub tgid: u32,
+    /// The site that allocated it; its counters are decremented on free.
+    pub site: SiteId,
 }
 
 /// Where a block can be: its two buckets and its tag.
@@ -188,9 +189,9 @@ mod tests {
     fn capacity_is_provisioned_with_room() {
         assert_eq!(buckets_for(0), 1);
         assert_eq!(buckets_for(16), 3);
-        // 1,048,576 blocks: 1,310,720 slots in 187,246 buckets, 64 + 7 * 40 bytes each.
+        // 1,048,576 blocks: 1,310,720 slots in 187,246 buckets, 64 + 7 * 24 bytes each.
         assert_eq!(buckets_for(1 << 20), 187_246);
-        assert_eq!(table_bytes(187_246), 187_246 * (64 + 7 * 40));
+        assert_eq!(table_bytes(187_246), 187_246 * (64 + 7 * 24));
         assert_eq!(buckets_for(u32::MAX), MAX_BUCKETS);
     }
 }

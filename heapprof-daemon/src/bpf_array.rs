@@ -15,11 +15,8 @@ use aya::{
 };
 
 /// A mapped BPF array of `T` (plain data whose size is a multiple of 8, so that the
-/// kernel lays the values out as a `[T]`).
+/// kernel lays the values out as a `[T]`). The mapping keeps the map alive.
 pub(crate) struct MappedArray<T> {
-    /// Kept so the map outlives the mapping's users (it stays alive as long as the
-    /// mapping anyway).
-    _map: MapData,
     base: NonNull<T>,
     len: usize,
     bytes: usize,
@@ -31,13 +28,19 @@ pub(crate) struct MappedArray<T> {
 unsafe impl<T> Send for MappedArray<T> {}
 
 impl<T: Copy> MappedArray<T> {
-    /// Takes the array `name` out of a loaded object and maps it.
-    pub(crate) fn take(ebpf: &mut Ebpf, name: &str) -> Result<Self> {
-        let map = match ebpf.take_map(name) {
+    /// Maps the array `name` of a loaded object (which keeps it: several parts of the
+    /// daemon may map one array).
+    pub(crate) fn map(ebpf: &Ebpf, name: &str) -> Result<Self> {
+        let map = match ebpf.map(name) {
             Some(Map::Array(map)) => map,
             Some(_) => bail!("BPF map {name} is not an array"),
             None => bail!("BPF map {name} missing from the object"),
         };
+        Self::of(map, name)
+    }
+
+    /// Maps `map`, the array `name`.
+    fn of(map: &MapData, name: &str) -> Result<Self> {
         let info = map
             .info()
             .with_context(|| format!("reading BPF map {name}"))?;
@@ -65,7 +68,6 @@ impl<T: Copy> MappedArray<T> {
         }
         let base = NonNull::new(base.cast::<T>()).context("mmap returned a null mapping")?;
         Ok(Self {
-            _map: map,
             base,
             len,
             bytes,

@@ -96,7 +96,9 @@ pub struct Cli {
     #[arg(long, value_name = "N", default_value_t = 32768, value_parser = parse_capacity)]
     pub max_stacks: u32,
 
-    /// Capacity of the table of allocator calls in progress (threads inside malloc at once).
+    /// Threads with an allocator call record at once (each thread that allocates keeps
+    /// one while it lives): N slots by thread id (rounded up to a power of two), and N
+    /// more for threads whose slot is taken.
     #[arg(long, value_name = "N", default_value_t = 16384, value_parser = parse_capacity)]
     pub max_threads: u32,
 

@@ -189,9 +189,10 @@ fn tiny_tables_count_what_they_drop_and_stay_consistent() {
         "allocations without a stored stack are shown as such"
     );
 
-    // 32 threads at once and a 16-entry in-flight table: calls that find no room are
-    // not counted (and counted as drops); frees of blocks never counted are ignored.
-    let full_threads = run(&["threads", "32", "2000"], &["--max-threads", "16"]);
+    // 64 threads at once and room for 32 threads' records (16 slots by thread id and
+    // a 16-entry table for the threads whose slot is taken): calls that find no room
+    // are not counted (and counted as drops); frees of blocks never counted are ignored.
+    let full_threads = run(&["threads", "64", "2000"], &["--max-threads", "16"]);
     assert!(full_threads.dropped("in-flight table full") > 0);
     let counted = totals(&samples(&full_threads.profile), |s| {
         s.stack.get(1).is_some_and(|f| f == "thread_work")

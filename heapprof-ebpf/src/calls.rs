@@ -40,9 +40,10 @@ use aya_ebpf::{
 use heapprof_common::{DropReason, InFlight, MAX_NESTING_SPAN, ProbeSlot, ProbeSpec};
 
 use crate::{
-    maps::{EXEC_GEN, IN_FLIGHT, armed, count_drop, ignored, probe_spec},
+    maps::{EXEC_GEN, armed, count_drop, ignored, probe_spec},
     regs::{self, RETURN_SP_OFFSET},
     sampling::sampled,
+    threads,
 };
 
 /// The arguments of an allocator call that matter for counting.
@@ -96,7 +97,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
         return;
     }
     let (ip, sp) = regs::at_entry(ctx);
-    let existing = IN_FLIGHT.get_ptr_mut(&tid);
+    let existing = threads::record(tid);
     let mut exec_gen = 0;
     if let Some(state) = existing {
         // SAFETY: the entry belongs to this thread; nothing else writes it.
@@ -134,7 +135,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
                 exec_gen: unsafe { EXEC_GEN.get(&tgid) }.copied().unwrap_or(0),
                 ..state
             };
-            if IN_FLIGHT.insert(&tid, &state, 0).is_err() {
+            if !threads::create(tid, &state) {
                 count_drop(DropReason::InFlightFull);
             }
         }
@@ -144,7 +145,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
 /// The shared return probe: the recorded call, if this is its return.
 #[inline(always)]
 pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
-    let state = IN_FLIGHT.get_ptr_mut(&pid_tgid)?;
+    let state = threads::record(pid_tgid)?;
     // SAFETY: this thread's own entry.
     let state = unsafe { &mut *state };
     if state.active == 0 {
@@ -167,7 +168,7 @@ pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
 /// enclosing call accounts for.
 #[inline(always)]
 pub fn free_is_nested(ctx: &ProbeContext, pid_tgid: u64) -> bool {
-    let Some(state) = IN_FLIGHT.get_ptr_mut(&pid_tgid) else {
+    let Some(state) = threads::record(pid_tgid) else {
         return false;
     };
     // SAFETY: this thread's own entry.
@@ -192,7 +193,7 @@ pub fn free_is_nested(ctx: &ProbeContext, pid_tgid: u64) -> bool {
 /// accounts for.
 #[inline(always)]
 pub fn report_is_nested(pid_tgid: u64, ra: u64, sp: u64) -> bool {
-    let Some(state) = IN_FLIGHT.get_ptr_mut(&pid_tgid) else {
+    let Some(state) = threads::record(pid_tgid) else {
         return false;
     };
     // SAFETY: this thread's own entry.
@@ -211,7 +212,7 @@ pub fn report_is_nested(pid_tgid: u64, ra: u64, sp: u64) -> bool {
 /// its record must not survive, and its later stacks belong to image `exec_gen`.
 #[inline(always)]
 pub fn exec(pid_tgid: u64, exec_gen: u32) {
-    if let Some(state) = IN_FLIGHT.get_ptr_mut(&pid_tgid) {
+    if let Some(state) = threads::record(pid_tgid) {
         // SAFETY: this thread's own entry.
         unsafe {
             (*state).active = 0;
@@ -223,5 +224,5 @@ pub fn exec(pid_tgid: u64, exec_gen: u32) {
 /// A thread exits: its record goes (a later thread may reuse its id).
 #[inline(always)]
 pub fn forget(pid_tgid: u64) {
-    let _ = IN_FLIGHT.remove(&pid_tgid);
+    threads::forget(pid_tgid);
 }

@@ -42,11 +42,8 @@ unsafe fn copy_entry(dst: *mut LiveEntry, src: *const LiveEntry) {
     unsafe {
         (*dst).ptr = core::ptr::read_volatile(&raw const (*src).ptr);
         (*dst).size = core::ptr::read_volatile(&raw const (*src).size);
-        (*dst).site.tgid = core::ptr::read_volatile(&raw const (*src).site.tgid);
-        (*dst).site.exec_gen = core::ptr::read_volatile(&raw const (*src).site.exec_gen);
-        (*dst).site.stack = core::ptr::read_volatile(&raw const (*src).site.stack);
-        (*dst).site.slot = core::ptr::read_volatile(&raw const (*src).site.slot);
-        (*dst).site._pad = 0;
+        (*dst).tgid = core::ptr::read_volatile(&raw const (*src).tgid);
+        (*dst).site = core::ptr::read_volatile(&raw const (*src).site);
     }
 }
 
@@ -122,7 +119,7 @@ fn entry_of(bucket: u32, index: usize, ptr: u64, tgid: u32) -> Option<*mut LiveE
     let entry =
         LIVE_ENTRIES.get_ptr_mut(bucket.wrapping_mul(BUCKET_SLOTS as u32) + index as u32)?;
     // SAFETY: a live map value; a published slot's fields are set.
-    unsafe { ((*entry).ptr == ptr && (*entry).site.tgid == tgid).then_some(entry) }
+    unsafe { ((*entry).ptr == ptr && (*entry).tgid == tgid).then_some(entry) }
 }
 
 /// Claims one of the `free` slots (a mask) of `bucket` (tags at `tags`) for `block`

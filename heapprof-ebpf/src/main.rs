@@ -39,6 +39,8 @@ mod sites;
 #[cfg(target_arch = "bpf")]
 mod stack;
 #[cfg(target_arch = "bpf")]
+mod threads;
+#[cfg(target_arch = "bpf")]
 mod unwind;
 #[cfg(target_arch = "bpf")]
 mod usage;

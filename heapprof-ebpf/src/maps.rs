@@ -4,11 +4,12 @@ use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     helpers::generated::bpf_get_current_ancestor_cgroup_id,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap, RingBuf},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray, Queue, RingBuf},
 };
 use heapprof_common::{
-    CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, LiveKey, MAX_PROBE_SLOTS,
-    ProbeSlot, ProbeSpec, ProcessUsage, SiteCounters, StackKey, UserStack,
+    CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, InFlightSlot, LiveKey,
+    MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
+    StackKey, UserStack, WalkEpoch,
     live::{BUCKET_SLOTS, LiveBucket, LiveEntry},
     preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, ReportQueue, StackReply},
     unwind::{
@@ -22,6 +23,9 @@ use crate::log::Tables;
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 #[map(name = "IN_FLIGHT")]
 pub static IN_FLIGHT: HashMap<u64, InFlight> = HashMap::with_max_entries(16384, 0);
+/// Threads' call records by thread id (see `crate::threads`); mapped by the daemon.
+#[map(name = "IN_FLIGHT_SLOTS")]
+pub static IN_FLIGHT_SLOTS: Array<InFlightSlot> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 #[map(name = "PROBES")]
 pub static PROBES: Array<ProbeSpec> = Array::with_max_entries(MAX_PROBE_SLOTS, 0);
 #[map(name = "CONTROL")]
@@ -34,8 +38,18 @@ pub static LIVE: Array<LiveBucket> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 #[map(name = "LIVE_ENTRIES")]
 pub static LIVE_ENTRIES: Array<LiveEntry> =
     Array::with_max_entries(BUCKET_SLOTS as u32, BPF_F_MMAPABLE);
+/// Each site's index in `SITE_COUNTERS`.
 #[map(name = "SITES")]
-pub static SITES: PerCpuHashMap<StackKey, SiteCounters> = PerCpuHashMap::with_max_entries(65536, 0);
+pub static SITES: HashMap<StackKey, SiteId> = HashMap::with_max_entries(65536, 0);
+/// Per-site counters, by site index.
+#[map(name = "SITE_COUNTERS")]
+pub static SITE_COUNTERS: PerCpuArray<SiteCounters> = PerCpuArray::with_max_entries(65536, 0);
+/// The next site index never handed out.
+#[map(name = "SITE_IDS_NEXT")]
+pub static SITE_IDS_NEXT: Array<u64> = Array::with_max_entries(1, 0);
+/// Site indices the daemon freed, handed out first.
+#[map(name = "SITE_IDS_FREE")]
+pub static SITE_IDS_FREE: Queue<SiteId> = Queue::with_max_entries(65536, 0);
 // Written only when a site is new, so allocated on demand rather than preallocated
 // (a preallocated table of 1 KiB stacks would pin tens of MiB of kernel memory).
 #[map(name = "STACKS")]
@@ -52,6 +66,9 @@ pub static EXEC_GEN: HashMap<u32, u32> = HashMap::with_max_entries(16384, 0);
 /// Per-process in-use bytes and peak (exact mode), keyed by tgid.
 #[map(name = "PROCESS_USAGE")]
 pub static PROCESS_USAGE: HashMap<u32, ProcessUsage> = HashMap::with_max_entries(4096, 0);
+/// The same by process id (see `crate::usage`); mapped by the daemon.
+#[map(name = "USAGE_SLOTS")]
+pub static USAGE_SLOTS: Array<ProcessUsageSlot> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 #[map(name = "EXEC_EVENTS")]
 pub static EXEC_EVENTS: RingBuf = RingBuf::with_byte_size(64 * 1024, 0);
 
@@ -159,17 +176,22 @@ pub static WALK_SCRATCH: PerCpuArray<crate::unwind::Walk> = PerCpuArray::with_ma
 #[map(name = "REPLIES")]
 pub static REPLIES: Array<StackReply> = Array::with_max_entries(REPLY_SLOTS, BPF_F_MMAPABLE);
 
-/// How many times the daemon has written a process's mappings (see `walk_cache`).
+/// The daemon's counts of what remembered walks depend on (see `walk_cache`), by
+/// `WalkEpoch`; mapped by the daemon.
 #[map(name = "WALK_EPOCH")]
-pub static WALK_EPOCH: Array<u64> = Array::with_max_entries(1, 0);
+pub static WALK_EPOCH: Array<u64> = Array::with_max_entries(WalkEpoch::COUNT, BPF_F_MMAPABLE);
 
-/// The daemon's count of mapping writes (see `walk_cache`).
+/// The daemon's counts of mapping writes and site retirements, as one number that
+/// changes with either (see `walk_cache`).
 #[inline(always)]
 pub fn walk_epoch() -> u64 {
-    WALK_EPOCH.get(0).map_or(0, |epoch| {
-        // SAFETY: a map value the daemon replaces whole.
-        unsafe { core::ptr::read_volatile(epoch) }
-    })
+    let read = |epoch: WalkEpoch| {
+        WALK_EPOCH.get(epoch as u32).map_or(0, |count| {
+            // SAFETY: a map value the daemon stores whole.
+            unsafe { core::ptr::read_volatile(count) }
+        })
+    };
+    read(WalkEpoch::Mappings).wrapping_add(read(WalkEpoch::Sites).rotate_left(32))
 }
 
 /// Written by the daemon before loading (read-only data).
@@ -187,7 +209,9 @@ static CONFIG: Config = Config {
     cgroup_level: 0,
     preload: 0,
     live_buckets: 1,
-    _pad: 0,
+    max_sites: 1,
+    in_flight_slots: 1,
+    usage_slots: 1,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
@@ -260,6 +284,27 @@ pub fn preloaded(tgid: u32) -> Option<Preloaded> {
 pub fn live_buckets() -> u32 {
     // SAFETY: a plain global (see above).
     unsafe { core::ptr::read_volatile(&CONFIG.live_buckets) }.max(1)
+}
+
+/// Slots of `IN_FLIGHT_SLOTS` (a power of two, at least 1).
+#[inline(always)]
+pub fn in_flight_slots() -> u32 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.in_flight_slots) }.max(1)
+}
+
+/// Slots of `USAGE_SLOTS` (a power of two, at least 1).
+#[inline(always)]
+pub fn usage_slots() -> u32 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.usage_slots) }.max(1)
+}
+
+/// Capacity of the site table: site indices stay below it.
+#[inline(always)]
+pub fn max_sites() -> u32 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.max_sites) }
 }
 
 /// Whether each process's in-use total and peak are kept.

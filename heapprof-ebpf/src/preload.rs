@@ -251,14 +251,17 @@ pub extern "C" fn heapprof_count_block(allocation: *const NewBlock) -> i64 {
     let Some(stack) = STACK_SCRATCH.get(0) else {
         return 0;
     };
-    i64::from(sites::allocated_into(
-        site.tgid,
-        (block, size),
-        &site,
-        NewSite::Stack(stack),
-        &mut Usage::Direct,
-        Frees::Queued,
-    ))
+    i64::from(
+        sites::allocated_into(
+            site.tgid,
+            (block, size),
+            &site,
+            NewSite::Stack(stack),
+            &mut Usage::Direct,
+            Frees::Queued,
+        )
+        .is_some(),
+    )
 }
 
 /// Copies this CPU's answer, if the walk allowed one, into the thread's slot.

@@ -1,12 +1,16 @@
-//! Per-site counters and the live-block table.
+//! Sites (an index per process x stack x function, and per-CPU counters by index)
+//! and the blocks they allocated.
 
 use aya_ebpf::bindings::BPF_NOEXIST;
-use heapprof_common::{DropReason, LiveKey, SiteCounters, StackKey, UserStack, live::LiveEntry};
+use heapprof_common::{DropReason, LiveKey, SiteId, StackKey, UserStack, live::LiveEntry};
 
 use crate::{
     atomic::fetch_add,
     live::{self, Inserted},
-    maps::{SITES, STACKS, STALE_FREES, STALE_PENDING, count_drop},
+    maps::{
+        SITE_COUNTERS, SITE_IDS_FREE, SITE_IDS_NEXT, SITES, STACKS, STALE_FREES, STALE_PENDING,
+        count_drop, max_sites,
+    },
 };
 
 /// Whether any late free is expected (one array lookup spares the others a hash
@@ -56,59 +60,71 @@ fn consume_stale_free(key: &LiveKey) -> bool {
 
 const EEXIST: i32 = 17;
 
-/// What to do when a site has no counters yet.
+/// What to do when a site has no index yet.
 #[derive(Clone, Copy)]
 pub enum NewSite<'a> {
-    /// Create them, storing the site's stack, just walked.
+    /// Give it one, storing the site's stack, just walked.
     Stack(&'a UserStack),
-    /// Create them; the stack is stored already (or could not be).
+    /// Give it one; the stack is stored already (or could not be).
     Stored,
-    /// Leave the call uncounted: the caller has the stack walked and counts it then.
+    /// None: the caller has the stack walked and counts the call then.
     Refuse,
 }
 
-/// Adds to the counters of `site`, creating them on first use as `new` says (one site
-/// lookup per call on the common path); returns whether the site counted it.
+/// A new site index: one the daemon freed, else the next never handed out; `None`
+/// when the site table is full.
 #[inline(always)]
-pub fn add_to_site(
-    site: &StackKey,
-    new: NewSite<'_>,
-    alloc_objects: u64,
-    alloc_bytes: u64,
-    free_objects: u64,
-    free_bytes: u64,
-) -> bool {
-    let mut counters = SITES.get_ptr_mut(site);
-    if counters.is_none() {
-        match new {
-            NewSite::Refuse => return false,
-            NewSite::Stored => {}
-            NewSite::Stack(stack) => {
-                // Another kind at the same stack may have stored it already.
-                match STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
-                    Ok(()) => {}
-                    Err(err) if err == -EEXIST => {}
-                    Err(_) => count_drop(DropReason::StackTableFull),
-                }
-            }
-        }
-        let zero = SiteCounters::default();
-        // Another CPU may have created it meanwhile: NOEXIST then fails harmlessly.
-        let _ = SITES.insert(site, &zero, BPF_NOEXIST as u64);
-        counters = SITES.get_ptr_mut(site);
+fn new_site_id() -> Option<SiteId> {
+    if let Ok(Some(id)) = SITE_IDS_FREE.pop() {
+        return Some(id);
     }
-    match counters {
-        Some(counters) => {
-            // SAFETY: this CPU's copy of a per-CPU value.
-            unsafe {
-                (*counters).alloc_objects += alloc_objects;
-                (*counters).alloc_bytes += alloc_bytes;
-                (*counters).free_objects += free_objects;
-                (*counters).free_bytes += free_bytes;
+    let next = SITE_IDS_NEXT.get_ptr_mut(0)?;
+    // SAFETY: a map value, only accessed atomically.
+    let id = unsafe { fetch_add(next, 1) };
+    (id < u64::from(max_sites())).then_some(id as SiteId)
+}
+
+/// The index of `site`, giving it one on first use as `new` says (one hash lookup on
+/// the common path).
+#[inline(always)]
+pub fn site_id(site: &StackKey, new: NewSite<'_>) -> Option<SiteId> {
+    // SAFETY: a plain value copied out of the map.
+    if let Some(id) = unsafe { SITES.get(site) } {
+        return Some(*id);
+    }
+    match new {
+        NewSite::Refuse => return None,
+        NewSite::Stored => {}
+        NewSite::Stack(stack) => {
+            // Another kind at the same stack may have stored it already.
+            match STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
+                Ok(()) => {}
+                Err(err) if err == -EEXIST => {}
+                Err(_) => count_drop(DropReason::StackTableFull),
             }
-            true
         }
-        None => false,
+    }
+    let id = new_site_id()?;
+    if SITES.insert(site, &id, BPF_NOEXIST as u64).is_ok() {
+        return Some(id);
+    }
+    // Another CPU gave it one meanwhile (or the table is full): this one goes back.
+    let _ = SITE_IDS_FREE.push(&id, 0);
+    // SAFETY: as above.
+    unsafe { SITES.get(site) }.copied()
+}
+
+/// Adds to the counters of site `id`.
+#[inline(always)]
+pub fn add_to_site(id: SiteId, allocated: (u64, u64), freed: (u64, u64)) {
+    if let Some(counters) = SITE_COUNTERS.get_ptr_mut(id) {
+        // SAFETY: this CPU's copy of a per-CPU value.
+        unsafe {
+            (*counters).alloc_objects += allocated.0;
+            (*counters).alloc_bytes += allocated.1;
+            (*counters).free_objects += freed.0;
+            (*counters).free_bytes += freed.1;
+        }
     }
 }
 
@@ -172,15 +188,21 @@ pub fn release_into(tgid: u32, ptr: u64, usage: &mut Usage<'_>, frees: Frees) {
     }
     // Not found: allocated before tracing began (or not tracked): ignored, never negative.
     if let Some(block) = live::remove(tgid, ptr) {
-        add_to_site(&block.site, NewSite::Stored, 0, 0, 1, block.size);
+        add_to_site(block.site, (0, 0), (1, block.size));
         usage.shrink(tgid, block.size);
     }
 }
 
 /// Counts a new block at `site` and remembers it until its free; a new site is
-/// created as `new` says. Returns whether the site counted it.
+/// given an index as `new` says. Returns the site's index if it counted the block.
 #[inline(always)]
-pub fn allocated(tgid: u32, ptr: u64, size: u64, site: &StackKey, new: NewSite<'_>) -> bool {
+pub fn allocated(
+    tgid: u32,
+    ptr: u64,
+    size: u64,
+    site: &StackKey,
+    new: NewSite<'_>,
+) -> Option<SiteId> {
     allocated_into(
         tgid,
         (ptr, size),
@@ -195,22 +217,37 @@ pub fn allocated(tgid: u32, ptr: u64, size: u64, site: &StackKey, new: NewSite<'
 #[inline(always)]
 pub fn allocated_into(
     tgid: u32,
-    (ptr, size): (u64, u64),
+    block: (u64, u64),
     site: &StackKey,
     new: NewSite<'_>,
     usage: &mut Usage<'_>,
     frees: Frees,
-) -> bool {
-    if !add_to_site(site, new, 1, size, 0, 0) {
+) -> Option<SiteId> {
+    let Some(id) = site_id(site, new) else {
         if !matches!(new, NewSite::Refuse) {
             count_drop(DropReason::SiteTableFull);
         }
-        return false;
-    }
+        return None;
+    };
+    allocated_at(tgid, block, id, usage, frees);
+    Some(id)
+}
+
+/// Counts a new block at site `id` and remembers it until its free.
+#[inline(always)]
+pub fn allocated_at(
+    tgid: u32,
+    (ptr, size): (u64, u64),
+    id: SiteId,
+    usage: &mut Usage<'_>,
+    frees: Frees,
+) {
+    add_to_site(id, (1, size), (0, 0));
     let block = LiveEntry {
         ptr,
         size,
-        site: *site,
+        tgid,
+        site: id,
     };
     match live::insert(tgid, &block) {
         Inserted::New => {}
@@ -218,7 +255,7 @@ pub fn allocated_into(
             // Still recorded at this address: it was freed by a path we did not see (the
             // allocator reused it), or its free waits in another thread's queue. Closed
             // now, so its site's in-use stays right.
-            add_to_site(&old.site, NewSite::Stored, 0, 0, 1, old.size);
+            add_to_site(old.site, (0, 0), (1, old.size));
             usage.shrink(tgid, old.size);
             if frees == Frees::Queued {
                 expect_stale_free(&LiveKey { ptr, tgid, _pad: 0 });
@@ -228,10 +265,9 @@ pub fn allocated_into(
             // Its free cannot be matched: count it as released now, so that in-use stays
             // what is tracked instead of growing by blocks that may be long gone.
             count_drop(DropReason::LiveTableFull);
-            add_to_site(site, NewSite::Stored, 0, 0, 1, size);
-            return true;
+            add_to_site(id, (0, 0), (1, size));
+            return;
         }
     }
     usage.grow(tgid, size);
-    true
 }

@@ -1,26 +1,35 @@
 //! The user stack of an allocation, taken at the allocator's return.
 
 use aya_ebpf::programs::RetProbeContext;
-use heapprof_common::{ProbeSlot, StackKey, UserStack};
+use heapprof_common::{ProbeSlot, SiteId, StackKey, UserStack};
 
 use crate::{
     maps::{STACK_SCRATCH, unwind_mode},
-    regs, unwind,
+    regs,
+    sites::{self, NewSite},
+    unwind,
     walk_cache::{self, WalkStart},
 };
 
-/// The stack of an allocation: its site, and the frames when they were walked now.
+/// The stack of an allocation, walked.
 pub struct Recorded {
     /// The site: process, image, stack hash and function.
     pub site: StackKey,
-    /// The frames (this CPU's scratch stack), `None` when a walk remembered on this CPU
-    /// gave the hash: its site is then known, its stack stored with it.
-    pub frames: Option<&'static UserStack>,
+    /// The frames (this CPU's scratch stack).
+    pub frames: &'static UserStack,
+    /// Whether `walk_cache` remembers the walk.
+    pub remembered: bool,
 }
 
-/// Where the walk of the caller's stack at this return starts.
+/// Where the walk of the caller's stack at the return of a call of function `slot`
+/// starts.
 #[inline(always)]
-pub fn walk_start(ctx: &RetProbeContext, pid_tgid: u64, exec_gen: u32) -> WalkStart {
+pub fn walk_start(
+    ctx: &RetProbeContext,
+    pid_tgid: u64,
+    exec_gen: u32,
+    slot: ProbeSlot,
+) -> WalkStart {
     let (pc, fp, sp) = regs::at_return(ctx);
     WalkStart {
         pid_tgid,
@@ -28,26 +37,31 @@ pub fn walk_start(ctx: &RetProbeContext, pid_tgid: u64, exec_gen: u32) -> WalkSt
         fp,
         sp,
         exec_gen,
-        _pad: 0,
+        slot,
         epoch: walk_cache::epoch_now(),
     }
 }
 
-/// The site of the allocation whose return starts at `start`, by function `slot`, from
-/// a walk this CPU remembers (see `walk_cache`), if one still holds.
+/// The site of the allocation whose return starts at `start`, from a walk this CPU
+/// remembers (see `walk_cache`), if one still holds and the site has an index.
 #[inline(always)]
-pub fn remembered(start: &WalkStart, slot: ProbeSlot) -> Option<StackKey> {
-    let hash = walk_cache::cached(start)?;
-    Some(site_key(start, hash, slot))
+pub fn remembered(start: &WalkStart) -> Option<SiteId> {
+    let hit = walk_cache::cached(start)?;
+    if hit.known != 0 {
+        return Some(hit.site);
+    }
+    let id = sites::site_id(&site_key(start, hit.hash), NewSite::Refuse)?;
+    walk_cache::note_site(start, id);
+    Some(id)
 }
 
 #[inline(always)]
-fn site_key(start: &WalkStart, hash: u64, slot: ProbeSlot) -> StackKey {
+fn site_key(start: &WalkStart, hash: u64) -> StackKey {
     StackKey {
         tgid: (start.pid_tgid >> 32) as u32,
         exec_gen: start.exec_gen,
         stack: hash,
-        slot,
+        slot: start.slot,
         _pad: 0,
     }
 }
@@ -57,7 +71,7 @@ fn site_key(start: &WalkStart, hash: u64, slot: ProbeSlot) -> StackKey {
 /// and the stack words it read. At the return the caller's frame is intact, so its
 /// return address is the first frame and its registers the unwinder's starting point.
 #[inline(always)]
-pub fn walk(start: &WalkStart, slot: ProbeSlot) -> Option<Recorded> {
+pub fn walk(start: &WalkStart) -> Option<Recorded> {
     let scratch = STACK_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's scratch slot; programs on one CPU do not interleave.
     let stack = unsafe { &mut *scratch };
@@ -69,9 +83,10 @@ pub fn walk(start: &WalkStart, slot: ProbeSlot) -> Option<Recorded> {
         stack,
         true,
     );
-    walk_cache::remember(start, hash);
+    let remembered = walk_cache::remember(start, hash);
     Some(Recorded {
-        site: site_key(start, hash, slot),
-        frames: Some(stack),
+        site: site_key(start, hash),
+        frames: stack,
+        remembered,
     })
 }

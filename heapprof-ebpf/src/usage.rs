@@ -1,4 +1,7 @@
-//! Each process's in-use bytes and their high-water mark (`PROCESS_USAGE`).
+//! Each process's in-use bytes and their high-water mark: in the slot of
+//! `USAGE_SLOTS` its id picks, which the process owns until the daemon retires it, or,
+//! if another process owns that slot, in the hash map `PROCESS_USAGE` (every
+//! allocation and free changes it: an array slot is found with no kernel call).
 //!
 //! Sites are per-CPU counters, summed by the daemon when it reads them; a peak cannot
 //! be summed that way, since the CPUs' highs happen at different moments. So the
@@ -7,11 +10,11 @@
 //! kept with compare-and-swap.
 
 use aya_ebpf::bindings::BPF_NOEXIST;
-use heapprof_common::{DropReason, ProcessUsage};
+use heapprof_common::{DropReason, ProcessUsage, ProcessUsageSlot};
 
 use crate::{
     atomic::{compare_exchange, fetch_add},
-    maps::{PROCESS_USAGE, count_drop, track_peak},
+    maps::{PROCESS_USAGE, USAGE_SLOTS, count_drop, track_peak, usage_slots},
 };
 
 /// Compare-and-swap attempts to raise the peak: each failure means another CPU moved
@@ -32,9 +35,41 @@ pub fn grow(tgid: u32, bytes: u64) {
     unsafe { add_and_raise_peak(usage, bytes) };
 }
 
-/// `tgid`'s entry of `PROCESS_USAGE`, created on first use.
+/// The slot process `tgid` would own.
+#[inline(always)]
+fn slot_of(tgid: u32) -> Option<*mut ProcessUsageSlot> {
+    USAGE_SLOTS.get_ptr_mut(tgid & (usage_slots() - 1))
+}
+
+/// `tgid`'s usage, if it has any yet.
+#[inline(always)]
+fn find(tgid: u32) -> Option<*mut ProcessUsage> {
+    if let Some(slot) = slot_of(tgid) {
+        // SAFETY: a map value; its owner is only changed atomically.
+        if unsafe { core::ptr::read_volatile(&raw const (*slot).owner) } == u64::from(tgid) {
+            // SAFETY: as above.
+            return Some(unsafe { &raw mut (*slot).usage });
+        }
+    }
+    PROCESS_USAGE.get_ptr_mut(&tgid)
+}
+
+/// `tgid`'s usage, created on first use: its slot if free (the daemon zeroes a slot
+/// before it frees it), else an entry of `PROCESS_USAGE`.
 #[inline(always)]
 fn usage_of(tgid: u32) -> Option<*mut ProcessUsage> {
+    if let Some(usage) = find(tgid) {
+        return Some(usage);
+    }
+    if let Some(slot) = slot_of(tgid) {
+        // SAFETY: a map value; the owner is claimed atomically.
+        unsafe {
+            let owner = compare_exchange(&raw mut (*slot).owner, 0, u64::from(tgid));
+            if owner == 0 || owner == u64::from(tgid) {
+                return Some(&raw mut (*slot).usage);
+            }
+        }
+    }
     let mut usage = PROCESS_USAGE.get_ptr_mut(&tgid);
     if usage.is_none() {
         // Another CPU may create it first: NOEXIST then fails harmlessly.
@@ -132,7 +167,7 @@ pub fn shrink(tgid: u32, bytes: u64) {
     if !track_peak() {
         return;
     }
-    if let Some(usage) = PROCESS_USAGE.get_ptr_mut(&tgid) {
+    if let Some(usage) = find(tgid) {
         // SAFETY: as in `grow`.
         unsafe { fetch_add(&raw mut (*usage).inuse_bytes, bytes.wrapping_neg()) };
     }
@@ -141,7 +176,7 @@ pub fn shrink(tgid: u32, bytes: u64) {
 /// A process replaced its image: its blocks went with the old address space.
 #[inline(always)]
 pub fn reset(tgid: u32) {
-    if let Some(usage) = PROCESS_USAGE.get_ptr_mut(&tgid) {
+    if let Some(usage) = find(tgid) {
         // SAFETY: as in `grow`.
         unsafe { core::ptr::write_volatile(&raw mut (*usage).inuse_bytes, 0) };
     }

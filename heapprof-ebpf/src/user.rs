@@ -27,8 +27,8 @@ use crate::{
         page_size, preloaded, probe_spec, target_tgid,
     },
     regs,
-    sites::{self, NewSite},
-    stack,
+    sites::{self, Frees, NewSite, Usage},
+    stack, walk_cache,
 };
 
 /// The signal that holds a launched command at a loader event. Its tracer intercepts
@@ -181,15 +181,28 @@ fn on_return(ctx: &RetProbeContext) {
     if ptr == 0 || state.sampled == 0 {
         return;
     }
-    let start = stack::walk_start(ctx, pid_tgid, state.exec_gen);
-    if let Some(site) = stack::remembered(&start, state.slot)
-        && sites::allocated(tgid, ptr, state.size, &site, NewSite::Refuse)
-    {
+    let start = stack::walk_start(ctx, pid_tgid, state.exec_gen, state.slot);
+    if let Some(site) = stack::remembered(&start) {
+        sites::allocated_at(
+            tgid,
+            (ptr, state.size),
+            site,
+            &mut Usage::Direct,
+            Frees::OnTime,
+        );
         return;
     }
-    if let Some(recorded) = stack::walk(&start, state.slot) {
-        let new = recorded.frames.map_or(NewSite::Stored, NewSite::Stack);
-        sites::allocated(tgid, ptr, state.size, &recorded.site, new);
+    if let Some(recorded) = stack::walk(&start)
+        && let Some(site) = sites::allocated(
+            tgid,
+            ptr,
+            state.size,
+            &recorded.site,
+            NewSite::Stack(recorded.frames),
+        )
+        && recorded.remembered
+    {
+        walk_cache::note_site(&start, site);
     }
 }
 

@@ -51,8 +51,23 @@ const MAX_GROWN_ENTRIES: usize = 1 << 16;
 pub fn for_each_batch<K: Pod, V: Pod>(
     map: impl AsFd,
     per_cpu: Option<usize>,
+    each: impl FnMut(&[K], &[V]),
+) -> io::Result<bool> {
+    for_each_batch_upto(map, per_cpu, usize::MAX, each)
+}
+
+/// [`for_each_batch`], stopping after `limit` entries (an array's first `limit`
+/// values: an array's batches are its indices in order).
+pub fn for_each_batch_upto<K: Pod, V: Pod>(
+    map: impl AsFd,
+    per_cpu: Option<usize>,
+    limit: usize,
     mut each: impl FnMut(&[K], &[V]),
 ) -> io::Result<bool> {
+    if limit == 0 {
+        return Ok(true);
+    }
+    let mut left = limit;
     // The kernel lays per-CPU values out 8-byte aligned: a plain `[V]` only when
     // their size is a multiple of 8 (true of every table read this way). The
     // buffers are of u64, aligned for any key and value.
@@ -64,7 +79,8 @@ pub fn for_each_batch<K: Pod, V: Pod>(
     }
     let slots = per_cpu.map_or(1, |cpus| cpus.max(1));
     let mut entries = (BATCH_BYTES / (size_of::<V>() * slots).max(1))
-        .clamp(*BATCH_ENTRIES.start(), *BATCH_ENTRIES.end());
+        .clamp(*BATCH_ENTRIES.start(), *BATCH_ENTRIES.end())
+        .min(limit);
     let mut keys = vec![0u64; (entries * size_of::<K>()).div_ceil(8)];
     let mut values = vec![0u64; (entries * size_of::<V>() * slots).div_ceil(8)];
     // The batch token of a hash map is a bucket number (u32); room for a u64.
@@ -81,7 +97,7 @@ pub fn for_each_batch<K: Pod, V: Pod>(
             out_batch: std::ptr::addr_of_mut!(token_out) as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
-            count: entries as u32,
+            count: entries.min(left) as u32,
             map_fd: map.as_fd().as_raw_fd() as u32,
             ..Default::default()
         };
@@ -126,7 +142,7 @@ pub fn for_each_batch<K: Pod, V: Pod>(
             }
             Some(_) => return Err(error.unwrap_or_else(io::Error::last_os_error)),
         };
-        let count = (attr.count as usize).min(entries);
+        let count = (attr.count as usize).min(entries).min(left);
         // SAFETY: the kernel wrote `count` keys and `count * slots` values, packed,
         // into buffers aligned for K and V; both are Pod, so any bytes are valid.
         let (batch_keys, batch_values) = unsafe {
@@ -138,7 +154,8 @@ pub fn for_each_batch<K: Pod, V: Pod>(
         if count > 0 {
             each(batch_keys, batch_values);
         }
-        if done {
+        left -= count;
+        if done || left == 0 {
             return Ok(true);
         }
         token_in = token_out;

@@ -20,11 +20,11 @@ pub(crate) struct LiveTable {
 }
 
 impl LiveTable {
-    /// Takes the table's arrays out of a loaded object.
-    pub(crate) fn take(ebpf: &mut Ebpf) -> Result<Self> {
+    /// Maps the table's arrays of a loaded object.
+    pub(crate) fn map(ebpf: &Ebpf) -> Result<Self> {
         Ok(Self {
-            tags: MappedArray::take(ebpf, names::LIVE)?,
-            entries: MappedArray::take(ebpf, names::LIVE_ENTRIES)?,
+            tags: MappedArray::map(ebpf, names::LIVE)?,
+            entries: MappedArray::map(ebpf, names::LIVE_ENTRIES)?,
         })
     }
 

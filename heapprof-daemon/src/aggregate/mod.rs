@@ -11,11 +11,13 @@ mod batch;
 pub mod kernel;
 mod live;
 pub mod sampling;
+mod sites;
 pub mod stacks;
 
 use std::{
     collections::{HashMap, HashSet},
     os::fd::{AsFd as _, OwnedFd},
+    sync::atomic::Ordering,
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -24,9 +26,11 @@ use aya::{
     maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuHashMap},
 };
 use heapprof_common::{
-    DropReason, InFlight, ProcessUsage, SiteCounters, StackKey, UserStack, names,
+    DropReason, InFlight, InFlightSlot, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
+    StackKey, UserStack, names,
 };
 use live::LiveTable;
+use sites::SiteTable;
 use stacks::StackStore;
 
 /// Counts of one site, summed over CPUs.
@@ -80,18 +84,19 @@ pub struct Occupancy {
 
 /// Owns the maps the daemon reads.
 pub struct Maps {
-    sites: PerCpuHashMap<MapData, StackKey, SiteCounters>,
+    sites: SiteTable,
+    /// The index of each site in the table at the last read.
+    site_ids: HashMap<StackKey, SiteId>,
     stacks: BpfHashMap<MapData, u64, UserStack>,
     live: LiveTable,
     drops: PerCpuArray<MapData, u64>,
     in_flight: BpfHashMap<MapData, u64, InFlight>,
+    in_flight_slots: crate::bpf_array::MappedArray<InFlightSlot>,
     exec_gen: BpfHashMap<MapData, u32, u32>,
     usage: BpfHashMap<MapData, u32, ProcessUsage>,
-    /// The site and stack tables again, for batch reads.
-    sites_fd: OwnedFd,
+    usage_slots: crate::bpf_array::MappedArray<ProcessUsageSlot>,
+    /// The stack table again, for batch reads.
     stacks_fd: OwnedFd,
-    /// Possible CPUs: the values per entry of a per-CPU table.
-    cpus: usize,
     /// Stacks already read; a hash names one stack for as long as its process lives.
     stack_store: StackStore,
     /// Sites of processes that have exited: allocations kept, in-use cleared.
@@ -255,19 +260,20 @@ pub(crate) fn read_drops(
 impl Maps {
     /// Takes the maps out of a loaded object.
     pub fn new(ebpf: &mut Ebpf) -> Result<Self> {
-        let (sites, sites_fd) = take_with_fd(ebpf, names::SITES)?;
         let (stacks, stacks_fd) = take_with_fd(ebpf, names::STACKS)?;
+        let cpus = possible_cpus()?;
         Ok(Self {
-            sites,
+            sites: SiteTable::take(ebpf, cpus)?,
+            site_ids: HashMap::new(),
             stacks,
-            live: LiveTable::take(ebpf)?,
+            live: LiveTable::map(ebpf)?,
             drops: take(ebpf, names::DROPS)?,
             in_flight: take(ebpf, names::IN_FLIGHT)?,
+            in_flight_slots: crate::bpf_array::MappedArray::map(ebpf, names::IN_FLIGHT_SLOTS)?,
             exec_gen: take(ebpf, names::EXEC_GEN)?,
             usage: take(ebpf, names::PROCESS_USAGE)?,
-            sites_fd,
+            usage_slots: crate::bpf_array::MappedArray::map(ebpf, names::USAGE_SLOTS)?,
             stacks_fd,
-            cpus: possible_cpus()?,
             stack_store: StackStore::new(),
             retired: HashMap::new(),
             last_read: 0,
@@ -285,11 +291,15 @@ impl Maps {
                 .iter()
                 .map(|(&key, &counters)| Site { key, counters }),
         );
-        read_per_cpu(&self.sites_fd, self.cpus, &self.sites, |key, per_cpu| {
-            let mut counters = SiteCounters::default();
-            per_cpu.iter().for_each(|c| add_counters(&mut counters, c));
-            sites.push(Site { key, counters });
-        })?;
+        let in_table = self.sites.read()?;
+        self.site_ids.clear();
+        for site in in_table {
+            self.site_ids.insert(site.key, site.id);
+            sites.push(Site {
+                key: site.key,
+                counters: site.counters,
+            });
+        }
         sites.sort_by_key(|s| s.key);
         // A key both retired and back in the table (a reused pid) is one site.
         sites.dedup_by(|later, earlier| {
@@ -367,23 +377,12 @@ impl Maps {
 
     /// The processes with sites still in the BPF table (not retired).
     pub fn traced_pids(&self) -> Result<HashSet<u32>> {
-        let mut pids = HashSet::new();
-        let table = &self.sites;
-        read_entries(
-            &self.sites_fd,
-            Some(self.cpus),
-            |key: StackKey, _: &[SiteCounters]| {
-                pids.insert(key.tgid);
-            },
-            |each| {
-                // A key deleted during the walk is skipped.
-                for key in table.keys().filter_map(Result::ok) {
-                    each(key, &[]);
-                }
-                Ok(())
-            },
-        )?;
-        Ok(pids)
+        Ok(self
+            .sites
+            .ids()?
+            .into_iter()
+            .map(|(key, _)| key.tgid)
+            .collect())
     }
 
     /// Drop counters summed over CPUs, indexed by [`DropReason`].
@@ -392,16 +391,36 @@ impl Maps {
     }
 
     /// Removes the per-thread call state of threads that have exited (the BPF side keeps
-    /// a thread's entry between calls). Returns how many entries are left.
+    /// a thread's record between calls, and its exit removes it: this catches the ones
+    /// it missed). Returns how many records are left.
     pub fn remove_exited_threads(&mut self) -> usize {
+        let exited = |pid_tgid: u64| {
+            let (tgid, tid) = (pid_tgid >> 32, pid_tgid & 0xffff_ffff);
+            !std::path::Path::new(&format!("/proc/{tgid}/task/{tid}")).exists()
+        };
         let keys: Vec<u64> = self.in_flight.keys().filter_map(|k| k.ok()).collect();
         let mut left = keys.len();
         for pid_tgid in keys {
-            let (tgid, tid) = (pid_tgid >> 32, pid_tgid & 0xffff_ffff);
-            if !std::path::Path::new(&format!("/proc/{tgid}/task/{tid}")).exists()
-                && self.in_flight.remove(&pid_tgid).is_ok()
-            {
+            if exited(pid_tgid) && self.in_flight.remove(&pid_tgid).is_ok() {
                 left -= 1;
+            }
+        }
+        for index in 0..self.in_flight_slots.len() {
+            // The owner is the slot's first word.
+            let Some(owner) = self.in_flight_slots.word(index, 0) else {
+                continue;
+            };
+            let pid_tgid = owner.load(Ordering::Acquire);
+            if pid_tgid == 0 {
+                continue;
+            }
+            // Given up only if still that thread's: the programs claim slots atomically.
+            if !exited(pid_tgid)
+                || owner
+                    .compare_exchange(pid_tgid, 0, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_err()
+            {
+                left += 1;
             }
         }
         left
@@ -419,7 +438,35 @@ impl Maps {
 
     /// Each process's in-use total and peak as the programs keep them (exact mode).
     pub fn process_usage(&self) -> HashMap<u32, ProcessUsage> {
-        self.usage.iter().filter_map(|e| e.ok()).collect()
+        let mut usage: HashMap<u32, ProcessUsage> =
+            self.usage.iter().filter_map(|e| e.ok()).collect();
+        for index in 0..self.usage_slots.len() {
+            if let Some(slot) = self.usage_slots.read(index)
+                && slot.owner != 0
+            {
+                usage.insert(slot.owner as u32, slot.usage);
+            }
+        }
+        usage
+    }
+
+    /// Forgets the usage of process `pid`, which has exited: its slot is zeroed, then
+    /// freed for another process.
+    fn forget_usage(&mut self, pid: u32) {
+        let _ = self.usage.remove(&pid);
+        let index = pid as usize & (self.usage_slots.len().max(1) - 1);
+        let (Some(owner), Some(inuse), Some(peak)) = (
+            self.usage_slots.word(index, 0),
+            self.usage_slots.word(index, 8),
+            self.usage_slots.word(index, 16),
+        ) else {
+            return;
+        };
+        if owner.load(Ordering::Acquire) == u64::from(pid) {
+            inuse.store(0, Ordering::Relaxed);
+            peak.store(0, Ordering::Relaxed);
+            owner.store(0, Ordering::Release);
+        }
     }
 
     /// Every process that has called exec while traced, with its current generation.
@@ -434,13 +481,11 @@ impl Maps {
         if dead.is_empty() {
             return Ok(());
         }
-        let removed = self
-            .live
-            .remove_where(|block| dead.contains(&block.site.tgid));
+        let removed = self.live.remove_where(|block| dead.contains(&block.tgid));
         let sites = self.retire_sites(|key| dead.contains(&key.tgid))?;
         for pid in dead {
             let _ = self.exec_gen.remove(pid);
-            let _ = self.usage.remove(pid);
+            self.forget_usage(*pid);
         }
         log::debug!(
             "retired {} exited process(es): {sites} sites, {removed} live blocks removed",
@@ -474,7 +519,7 @@ impl Maps {
         // may have entries.
         for pid in pids {
             let _ = self.exec_gen.remove(pid);
-            let _ = self.usage.remove(pid);
+            self.forget_usage(*pid);
         }
         before - self.retired.len()
     }
@@ -501,7 +546,15 @@ impl Maps {
             return Ok(0);
         }
         // Live blocks first: once they are gone, no free can be credited to a retired site.
-        let removed = self.live.remove_where(|block| replaced(&block.site));
+        let replaced_ids: HashSet<SiteId> = self
+            .site_ids
+            .iter()
+            .filter(|(key, _)| replaced(key))
+            .map(|(_, &id)| id)
+            .collect();
+        let removed = self
+            .live
+            .remove_where(|block| replaced_ids.contains(&block.site));
         let count = self.retire_sites_in(sites, replaced);
         log::debug!("retired {count} sites of replaced images, {removed} live blocks removed");
         Ok(count)
@@ -516,22 +569,25 @@ impl Maps {
 
     /// [`Maps::retire_sites`] over sites just read, which are updated to match.
     fn retire_sites_in(&mut self, sites: &mut [Site], retire: impl Fn(&StackKey) -> bool) -> usize {
-        let mut count = 0;
+        let mut leaving = Vec::new();
         for site in sites {
-            if retire(&site.key) && self.sites.get(&site.key, 0).is_ok() {
-                let counters = &mut site.counters;
-                counters.free_objects = counters.alloc_objects;
-                counters.free_bytes = counters.alloc_bytes;
-                self.retired.insert(site.key, *counters);
-                // Keep the frames for later profiles; the kernel's copy can go.
-                self.read_stack(site.key.stack);
-                let _ = self.stacks.remove(&site.key.stack);
-                // No writer is left: the process (or its image) is gone.
-                let _ = self.sites.remove(&site.key);
-                count += 1;
+            if !retire(&site.key) {
+                continue;
             }
+            let Some(id) = self.site_ids.remove(&site.key) else {
+                continue; // retired already
+            };
+            let counters = &mut site.counters;
+            counters.free_objects = counters.alloc_objects;
+            counters.free_bytes = counters.alloc_bytes;
+            self.retired.insert(site.key, *counters);
+            // Keep the frames for later profiles; the kernel's copy can go.
+            self.read_stack(site.key.stack);
+            let _ = self.stacks.remove(&site.key.stack);
+            leaving.push((site.key, id));
         }
-        count
+        // No writer is left: the process (or its image) is gone.
+        self.sites.remove(&leaving)
     }
 }
 

@@ -199,6 +199,8 @@ pub fn load(
         .map_max_entries(kernel_names::KERNEL_STACKS, capacities.stacks)
         .map_max_entries(names::LIVE, 1)
         .map_max_entries(names::SITES, 1)
+        .map_max_entries(names::SITE_COUNTERS, 1)
+        .map_max_entries(names::SITE_IDS_FREE, 1)
         .map_max_entries(names::STACKS, 1)
         .map_max_entries(names::IN_FLIGHT, 1)
         .map_max_entries(names::EXEC_GEN, 1)

@@ -81,7 +81,9 @@ pub fn load(
         cgroup_level: cgroup.map_or(0, |c| c.level),
         preload: u32::from(unwind.preload),
         live_buckets: live::buckets_for(capacities.live_blocks),
-        _pad: 0,
+        max_sites: capacities.sites,
+        in_flight_slots: capacities.threads.max(1).next_power_of_two(),
+        usage_slots: unwind.processes.max(1).next_power_of_two(),
     };
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {
@@ -105,8 +107,11 @@ pub fn load(
             config.live_buckets * live::BUCKET_SLOTS as u32,
         )
         .map_max_entries(names::SITES, capacities.sites)
+        .map_max_entries(names::SITE_COUNTERS, capacities.sites)
+        .map_max_entries(names::SITE_IDS_FREE, capacities.sites)
         .map_max_entries(names::STACKS, capacities.stacks)
         .map_max_entries(names::IN_FLIGHT, capacities.threads)
+        .map_max_entries(names::IN_FLIGHT_SLOTS, config.in_flight_slots)
         // One entry per process that called exec while traced.
         .map_max_entries(
             names::EXEC_GEN,
@@ -119,6 +124,7 @@ pub fn load(
         .map_max_entries(names::PROCESS_MAPPINGS, processes)
         // Every traced process, forked children of a launched command included.
         .map_max_entries(names::PROCESS_USAGE, unwind.processes)
+        .map_max_entries(names::USAGE_SLOTS, config.usage_slots)
         .map_max_entries(names::UNWIND_ROWS, tables.rows)
         .map_max_entries(names::UNWIND_RULES, tables.rules)
         .map_max_entries(names::UNWIND_OBJECTS, tables.objects)

@@ -22,7 +22,7 @@ use aya::{
     maps::{Array, HashMap as BpfHashMap, Map, MapData},
 };
 use heapprof_common::{
-    names,
+    WalkEpoch, names,
     unwind::{
         ExecMapping, MAX_PROCESS_MAPPINGS, NO_OBJECT, ProcessMappings, RULE_NONE, UnwindGap,
         UnwindObject, UnwindRow, UnwindRule,
@@ -263,7 +263,7 @@ pub struct TableLoader {
     version: u32,
     /// Mapping writes so far, published in `WALK_EPOCH` after each: walks the
     /// programs remembered before a write are not trusted after it.
-    walk_epoch: Array<MapData, u64>,
+    walk_epoch: crate::bpf_array::MappedArray<u64>,
     epoch: u64,
 }
 
@@ -280,8 +280,7 @@ impl TableLoader {
             .context("BPF map UNWIND_OBJECTS has an unexpected type")?;
         let gaps = BpfHashMap::try_from(take(ebpf, names::UNWIND_GAPS)?)
             .context("BPF map UNWIND_GAPS has an unexpected type")?;
-        let walk_epoch = Array::try_from(take(ebpf, names::WALK_EPOCH)?)
-            .context("BPF map WALK_EPOCH has an unexpected type")?;
+        let walk_epoch = crate::bpf_array::MappedArray::map(ebpf, names::WALK_EPOCH)?;
         Ok(Self {
             process_mappings,
             objects_map,
@@ -351,9 +350,10 @@ impl TableLoader {
             .insert(&pid, value.as_ref(), 0)
             .with_context(|| format!("writing the mappings of pid {pid} for the unwinder"))?;
         self.epoch += 1;
-        self.walk_epoch
-            .set(0, &self.epoch, 0)
-            .context("publishing the mappings' epoch for the unwinder")
+        if let Some(epoch) = self.walk_epoch.word(WalkEpoch::Mappings as usize, 0) {
+            epoch.store(self.epoch, std::sync::atomic::Ordering::Release);
+        }
+        Ok(())
     }
 
     /// Forgets a process's mappings (it exec'd or exited).

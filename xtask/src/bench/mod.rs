@@ -1100,8 +1100,11 @@ fn json_string(text: &str) -> String {
     out
 }
 
-/// Sections of the benchmark besides the workloads, which `--only` can also name.
-const SECTIONS: [&str; 6] = ["library", "dumps", "shutdown", "load", "redis", "launch"];
+/// Sections of the benchmark besides the workloads, which `--only` can also name
+/// (`none`: no section, the workloads named alone).
+const SECTIONS: [&str; 7] = [
+    "library", "dumps", "shutdown", "load", "redis", "launch", "none",
+];
 
 /// Runs the benchmark and writes target/bench/summary.{txt,json}.
 pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
