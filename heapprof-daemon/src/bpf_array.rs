@@ -1,9 +1,13 @@
 //! A BPF array map created with `BPF_F_MMAPABLE`, mapped whole into the daemon's
 //! memory: its values are read and changed in place, with no system call per value.
+//!
+//! The kernel maps every page of the array at once, and they count in the daemon's
+//! resident memory: a large array (the live-block table, tens of MiB) is mapped only
+//! while it is scanned ([`ArrayHandle`]), a small one for good.
 
 use std::{
     marker::PhantomData,
-    os::fd::{AsFd as _, AsRawFd as _},
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd},
     ptr::NonNull,
     sync::atomic::AtomicU64,
 };
@@ -31,23 +35,13 @@ impl<T: Copy> MappedArray<T> {
     /// Maps the array `name` of a loaded object (which keeps it: several parts of the
     /// daemon may map one array).
     pub(crate) fn map(ebpf: &Ebpf, name: &str) -> Result<Self> {
-        let map = match ebpf.map(name) {
-            Some(Map::Array(map)) => map,
-            Some(_) => bail!("BPF map {name} is not an array"),
-            None => bail!("BPF map {name} missing from the object"),
-        };
-        Self::of(map, name)
+        let map = array(ebpf, name)?;
+        let len = checked_len::<T>(map, name)?;
+        Self::of(map.fd().as_fd(), len, name)
     }
 
-    /// Maps `map`, the array `name`.
-    fn of(map: &MapData, name: &str) -> Result<Self> {
-        let info = map
-            .info()
-            .with_context(|| format!("reading BPF map {name}"))?;
-        if info.value_size() as usize != size_of::<T>() || !size_of::<T>().is_multiple_of(8) {
-            bail!("BPF map {name} has values of {} bytes", info.value_size());
-        }
-        let len = info.max_entries() as usize;
+    /// Maps the `len` values of the array at `fd`, named `name`.
+    fn of(fd: BorrowedFd<'_>, len: usize, name: &str) -> Result<Self> {
         let page = crate::probes::page_size() as usize;
         let bytes = (len * size_of::<T>()).next_multiple_of(page).max(page);
         // SAFETY: a shared mapping of the whole array, which the kernel allows for
@@ -58,7 +52,7 @@ impl<T: Copy> MappedArray<T> {
                 bytes,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                map.fd().as_fd().as_raw_fd(),
+                fd.as_raw_fd(),
                 0,
             )
         };
@@ -106,6 +100,58 @@ impl<T: Copy> MappedArray<T> {
                     .cast(),
             )
         })
+    }
+}
+
+/// The array `name` of a loaded object.
+fn array<'a>(ebpf: &'a Ebpf, name: &str) -> Result<&'a MapData> {
+    match ebpf.map(name) {
+        Some(Map::Array(map)) => Ok(map),
+        Some(_) => bail!("BPF map {name} is not an array"),
+        None => bail!("BPF map {name} missing from the object"),
+    }
+}
+
+/// The values in `map`, an array of `T` named `name`, once its layout is checked.
+fn checked_len<T>(map: &MapData, name: &str) -> Result<usize> {
+    let info = map
+        .info()
+        .with_context(|| format!("reading BPF map {name}"))?;
+    if info.value_size() as usize != size_of::<T>() || !size_of::<T>().is_multiple_of(8) {
+        bail!("BPF map {name} has values of {} bytes", info.value_size());
+    }
+    Ok(info.max_entries() as usize)
+}
+
+/// A mappable BPF array, mapped on demand.
+pub(crate) struct ArrayHandle<T> {
+    fd: OwnedFd,
+    len: usize,
+    name: &'static str,
+    _values: PhantomData<T>,
+}
+
+impl<T: Copy> ArrayHandle<T> {
+    /// The array `name` of a loaded object (which keeps it).
+    pub(crate) fn of(ebpf: &Ebpf, name: &'static str) -> Result<Self> {
+        let map = array(ebpf, name)?;
+        let len = checked_len::<T>(map, name)?;
+        let fd = map
+            .fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .with_context(|| format!("duplicating the descriptor of BPF map {name}"))?;
+        Ok(Self {
+            fd,
+            len,
+            name,
+            _values: PhantomData,
+        })
+    }
+
+    /// The array, mapped until the mapping is dropped.
+    pub(crate) fn map(&self) -> Result<MappedArray<T>> {
+        MappedArray::of(self.fd.as_fd(), self.len, self.name)
     }
 }
 

@@ -1,6 +1,6 @@
-//! The live-block table as the daemon sees it: both of its arrays mapped (see
-//! `heapprof_common::live`), to drop the blocks of processes and images that are
-//! gone without a system call per block.
+//! The live-block table as the daemon sees it: both of its arrays mapped while the
+//! daemon drops the blocks of processes and images that are gone (see
+//! `heapprof_common::live`), without a system call per block.
 
 use std::sync::atomic::Ordering;
 
@@ -11,37 +11,38 @@ use heapprof_common::{
     names,
 };
 
-use crate::bpf_array::MappedArray;
+use crate::bpf_array::ArrayHandle;
 
-/// The live-block table, mapped.
+/// The live-block table.
 pub(crate) struct LiveTable {
-    tags: MappedArray<LiveBucket>,
-    entries: MappedArray<LiveEntry>,
+    tags: ArrayHandle<LiveBucket>,
+    entries: ArrayHandle<LiveEntry>,
 }
 
 impl LiveTable {
-    /// Maps the table's arrays of a loaded object.
-    pub(crate) fn map(ebpf: &Ebpf) -> Result<Self> {
+    /// The table's arrays of a loaded object.
+    pub(crate) fn of(ebpf: &Ebpf) -> Result<Self> {
         Ok(Self {
-            tags: MappedArray::map(ebpf, names::LIVE)?,
-            entries: MappedArray::map(ebpf, names::LIVE_ENTRIES)?,
+            tags: ArrayHandle::of(ebpf, names::LIVE)?,
+            entries: ArrayHandle::of(ebpf, names::LIVE_ENTRIES)?,
         })
     }
 
     /// Removes the blocks `pick` picks; returns how many. A slot is released with the
     /// same atomic swap the programs use, so a block freed meanwhile is not counted.
-    pub(crate) fn remove_where(&self, pick: impl Fn(&LiveEntry) -> bool) -> usize {
+    pub(crate) fn remove_where(&self, pick: impl Fn(&LiveEntry) -> bool) -> Result<usize> {
+        let (tags, entries) = (self.tags.map()?, self.entries.map()?);
         let mut removed = 0;
-        for bucket in 0..self.tags.len() {
+        for bucket in 0..tags.len() {
             for index in 0..BUCKET_SLOTS {
-                let Some(tag_word) = self.tags.word(bucket, index * 8) else {
+                let Some(tag_word) = tags.word(bucket, index * 8) else {
                     continue;
                 };
                 let tag = tag_word.load(Ordering::Acquire);
                 if tag == 0 || tag == TAG_BUSY {
                     continue;
                 }
-                let Some(entry) = self.entries.read(bucket * BUCKET_SLOTS + index) else {
+                let Some(entry) = entries.read(bucket * BUCKET_SLOTS + index) else {
                     continue;
                 };
                 if pick(&entry)
@@ -53,6 +54,6 @@ impl LiveTable {
                 }
             }
         }
-        removed
+        Ok(removed)
     }
 }

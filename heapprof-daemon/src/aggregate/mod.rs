@@ -91,7 +91,7 @@ pub struct Maps {
     live: LiveTable,
     drops: PerCpuArray<MapData, u64>,
     in_flight: BpfHashMap<MapData, u64, InFlight>,
-    in_flight_slots: crate::bpf_array::MappedArray<InFlightSlot>,
+    in_flight_slots: crate::bpf_array::ArrayHandle<InFlightSlot>,
     exec_gen: BpfHashMap<MapData, u32, u32>,
     usage: BpfHashMap<MapData, u32, ProcessUsage>,
     usage_slots: crate::bpf_array::MappedArray<ProcessUsageSlot>,
@@ -266,10 +266,10 @@ impl Maps {
             sites: SiteTable::take(ebpf, cpus)?,
             site_ids: HashMap::new(),
             stacks,
-            live: LiveTable::map(ebpf)?,
+            live: LiveTable::of(ebpf)?,
             drops: take(ebpf, names::DROPS)?,
             in_flight: take(ebpf, names::IN_FLIGHT)?,
-            in_flight_slots: crate::bpf_array::MappedArray::map(ebpf, names::IN_FLIGHT_SLOTS)?,
+            in_flight_slots: crate::bpf_array::ArrayHandle::of(ebpf, names::IN_FLIGHT_SLOTS)?,
             exec_gen: take(ebpf, names::EXEC_GEN)?,
             usage: take(ebpf, names::PROCESS_USAGE)?,
             usage_slots: crate::bpf_array::MappedArray::map(ebpf, names::USAGE_SLOTS)?,
@@ -405,9 +405,16 @@ impl Maps {
                 left -= 1;
             }
         }
-        for index in 0..self.in_flight_slots.len() {
+        let slots = match self.in_flight_slots.map() {
+            Ok(slots) => slots,
+            Err(err) => {
+                log::debug!("sweeping the threads' slots: {err:#}");
+                return left;
+            }
+        };
+        for index in 0..slots.len() {
             // The owner is the slot's first word.
-            let Some(owner) = self.in_flight_slots.word(index, 0) else {
+            let Some(owner) = slots.word(index, 0) else {
                 continue;
             };
             let pid_tgid = owner.load(Ordering::Acquire);
@@ -481,7 +488,7 @@ impl Maps {
         if dead.is_empty() {
             return Ok(());
         }
-        let removed = self.live.remove_where(|block| dead.contains(&block.tgid));
+        let removed = self.live.remove_where(|block| dead.contains(&block.tgid))?;
         let sites = self.retire_sites(|key| dead.contains(&key.tgid))?;
         for pid in dead {
             let _ = self.exec_gen.remove(pid);
@@ -554,7 +561,7 @@ impl Maps {
             .collect();
         let removed = self
             .live
-            .remove_where(|block| replaced_ids.contains(&block.site));
+            .remove_where(|block| replaced_ids.contains(&block.site))?;
         let count = self.retire_sites_in(sites, replaced);
         log::debug!("retired {count} sites of replaced images, {removed} live blocks removed");
         Ok(count)
