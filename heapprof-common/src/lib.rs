@@ -76,7 +76,9 @@ pub const NO_REGISTER: u8 = u8::MAX;
 
 /// How many registers an entry program can read a value from: x86-64's sixteen
 /// general-purpose registers in DWARF numbering (rax 0, rdx 1, rcx 2, rbx 3, rsi 4,
-/// rdi 5, rbp 6, rsp 7, r8 8 ... r15 15); on arm64 x0 to x15 (0 to 15).
+/// rdi 5, rbp 6, rsp 7, r8 8 ... r15 15); on arm64 the argument registers x0 to x7
+/// (0 to 7) and the callee-saved x19 to x26 (8 to 15), where functions keep their
+/// arguments across calls.
 pub const VALUE_REGISTERS: usize = 16;
 
 /// How the programs read one probed function's call: its role, which registers hold
@@ -118,8 +120,10 @@ pub struct ProbeSpec {
     /// the preload library serves, the library's calls of it from its own code are
     /// internal (mimalloc's `posix_memalign` calling `mi_posix_memalign`).
     pub in_library: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// Bytes the stack pointer is below its value at the function's entry at the probe
+    /// spot (arm64: a probe placed after `stp x29, x30, [sp, #-N]!`); the entry program
+    /// adds them back. Such a function's return probes sit on its exits.
+    pub sp_adjust: u32,
 }
 
 /// Per-thread state of the allocator call in progress, keyed by `pid_tgid`.

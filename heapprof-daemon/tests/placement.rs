@@ -105,3 +105,54 @@ fn rust_jemalloc_probes_are_all_emulated() {
     let program = counted::rust_program(true, None, counted::Linker::Lld);
     assert_none_single_stepped(&program, true, 6);
 }
+
+/// Debian's arm64 build of an allocator, from the arm64 VM test's assets (fetched by
+/// `cargo xtask test` and `cargo xtask vm-test`, which name them).
+fn arm64(library: &str) -> std::path::PathBuf {
+    let assets = std::env::var_os("HEAPPROFD_ARM64_VM_ASSETS").unwrap_or_else(|| {
+        panic!(
+            "HEAPPROFD_ARM64_VM_ASSETS is not set: the arm64 libraries come with the VM \
+             test's assets; run this test through `cargo xtask test`"
+        )
+    });
+    Path::new(&assets).join(library)
+}
+
+#[test]
+fn arm64_glibc_probes_are_all_simulated() {
+    let libc = arm64("lib/aarch64-linux-gnu/libc.so.6");
+    assert_none_single_stepped(&libc, false, 9);
+    // glibc's malloc saves its frame record first: its probe is past the push, and
+    // its return probes on its exits.
+    let scan = scan::scan(&libc, "libc.so.6", false, &[], PlacementMode::Auto)
+        .expect("scanning the arm64 C library");
+    let malloc = scan
+        .of_families(&[Family::Standard])
+        .find(|f| f.name == "malloc")
+        .expect("malloc");
+    assert!(
+        malloc.placement.sp_adjust > 0 && !malloc.placement.exits.is_empty(),
+        "{}",
+        malloc.placement
+    );
+}
+
+#[test]
+fn arm64_jemalloc_probes_are_all_simulated() {
+    assert_none_single_stepped(&arm64("allocators/libjemalloc.so.2"), false, 20);
+}
+
+#[test]
+fn arm64_tcmalloc_probes_are_all_simulated() {
+    assert_none_single_stepped(&arm64("allocators/libtcmalloc_minimal.so.4"), false, 15);
+}
+
+#[test]
+fn arm64_mimalloc_probes_are_all_simulated() {
+    assert_none_single_stepped(&arm64("allocators/libmimalloc.so.2.0"), false, 20);
+}
+
+#[test]
+fn arm64_musl_probes_are_all_simulated() {
+    assert_none_single_stepped(&arm64("allocators/libc.so"), false, 5);
+}

@@ -97,6 +97,8 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
         return;
     }
     let (ip, sp) = regs::at_entry(ctx);
+    // The stack pointer at the function's entry, before the pushes the probe follows.
+    let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
     let existing = threads::record(tid);
     let mut exec_gen = 0;
     if let Some(state) = existing {
@@ -164,10 +166,10 @@ pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
     Some(*state)
 }
 
-/// free's entry probe: whether this free is the allocator's own (realloc's), which the
-/// enclosing call accounts for.
+/// free's entry probe (`spec`): whether this free is the allocator's own (realloc's),
+/// which the enclosing call accounts for.
 #[inline(always)]
-pub fn free_is_nested(ctx: &ProbeContext, pid_tgid: u64) -> bool {
+pub fn free_is_nested(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) -> bool {
     let Some(state) = threads::record(pid_tgid) else {
         return false;
     };
@@ -177,6 +179,7 @@ pub fn free_is_nested(ctx: &ProbeContext, pid_tgid: u64) -> bool {
         return false;
     }
     let (_, sp) = regs::at_entry(ctx);
+    let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
     if nested(ctx, sp, state) {
         return true;
     }

@@ -86,7 +86,8 @@ pub fn at_return(ctx: &RetProbeContext) -> (u64, u64, u64) {
 }
 
 /// The registers an entry program can read its values from ([`VALUE_REGISTERS`]:
-/// x86-64's general-purpose registers in DWARF order; arm64's x0 to x15).
+/// x86-64's general-purpose registers in DWARF order; arm64's x0 to x7 and x19 to
+/// x26).
 /// Read with constant offsets into the context, which is all the verifier accepts
 /// there; the callers index the copy.
 #[inline(always)]
@@ -104,9 +105,11 @@ pub fn value_registers(ctx: &ProbeContext) -> [u64; VALUE_REGISTERS] {
     // SAFETY: the kernel's arm64 pt_regs begins with user_pt_regs.
     unsafe {
         let r = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
-        let mut values = [0; VALUE_REGISTERS];
-        values.copy_from_slice(&r.regs[..VALUE_REGISTERS]);
-        values
+        [
+            r.regs[0], r.regs[1], r.regs[2], r.regs[3], r.regs[4], r.regs[5], r.regs[6], r.regs[7],
+            r.regs[19], r.regs[20], r.regs[21], r.regs[22], r.regs[23], r.regs[24], r.regs[25],
+            r.regs[26],
+        ]
     }
     #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
     {

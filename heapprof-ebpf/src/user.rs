@@ -77,7 +77,7 @@ fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec) -> bool {
         return false;
     };
     let (ip, sp) = regs::at_entry(ctx);
-    let caller = regs::return_address_at_entry(ctx, sp);
+    let caller = regs::return_address_at_entry(ctx, sp.wrapping_add(u64::from(spec.sp_adjust)));
     if caller >= library.text_start && caller < library.text_end {
         return true;
     }
@@ -99,7 +99,7 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
     }
     let registers = regs::value_registers(ctx);
     if role == ProbeRole::Free {
-        on_free(ctx, reg(&registers, spec.ptr_reg));
+        on_free(ctx, spec, reg(&registers, spec.ptr_reg));
         return;
     }
     let old_ptr = reg(&registers, spec.ptr_reg);
@@ -119,9 +119,9 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
 /// A free function's probe: credits the block to its site, unless an allocator call
 /// in progress made it (realloc's own free).
 #[inline(always)]
-fn on_free(ctx: &ProbeContext, ptr: u64) {
+fn on_free(ctx: &ProbeContext, spec: &ProbeSpec, ptr: u64) {
     let pid_tgid = bpf_get_current_pid_tgid();
-    if ignored(pid_tgid) || !armed() || calls::free_is_nested(ctx, pid_tgid) {
+    if ignored(pid_tgid) || !armed() || calls::free_is_nested(ctx, spec, pid_tgid) {
         return;
     }
     sites::release((pid_tgid >> 32) as u32, ptr);

@@ -19,8 +19,27 @@ use crate::{CmdExt as _, step, workspace_root};
 /// The kernel's metapackage: its dependency names the current 6.1 image.
 const KERNEL_METAPACKAGE: &str = "linux-image-arm64";
 /// Packages unpacked next to the kernel image: libc6 brings libm, libstdc++6 is what
-/// the C++ test program links (with libgcc_s).
-const PACKAGES: [&str; 4] = ["busybox-static", "libc6", "libgcc-s1", "libstdc++6"];
+/// the C++ test program links (with libgcc_s); the allocators' arm64 builds are for the
+/// probe-placement test (tests/placement.rs), which scans them as files.
+const PACKAGES: [&str; 8] = [
+    "busybox-static",
+    "libc6",
+    "libgcc-s1",
+    "libstdc++6",
+    "libjemalloc2",
+    "libtcmalloc-minimal4",
+    "libmimalloc2.0",
+    "musl",
+];
+
+/// The allocators' libraries, from the unpacked packages into `allocators/` of the
+/// assets (outside `lib/`, which the VM boots with).
+const ALLOCATORS: [&str; 4] = [
+    "usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+    "usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    "usr/lib/aarch64-linux-gnu/libmimalloc.so.2.0",
+    "lib/aarch64-linux-musl/libc.so",
+];
 
 /// The assets directory, fetched and unpacked if it is not complete yet: it holds
 /// `vmlinuz`, `bin/busybox` and the C and C++ libraries under `lib/`.
@@ -99,6 +118,17 @@ pub fn ensure_assets() -> Result<PathBuf> {
         .args(&libstdcxx)
         .arg(assets.join("lib/aarch64-linux-gnu"))
         .run()?;
+    std::fs::create_dir_all(assets.join("allocators"))?;
+    for library in ALLOCATORS {
+        let from = unpacked.join(library);
+        // Links resolved: libjemalloc.so.2 and its kind are symbolic links.
+        let from = std::fs::canonicalize(&from)
+            .with_context(|| format!("the allocator packages unpacked no {}", from.display()))?;
+        let name = Path::new(library)
+            .file_name()
+            .context("an allocator library without a file name")?;
+        std::fs::copy(&from, assets.join("allocators").join(name))?;
+    }
     let mut marker = kernel;
     for package in PACKAGES {
         marker.push('\n');

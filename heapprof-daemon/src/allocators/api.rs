@@ -123,12 +123,13 @@ impl Signature {
     }
 
     /// The programs' form of this signature, for a probe at `probe_offset` where the
-    /// values it reads are in `registers`, in an object whose code spans the file
-    /// offsets `text`.
+    /// values it reads are in `registers` and the stack pointer is `sp_adjust` bytes
+    /// below its value at the entry, in an object whose code spans the file offsets
+    /// `text`.
     pub fn spec(
         &self,
         probe_offset: u64,
-        registers: ValueRegisters,
+        (registers, sp_adjust): (ValueRegisters, u32),
         text: (u64, u64),
     ) -> ProbeSpec {
         let fixed_size = match self.size {
@@ -148,7 +149,7 @@ impl Signature {
             round_to_pages: u32::from(self.round_to_pages),
             in_use: 1,
             in_library: 0,
-            _pad: 0,
+            sp_adjust,
         }
     }
 }
@@ -394,7 +395,7 @@ mod tests {
         let spec = |name: &str| {
             let signature = known(name).expect(name).signature;
             let registers = ValueRegisters::at_entry(Arch::X86_64, signature.needs());
-            signature.spec(0x10, registers, (0, 0x100))
+            signature.spec(0x10, (registers, 0), (0, 0x100))
         };
         // DWARF numbers: rdi 5, rsi 4, rdx 1.
         let calloc = spec("calloc");
@@ -414,6 +415,6 @@ mod tests {
             size: 0,
             ..ValueRegisters::at_entry(Arch::X86_64, malloc.needs())
         };
-        assert_eq!(malloc.spec(0, moved, (0, 1)).size_reg, 0);
+        assert_eq!(malloc.spec(0, (moved, 0), (0, 1)).size_reg, 0);
     }
 }

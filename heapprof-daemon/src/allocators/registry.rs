@@ -49,6 +49,15 @@ pub struct SlotInfo {
     pub offset: u64,
 }
 
+/// Where one function's programs attach: its entry program at `entry`, its return
+/// probe at `returns` (the entry spot, its exits, or nowhere for a free), as file
+/// offsets.
+struct ProbePoints {
+    slot: ProbeSlot,
+    entry: u64,
+    returns: Vec<u64>,
+}
+
 /// How probes are attached, fixed for the session.
 #[derive(Debug, Clone)]
 pub struct ProbeSettings {
@@ -294,7 +303,7 @@ impl AllocatorProbes {
             let slot = (first + index) as ProbeSlot;
             let mut spec = function.signature.spec(
                 function.probe_offset(),
-                function.placement.registers,
+                (function.placement.registers, function.placement.sp_adjust),
                 scan.text,
             );
             spec.in_library = u32::from(!executable);
@@ -317,7 +326,23 @@ impl AllocatorProbes {
                     function.placement.reason
                 );
             }
-            points.push((slot, function.probe_offset(), function.signature.role));
+            let returns = if !function.signature.role.returns_a_block() {
+                Vec::new()
+            } else if function.placement.exits.is_empty() {
+                vec![function.probe_offset()]
+            } else {
+                function
+                    .placement
+                    .exits
+                    .iter()
+                    .map(|exit| function.offset + exit)
+                    .collect()
+            };
+            points.push(ProbePoints {
+                slot,
+                entry: function.probe_offset(),
+                returns,
+            });
         }
         self.attach(ebpf, object, &points)?;
         for function in &new {
@@ -364,7 +389,7 @@ impl AllocatorProbes {
         &mut self,
         ebpf: &mut Ebpf,
         object: &ObjectFile,
-        points: &[(ProbeSlot, u64, heapprof_common::ProbeRole)],
+        points: &[ProbePoints],
     ) -> Result<()> {
         let scope = match self.settings.pid.and_then(std::num::NonZeroU32::new) {
             Some(pid) => UProbeScope::OneProcess(pid),
@@ -378,12 +403,11 @@ impl AllocatorProbes {
         };
         let returns: Vec<u64> = points
             .iter()
-            .filter(|(_, _, role)| role.returns_a_block())
-            .map(|(_, offset, _)| *offset)
+            .flat_map(|p| p.returns.iter().copied())
             .collect();
         match self.settings.method {
             AttachMethod::MultiLink => {
-                let entries: Vec<_> = points.iter().map(|(s, o, _)| entry(*s, *o)).collect();
+                let entries: Vec<_> = points.iter().map(|p| entry(p.slot, p.entry)).collect();
                 self.probes += entries.len() + returns.len();
                 uprobe(ebpf, names::PROG_ENTRY_MULTI)?
                     .attach(entries, path, scope)
@@ -399,10 +423,10 @@ impl AllocatorProbes {
                 }
             }
             AttachMethod::PerfEvents => {
-                for (slot, offset, _) in points {
+                for point in points {
                     self.probes += 1;
                     uprobe(ebpf, names::PROG_ENTRY)?
-                        .attach([entry(*slot, *offset)], path, scope)
+                        .attach([entry(point.slot, point.entry)], path, scope)
                         .with_context(context)?;
                 }
                 for offset in returns {

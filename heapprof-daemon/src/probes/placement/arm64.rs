@@ -1,7 +1,7 @@
 //! arm64: fixed-width words decoded by hand, for the instructions the kernel simulates
 //! and the common integer, load/store and system instructions that may come before.
 
-use super::{Arch, MAX_SKIPPED_INSTRUCTIONS, Needs, Placement, Tracked, Value};
+use super::{Arch, MAX_SKIPPED_INSTRUCTIONS, Needs, Placement, Tracked, Value, ValueRegisters};
 
 /// Instructions the arm64 kernel simulates rather than single-steps
 /// (arch/arm64/kernel/probes/decode-insn.c): PC-relative branches, adr/adrp and
@@ -38,6 +38,9 @@ enum Effect {
     Move { to: u8, from: u8 },
     /// `mul xd, xn, xm`: the low 64 bits of a product.
     Multiply { to: u8, left: u8, right: u8 },
+    /// The stack pointer goes down by `bytes` (a prologue's `stp x29, x30, [sp,
+    /// #-N]!` or `sub sp, sp, #N`), possibly storing registers: writes nothing else.
+    Push { bytes: u32 },
 }
 
 fn field(word: u32, shift: u32) -> u8 {
@@ -63,6 +66,13 @@ fn effect(word: u32) -> Option<Effect> {
     let flag_setting = word & 0x2000_0000 != 0;
     // Data processing, immediate.
     if word & 0x1f00_0000 == 0x1100_0000 {
+        // sub sp, sp, #imm{, lsl #12} (64-bit, no flags): a push.
+        if word & 0xff80_03ff == 0xd100_03ff {
+            let shift = if word & 0x0040_0000 != 0 { 12 } else { 0 };
+            return Some(Effect::Push {
+                bytes: ((word >> 10) & 0xfff) << shift,
+            });
+        }
         // add/sub (immediate): rd 31 is sp unless flags are set (cmp, cmn).
         return writes(if flag_setting { zr(rd) } else { sp(rd) }, None, None);
     }
@@ -136,6 +146,15 @@ fn effect(word: u32) -> Option<Effect> {
         return writes(if load { zr(rd) } else { None }, None, None); // register offset
     }
     if word & 0x3e00_0000 == 0x2800_0000 {
+        // stp xt, xt2, [sp, #-N]! (64-bit, pre-index, a negative offset): a push.
+        if word & 0xffc0_03e0 == 0xa980_03e0 {
+            let imm7 = (word >> 15) & 0x7f;
+            if imm7 & 0x40 != 0 {
+                return Some(Effect::Push {
+                    bytes: (0x80 - imm7) * 8,
+                });
+            }
+        }
         // Pair: bits 24-23 01 post-index, 11 pre-index (write back).
         let write_back = word & 0x0080_0000 != 0;
         let (rt, rt2) = if load {
@@ -157,37 +176,58 @@ fn effect(word: u32) -> Option<Effect> {
     None
 }
 
-/// x0-x30's values, followed through instructions that fall through.
-struct Registers(Tracked);
+/// x0-x30's values, followed through instructions that fall through, and how the
+/// stack pointer and the link register changed.
+#[derive(Clone)]
+struct Registers {
+    values: Tracked,
+    /// Bytes pushed: the stack pointer is this far below its value at the entry.
+    pushed: u32,
+    /// Whether the link register was written (signed by `paciasp`): a return probe
+    /// would replace it where it no longer holds the plain return address.
+    lr_written: bool,
+}
 
 impl Registers {
     fn at_entry() -> Registers {
-        Registers(Tracked::at_entry(Arch::Aarch64, 31))
+        Registers {
+            values: Tracked::at_entry(Arch::Aarch64, 31),
+            pushed: 0,
+            lr_written: false,
+        }
     }
 
-    /// Applies `effect`; false if it writes the stack pointer, or the link
-    /// register while a return probe shares the spot.
-    fn apply(&mut self, effect: Effect, return_probe: bool) -> bool {
+    /// Applies `effect`; false if it writes the stack pointer other than by a push.
+    fn apply(&mut self, effect: Effect) -> bool {
         match effect {
             Effect::Nothing => {}
+            Effect::Push { bytes } => {
+                let Some(pushed) = self.pushed.checked_add(bytes) else {
+                    return false;
+                };
+                self.pushed = pushed;
+            }
             Effect::Move { to, from } => {
                 let value = if from == 31 {
                     Value::Unknown
                 } else {
-                    self.0.get(from)
+                    self.values.get(from)
                 };
-                self.0.set(to, value);
+                self.values.set(to, value);
             }
             Effect::Multiply { to, left, right } => {
-                let value = self.0.get(left).times(self.0.get(right));
-                self.0.set(to, value);
+                let value = self.values.get(left).times(self.values.get(right));
+                self.values.set(to, value);
             }
             Effect::Writes(registers) => {
                 for register in registers.into_iter().flatten() {
-                    if register == SP || (register == LR && return_probe) {
+                    if register == SP {
                         return false;
                     }
-                    self.0.set(register, Value::Unknown);
+                    if register == LR {
+                        self.lr_written = true;
+                    }
+                    self.values.set(register, Value::Unknown);
                 }
             }
         }
@@ -228,21 +268,22 @@ pub(super) fn place(code: &[u8], needs: Needs, return_probe: bool) -> Placement 
         .map(|c| u32::from_le_bytes(*c))
         .collect();
     let mut registers = Registers::at_entry();
+    // The registers before each skipped instruction, for the branches back into them.
+    let mut before = Vec::new();
     let mut candidate = None;
     for (index, &word) in words.iter().enumerate().take(MAX_SKIPPED_INSTRUCTIONS + 1) {
         if let Some(what) = simulated(word) {
             candidate = Some((index as u64 * 4, what));
             break;
         }
+        before.push(registers.clone());
         let Some(effect) = effect(word) else {
             return entry("entry: an instruction before the first simulated one is not understood");
         };
-        if !registers.apply(effect, return_probe) {
-            return entry(if return_probe {
-                "entry: an instruction before the first simulated one writes the stack pointer or the link register"
-            } else {
-                "entry: an instruction before the first simulated one writes the stack pointer"
-            });
+        if !registers.apply(effect) {
+            return entry(
+                "entry: an instruction before the first simulated one writes the stack pointer",
+            );
         }
     }
     let Some((offset, what)) = candidate else {
@@ -251,7 +292,7 @@ pub(super) fn place(code: &[u8], needs: Needs, return_probe: bool) -> Placement 
     if offset == 0 {
         return entry(&format!("entry: the first instruction is a {what}"));
     }
-    let Some(located) = registers.0.locate(needs) else {
+    let Some(located) = registers.values.locate(needs) else {
         return entry(
             "entry: a value the probe reads is overwritten before the first simulated instruction",
         );
@@ -263,9 +304,201 @@ pub(super) fn place(code: &[u8], needs: Needs, return_probe: bool) -> Placement 
         if let Some(target) = branch_target(word, index as i64 * 4)
             && target > 0
             && target <= offset as i64
+            && !loops_back_alike(
+                &words,
+                &before,
+                target as usize / 4,
+                offset as usize / 4,
+                needs,
+                located,
+            )
         {
             return entry("entry: a branch in the function lands in the skipped instructions");
         }
     }
-    Placement::moved(Arch::Aarch64, offset, what, needs, located)
+    // Past a push, or where the return address is signed, a return probe at the spot
+    // would replace a return address the function no longer returns through: the
+    // return probes go on the exits, where it is back in the link register.
+    let exits = if return_probe && (registers.pushed != 0 || registers.lr_written) {
+        match exits(&words) {
+            Ok(exits) => exits,
+            Err(why) => return entry(&format!("entry: {why}")),
+        }
+    } else {
+        Vec::new()
+    };
+    Placement {
+        sp_adjust: registers.pushed,
+        exits,
+        ..Placement::moved(Arch::Aarch64, offset, what, needs, located)
+    }
+}
+
+/// Whether a branch back to instruction `target` of the skipped ones (before the spot,
+/// instruction `spot`) reaches the spot as the entry did: the probe then fires again
+/// (mimalloc's `operator new` retries after its new-handler), which the programs take
+/// for a call forwarding its arguments, as long as the values are where the entry's
+/// path put them and the stack pointer is where it was. After a branch from anywhere,
+/// only a callee-saved register (x19-x28) that no instruction past the skipped ones
+/// writes (but on the way out: an epilogue restores them) still holds the value the
+/// entry's path gave it; the others are unknown.
+fn loops_back_alike(
+    words: &[u32],
+    before: &[Registers],
+    target: usize,
+    spot: usize,
+    needs: Needs,
+    located: ValueRegisters,
+) -> bool {
+    let Some(at_target) = before.get(target) else {
+        return false;
+    };
+    let mut kept: [bool; 31] = core::array::from_fn(|register| (19..=28).contains(&register));
+    let leaving = exit_blocks(words);
+    for (index, &word) in words.iter().enumerate().skip(spot) {
+        if leaving.contains(&index) {
+            continue;
+        }
+        // Branches write nothing but bl's link register; calls (bl, blr) keep x19-x28.
+        let blr = word & 0xffff_fc1f == 0xd63f_0000;
+        if simulated(word).is_some() || blr {
+            continue;
+        }
+        match effect(word) {
+            None => return false,
+            Some(Effect::Nothing) => {}
+            Some(Effect::Push { .. }) => return false,
+            Some(Effect::Move { to, .. } | Effect::Multiply { to, .. }) => {
+                if let Some(slot) = kept.get_mut(usize::from(to)) {
+                    *slot = false;
+                }
+            }
+            Some(Effect::Writes(registers)) => {
+                for register in registers.into_iter().flatten() {
+                    if let Some(slot) = kept.get_mut(usize::from(register)) {
+                        *slot = false;
+                    }
+                }
+            }
+        }
+    }
+    let mut looped = at_target.clone();
+    for register in 0..31u8 {
+        if !kept[usize::from(register)] {
+            looped.values.set(register, Value::Unknown);
+        }
+    }
+    for &word in &words[target..spot] {
+        match effect(word) {
+            Some(Effect::Push { .. }) | None => return false,
+            Some(effect) => {
+                if !looped.apply(effect) {
+                    return false;
+                }
+            }
+        }
+    }
+    looped.values.locate(needs) == Some(located)
+}
+
+/// The instructions of the blocks that leave the function (by `ret`, or by a branch
+/// out of it): from each of those back to its block's start, a branch or a branch
+/// target.
+fn exit_blocks(words: &[u32]) -> std::collections::HashSet<usize> {
+    let len = words.len() as i64 * 4;
+    let targets: std::collections::HashSet<i64> = words
+        .iter()
+        .enumerate()
+        .filter_map(|(index, &word)| branch_target(word, index as i64 * 4))
+        .collect();
+    let mut leaving = std::collections::HashSet::new();
+    for (index, &word) in words.iter().enumerate() {
+        let at = index as i64 * 4;
+        let out = is_b(word) && branch_target(word, at).is_some_and(|t| !(0..len).contains(&t));
+        if word != RET && !out {
+            continue;
+        }
+        leaving.insert(index);
+        for i in (0..index).rev() {
+            if branch_target(words[i], i as i64 * 4).is_some()
+                || words[i] == RET
+                || targets.contains(&((i as i64 + 1) * 4))
+            {
+                break;
+            }
+            leaving.insert(i);
+        }
+    }
+    leaving
+}
+
+/// `ret` (through the link register).
+const RET: u32 = 0xd65f_03c0;
+
+/// Whether `word` is an unconditional `b` (not `bl`).
+fn is_b(word: u32) -> bool {
+    word & 0xfc00_0000 == 0x1400_0000
+}
+
+/// Whether `word` puts the stack pointer back up: `ldp x29, x30, [sp], #N` or any
+/// post-indexed load pair from it, `add sp, sp, #N`.
+fn pops(word: u32) -> bool {
+    let ldp_post_sp = word & 0xffc0_03e0 == 0xa8c0_03e0;
+    let add_sp = word & 0xff80_03ff == 0x9100_03ff;
+    ldp_post_sp || add_sp
+}
+
+/// The offsets of a function's exits, every place where it hands the return to its
+/// caller with the return address back in the link register and the stack pointer at
+/// its entry value: each `ret`, and each `b` out of the function (a tail call) after
+/// its frame was popped in the same block. `Err` says why they cannot all be known.
+fn exits(words: &[u32]) -> Result<Vec<u64>, &'static str> {
+    let len = words.len() as i64 * 4;
+    let mut targets = std::collections::HashSet::new();
+    for (index, &word) in words.iter().enumerate() {
+        if let Some(target) = branch_target(word, index as i64 * 4) {
+            targets.insert(target);
+        }
+    }
+    let mut exits = Vec::new();
+    for (index, &word) in words.iter().enumerate() {
+        let at = index as i64 * 4;
+        if word == RET {
+            exits.push(at as u64);
+            continue;
+        }
+        if word & 0xfffffc1f == 0xd65f_0000 || matches!(word, 0xd65f_0bff | 0xd65f_0fff) {
+            return Err(
+                "the function returns through another register or authenticates its return",
+            );
+        }
+        let call = word & 0xfc00_0000 == 0x9400_0000;
+        let Some(target) = branch_target(word, at).filter(|_| !call) else {
+            continue;
+        };
+        if (0..len).contains(&target) {
+            continue;
+        }
+        if !is_b(word) {
+            return Err("a conditional branch leaves the function");
+        }
+        // The frame must be popped in this block: back from the branch to the block's
+        // start (a branch or a branch target), a pop.
+        let popped = (0..index)
+            .rev()
+            .take_while(|&i| {
+                branch_target(words[i], i as i64 * 4).is_none()
+                    && words[i] != RET
+                    && !targets.contains(&((i as i64 + 1) * 4))
+            })
+            .any(|i| pops(words[i]));
+        if !popped {
+            return Err("a branch leaves the function before its frame is popped");
+        }
+        exits.push(at as u64);
+    }
+    if exits.is_empty() {
+        return Err("the function has no exit");
+    }
+    Ok(exits)
 }

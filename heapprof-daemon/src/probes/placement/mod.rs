@@ -56,6 +56,18 @@ impl Arch {
         }
     }
 
+    /// The register the programs read as value register `index` (see
+    /// [`heapprof_common::VALUE_REGISTERS`]): x86-64's sixteen in DWARF numbering;
+    /// arm64's x0-x7 (the arguments) and x19-x26 (the callee-saved registers functions
+    /// keep their arguments in across calls).
+    fn value_register(self, index: u8) -> u8 {
+        match self {
+            Arch::X86_64 => index,
+            Arch::Aarch64 if index < 8 => index,
+            Arch::Aarch64 => index + 11,
+        }
+    }
+
     /// The register that holds argument `index` (0-based) at a function's entry, in
     /// the numbering of [`ValueRegisters`].
     fn argument_register(self, index: u8) -> u8 {
@@ -93,8 +105,9 @@ pub struct Needs {
     pub out: Option<u8>,
 }
 
-/// Where the values an entry program reads are at the probe spot: register numbers
-/// (x86-64: DWARF's, rax 0 to r15 15; arm64: x0 to x15), or [`NO_REGISTER`].
+/// Where the values an entry program reads are at the probe spot: value-register
+/// indices (x86-64: DWARF's numbers, rax 0 to r15 15; arm64: x0-x7 as 0-7, x19-x26
+/// as 8-15), or [`NO_REGISTER`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ValueRegisters {
     /// The size, or the product of count and size when `count` is [`NO_REGISTER`]
@@ -133,6 +146,12 @@ pub struct Placement {
     pub emulated: bool,
     /// Where the values the entry program reads are there.
     pub registers: ValueRegisters,
+    /// Bytes the stack pointer is below its value at the entry, at the spot.
+    pub sp_adjust: u32,
+    /// Where the return probe goes, in bytes from the function's start: empty for the
+    /// spot itself, else every exit (arm64: the spot is past the instruction that
+    /// saves the return address, so a return probe there would not see the return).
+    pub exits: Vec<u64>,
 }
 
 impl Placement {
@@ -144,6 +163,8 @@ impl Placement {
             reason: reason.into(),
             emulated: emulated_at(arch, code, 0).is_some(),
             registers: ValueRegisters::at_entry(arch, needs),
+            sp_adjust: 0,
+            exits: Vec::new(),
         }
     }
 }
@@ -168,6 +189,8 @@ impl Placement {
             },
             emulated: true,
             registers: located,
+            sp_adjust: 0,
+            exits: Vec::new(),
         }
     }
 }
@@ -175,6 +198,10 @@ impl Placement {
 impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "+{} ({})", self.offset, self.reason)?;
+        if !self.exits.is_empty() {
+            let exits: Vec<String> = self.exits.iter().map(|e| format!("+{e}")).collect();
+            write!(f, ", return probes on its exits {}", exits.join(" "))?;
+        }
         if !self.emulated {
             write!(f, ", single-stepped")?;
         }
@@ -241,6 +268,7 @@ impl Value {
 /// The registers' values as a decoder follows them from a function's entry, by
 /// register number ([`ValueRegisters`]' numbering, up to `count`); the programs can
 /// read the first [`heapprof_common::VALUE_REGISTERS`].
+#[derive(Clone)]
 struct Tracked {
     arch: Arch,
     values: Vec<Value>,
@@ -271,7 +299,8 @@ impl Tracked {
         }
     }
 
-    /// A readable register holding `value`, the argument's own first.
+    /// A readable register holding `value` (its value-register index), the
+    /// argument's own first.
     fn find(&self, value: Value) -> Option<u8> {
         if let Value::Argument(index) = value {
             let own = self.arch.argument_register(index);
@@ -279,7 +308,8 @@ impl Tracked {
                 return Some(own);
             }
         }
-        (0..heapprof_common::VALUE_REGISTERS as u8).find(|&r| self.get(r) == value)
+        (0..heapprof_common::VALUE_REGISTERS as u8)
+            .find(|&i| self.get(self.arch.value_register(i)) == value)
     }
 
     /// Where `needs` are now, if all are in readable registers: a count and a size
@@ -497,10 +527,18 @@ mod tests {
     }
 
     #[test]
-    fn arm64_paciasp_is_skipped_only_without_a_return_probe() {
-        // paciasp; b.eq +8; ret
-        let code = words(&[0xd503_233f, 0x5400_0040, 0xd65f_03c0]);
+    fn arm64_paciasp_moves_the_return_probes_to_the_exits() {
+        // paciasp; b.eq +8; autiasp; ret
+        let code = words(&[0xd503_233f, 0x5400_0040, 0xd503_23bf, 0xd65f_03c0]);
         assert_eq!(place(Arch::Aarch64, &code, FREE, false).offset, 4);
+        let placement = place(Arch::Aarch64, &code, MALLOC, true);
+        assert_eq!(
+            (placement.offset, placement.exits.clone()),
+            (4, vec![12]),
+            "{placement}"
+        );
+        // Without a known exit, the entry.
+        let code = words(&[0xd503_233f, 0x5400_0040]);
         assert_eq!(place(Arch::Aarch64, &code, MALLOC, true).offset, 0);
     }
 
@@ -591,21 +629,119 @@ mod tests {
     }
 
     #[test]
-    fn arm64_frame_records_keep_the_entry() {
+    fn arm64_a_pushed_frame_moves_the_return_probes_to_the_exits() {
         // glibc 2.36's malloc (Debian arm64): stp x29, x30, [sp, #-64]!; mov x29, sp;
-        // stp x23, x24, [sp, #48]; adrp: the stack pointer moves before the first
-        // simulated instruction (and the link register is saved, where a return probe
-        // at the adrp could no longer replace it).
-        let code = words(&[0xa9bc_7bfd, 0x9100_03fd, 0xa903_63f7, 0x9000_08b7]);
+        // stp x23, x24, [sp, #48]; adrp: the stack pointer moves, and the link
+        // register is saved where a return probe at the adrp could no longer replace
+        // it; then ldp x29, x30, [sp], #64; ret.
+        let prologue = [0xa9bc_7bfd, 0x9100_03fd, 0xa903_63f7, 0x9000_08b7];
+        let code = words(&[&prologue[..], &[0xa8c4_7bfd, 0xd65f_03c0]].concat());
         let placement = place(Arch::Aarch64, &code, MALLOC, true);
+        assert_eq!(
+            (
+                placement.offset,
+                placement.sp_adjust,
+                placement.exits.clone()
+            ),
+            (12, 64, vec![20]),
+            "{placement}"
+        );
+        assert!(placement.emulated);
+        // free has no return probe: its probe moves, the exits do not matter.
+        let placement = place(Arch::Aarch64, &words(&prologue), FREE, false);
+        assert_eq!((placement.offset, placement.sp_adjust), (12, 64));
+        // With no exit to be seen, the entry.
+        let placement = place(Arch::Aarch64, &words(&prologue), MALLOC, true);
         assert_eq!(placement.offset, 0, "{placement}");
         assert!(!placement.emulated);
+        // sub sp, sp, #32 is a push too.
+        let code = words(&[0xd100_83ff, 0xb400_0040, 0x9100_83ff, 0xd65f_03c0]);
+        let placement = place(Arch::Aarch64, &code, MALLOC, true);
+        assert_eq!(
+            (placement.offset, placement.sp_adjust),
+            (4, 32),
+            "{placement}"
+        );
         // A store without write-back moves nothing: str x19, [sp, #16]; cbz x0.
         let code = words(&[0xf900_0bf3, 0xb400_0040]);
         assert_eq!(place(Arch::Aarch64, &code, FREE, false).offset, 4);
-        // pacia sp signs the link register: not before a return probe's spot.
-        let code = words(&[0xd503_233f, 0xb400_0040]);
+    }
+
+    #[test]
+    fn arm64_a_retry_loop_back_into_the_skipped_instructions_is_followed() {
+        // mimalloc 2.0's mi_new_aligned_nothrow (Debian arm64): the arguments kept in
+        // x21 and x20, moved back to x0 and x1 before the call, where the new-handler
+        // retry branches back to (+0x18).
+        let code = words(&[
+            0xa9bd_7bfd,
+            0x9100_03fd,
+            0xa901_53f3,
+            0xaa01_03f4,
+            0xf900_13f5,
+            0xaa00_03f5,
+            0xaa14_03e1,
+            0xaa15_03e0,
+            0x97ff_d037,
+            0xaa00_03f3,
+            0xb400_00c0,
+            0xf940_13f5,
+            0xaa13_03e0,
+            0xa941_53f3,
+            0xa8c3_7bfd,
+            0xd65f_03c0,
+            0x97ff_fecb,
+            0xb400_0060,
+            0xd63f_0000,
+            0x17ff_fff3,
+            0x9000_0021,
+            0x5280_0180,
+            0x9110_e021,
+            0x9400_0ae8,
+            0x17ff_fff3,
+        ]);
+        let placement = place(Arch::Aarch64, &code, MALLOC, true);
+        assert_eq!(
+            (
+                placement.offset,
+                placement.sp_adjust,
+                placement.exits.clone()
+            ),
+            (0x20, 48, vec![0x3c]),
+            "{placement}"
+        );
+        assert_eq!(placement.registers.size, 0);
+        // Were x21 written on the retry's way (mov x21, x0 before the loop back), the
+        // size would be unknown there: the entry.
+        let mut changed = code.clone();
+        changed[18 * 4..19 * 4].copy_from_slice(&0xaa00_03f5u32.to_le_bytes());
+        assert_eq!(place(Arch::Aarch64, &changed, MALLOC, true).offset, 0);
+    }
+
+    #[test]
+    fn arm64_exits_are_returns_and_tail_calls_after_the_pop() {
+        // stp x29, x30, [sp, #-16]!; adrp x1; cbz x0, +12; ldp x29, x30, [sp], #16;
+        // b <outside>; ldp x29, x30, [sp], #16; ret
+        let prologue = [0xa9bf_7bfd, 0x9000_0001, 0xb400_0060];
+        let tail = [0xa8c1_7bfd, 0x1400_0100];
+        let ret = [0xa8c1_7bfd, 0xd65f_03c0];
+        let code = words(&[&prologue[..], &tail, &ret].concat());
+        let placement = place(Arch::Aarch64, &code, MALLOC, true);
+        assert_eq!(placement.exits, vec![16, 24], "{placement}");
+        // A tail call with the frame still pushed: the exits are not known.
+        let code = words(&[&prologue[..], &[0xd503_201f, 0x1400_0100], &ret].concat());
         assert_eq!(place(Arch::Aarch64, &code, MALLOC, true).offset, 0);
+        // A conditional branch out of the function.
+        let code = words(&[&prologue[..], &[0xb400_1000], &ret].concat());
+        assert_eq!(place(Arch::Aarch64, &code, MALLOC, true).offset, 0);
+        // retaa, and ret through another register.
+        for exit in [0xd65f_0bff, 0xd65f_0020] {
+            let code = words(&[&prologue[..], &[0xa8c1_7bfd, exit]].concat());
+            let placement = place(Arch::Aarch64, &code, MALLOC, true);
+            assert_eq!(placement.offset, 0, "{placement}");
+        }
+        // A call (bl) out of the function is no exit.
+        let code = words(&[&prologue[..], &[0x9400_0100], &ret].concat());
+        assert_eq!(place(Arch::Aarch64, &code, MALLOC, true).exits, vec![20]);
     }
 
     #[test]
