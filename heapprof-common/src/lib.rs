@@ -596,6 +596,11 @@ pub mod names {
     pub const PROG_SWITCH: &str = "thread_switch";
     /// The tracepoint it attaches to.
     pub const SWITCH_TRACEPOINT: &str = "sched_switch";
+    /// Raw tracepoint on every system call's entry: a preloaded thread's queued
+    /// records are applied when it calls `futex`, before it wakes another thread.
+    pub const PROG_FUTEX: &str = "thread_futex";
+    /// The tracepoint it attaches to.
+    pub const SYSCALL_TRACEPOINT: &str = "sys_enter";
     /// The answers to the preload library's allocation reports (a memory-mappable
     /// `Array<preload::StackReply>`; see [`crate::preload::REPLY_SLOTS`]).
     pub const REPLIES: &str = "REPLIES";

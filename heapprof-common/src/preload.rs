@@ -60,7 +60,10 @@ pub struct ReportQueue {
 /// address, and how much of which generation it has applied. Records reach the
 /// program with the thread's reports, and also whenever the thread is switched out
 /// (`sched_switch`), so that a thread that allocates and then waits is not left out
-/// of interval profiles and in-use peaks.
+/// of interval profiles and in-use peaks, and whenever it calls `futex`: a thread
+/// that wakes another through the kernel (a mutex, condition variable or barrier
+/// with waiters) calls it first, so a block freed by the woken thread is never taken
+/// off the in-use total before one its waker allocated earlier is added.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct QueueState {
@@ -154,6 +157,9 @@ pub enum Kind {
     /// The library serves this process's allocations: the allocator's own probes, if
     /// any are attached, must not count its calls again.
     Hello = 2,
+    /// A free that could not be queued (a signal handler's, while the thread it
+    /// interrupted was changing its queue): the block is register 0.
+    Free = 3,
 }
 
 impl Kind {
@@ -163,6 +169,7 @@ impl Kind {
             0 => Kind::Alloc,
             1 => Kind::Flush,
             2 => Kind::Hello,
+            3 => Kind::Free,
             _ => return None,
         })
     }
@@ -183,6 +190,10 @@ impl Meta {
     /// Bit 25: the thread's last report (its state goes to another thread): forget its
     /// queue's address after applying the queue.
     pub const UNREGISTER_QUEUE: u64 = 1 << 25;
+    /// Bit 26: the thread's queue is being changed (the report comes from a signal
+    /// handler that interrupted the library there): the program leaves it alone, and
+    /// the records it is getting are applied with a later report.
+    pub const QUEUE_BUSY: u64 = 1 << 26;
     /// Bits 32-47: the thread's slot of the `REPLIES` map ([`REPLY_SLOTS`]), 0 if none.
     pub const SLOT_SHIFT: u32 = 32;
 }

@@ -120,6 +120,7 @@ fn header() -> String {
         ("ALLOC", Kind::Alloc),
         ("FLUSH", Kind::Flush),
         ("HELLO", Kind::Hello),
+        ("FREE", Kind::Free),
     ] {
         let _ = writeln!(h, "#define HP_KIND_{name} {}u", kind as u32);
     }
@@ -136,6 +137,7 @@ fn header() -> String {
         "#define HP_META_UNREGISTER_QUEUE {}ULL",
         Meta::UNREGISTER_QUEUE
     );
+    let _ = writeln!(h, "#define HP_META_QUEUE_BUSY {}ULL", Meta::QUEUE_BUSY);
     let mut names = String::from("static const char *const hp_function_names[] = {\n");
     for (index, (name, _)) in FUNCTIONS.iter().enumerate() {
         if !name.starts_with('_') {

@@ -164,6 +164,7 @@ struct thread_state {
     uint32_t registered;          /* the queue's address was reported */
     uint32_t cxx_depth;           /* inside a replacement allocator's C++ operator */
     uint32_t reply_slot;          /* its slot of `replies`; 0 until taken */
+    uint32_t queue_busy;          /* the queue is being changed (see busy_begin) */
     uint64_t until_sample;           /* bytes left before the next sampled allocation */
     uint64_t random;                 /* xorshift state */
     uint32_t known_victim;                /* the place replaced next */
@@ -206,6 +207,55 @@ static int cxx_through_malloc = 1;
 static struct hp_stack_reply *replies;
 /* Else the object defining them (their calls of each other are nested). */
 static void *cxx_base;
+/* The code of the object serving malloc: a call made inside a real allocator call
+ * from there is the allocator's own; from anywhere else (a signal handler that
+ * interrupted it) it is the program's. Both 0: every such call is the allocator's. */
+static uint64_t allocator_text_start, allocator_text_end;
+
+/* The executable segments of the object loaded at `base`, from its ELF headers in
+ * memory (a shared object maps them with its first segment). */
+static void find_allocator_text(const unsigned char *base)
+{
+    if (!base || base[0] != 0x7f || base[1] != 'E' || base[2] != 'L' || base[3] != 'F' ||
+        base[4] != 2 /* ELFCLASS64 */)
+        return;
+    uint64_t phoff = *(const uint64_t *)(base + 0x20);
+    uint16_t phentsize = *(const uint16_t *)(base + 0x36);
+    uint16_t phnum = *(const uint16_t *)(base + 0x38);
+    if (phentsize < 56 || phnum == 0 || phnum > 64 || phoff > 4096)
+        return;
+    uint64_t lowest = UINT64_MAX, start = UINT64_MAX, end = 0;
+    for (uint16_t i = 0; i < phnum; i++) {
+        const unsigned char *ph = base + phoff + (uint64_t)i * phentsize;
+        uint32_t type = *(const uint32_t *)ph;
+        uint32_t flags = *(const uint32_t *)(ph + 4);
+        uint64_t vaddr = *(const uint64_t *)(ph + 16);
+        uint64_t memsz = *(const uint64_t *)(ph + 40);
+        if (type != 1 /* PT_LOAD */)
+            continue;
+        if (vaddr < lowest)
+            lowest = vaddr;
+        if (flags & 1 /* PF_X */) {
+            if (vaddr < start)
+                start = vaddr;
+            if (vaddr + memsz > end)
+                end = vaddr + memsz;
+        }
+    }
+    if (start >= end || lowest == UINT64_MAX)
+        return;
+    uint64_t bias = (uint64_t)(uintptr_t)base - (lowest & ~(uint64_t)4095);
+    allocator_text_start = bias + start;
+    allocator_text_end = bias + end;
+}
+
+/* Whether a call inside a real allocator call, returning to `ra`, is the allocator's
+ * own (it passes through) rather than a signal handler's. */
+static inline int from_allocator(uint64_t ra)
+{
+    return allocator_text_end == 0 || (ra >= allocator_text_start && ra < allocator_text_end);
+}
+
 
 static struct {
     void *(*malloc)(size_t);
@@ -368,6 +418,22 @@ static inline uint64_t meta(struct thread_state *t, unsigned function, unsigned 
     return word;
 }
 
+/* The queue is about to change. A signal handler that allocates or frees meanwhile
+ * (an interrupted append would be overwritten, an interrupted report would drop what
+ * the handler queued) reports its call at once, leaving the queue alone (see
+ * report_now, queue_free). Counted: the sections nest (a full queue's flush). */
+static inline void busy_begin(struct thread_state *t)
+{
+    t->queue_busy++;
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+}
+
+static inline void busy_end(struct thread_state *t)
+{
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    t->queue_busy--;
+}
+
 /* The queue was reported: it starts again, as a new generation. The program may read
  * it whenever the thread is switched out, so the order of these stores matters: an
  * emptied queue of the old generation is nothing new to it, a full one of the new
@@ -390,13 +456,16 @@ static __attribute__((noinline)) void flush(struct thread_state *t)
 {
     if (t->queue.len == 0)
         return;
+    busy_begin(t);
     probe(0, 0, 0, 0, 0, queue_address(t), meta(t, 0, HP_KIND_FLUSH));
     reported(t);
+    busy_end(t);
 }
 
 /* Queues a record of `words` words, reporting the queue first if it has no room. */
 static inline void queue_record(struct thread_state *t, const uint64_t *record, uint32_t words)
 {
+    busy_begin(t);
     if (t->queue.len + words > HP_QUEUE_WORDS)
         flush(t);
     uint32_t at = t->queue.len;
@@ -405,16 +474,22 @@ static inline void queue_record(struct thread_state *t, const uint64_t *record, 
     /* The words before the length that covers them (see reported()). */
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     t->queue.len = at + words;
+    busy_end(t);
 }
 
 /* Queues the free of `p` (a block of the real allocator, not NULL). */
 static inline void queue_free(struct thread_state *t, void *p)
 {
-    if (unlikely(t->depth))
-        return; /* inside an allocator call, or a thread without state */
+    if (unlikely(t == &no_state))
+        return;
     uint64_t block = (uint64_t)(uintptr_t)p;
     if (sample_rate && !set_remove(block))
         return;
+    if (unlikely(t->queue_busy)) {
+        /* A signal handler's free, while the thread it interrupted changes its queue. */
+        probe(block, 0, 0, 0, 0, queue_address(t), meta(t, 0, HP_KIND_FREE) | HP_META_QUEUE_BUSY);
+        return;
+    }
     if (likely(!(block & HP_RECORD_EXTENDED))) {
         queue_record(t, &block, 1);
         return;
@@ -488,12 +563,19 @@ static inline const struct known_stack *find_known(struct thread_state *t, uint6
 static inline void report(struct thread_state *t, unsigned function, void *p, uint64_t size,
                           uint64_t ra, uint64_t sp, uint64_t fp)
 {
-    if (!p || unlikely(t->depth))
+    if (!p || unlikely(t == &no_state))
         return;
     if (sample_rate) {
         if (!sampled(t, size))
             return;
         set_insert((uint64_t)(uintptr_t)p);
+    }
+    if (unlikely(t->queue_busy)) {
+        /* A signal handler's allocation, while the thread it interrupted changes its
+         * queue: reported now, walked, with no answer kept. */
+        probe((uint64_t)(uintptr_t)p, size, ra, sp, fp, queue_address(t),
+              meta(t, function, HP_KIND_ALLOC) | HP_META_QUEUE_BUSY);
+        return;
     }
     const struct known_stack *k;
     if (likely(size >> (64 - HP_RECORD_SIZE_SHIFT) == 0) && (k = find_known(t, ra, sp, fp))) {
@@ -506,9 +588,11 @@ static inline void report(struct thread_state *t, unsigned function, void *p, ui
     uint32_t slot = reply_slot(t);
     if (slot)
         replies[slot].status = 0;
+    busy_begin(t);
     probe((uint64_t)(uintptr_t)p, size, ra, sp, fp, queue_address(t),
           meta(t, function, HP_KIND_ALLOC) | (uint64_t)slot << HP_META_SLOT_SHIFT);
     reported(t);
+    busy_end(t);
     if (slot && replies[slot].status == HP_REPLY_KNOWN)
         remember(t, &replies[slot], ra, sp, fp);
 }
@@ -523,9 +607,11 @@ extern const char etext[] __attribute__((visibility("hidden")));
 static void hello(void)
 {
     struct thread_state *t = this_thread();
+    busy_begin(t);
     probe((uint64_t)(uintptr_t)__ehdr_start, (uint64_t)(uintptr_t)etext, 0, 0, 0,
           queue_address(t), meta(t, 0, HP_KIND_HELLO));
     reported(t);
+    busy_end(t);
 }
 
 static void before_fork(void)
@@ -545,6 +631,7 @@ static void in_child(void)
     struct thread_state *t = state == ACTIVE ? pthread_getspecific(thread_key) : NULL;
     if (t && t != &no_state) {
         t->queue.len = 0;
+        t->queue_busy = 0;
         t->registered = 0;
         /* The map is shared with the parent, whose thread keeps its slot. */
         t->reply_slot = 0;
@@ -569,6 +656,7 @@ static __attribute__((noinline)) struct thread_state *adopt_thread(void)
     __atomic_store_n(&spare_lock, 0, __ATOMIC_RELEASE);
     if (t) {
         t->queue.len = 0;
+        t->queue_busy = 0;
         t->registered = 0;
         t->depth = 0;
         t->cxx_depth = 0;
@@ -596,9 +684,11 @@ static void thread_ends(void *value)
     if (!t || t == &no_state)
         return;
     if (state == ACTIVE && (t->registered || t->queue.len)) {
+        busy_begin(t);
         probe(0, 0, 0, 0, 0, queue_address(t),
               meta(t, 0, HP_KIND_FLUSH) | HP_META_UNREGISTER_QUEUE);
         reported(t);
+        busy_end(t);
     }
     t->registered = 0;
     while (__atomic_exchange_n(&spare_lock, 1, __ATOMIC_ACQUIRE))
@@ -700,6 +790,9 @@ static void initialize(void)
         return;
     }
     cxx_through_malloc = cxx_allocates_with_malloc();
+    dl_info_t allocator;
+    if (dladdr((void *)real.malloc, &allocator))
+        find_allocator_text(allocator.dli_fbase);
     dl_info_t cxx;
     if (real.cxx_new[0] && dladdr((void *)real.cxx_new[0], &cxx))
         cxx_base = cxx.dli_fbase;
@@ -757,6 +850,14 @@ static inline int ready(void) { return __atomic_load_n(&state, __ATOMIC_ACQUIRE)
 
 /* ---- the C functions -------------------------------------------------------------------- */
 
+/* Whether a call passes through unreported: inside a real allocator call of the
+ * thread, made by the allocator itself (a signal handler's call is the program's), or
+ * a thread without state. */
+static inline int passes_through(struct thread_state *t, uint64_t ra)
+{
+    return t->depth && (t == &no_state || from_allocator(ra));
+}
+
 /* Runs `call` as a real allocator call of this thread (nested calls pass through). */
 #define REAL_CALL(t, call)                                                                 \
     ({                                                                                     \
@@ -771,7 +872,7 @@ EXPORT void *malloc(size_t size)
     if (unlikely(!active()))
         return ready() ? real.malloc(size) : arena_alloc(size, 0);
     struct thread_state *t = this_thread();
-    if (t->depth)
+    if (passes_through(t, CALLER_RA()))
         return real.malloc(size);
     void *p = REAL_CALL(t, real.malloc(size));
     report(t, HP_FN_MALLOC, p, size, CALLER_RA(), CALLER_SP(), CALLER_FP());
@@ -787,7 +888,7 @@ EXPORT void *calloc(size_t count, size_t size)
         return __builtin_mul_overflow(count, size, &bytes) ? NULL : arena_alloc(bytes, 1);
     }
     struct thread_state *t = this_thread();
-    if (t->depth)
+    if (passes_through(t, CALLER_RA()))
         return real.calloc(count, size);
     void *p = REAL_CALL(t, real.calloc(count, size));
     report(t, HP_FN_CALLOC, p, (uint64_t)count * size, CALLER_RA(), CALLER_SP(), CALLER_FP());
@@ -823,7 +924,7 @@ EXPORT void *realloc(void *old, size_t size)
     if (unlikely(!active()))
         return ready() ? real.realloc(old, size) : arena_alloc(size, 0);
     struct thread_state *t = this_thread();
-    if (t->depth)
+    if (passes_through(t, CALLER_RA()))
         return real.realloc(old, size);
     void *p = REAL_CALL(t, real.realloc(old, size));
     moved(t, HP_FN_REALLOC, old, p, size, CALLER_RA(), CALLER_SP(), CALLER_FP());
@@ -841,7 +942,7 @@ EXPORT void *reallocarray(void *old, size_t count, size_t size)
                : overflow                   ? NULL
                                             : realloc(old, bytes);
     struct thread_state *t = this_thread();
-    if (t->depth)
+    if (passes_through(t, CALLER_RA()))
         return real.reallocarray(old, count, size);
     void *p = REAL_CALL(t, real.reallocarray(old, count, size));
     moved(t, HP_FN_REALLOCARRAY, old, p, overflow ? 0 : bytes, CALLER_RA(), CALLER_SP(),
@@ -857,7 +958,7 @@ EXPORT int posix_memalign(void **out, size_t alignment, size_t size)
         return 12; /* ENOMEM: nothing aligned before start-up */
     }
     struct thread_state *t = this_thread();
-    if (t->depth)
+    if (passes_through(t, CALLER_RA()))
         return real.posix_memalign(out, alignment, size);
     int error = REAL_CALL(t, real.posix_memalign(out, alignment, size));
     if (error == 0)
@@ -873,7 +974,7 @@ EXPORT int posix_memalign(void **out, size_t alignment, size_t size)
         if (unlikely(!active()) || !real.name)                                             \
             return ready() && real.name ? real.name args : NULL;                           \
         struct thread_state *t = this_thread();                                            \
-        if (t->depth)                                                                      \
+        if (passes_through(t, CALLER_RA()))                                       \
             return real.name args;                                                         \
         void *p = REAL_CALL(t, real.name args);                                            \
         report(t, index, p, bytes, CALLER_RA(), CALLER_SP(), CALLER_FP());                 \
@@ -899,7 +1000,7 @@ EXPORT void free(void *p)
         return; /* before start-up only arena blocks exist */
     }
     struct thread_state *t = this_thread();
-    if (!t->depth)
+    if (!passes_through(t, CALLER_RA()))
         queue_free(t, p);
     real.free(p);
 }

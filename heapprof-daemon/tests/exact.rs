@@ -112,6 +112,51 @@ fn a_queued_free_of_an_address_another_thread_took_closes_nothing() {
     assert_eq!(at("b_allocates"), [1, 2000, 1, 2000], "b_allocates: kept");
 }
 
+/// Signal handlers that allocate and free while the thread they interrupt is inside
+/// the preload library, changing its queue: their calls are reported at once instead
+/// of queued, and every one is counted.
+#[test]
+fn allocations_in_signal_handlers_are_counted_exactly_with_the_preload_library() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "signals", "signals", &["-O2", "-pthread"]);
+    let out = dir.path().join("profiles");
+    let rounds: i64 = 200;
+    let output = run_ok(
+        heapprofd(&out)
+            .args(PRELOAD)
+            .arg("--")
+            .arg(&program)
+            .arg(rounds.to_string()),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let field = |name: &str| {
+        stdout
+            .split_whitespace()
+            .find_map(|word| word.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|n| n.parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("no {name}= in the program's output: {stdout}"))
+    };
+    let handled = field("handled");
+    assert!(
+        handled > 1000,
+        "{handled} signals handled: too few to interrupt the library"
+    );
+    let samples = samples(&last_profile(&out));
+    let at = |function: &str| totals(&samples, |s: &Sample| s.stack.iter().any(|f| f == function));
+    assert_eq!(
+        at("main_allocates"),
+        [rounds * 1000, rounds * 1000 * 1000, 0, 0],
+        "main_allocates: all freed"
+    );
+    // One call before the first signal, then one per signal.
+    assert_eq!(
+        at("handler_allocates"),
+        [handled + 1, (handled + 1) * 24, 0, 0],
+        "handler_allocates ({handled} signals): all freed"
+    );
+}
+
 /// With the preload library, an allocation at a stack the BPF program already walked
 /// for the thread is queued, not probed: the family program allocates from the same
 /// ten stacks in a loop, so nearly all of its allocations reach heapprofd without a

@@ -22,9 +22,10 @@ use common::*;
 static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Names of heapprofd's BPF programs as the kernel lists them (truncated to 15 characters).
-const PROGRAM_NAMES: [&str; 13] = [
+const PROGRAM_NAMES: [&str; 14] = [
     "entry",
     "thread_switch",
+    "thread_futex",
     "preload_report",
     "entry_multi",
     "alloc_return",

@@ -47,8 +47,9 @@ fn the_peak_counts_every_thread_at_once() {
     let out = dir.path().join("profiles");
     let threads = 4;
     // With the preload library (the default) the threads' allocations wait in their
-    // queues until they block at the barrier, when they are switched out: the
-    // program applies the queues then, so the peak still counts them all at once.
+    // queues until they block at the barrier (switched out) or the last one wakes the
+    // others (a futex call): the programs apply the queues then, before any thread's
+    // frees, so the peak counts them all at once.
     run_ok(
         heapprofd(&out)
             .arg("--")

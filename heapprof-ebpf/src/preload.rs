@@ -292,7 +292,10 @@ fn on_report(ctx: &ProbeContext) {
     let tgid = (pid_tgid >> 32) as u32;
     let [block, size, ra, sp, fp, reports, meta] = regs::preload_args(ctx);
     let kind = ((meta >> Meta::KIND_SHIFT) & 0xff) as u32;
-    if meta & Meta::REGISTER_QUEUE != 0 {
+    // A signal handler's report while its thread changes its queue: the queue is left
+    // alone (its new records come with a later report).
+    let queue_busy = meta & Meta::QUEUE_BUSY != 0;
+    if meta & Meta::REGISTER_QUEUE != 0 && !queue_busy {
         let state = QueueState {
             address: reports,
             generation: 0,
@@ -316,8 +319,16 @@ fn on_report(ctx: &ProbeContext) {
                 let _ = REPORT_QUEUES.remove(&pid_tgid);
             }
         }
+        Some(Kind::Free) => {
+            if !queue_busy {
+                apply_queue(pid_tgid, reports);
+            }
+            sites::release_into(tgid, block, &mut Usage::Direct, Frees::OnTime);
+        }
         Some(Kind::Alloc) => {
-            apply_queue(pid_tgid, reports);
+            if !queue_busy {
+                apply_queue(pid_tgid, reports);
+            }
             if calls::report_is_nested(pid_tgid, ra, sp) {
                 return;
             }
@@ -338,10 +349,11 @@ pub fn preload_report(ctx: ProbeContext) -> u32 {
     0
 }
 
-/// A thread is switched out: what its queue holds is applied, so that a thread that
-/// waits after allocating is not left out of interval profiles and peaks.
+/// A thread is switched out or calls `futex`: what its queue holds is applied, so that
+/// a thread that waits after allocating is not left out of interval profiles and
+/// peaks, and a thread it wakes cannot get its frees applied first.
 #[inline(always)]
-pub fn thread_switched_out(pid_tgid: u64) {
+pub fn apply_pending(pid_tgid: u64) {
     // SAFETY: a plain value read out of the map.
     if let Some(state) = unsafe { REPORT_QUEUES.get(&pid_tgid) } {
         let address = state.address;

@@ -14,6 +14,13 @@ pub const RETURN_SP_OFFSET: u64 = 0;
 #[cfg(not(bpf_target_arch = "aarch64"))]
 pub const RETURN_SP_OFFSET: u64 = 8;
 
+/// The `futex` system call's number (the generic table arm64 shares).
+#[cfg(bpf_target_arch = "aarch64")]
+pub const FUTEX_SYSCALL: i64 = 98;
+/// The `futex` system call's number (x86-64's table).
+#[cfg(not(bpf_target_arch = "aarch64"))]
+pub const FUTEX_SYSCALL: i64 = 202;
+
 /// User addresses fit in 48 bits; arm64 return addresses signed with pointer
 /// authentication carry the code above them.
 #[cfg(bpf_target_arch = "aarch64")]

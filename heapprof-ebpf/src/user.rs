@@ -332,13 +332,29 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
 }
 
 /// A thread is switched out: a preloaded thread's queued records are applied (see
-/// `preload::thread_switched_out`). Attached in sessions that use the library only.
+/// `preload::apply_pending`). Attached in sessions that use the library only.
 #[raw_tracepoint(tracepoint = "sched_switch")]
 pub fn thread_switch(_ctx: RawTracePointContext) -> i32 {
     if empty_programs() || !armed() {
         return 0;
     }
-    crate::preload::thread_switched_out(bpf_get_current_pid_tgid());
+    crate::preload::apply_pending(bpf_get_current_pid_tgid());
+    0
+}
+
+/// A system call's entry: a preloaded thread that calls `futex` has its queued
+/// records applied first. It may be about to wake another thread (a mutex, condition
+/// variable or barrier with waiters), and whatever that thread frees next must not
+/// come off the in-use total before the blocks this one allocated earlier are added,
+/// or the peak would miss them. Every other call returns at once.
+#[raw_tracepoint(tracepoint = "sys_enter")]
+pub fn thread_futex(ctx: RawTracePointContext) -> i32 {
+    // sys_enter's arguments are (struct pt_regs *, long id).
+    let id: i64 = ctx.arg(1);
+    if id != crate::regs::FUTEX_SYSCALL || empty_programs() || !armed() {
+        return 0;
+    }
+    crate::preload::apply_pending(bpf_get_current_pid_tgid());
     0
 }
 

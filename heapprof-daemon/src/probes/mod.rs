@@ -239,9 +239,10 @@ pub fn attach_process_events(
 }
 
 /// With the preload library: applies a thread's queued records when it is switched
-/// out (see `heapprof_common::preload::QueueState`).
+/// out or calls `futex` (see `heapprof_common::preload::QueueState`).
 pub fn attach_thread_switch(ebpf: &mut Ebpf) -> Result<()> {
-    raw_tracepoint(ebpf, names::PROG_SWITCH, names::SWITCH_TRACEPOINT)
+    raw_tracepoint(ebpf, names::PROG_SWITCH, names::SWITCH_TRACEPOINT)?;
+    raw_tracepoint(ebpf, names::PROG_FUTEX, names::SYSCALL_TRACEPOINT)
 }
 
 /// Lets the programs count: called once the first probes are attached. Probes attached
