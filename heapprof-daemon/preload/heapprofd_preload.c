@@ -249,11 +249,18 @@ static void find_allocator_text(const unsigned char *base)
     allocator_text_end = bias + end;
 }
 
+/* The linker's marks: this object's first byte and the end of its code. */
+extern const char __ehdr_start[] __attribute__((visibility("hidden")));
+extern const char etext[] __attribute__((visibility("hidden")));
+
 /* Whether a call inside a real allocator call, returning to `ra`, is the allocator's
- * own (it passes through) rather than a signal handler's. */
+ * own (it passes through) rather than a signal handler's. A real function that ends
+ * in a tail call of another (arm64 glibc's reallocarray jumps to realloc) returns to
+ * the wrapper that called it, in this library's code. */
 static inline int from_allocator(uint64_t ra)
 {
-    return allocator_text_end == 0 || (ra >= allocator_text_start && ra < allocator_text_end);
+    return allocator_text_end == 0 || (ra >= allocator_text_start && ra < allocator_text_end) ||
+           (ra >= (uint64_t)(uintptr_t)__ehdr_start && ra < (uint64_t)(uintptr_t)etext);
 }
 
 
@@ -598,10 +605,6 @@ static inline void report(struct thread_state *t, unsigned function, void *p, ui
 }
 
 /* ---- start-up ------------------------------------------------------------------------- */
-
-/* The linker's marks: this object's first byte and the end of its code. */
-extern const char __ehdr_start[] __attribute__((visibility("hidden")));
-extern const char etext[] __attribute__((visibility("hidden")));
 
 /* Tells heapprofd that this library serves the process, and where its code is. */
 static void hello(void)
