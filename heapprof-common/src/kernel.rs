@@ -127,6 +127,55 @@ impl KernelAllocKind {
     }
 }
 
+/// Kernel functions that only pass an allocation through (the allocator's entries and
+/// wrappers), by name prefix: a site is named after the first frame above them.
+pub const ALLOCATOR_FRAME_PREFIXES: [&str; 12] = [
+    "kmalloc",
+    "__kmalloc",
+    "kmem_cache_alloc",
+    "__kmem_cache_alloc",
+    "kvmalloc",
+    "__kvmalloc",
+    "kzalloc",
+    "kcalloc",
+    "alloc_pages",
+    "__alloc_pages",
+    "__alloc_frozen_pages",
+    "folio_alloc",
+];
+
+/// The suffix of the wrappers 6.10+ kernels add for allocation profiling
+/// (`kmalloc_noprof`, `kmem_cache_alloc_lru_noprof`, ...).
+pub const ALLOCATOR_FRAME_SUFFIX: &str = "_noprof";
+
+/// Whether the kernel function `name` is an allocator entry or wrapper (see
+/// [`ALLOCATOR_FRAME_PREFIXES`]); the pseudo-frames of [`KernelAllocKind`] are too.
+pub fn is_allocator_frame(name: &str) -> bool {
+    // Compiler clones (`.isra.0`, `.constprop.0`) are the same function.
+    let name = match name.find('.') {
+        Some(dot) => &name[..dot],
+        None => name,
+    };
+    name.ends_with(ALLOCATOR_FRAME_SUFFIX)
+        || ALLOCATOR_FRAME_PREFIXES
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
+}
+
+/// Writes the pprof `drop_frames` expression matching exactly the frames of
+/// [`is_allocator_frame`] (pprof readers drop them and every frame below, so the
+/// flat cost lands on the allocator's caller).
+pub fn allocator_frames_regex(out: &mut impl core::fmt::Write) -> core::fmt::Result {
+    out.write_str("(")?;
+    for (i, prefix) in ALLOCATOR_FRAME_PREFIXES.iter().enumerate() {
+        if i > 0 {
+            out.write_str("|")?;
+        }
+        out.write_str(prefix)?;
+    }
+    write!(out, ").*|.*{ALLOCATOR_FRAME_SUFFIX}(\\..*)?")
+}
+
 /// Where one field sits in a tracepoint record. `size == 0` means the event lacks it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -152,6 +201,9 @@ pub struct EventLayout {
     pub bytes_alloc: FieldRef,
     /// Page order (`order`) of page events.
     pub order: FieldRef,
+    /// The slab cache's name (`name`, a `__data_loc char[]`: offset in the low 16
+    /// bits, length in the high 16) of `kmem_cache_alloc`.
+    pub name: FieldRef,
 }
 
 /// Settings of the kernel-mode programs, written into their read-only data before loading.
@@ -188,6 +240,19 @@ pub struct KernelSiteKey {
     /// The allocator's caller from the event (0 for page events): the site's only frame
     /// when the stack is missing.
     pub call_site: u64,
+    /// What the objects were cut from, by kind: the hash of the slab cache's name (its
+    /// key in `CACHE_NAMES`), kmalloc's handed-out size (its size class), or the page
+    /// order. A stack that allocates from several classes is one site per class.
+    pub class: u64,
+}
+
+/// Longest slab cache name kept (longer names are cut; the kernel's own are shorter).
+pub const CACHE_NAME_LEN: usize = 32;
+
+/// The handed-out sizes kmalloc serves from its own slab caches (`kmalloc-8` to
+/// `kmalloc-8k` on 4 KiB pages: two pages); larger requests get whole pages.
+pub const fn kmalloc_cache_limit(page_size: u64) -> u64 {
+    2 * page_size
 }
 
 /// Cumulative counters of one kernel site. In use = allocated - freed.
@@ -269,8 +334,20 @@ pub mod names {
     pub const TRACED: &str = "TRACED";
     /// Command name of each process with a site (`HashMap<u32, [u8; 16]>`).
     pub const COMMS: &str = "COMMS";
+    /// Slab cache names by the hash in [`super::KernelSiteKey::class`]
+    /// (`HashMap<u64, [u8; CACHE_NAME_LEN]>`).
+    pub const CACHE_NAMES: &str = "CACHE_NAMES";
     /// The `KernelConfig` global.
     pub const KERNEL_CONFIG: &str = "KERNEL_CONFIG";
+    /// Fentry program on [`RCU_FREE_FUNCTION`]: an object released with `kfree_rcu()`
+    /// is freed for the profile.
+    pub const PROG_RCU_FREE: &str = "rcu_free";
+    /// The kernel function `kfree_rcu()` and `kvfree_rcu()` call.
+    pub const RCU_FREE_FUNCTION: &str = "kvfree_call_rcu";
+    /// Fentry program on [`BULK_FREE_FUNCTION`]: every object of a bulk free is freed.
+    pub const PROG_BULK_FREE: &str = "bulk_free";
+    /// The kernel function behind `kmem_cache_free_bulk()` and `kfree_bulk()`.
+    pub const BULK_FREE_FUNCTION: &str = "kmem_cache_free_bulk";
 }
 
 #[cfg(feature = "user")]
@@ -282,4 +359,36 @@ mod pod {
     unsafe impl aya::Pod for super::KernelLiveKey {}
     unsafe impl aya::Pod for super::KernelLiveBlock {}
     unsafe impl aya::Pod for super::KernelStack {}
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use std::string::String;
+
+    use super::*;
+
+    #[test]
+    fn allocator_entries_and_wrappers_are_told_from_their_callers() {
+        for name in [
+            "kmalloc",
+            "kmem_cache_alloc",
+            "alloc_pages",
+            "kmem_cache_alloc_noprof",
+            "__kmalloc_node_noprof",
+            "kmalloc_trace",
+            "__kvmalloc_node_noprof",
+            "kmem_cache_alloc_lru_noprof.isra.0",
+            "__alloc_frozen_pages_noprof",
+        ] {
+            assert!(is_allocator_frame(name), "{name}");
+        }
+        for name in ["getname_flags", "do_epoll_ctl", "alloc_inode", "__d_alloc"] {
+            assert!(!is_allocator_frame(name), "{name}");
+        }
+        let mut regex = String::new();
+        allocator_frames_regex(&mut regex).expect("writes");
+        assert!(regex.starts_with("(kmalloc|__kmalloc|"), "{regex}");
+        assert!(regex.ends_with(").*|.*_noprof(\\..*)?"), "{regex}");
+    }
 }

@@ -141,7 +141,10 @@ fn launch(cmd: &mut Command) -> Launched {
                 .and_then(|(_, rest)| rest.split(')').next()?.parse().ok())
                 .unwrap_or_else(|| panic!("no pid in {line:?}"));
         }
-        assert!(!line.contains("error"), "heapprofd failed: {line}");
+        assert!(
+            !line.contains("heapprofd: error"),
+            "heapprofd failed: {line}"
+        );
         seen.push(line);
     };
     launched

@@ -4,19 +4,25 @@
 //! file (`KERNEL_CONFIG`), so neither BTF nor kernel headers are needed and the
 //! layouts of 5.10, 6.1 and later kernels all work with one object.
 
+use core::ffi::c_void;
+
 use aya_ebpf::{
     EbpfContext as _,
     bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
-    helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, generated::bpf_get_stack},
-    macros::{map, tracepoint},
+    helpers::{
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_kernel,
+        bpf_probe_read_kernel_str_bytes, generated::bpf_get_stack,
+    },
+    macros::{fentry, map, tracepoint},
     maps::{HashMap, PerCpuArray, PerCpuHashMap},
-    programs::TracePointContext,
+    programs::{FEntryContext, TracePointContext},
 };
 use heapprof_common::{
     DropReason,
     kernel::{
-        EventLayout, FieldRef, KernelConfig, KernelCounters, KernelEvent, KernelLiveBlock,
-        KernelLiveKey, KernelSiteKey, KernelSpace, KernelStack, MAX_KERNEL_STACK_DEPTH,
+        CACHE_NAME_LEN, EventLayout, FieldRef, KernelAllocKind, KernelConfig, KernelCounters,
+        KernelEvent, KernelLiveBlock, KernelLiveKey, KernelSiteKey, KernelSpace, KernelStack,
+        MAX_KERNEL_STACK_DEPTH,
     },
 };
 
@@ -34,6 +40,10 @@ static KERNEL_STACKS: HashMap<u64, KernelStack> =
     HashMap::with_max_entries(32768, BPF_F_NO_PREALLOC);
 #[map(name = "KERNEL_STACK_SCRATCH")]
 static KERNEL_STACK_SCRATCH: PerCpuArray<KernelStack> = PerCpuArray::with_max_entries(1, 0);
+// Written only when a site is new.
+#[map(name = "CACHE_NAMES")]
+static CACHE_NAMES: HashMap<u64, [u8; CACHE_NAME_LEN]> =
+    HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
 #[map(name = "TRACED")]
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
 #[map(name = "COMMS")]
@@ -46,6 +56,7 @@ const NO_LAYOUT: EventLayout = EventLayout {
     bytes_req: NO_FIELD,
     bytes_alloc: NO_FIELD,
     order: NO_FIELD,
+    name: NO_FIELD,
 };
 
 /// Written by the daemon before loading (read-only data).
@@ -94,6 +105,36 @@ fn field(ctx: &TracePointContext, field: FieldRef) -> Option<u64> {
             _ => None,
         }
     }
+}
+
+/// Reads the `__data_loc` string `name` of the record into `out` (zero-padded, cut at
+/// its size); false when the event has no name.
+#[inline(always)]
+fn read_cache_name(
+    ctx: &TracePointContext,
+    name: FieldRef,
+    out: &mut [u8; CACHE_NAME_LEN],
+) -> bool {
+    let Some(location) = field(ctx, name) else {
+        return false;
+    };
+    let offset = (location & 0xffff) as usize;
+    let source = (ctx.as_ptr() as usize).wrapping_add(offset) as *const u8;
+    // SAFETY: bpf_probe_read_kernel_str_bytes checks the kernel address.
+    unsafe { bpf_probe_read_kernel_str_bytes(source, out) }.is_ok()
+}
+
+/// The hash of a cache name (its words, zero-padded), never 0.
+#[inline(always)]
+fn name_hash(name: &[u8; CACHE_NAME_LEN]) -> u64 {
+    let mut hash = HASH_MULTIPLIER;
+    for chunk in name.chunks_exact(8) {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(chunk);
+        hash = (hash ^ u64::from_le_bytes(word)).wrapping_mul(HASH_MULTIPLIER);
+        hash ^= hash >> 29;
+    }
+    hash | 1
 }
 
 /// Whether allocations made in the current context count.
@@ -152,10 +193,15 @@ fn take_stack(ctx: &TracePointContext) -> (u64, Option<&'static KernelStack>) {
 fn add_to_site(
     site: &KernelSiteKey,
     new_stack: Option<&KernelStack>,
+    cache_name: Option<&[u8; CACHE_NAME_LEN]>,
     delta: &KernelCounters,
 ) -> bool {
     let mut counters = KERNEL_SITES.get_ptr_mut(site);
     if counters.is_none() {
+        if let Some(name) = cache_name {
+            // Shared by every site of the cache: the first one stores it.
+            let _ = CACHE_NAMES.insert(&site.class, name, BPF_NOEXIST as u64);
+        }
         if let Some(stack) = new_stack {
             match KERNEL_STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
                 Ok(()) => {}
@@ -208,7 +254,7 @@ fn release(key: &KernelLiveKey) {
         free_requested: block.requested,
         ..KernelCounters::default()
     };
-    add_to_site(&block.site, None, &delta);
+    add_to_site(&block.site, None, None, &delta);
 }
 
 #[inline(always)]
@@ -221,8 +267,10 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
     let Some(addr) = field(ctx, layout.ptr) else {
         return 0;
     };
-    let (space, kind, bytes, requested, call_site) = match event.allocates() {
-        Some(heapprof_common::kernel::KernelAllocKind::Pages) => {
+    let mut cache_name = [0u8; CACHE_NAME_LEN];
+    let mut named = false;
+    let (space, kind, bytes, requested, call_site, class) = match event.allocates() {
+        Some(KernelAllocKind::Pages) => {
             // A failed page allocation reports pfn -1.
             if addr == u64::MAX || (layout.ptr.size == 4 && addr == u64::from(u32::MAX)) {
                 return 0;
@@ -232,8 +280,14 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
                 return 0;
             }
             let bytes = config_u64(&KERNEL_CONFIG.page_size) << order;
-            let kind = heapprof_common::kernel::KernelAllocKind::Pages;
-            (KernelSpace::Pages, kind, bytes, bytes, 0)
+            (
+                KernelSpace::Pages,
+                KernelAllocKind::Pages,
+                bytes,
+                bytes,
+                0,
+                order,
+            )
         }
         Some(kind) => {
             if addr == 0 {
@@ -242,7 +296,14 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
             let bytes = field(ctx, layout.bytes_alloc).unwrap_or(0);
             let requested = field(ctx, layout.bytes_req).unwrap_or(bytes);
             let call_site = field(ctx, layout.call_site).unwrap_or(0);
-            (KernelSpace::Slab, kind, bytes, requested, call_site)
+            let class = match kind {
+                KernelAllocKind::KmemCacheAlloc => {
+                    named = read_cache_name(ctx, layout.name, &mut cache_name);
+                    if named { name_hash(&cache_name) } else { 0 }
+                }
+                _ => bytes,
+            };
+            (KernelSpace::Slab, kind, bytes, requested, call_site, class)
         }
         None => return 0,
     };
@@ -252,6 +313,7 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         kind: kind as u32,
         stack: stack_hash,
         call_site,
+        class,
     };
     let delta = KernelCounters {
         alloc_objects: 1,
@@ -259,7 +321,7 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         alloc_requested: requested,
         ..KernelCounters::default()
     };
-    if !add_to_site(&site, stack, &delta) {
+    if !add_to_site(&site, stack, named.then_some(&cache_name), &delta) {
         count_kernel_drop(DropReason::SiteTableFull);
         return 0;
     }
@@ -289,7 +351,7 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
             free_requested: requested,
             ..KernelCounters::default()
         };
-        add_to_site(&site, None, &released);
+        add_to_site(&site, None, None, &released);
     }
     0
 }
@@ -355,6 +417,68 @@ pub fn mm_page_free(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn mm_page_free_batched(ctx: TracePointContext) -> u32 {
     on_free(&ctx, KernelEvent::PageFreeBatched, KernelSpace::Pages)
+}
+
+/// The most objects one bulk free can release here (`bpf_loop`'s bound; the kernel's
+/// own batches hold at most a page of pointers).
+const MAX_BULK_OBJECTS: u32 = 1 << 16;
+
+/// Releases the slab object at `addr` (0 is ignored).
+#[inline(always)]
+fn release_slab(addr: u64) {
+    if addr != 0 {
+        release(&KernelLiveKey {
+            addr,
+            space: KernelSpace::Slab as u32,
+            _pad: 0,
+        });
+    }
+}
+
+/// `kvfree_call_rcu(head, ptr)`, which `kfree_rcu()` and `kvfree_rcu()` call: the
+/// owner releases the object, which the kernel frees after a grace period, often in a
+/// bulk free that fires no per-object tracepoint. It is freed for the profile now (its
+/// address cannot be handed out again before the real free).
+#[fentry(function = "kvfree_call_rcu")]
+pub fn rcu_free(ctx: FEntryContext) -> u32 {
+    release_slab(ctx.arg::<u64>(1));
+    0
+}
+
+/// `kmem_cache_free_bulk(cache, count, pointers)` (also `kfree_bulk`): every object of
+/// the array is freed, with no per-object tracepoint.
+#[fentry(function = "kmem_cache_free_bulk")]
+pub fn bulk_free(ctx: FEntryContext) -> u32 {
+    let count = ctx.arg::<u64>(1).min(u64::from(MAX_BULK_OBJECTS)) as u32;
+    let mut pointers = ctx.arg::<u64>(2);
+    if pointers == 0 || count == 0 {
+        return 0;
+    }
+    // SAFETY: the callback takes the context pointer given here, valid for the call.
+    unsafe {
+        bpf_loop(
+            count,
+            release_bulk_entry as *mut c_void,
+            (&raw mut pointers).cast(),
+            0,
+        );
+    }
+    0
+}
+
+/// `bpf_loop`'s callback: releases entry `index` of the pointer array at `*context`.
+extern "C" fn release_bulk_entry(index: u64, context: *mut c_void) -> i64 {
+    // SAFETY: the context is the array address `bulk_free` passed.
+    let array = unsafe { *context.cast::<u64>() };
+    let entry = array.wrapping_add(index.wrapping_mul(8));
+    // SAFETY: bpf_probe_read_kernel checks the kernel address.
+    match unsafe { bpf_probe_read_kernel(entry as *const u64) } {
+        Ok(addr) => {
+            release_slab(addr);
+            0
+        }
+        Err(_) => 1,
+    }
 }
 
 /// A launched command's children count as the command: a traced process's fork

@@ -9,7 +9,10 @@ use aya::{
 };
 use heapprof_common::{
     DropReason,
-    kernel::{KernelCounters, KernelSiteKey, KernelStack, names as kernel_names},
+    kernel::{
+        CACHE_NAME_LEN, KernelAllocKind, KernelCounters, KernelSiteKey, KernelStack,
+        kmalloc_cache_limit, names as kernel_names,
+    },
     names,
 };
 
@@ -49,6 +52,9 @@ pub struct KernelMaps {
     stacks: BpfHashMap<MapData, u64, KernelStack>,
     traced: BpfHashMap<MapData, u32, u32>,
     comms: BpfHashMap<MapData, u32, [u8; 16]>,
+    cache_names: BpfHashMap<MapData, u64, [u8; CACHE_NAME_LEN]>,
+    /// Cache names read so far, by hash (a cache keeps its name).
+    cache_names_read: std::collections::HashMap<u64, String>,
     drops: PerCpuArray<MapData, u64>,
     /// The site and stack tables again, for batch reads.
     sites_fd: OwnedFd,
@@ -72,6 +78,8 @@ impl KernelMaps {
             stacks,
             traced: take(ebpf, kernel_names::TRACED)?,
             comms: take(ebpf, kernel_names::COMMS)?,
+            cache_names: take(ebpf, kernel_names::CACHE_NAMES)?,
+            cache_names_read: std::collections::HashMap::new(),
             drops: take(ebpf, names::DROPS)?,
             sites_fd,
             stacks_fd,
@@ -154,13 +162,72 @@ impl KernelMaps {
         Some(String::from_utf8_lossy(&raw[..len]).into_owned())
     }
 
+    /// What `site`'s objects were cut from, as `slabtop` names it: the slab cache
+    /// (`dentry`), kmalloc's size class (`kmalloc-192`, `kmalloc-1k`; larger requests
+    /// are `kmalloc-large`, whole pages), or `None` for pages and unnamed caches.
+    pub fn cache(&mut self, site: &KernelSiteKey, page_size: u64) -> Option<String> {
+        match KernelAllocKind::from_u32(site.kind)? {
+            KernelAllocKind::Kmalloc => Some(kmalloc_cache_name(site.class, page_size)),
+            KernelAllocKind::KmemCacheAlloc if site.class != 0 => {
+                if let Some(name) = self.cache_names_read.get(&site.class) {
+                    return Some(name.clone());
+                }
+                let raw = self.cache_names.get(&site.class, 0).ok()?;
+                let len = raw.iter().position(|&b| b == 0).unwrap_or(raw.len());
+                let name = String::from_utf8_lossy(&raw[..len]).into_owned();
+                self.cache_names_read.insert(site.class, name.clone());
+                Some(name)
+            }
+            _ => None,
+        }
+    }
+
     /// Drop counters summed over CPUs, indexed by [`DropReason`].
     pub fn read_drops(&self) -> Result<[u64; DropReason::COUNT as usize]> {
         super::read_drops(&self.drops)
     }
 }
 
+/// The name of the kmalloc cache that hands out `bytes`-byte objects, as
+/// `/proc/slabinfo` writes it (the accounted `kmalloc-cg-*` and reclaimable
+/// `kmalloc-rcl-*` twins are named after the plain cache of their size).
+pub fn kmalloc_cache_name(bytes: u64, page_size: u64) -> String {
+    if bytes > kmalloc_cache_limit(page_size) {
+        "kmalloc-large".to_owned()
+    } else if bytes >= 1024 && bytes.is_multiple_of(1024) {
+        format!("kmalloc-{}k", bytes / 1024)
+    } else {
+        format!("kmalloc-{bytes}")
+    }
+}
+
 /// The frames a kernel stack-table entry holds, innermost first.
 fn kernel_frames(stack: &KernelStack) -> &[u64] {
     &stack.frames[..(stack.len as usize).min(stack.frames.len())]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::kmalloc_cache_name;
+
+    #[test]
+    fn kmalloc_sizes_are_named_as_slabinfo_names_their_caches() {
+        let names: Vec<String> = [8, 96, 192, 1024, 2048, 8192, 8193, 16384]
+            .into_iter()
+            .map(|bytes| kmalloc_cache_name(bytes, 4096))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "kmalloc-8",
+                "kmalloc-96",
+                "kmalloc-192",
+                "kmalloc-1k",
+                "kmalloc-2k",
+                "kmalloc-8k",
+                "kmalloc-large",
+                "kmalloc-large"
+            ]
+        );
+    }
 }

@@ -319,8 +319,13 @@ fn start_kernel(
         events: events.iter().map(|(event, _)| *event).collect(),
         bpf_stats: cli.bpf_stats,
     };
-    let attached = probes::kernel::attach(&mut ebpf, &events)?;
-    let mut session = KernelSession::new(config, ebpf)?;
+    let mut attached = probes::kernel::attach(&mut ebpf, &events)?;
+    let deferred_frees = probes::kernel::attach_deferred_frees(&mut ebpf);
+    attached += deferred_frees.seen.len();
+    if let Some(undercounted) = deferred_frees.undercounted() {
+        log::warn!("{undercounted}");
+    }
+    let mut session = KernelSession::new(config, ebpf, deferred_frees)?;
     let pid = match (target, child) {
         (Target::Pid(pid), _) => Some(*pid),
         (Target::Launch(_), Some(child)) => Some(child.pid),
@@ -332,10 +337,11 @@ fn start_kernel(
     if let Some(endpoint) = endpoint {
         session.export_metrics(serve_metrics(cli, target, endpoint));
     }
-    let names: Vec<&str> = events.iter().map(|(event, _)| event.name()).collect();
+    let mut names: Vec<&str> = events.iter().map(|(event, _)| event.name()).collect();
+    names.extend(session.deferred_frees().seen.iter().copied());
     // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).
     log::info!(
-        "{attached} probes on kernel tracepoints ({}) for {}, profiles every {:?} in {}",
+        "{attached} probes on kernel tracepoints and functions ({}) for {}, profiles every {:?} in {}",
         names.join(" "),
         match target {
             Target::Pid(pid) => format!("pid {pid}"),

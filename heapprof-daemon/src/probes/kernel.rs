@@ -3,7 +3,10 @@
 use std::path::Path;
 
 use anyhow::{Context as _, Result, bail};
-use aya::{Ebpf, EbpfLoader, programs::TracePoint};
+use aya::{
+    Btf, Ebpf, EbpfLoader,
+    programs::{FEntry, ProgramError, TracePoint},
+};
 use heapprof_common::{
     kernel::{EventLayout, FieldRef, KernelConfig, KernelEvent, names as kernel_names},
     names,
@@ -97,6 +100,15 @@ pub fn event_layout(event: KernelEvent, format: &EventFormat) -> Result<EventLay
             bytes_req: get("bytes_req", false)?,
             bytes_alloc: get("bytes_alloc", true)?,
             order: none,
+            // kmalloc's class is its size; kernels before 6.0 have no name here.
+            name: if matches!(
+                event,
+                KernelEvent::KmemCacheAlloc | KernelEvent::KmemCacheAllocNode
+            ) {
+                get("name", false)?
+            } else {
+                none
+            },
         },
         KernelEvent::Kfree | KernelEvent::KmemCacheFree => EventLayout {
             ptr: get("ptr", true)?,
@@ -214,6 +226,86 @@ pub fn load(
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
 }
 
+/// The frees no tracepoint shows, and whether this session sees them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeferredFrees {
+    /// The kernel functions whose fentry programs are attached.
+    pub seen: Vec<&'static str>,
+    /// Why the others are not, one line each (no BTF, a kernel without the function).
+    pub missing: Vec<String>,
+}
+
+impl DeferredFrees {
+    /// What the profile undercounts as freed, for the log and the profile's comments;
+    /// `None` when every deferred free is seen.
+    pub fn undercounted(&self) -> Option<String> {
+        if self.missing.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "objects released with kfree_rcu() or freed in bulk (kmem_cache_free_bulk, \
+             kfree_bulk) are not all seen freed, so their sites' in-use is overstated until \
+             the address is allocated again: {}",
+            self.missing.join("; ")
+        ))
+    }
+}
+
+/// Attaches the fentry programs that see frees without a per-object tracepoint:
+/// `kvfree_call_rcu` (`kfree_rcu`) and `kmem_cache_free_bulk` (`kfree_bulk`). They need
+/// the kernel's BTF; without it (or where one fails to attach) the session goes on and
+/// says what it undercounts.
+pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
+    let programs = [
+        (kernel_names::PROG_RCU_FREE, kernel_names::RCU_FREE_FUNCTION),
+        (
+            kernel_names::PROG_BULK_FREE,
+            kernel_names::BULK_FREE_FUNCTION,
+        ),
+    ];
+    let mut frees = DeferredFrees::default();
+    let btf = match Btf::from_sys_fs() {
+        Ok(btf) => btf,
+        Err(err) => {
+            frees.missing.push(format!(
+                "this kernel has no BTF (/sys/kernel/btf/vmlinux: {err}), which the fentry \
+                 programs that see them need"
+            ));
+            return frees;
+        }
+    };
+    for (program, function) in programs {
+        match attach_fentry(ebpf, program, function, &btf) {
+            Ok(()) => frees.seen.push(function),
+            Err(reason) => frees.missing.push(format!("{function}: {reason}")),
+        }
+    }
+    frees
+}
+
+/// Loads and attaches fentry program `program` on kernel function `function`; the
+/// error is one short reason (the kernel's refusal, or what is missing).
+fn attach_fentry(ebpf: &mut Ebpf, program: &str, function: &str, btf: &Btf) -> Result<(), String> {
+    let fentry: &mut FEntry = ebpf
+        .program_mut(program)
+        .ok_or_else(|| format!("BPF program {program} missing from the object"))?
+        .try_into()
+        .map_err(|_| format!("BPF program {program} is not an fentry program"))?;
+    fentry.load(function, btf).map_err(|err| match err {
+        ProgramError::LoadError { io_error, .. } => {
+            format!(
+                "the kernel refused its fentry program ({})",
+                io_error.kind()
+            )
+        }
+        other => other.to_string(),
+    })?;
+    fentry
+        .attach()
+        .map_err(|err| format!("attaching its fentry program: {err}"))?;
+    Ok(())
+}
+
 /// Attaches the program of every event; returns how many.
 pub fn attach(ebpf: &mut Ebpf, events: &[(KernelEvent, EventLayout)]) -> Result<usize> {
     for (event, _) in events {
@@ -309,8 +401,13 @@ mod tests {
         )
         .expect("cache");
         assert_eq!(
-            (cache.ptr, cache.bytes_req, cache.bytes_alloc),
-            (field(16, 8), field(24, 8), field(32, 8))
+            (cache.ptr, cache.bytes_req, cache.bytes_alloc, cache.name),
+            (
+                field(16, 8),
+                field(24, 8),
+                field(32, 8),
+                FieldRef::default()
+            )
         );
         let free = event_layout(
             KernelEvent::KmemCacheFree,
@@ -335,8 +432,8 @@ mod tests {
         )
         .expect("cache");
         assert_eq!(
-            (cache.ptr, cache.bytes_req, cache.bytes_alloc),
-            (field(16, 8), field(32, 8), field(40, 8))
+            (cache.ptr, cache.name, cache.bytes_req, cache.bytes_alloc),
+            (field(16, 8), field(24, 4), field(32, 8), field(40, 8))
         );
         let kmalloc =
             event_layout(KernelEvent::Kmalloc, &fixture("linux-6.18", "kmalloc")).expect("kmalloc");

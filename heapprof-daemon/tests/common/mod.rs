@@ -264,7 +264,9 @@ pub fn start_heapprofd(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
     let lines = forward_lines(child.stderr.take().expect("stderr"));
     let failure = loop {
         match lines.recv_timeout(Duration::from_secs(60)) {
-            Ok(line) if line.contains("error") => break format!("heapprofd failed: {line}"),
+            Ok(line) if line.contains("heapprofd: error") => {
+                break format!("heapprofd failed: {line}");
+            }
             Ok(line) if line.contains("probes on") => return (child, lines),
             Ok(_) => {}
             Err(err) => break format!("heapprofd did not report attaching: {err}"),
