@@ -16,7 +16,7 @@ pub use self::{
 };
 use crate::{
     cli::Target,
-    session::{self, Session, kernel::KernelSession},
+    session::{Session, kernel::KernelSession},
 };
 
 /// A user-space or a kernel session.
@@ -30,13 +30,6 @@ impl AnySession {
         match self {
             AnySession::User(session) => session.dump(),
             AnySession::Kernel(session) => session.dump(),
-        }
-    }
-
-    fn top_sites(&mut self, limit: usize) -> Result<Vec<session::TopSite>> {
-        match self {
-            AnySession::User(session) => session.top_sites(limit),
-            AnySession::Kernel(session) => session.top_sites(limit),
         }
     }
 

@@ -1,6 +1,6 @@
 //! The event loop of a running session.
 
-use std::{process::ExitCode, time::Duration};
+use std::{io::Write as _, process::ExitCode, time::Duration};
 
 use anyhow::{Context as _, Result};
 use aya::maps::{MapData, RingBuf};
@@ -12,25 +12,24 @@ use crate::{
     cli::{Cli, Target},
     launch::{ChildEvent, PausedChild, Relayed, SignalRelay},
     pprof::retention::Pruner,
-    session,
 };
 
-fn print_top(top: &[session::TopSite]) {
-    println!("\nTop allocation sites (in use at the end / allocated in total):");
-    println!(
-        "{:>12} {:>9} {:>13} {:>10}  SITE",
-        "LIVE BYTES", "LIVE", "TOTAL BYTES", "TOTAL"
-    );
-    for site in top {
-        println!(
-            "{:>12} {:>9} {:>13} {:>10}  {}",
-            site.inuse_bytes,
-            site.inuse_objects,
-            site.alloc_bytes,
-            site.alloc_objects,
-            site.description
-        );
-    }
+/// Prints the `limit` sites holding the most in the final profile at `path`, read back
+/// from the file, so the table and the profile cannot disagree.
+fn print_top(path: &std::path::Path, limit: usize) -> Result<()> {
+    let profile = crate::report::model::Profile::load(path)?;
+    let index = profile.sample_index("inuse_space")?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out)?;
+    crate::report::top::write(
+        &mut out,
+        &profile,
+        index,
+        limit,
+        crate::report::stacks::ProcessFilter::All,
+        crate::report::stacks::Grouping::Site,
+    )?;
+    Ok(())
 }
 
 /// Waits for records in a ring buffer of the BPF side and takes every one that is
@@ -162,11 +161,11 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     if let Ok(path) = &written {
         pruner.after_write(path);
     }
-    if cli.top > 0 {
-        match session.top_sites(cli.top) {
-            Ok(top) => print_top(&top),
-            Err(err) => log::warn!("cannot summarize the sites: {err:#}"),
-        }
+    if cli.top > 0
+        && let Ok(path) = &written
+        && let Err(err) = print_top(path, cli.top)
+    {
+        log::warn!("cannot summarize the sites: {err:#}");
     }
     drop(session); // detaches every probe
     written.context("writing the final profile")?;

@@ -132,6 +132,12 @@ impl ProfileBuilder {
         index
     }
 
+    /// Sets the frames pprof readers drop, with every frame below them (a regular
+    /// expression over function names, fully matched).
+    pub fn drop_frames(&mut self, regex: &str) {
+        self.profile.drop_frames = self.string(regex);
+    }
+
     /// Adds a comment line.
     pub fn comment(&mut self, text: &str) {
         let index = self.string(text);

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+use super::stacks::Grouping;
+
 /// Read heapprofd's profiles back: tables, folded stacks, flamegraphs, the gperftools
 /// text format, and over a session's directory, the in-use timeline, leak suspects
 /// and one self-contained HTML page.
@@ -14,6 +16,7 @@ use clap::Parser;
     after_help = "Examples:\n  \
                   heapprofd report heap-...pb.gz                    the top sites by in-use bytes\n  \
                   heapprofd report NEW.pb.gz --base OLD.pb.gz       what grew between two profiles\n  \
+                  heapprofd report KERNEL.pb.gz --by cache          kernel memory per slab cache\n  \
                   heapprofd report DIR --format suspects            sites whose in-use keeps growing\n  \
                   heapprofd report DIR --html report.html           everything, one page\n\
                   Given a directory, the single-profile formats read its newest profile."
@@ -39,6 +42,11 @@ pub struct ReportArgs {
     /// Only this process (profiles of --all hold many; the legacy format needs one).
     #[arg(long, value_name = "PID")]
     pub pid: Option<u32>,
+
+    /// What the rows of the top table are: allocation sites, or (kernel profiles) slab
+    /// caches and kmalloc size classes.
+    #[arg(long, value_enum, default_value_t = Grouping::Site)]
+    pub by: Grouping,
 
     /// Rows of the top table; sites per process in the timeline.
     #[arg(long, value_name = "N", default_value_t = 20)]

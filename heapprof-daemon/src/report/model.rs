@@ -67,6 +67,8 @@ pub struct Sample {
     pub pid: Option<u32>,
     /// The command name (label `comm`).
     pub comm: Option<String>,
+    /// The slab cache or kmalloc size class of a kernel sample (label `cache`).
+    pub cache: Option<String>,
     /// The stack, innermost (the allocator function) first.
     pub locations: Vec<Location>,
     /// One value per sample type.
@@ -232,16 +234,19 @@ impl Profile {
                 .collect::<Result<Vec<_>, _>>()?;
             let mut pid = None;
             let mut comm = None;
+            let mut cache = None;
             for label in &sample.label {
                 match string(label.key)? {
                     "pid" => pid = u32::try_from(label.num).ok(),
                     "comm" => comm = Some(string(label.str)?.to_owned()),
+                    "cache" => cache = Some(string(label.str)?.to_owned()),
                     _ => {}
                 }
             }
             samples.push(Sample {
                 pid,
                 comm,
+                cache,
                 locations: stack,
                 values: sample.value.clone(),
             });

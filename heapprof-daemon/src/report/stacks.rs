@@ -3,7 +3,16 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use heapprof_common::kernel::{KernelAllocKind, is_allocator_frame};
+
 use super::model::{Profile, Sample};
+
+/// Whether `leaf` is the pseudo-frame of a kernel allocation (kernel profiles).
+fn is_kernel_allocation(leaf: &str) -> bool {
+    KernelAllocKind::ALL
+        .iter()
+        .any(|kind| kind.function() == leaf)
+}
 
 /// Caller frames named in a site's description after the allocator function.
 pub const SITE_CALLERS: usize = 4;
@@ -41,8 +50,12 @@ pub struct Site {
 /// The name of a sample's site: the allocator and up to [`SITE_CALLERS`] callers,
 /// none above `main`.
 pub fn site_description(sample: &Sample) -> String {
-    let mut frames = sample.frames();
+    let mut frames = sample.frames().peekable();
     let allocator = frames.next().unwrap_or("[unknown]");
+    if is_kernel_allocation(allocator) {
+        // The kernel allocator's own entries and wrappers name no site.
+        while frames.next_if(|&frame| is_allocator_frame(frame)).is_some() {}
+    }
     // The C runtime's start code above `main` says nothing about the site.
     let mut reached_main = false;
     let callers: Vec<&str> = frames
@@ -56,13 +69,39 @@ pub fn site_description(sample: &Sample) -> String {
     }
 }
 
+/// What the rows of a table stand for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Grouping {
+    /// Allocation sites (see [`site_description`]).
+    #[default]
+    Site,
+    /// Kernel slab caches and kmalloc size classes (the `cache` label, as `slabtop`
+    /// names them); page samples are `(pages)`.
+    Cache,
+}
+
+impl Grouping {
+    /// The row `sample` belongs to.
+    pub fn key(self, sample: &Sample) -> String {
+        match self {
+            Grouping::Site => site_description(sample),
+            Grouping::Cache => sample.cache.clone().unwrap_or_else(|| "(pages)".to_owned()),
+        }
+    }
+}
+
 /// The sites of a profile, merged by description, in no particular order. With
 /// several processes and no filter, sites of different processes are merged too.
 pub fn sites(profile: &Profile, filter: ProcessFilter) -> Vec<Site> {
+    groups(profile, filter, Grouping::Site)
+}
+
+/// The rows of a profile merged by `by`, in no particular order.
+pub fn groups(profile: &Profile, filter: ProcessFilter, by: Grouping) -> Vec<Site> {
     let mut merged: HashMap<String, Vec<i64>> = HashMap::new();
     for sample in profile.samples.iter().filter(|s| filter.admits(s)) {
         let values = merged
-            .entry(site_description(sample))
+            .entry(by.key(sample))
             .or_insert_with(|| vec![0; sample.values.len()]);
         for (total, value) in values.iter_mut().zip(&sample.values) {
             *total += value;
@@ -85,7 +124,19 @@ pub fn top_sites(
     limit: usize,
     filter: ProcessFilter,
 ) -> Vec<Site> {
-    let mut sites = sites(profile, filter);
+    top_groups(profile, index, limit, filter, Grouping::Site)
+}
+
+/// The `limit` rows grouped by `by` with the most of sample type `index` (0: all),
+/// most first, ties broken by description.
+pub fn top_groups(
+    profile: &Profile,
+    index: usize,
+    limit: usize,
+    filter: ProcessFilter,
+    by: Grouping,
+) -> Vec<Site> {
+    let mut sites = groups(profile, filter, by);
     sites.retain(|s| s.values[index] != 0);
     sites.sort_by(|a, b| {
         b.values[index]
@@ -190,6 +241,7 @@ mod tests {
 
     fn sample(pid: u32, frames: &[&str], values: [i64; 4]) -> Sample {
         Sample {
+            cache: None,
             pid: Some(pid),
             comm: Some("prog".into()),
             locations: frames

@@ -112,6 +112,35 @@ pub fn message(samples: &[(u32, &[&str], [u64; 4])], period: u64) -> proto::Prof
     builder.finish().expect("a valid test profile")
 }
 
+/// A kernel profile of one process: samples of (frames innermost first, the `cache`
+/// label, values in the order of `KERNEL_SAMPLE_TYPES`), kernel addresses made up.
+pub fn kernel_profile(samples: &[(&[&str], Option<&str>, [u64; 6])]) -> Profile {
+    let mut builder =
+        ProfileBuilder::new(1_000, 2_000, &crate::pprof::builder::KERNEL_SAMPLE_TYPES);
+    for (index, &(frames, cache, values)) in samples.iter().enumerate() {
+        let locations: Vec<u64> = frames
+            .iter()
+            .enumerate()
+            .map(|(depth, &name)| {
+                let frame = Frame {
+                    function: name.into(),
+                    file: None,
+                    line: 0,
+                };
+                let address = 0xffff_ffff_8100_0000 + (index as u64) * 0x1000 + depth as u64;
+                builder.location(0, address, 0, None, &[frame])
+            })
+            .collect();
+        let mut labels = vec![("pid", LabelValue::Num(i64::from(PID)))];
+        if let Some(cache) = cache {
+            labels.push(("cache", LabelValue::Str(cache)));
+        }
+        builder.sample(&locations, &values, &labels);
+    }
+    let message = builder.finish().expect("a valid test profile");
+    Profile::from_proto(Path::new("kernel.pb.gz"), &message).expect("reads back")
+}
+
 /// A profile of one process ([`PID`]), every allocation recorded.
 pub fn profile_of(stacks: &[(&[&str], [u64; 4])]) -> Profile {
     let samples: Vec<(u32, &[&str], [u64; 4])> = stacks

@@ -16,6 +16,7 @@
 //! | `minflt`, `majflt` | its page faults since it started |
 //! | `peak_inuse` | the highest in-use bytes heapprofd saw in it so far (exact mode) |
 //! | *tracked* | only when `--sample-index` is another in-use type (e.g. `inuse_requested_space`): its value |
+//! | `slab`, `sunreclaim` | kernel profiles only: `Slab` and `SUnreclaim` of `/proc/meminfo` when the profile was written, bytes (on the rows of whole processes) |
 //!
 //! The memory columns are filled on process rows whose profile recorded them, and
 //! empty otherwise (site rows, older profiles). On the all-processes row they are the
@@ -123,6 +124,13 @@ pub fn write_csv(session: &Session, top: usize, out: &mut dyn Write) -> Result<(
         text.push(',');
         text.push_str(&csv_cell(&session.tracked));
     }
+    let kernel = session
+        .snapshots
+        .iter()
+        .any(|snapshot| snapshot.kernel_memory.is_some());
+    if kernel {
+        text.push_str(",slab,sunreclaim");
+    }
     text.push('\n');
     for snapshot in &session.snapshots {
         let row = |text: &mut String,
@@ -158,6 +166,14 @@ pub fn write_csv(session: &Session, top: usize, out: &mut dyn Write) -> Result<(
             }
             if extra {
                 let _ = write!(text, ",{}", values.tracked);
+            }
+            if kernel {
+                match snapshot.kernel_memory.as_ref().filter(|_| site == "*") {
+                    Some(k) => {
+                        let _ = write!(text, ",{},{}", k.slab, k.slab_unreclaimable);
+                    }
+                    None => text.push_str(",,"),
+                }
             }
             text.push('\n');
         };
@@ -270,5 +286,25 @@ mod tests {
             "{text}"
         );
         assert_eq!(top_processes(&s, 1).len(), 1);
+    }
+
+    #[test]
+    fn kernel_sessions_add_the_slab_totals_to_process_rows() {
+        let mut s = session(&["kmem_cache_alloc in getname_flags"], &[vec![10, 20]]);
+        s.snapshots[1].kernel_memory = Some(crate::memstats::KernelMemory {
+            slab: 8192,
+            slab_unreclaimable: 4096,
+        });
+        let mut out = Vec::new();
+        write_csv(&s, 1, &mut out).expect("written");
+        let text = String::from_utf8(out).expect("utf8");
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[0].ends_with(",peak_inuse,slab,sunreclaim"), "{text}");
+        assert!(
+            lines[1].ends_with(",,"),
+            "no figures in the first profile: {text}"
+        );
+        assert!(lines[3].ends_with(",8192,4096"), "{text}");
+        assert!(lines[4].ends_with(",,"), "site rows stay empty: {text}");
     }
 }

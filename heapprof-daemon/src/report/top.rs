@@ -5,7 +5,7 @@ use std::io::{self, Write};
 
 use super::{
     model::Profile,
-    stacks::{self, ProcessFilter, Site},
+    stacks::{self, Grouping, ProcessFilter, Site},
 };
 
 /// The table's value columns, by sample type, in the order `--top` prints them.
@@ -21,11 +21,20 @@ fn column_indices(profile: &Profile) -> [Option<usize>; 4] {
     COLUMNS.map(|name| profile.sample_types.iter().position(|t| t == name))
 }
 
+/// Where a kernel profile's requested bytes and allocated bytes are, for the
+/// REQUESTED and WASTE columns (as `perf kmem stat --caller` shows them).
+fn waste_indices(profile: &Profile) -> Option<(usize, usize)> {
+    let index = |name: &str| profile.sample_types.iter().position(|t| t == name);
+    Some((index("alloc_requested_space")?, index("alloc_space")?))
+}
+
 /// What to put in the table: sites sorted as they should be printed.
 struct Table<'a> {
     title: String,
     sites: &'a [Site],
     columns: [Option<usize>; 4],
+    /// Requested and allocated bytes (kernel profiles).
+    waste: Option<(usize, usize)>,
     signed: bool,
 }
 
@@ -36,16 +45,22 @@ pub fn write(
     index: usize,
     limit: usize,
     filter: ProcessFilter,
+    by: Grouping,
 ) -> io::Result<()> {
-    let sites = stacks::top_sites(profile, index, limit, filter);
+    let sites = stacks::top_groups(profile, index, limit, filter, by);
+    let rows = match by {
+        Grouping::Site => "allocation sites",
+        Grouping::Cache => "slab caches",
+    };
     let table = Table {
         title: format!(
-            "Top allocation sites of {} by {} (in use / allocated in total):",
+            "Top {rows} of {} by {} (in use / allocated in total):",
             profile.path.display(),
             profile.sample_types[index]
         ),
         sites: &sites,
         columns: column_indices(profile),
+        waste: waste_indices(profile),
         signed: false,
     };
     print(out, &table, &profile.sample_types[index])
@@ -71,6 +86,7 @@ pub fn write_diff(
         ),
         sites: &sites,
         columns: column_indices(profile),
+        waste: waste_indices(profile),
         signed: true,
     };
     print(out, &table, &profile.sample_types[index])
@@ -96,11 +112,15 @@ fn biggest_changes(mut sites: Vec<Site>, index: usize, limit: usize) -> Vec<Site
 /// the profile lacks.
 fn print(out: &mut dyn Write, table: &Table, sample_type: &str) -> io::Result<()> {
     writeln!(out, "{}", table.title)?;
-    writeln!(
+    write!(
         out,
-        "{:>12} {:>9} {:>13} {:>10}  SITE",
+        "{:>12} {:>9} {:>13} {:>10}",
         "LIVE BYTES", "LIVE", "TOTAL BYTES", "TOTAL"
     )?;
+    if table.waste.is_some() {
+        write!(out, " {:>13} {:>6}", "REQUESTED", "WASTE")?;
+    }
+    writeln!(out, "  SITE")?;
     for site in table.sites {
         let [inuse_bytes, inuse_objects, alloc_bytes, alloc_objects] =
             table
@@ -110,11 +130,25 @@ fn print(out: &mut dyn Write, table: &Table, sample_type: &str) -> io::Result<()
                     Some(value) => value.to_string(),
                     None => "-".to_owned(),
                 });
-        writeln!(
+        write!(
             out,
-            "{inuse_bytes:>12} {inuse_objects:>9} {alloc_bytes:>13} {alloc_objects:>10}  {}",
-            site.description
+            "{inuse_bytes:>12} {inuse_objects:>9} {alloc_bytes:>13} {alloc_objects:>10}"
         )?;
+        if let Some((requested, allocated)) = table.waste {
+            let requested = site.values.get(requested).copied().unwrap_or(0);
+            let allocated = site.values.get(allocated).copied().unwrap_or(0);
+            let requested_text = if table.signed {
+                format!("{requested:+}")
+            } else {
+                requested.to_string()
+            };
+            write!(
+                out,
+                " {requested_text:>13} {:>6}",
+                waste_percent(requested, allocated)
+            )?;
+        }
+        writeln!(out, "  {}", site.description)?;
     }
     if table.sites.is_empty() {
         let what = if table.signed { "changed" } else { "any" };
@@ -123,16 +157,105 @@ fn print(out: &mut dyn Write, table: &Table, sample_type: &str) -> io::Result<()
     Ok(())
 }
 
+/// The share of `allocated` bytes nobody asked for, as `12.5%` (`-` without bytes).
+fn waste_percent(requested: i64, allocated: i64) -> String {
+    if allocated <= 0 {
+        return "-".to_owned();
+    }
+    let waste = (allocated - requested).max(0) as f64 * 100.0 / allocated as f64;
+    format!("{waste:.1}%")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::test_profiles::{PID, abc_profile, profile_of, text};
+    use crate::report::test_profiles::{PID, abc_profile, kernel_profile, profile_of, text};
+
+    /// Two getname_flags samples of names_cache and one kmalloc-192 sample, values
+    /// (alloc objects, alloc bytes, in-use objects, in-use bytes, requested, in-use
+    /// requested).
+    fn slab_profile() -> Profile {
+        let getname: &[&str] = &[
+            "kmem_cache_alloc",
+            "kmem_cache_alloc_noprof",
+            "getname_flags",
+            "do_sys_openat2",
+        ];
+        let other: &[&str] = &[
+            "kmem_cache_alloc",
+            "kmem_cache_alloc_noprof",
+            "getname_flags",
+            "__x64_sys_unlink",
+        ];
+        let kmalloc: &[&str] = &["kmalloc", "__kmalloc_cache_noprof", "alloc_pipe_info"];
+        kernel_profile(&[
+            (getname, Some("names_cache"), [4, 16384, 1, 4096, 400, 100]),
+            (other, Some("names_cache"), [2, 8192, 0, 0, 200, 0]),
+            (
+                kmalloc,
+                Some("kmalloc-192"),
+                [10, 1920, 10, 1920, 1600, 1600],
+            ),
+        ])
+    }
+
+    #[test]
+    fn kernel_sites_are_named_after_the_allocators_caller_with_their_waste() {
+        let profile = slab_profile();
+        let alloc = profile.sample_index("alloc_space").expect("type");
+        let table = text(|out| write(out, &profile, alloc, 0, ProcessFilter::All, Grouping::Site));
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[1].ends_with("REQUESTED  WASTE  SITE"), "{table}");
+        assert_eq!(
+            lines[2],
+            "        4096         1         16384          4           400  97.6%  \
+             kmem_cache_alloc in getname_flags <- do_sys_openat2"
+        );
+        assert!(
+            lines[4].ends_with("1600  16.7%  kmalloc in alloc_pipe_info"),
+            "{table}"
+        );
+        // Sorted by requested bytes, the kmalloc site leads.
+        let requested = profile.sample_index("alloc_requested_space").expect("type");
+        let table = text(|out| {
+            write(
+                out,
+                &profile,
+                requested,
+                1,
+                ProcessFilter::All,
+                Grouping::Site,
+            )
+        });
+        assert!(
+            table
+                .lines()
+                .nth(2)
+                .is_some_and(|l| l.ends_with("kmalloc in alloc_pipe_info")),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn kernel_tables_group_by_slab_cache() {
+        let profile = slab_profile();
+        let alloc = profile.sample_index("alloc_space").expect("type");
+        let table = text(|out| write(out, &profile, alloc, 0, ProcessFilter::All, Grouping::Cache));
+        let lines: Vec<&str> = table.lines().collect();
+        assert!(lines[0].starts_with("Top slab caches of"), "{table}");
+        assert_eq!(
+            lines[2],
+            "        4096         1         24576          6           600  97.6%  names_cache"
+        );
+        assert!(lines[3].ends_with("  kmalloc-192"), "{table}");
+        assert_eq!(lines.len(), 4, "{table}");
+    }
 
     #[test]
     fn prints_the_daemon_table_sorted_by_the_chosen_type() {
         let profile = abc_profile();
         let inuse = profile.sample_index("inuse_space").expect("type");
-        let table = text(|out| write(out, &profile, inuse, 20, ProcessFilter::All));
+        let table = text(|out| write(out, &profile, inuse, 20, ProcessFilter::All, Grouping::Site));
         let lines: Vec<&str> = table.lines().collect();
         assert!(lines[0].contains("by inuse_space"), "{table}");
         assert_eq!(
@@ -151,7 +274,7 @@ mod tests {
         // By allocated objects the freed site leads; --top 1 keeps only it.
         let freed = profile_of(&[(&["malloc", "c", "main"], [5, 50, 0, 0])]);
         let objects = freed.sample_index("alloc_objects").expect("type");
-        let table = text(|out| write(out, &freed, objects, 1, ProcessFilter::All));
+        let table = text(|out| write(out, &freed, objects, 1, ProcessFilter::All, Grouping::Site));
         assert!(
             table
                 .lines()
@@ -159,14 +282,14 @@ mod tests {
                 .is_some_and(|l| l.ends_with("malloc in c <- main")),
             "{table}"
         );
-        let inuse = text(|out| write(out, &freed, inuse, 1, ProcessFilter::All));
+        let inuse = text(|out| write(out, &freed, inuse, 1, ProcessFilter::All, Grouping::Site));
         assert!(inuse.contains("(no site has any inuse_space)"), "{inuse}");
     }
 
     #[test]
     fn unsymbolized_frames_show_as_file_and_offset() {
         let profile = profile_of(&[(&["malloc", "?", "main"], [1, 64, 1, 64])]);
-        let table = text(|out| write(out, &profile, 3, 0, ProcessFilter::Pid(PID)));
+        let table = text(|out| write(out, &profile, 3, 0, ProcessFilter::Pid(PID), Grouping::Site));
         assert!(table.contains("malloc in prog+0x1f00 <- main"), "{table}");
     }
 

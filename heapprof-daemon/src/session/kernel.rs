@@ -8,9 +8,9 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use aya::Ebpf;
-use heapprof_common::kernel::{KernelAllocKind, KernelEvent};
+use heapprof_common::kernel::{KernelAllocKind, KernelEvent, allocator_frames_regex};
 
-use super::{DropLog, Drops, TopSite, TopSites, comment_drops, program_figures};
+use super::{DropLog, Drops, comment_drops, program_figures};
 use crate::{
     aggregate::kernel::{KernelMaps, KernelSite},
     cli::Target,
@@ -20,7 +20,10 @@ use crate::{
         builder::{AddressSpace, KERNEL_SAMPLE_TYPES},
         writer,
     },
-    probes::stats::{self, RunTimeStats},
+    probes::{
+        kernel::DeferredFrees,
+        stats::{self, RunTimeStats},
+    },
     symbolize::{
         Frame,
         kallsyms::{KERNEL_MODULE, KernelSymbols},
@@ -63,11 +66,17 @@ pub struct KernelSession {
     drop_log: DropLog,
     /// Where each profile's figures are published as metrics (`--metrics`).
     metrics: Option<Exporter>,
+    /// Which frees without a tracepoint are seen.
+    deferred_frees: DeferredFrees,
 }
 
 impl KernelSession {
     /// Wraps loaded, attached programs; reads the kernel's symbols.
-    pub fn new(config: KernelSessionConfig, mut ebpf: Ebpf) -> Result<Self> {
+    pub fn new(
+        config: KernelSessionConfig,
+        mut ebpf: Ebpf,
+        deferred_frees: DeferredFrees,
+    ) -> Result<Self> {
         let maps = KernelMaps::new(&mut ebpf)?;
         let symbols = KernelSymbols::load()?;
         let run_time_stats = if config.bpf_stats {
@@ -88,7 +97,13 @@ impl KernelSession {
             sequence: 0,
             drop_log: DropLog::default(),
             metrics: None,
+            deferred_frees,
         })
+    }
+
+    /// Which frees without a per-object tracepoint this session sees.
+    pub fn deferred_frees(&self) -> &DeferredFrees {
+        &self.deferred_frees
     }
 
     /// Publishes the figures of every profile from now on to `exporter`; turns the
@@ -287,6 +302,12 @@ impl KernelSession {
             &KERNEL_SAMPLE_TYPES,
         );
         builder.comment(&format!("heapprofd {}", env!("CARGO_PKG_VERSION")));
+        // `go tool pprof -top` then puts the flat cost on the allocator's caller; the
+        // allocator frames stay in the stacks for every other reader.
+        let mut allocator_frames = String::new();
+        if allocator_frames_regex(&mut allocator_frames).is_ok() {
+            builder.drop_frames(&allocator_frames);
+        }
         builder.comment(&match &self.config.target {
             Target::Pid(pid) => {
                 format!("target: kernel heap, allocations in the context of pid {pid}")
@@ -304,6 +325,15 @@ impl KernelSession {
             .map(|e| format!("{}:{}", e.category(), e.name()))
             .collect();
         builder.comment(&format!("tracepoints: {}", events.join(" ")));
+        if !self.deferred_frees.seen.is_empty() {
+            builder.comment(&format!(
+                "deferred and bulk frees seen at: {}",
+                self.deferred_frees.seen.join(" ")
+            ));
+        }
+        if let Some(undercounted) = self.deferred_frees.undercounted() {
+            builder.comment(&format!("undercounted: {undercounted}"));
+        }
         builder.comment(
             "alloc_space/inuse_space: bytes handed out (slab-rounded, or whole pages); \
              alloc_requested_space/inuse_requested_space: bytes the callers asked for",
@@ -366,6 +396,13 @@ impl KernelSession {
             if let Some(module) = &module {
                 labels.push(("module", LabelValue::Str(module)));
             }
+            let cache = self.maps.cache(&site.key, crate::probes::page_size());
+            if let Some(cache) = &cache {
+                labels.push(("cache", LabelValue::Str(cache)));
+            }
+            if kind == KernelAllocKind::Pages {
+                labels.push(("order", LabelValue::Num(site.key.class as i64)));
+            }
             builder.sample(&locations, &site.values(), &labels);
         }
         builder.finish_compressed().context("building the profile")
@@ -377,46 +414,5 @@ impl KernelSession {
             .iter()
             .find(|r| &*r.name == KERNEL_MODULE)
             .map(|r| r.start)
-    }
-
-    /// The `limit` kernel sites holding the most memory (then allocating the most),
-    /// sites with the same description merged.
-    pub fn top_sites(&mut self, limit: usize) -> Result<Vec<TopSite>> {
-        let mut merged = TopSites::default();
-        for site in self.maps.read_sites()? {
-            let kind =
-                KernelAllocKind::from_u32(site.key.kind).map_or("?", KernelAllocKind::function);
-            let stack: Vec<u64> = self.maps.stacks().frames(site.key.stack).collect();
-            let mut frames = self.visible_frames(&stack);
-            if frames.is_empty() && site.key.call_site != 0 {
-                frames.push(site.key.call_site);
-            }
-            let names: Vec<String> = frames
-                .iter()
-                .take(5)
-                .map(|&ret| match self.frame(ret.wrapping_sub(1)) {
-                    Some(Frame {
-                        function,
-                        file: Some(module),
-                        ..
-                    }) if module != KERNEL_MODULE => {
-                        format!("{function} {module}")
-                    }
-                    Some(frame) => frame.function,
-                    None => format!("{ret:#x}"),
-                })
-                .collect();
-            let description = if names.is_empty() {
-                format!("{kind} in [unknown]")
-            } else {
-                format!("{kind} in {}", names.join(" <- "))
-            };
-            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes, _, _] = site.values();
-            merged.add(
-                description,
-                [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes],
-            );
-        }
-        Ok(merged.top(limit))
     }
 }

@@ -7,8 +7,6 @@
 pub mod kernel;
 mod user;
 
-use std::collections::HashMap;
-
 use heapprof_common::DropReason;
 
 pub use user::{Session, SessionConfig};
@@ -70,59 +68,5 @@ fn comment_drops(builder: &mut ProfileBuilder, drops: &Drops) {
             reason.describe(),
             drops[reason as usize]
         ));
-    }
-}
-
-/// One line of the `--top` summary.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TopSite {
-    /// `function (file:line) <- caller <- caller`.
-    pub description: String,
-    /// Bytes in use.
-    pub inuse_bytes: u64,
-    /// Blocks in use.
-    pub inuse_objects: u64,
-    /// Bytes allocated in total.
-    pub alloc_bytes: u64,
-    /// Blocks allocated in total.
-    pub alloc_objects: u64,
-}
-
-/// Sites merged by description, for the `--top` summary.
-#[derive(Debug, Default)]
-struct TopSites(HashMap<String, TopSite>);
-
-impl TopSites {
-    /// Adds one site's allocated objects and bytes, in-use objects and bytes.
-    fn add(
-        &mut self,
-        description: String,
-        [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes]: [u64; 4],
-    ) {
-        let entry = self.0.entry(description.clone()).or_insert(TopSite {
-            description,
-            inuse_bytes: 0,
-            inuse_objects: 0,
-            alloc_bytes: 0,
-            alloc_objects: 0,
-        });
-        entry.inuse_bytes += inuse_bytes;
-        entry.inuse_objects += inuse_objects;
-        entry.alloc_bytes += alloc_bytes;
-        entry.alloc_objects += alloc_objects;
-    }
-
-    /// The `limit` sites holding the most memory, then allocating the most.
-    fn top(self, limit: usize) -> Vec<TopSite> {
-        let mut top: Vec<TopSite> = self.0.into_values().collect();
-        top.sort_by(|a, b| {
-            (b.inuse_bytes, b.alloc_bytes, &a.description).cmp(&(
-                a.inuse_bytes,
-                a.alloc_bytes,
-                &b.description,
-            ))
-        });
-        top.truncate(limit);
-        top
     }
 }

@@ -14,7 +14,7 @@ use crate::{
     aggregate::Site,
     cli::Target,
     pprof::{LabelValue, MappingKey, ProfileBuilder, builder::SAMPLE_TYPES},
-    session::{Drops, TopSite, TopSites, comment_drops},
+    session::{Drops, comment_drops},
     symbolize::Frame,
 };
 use anyhow::{Context as _, Result};
@@ -228,59 +228,6 @@ impl Session {
             }
             None => builder.location(image.space(), 0, tag, None, &[frame]),
         }
-    }
-}
-
-impl Session {
-    /// The `limit` call sites holding the most memory (then allocating the most),
-    /// sites with the same description merged.
-    pub fn top_sites(&mut self, limit: usize) -> Result<Vec<TopSite>> {
-        let mut merged = TopSites::default();
-        for site in self.maps.read_sites()? {
-            let stack: Vec<u64> = self.maps.stacks().frames(site.key.stack).collect();
-            let kind = self
-                .allocators
-                .slot(site.key.slot)
-                .map_or("?", |f| f.function.as_str());
-            let mut names = Vec::new();
-            if let Some(info) = self.images.get(&Image::of(&site.key)) {
-                // Innermost first, inlined functions included: the first one made the call.
-                'frames: for &ret in stack.iter() {
-                    let addr = ret.wrapping_sub(1);
-                    let Some(region) = info.maps.find(addr) else {
-                        break;
-                    };
-                    let frames = self.symbolizer.frames(region, region.file_offset(addr));
-                    if frames.is_empty() {
-                        // No symbol: the object and file offset mean the same in every run.
-                        names.push(region.describe(addr));
-                    }
-                    for frame in frames.iter() {
-                        if names.is_empty() {
-                            let file = frame
-                                .file
-                                .as_deref()
-                                .map(|f| f.rsplit('/').next().unwrap_or(f));
-                            names.push(match file {
-                                Some(file) => format!("{} ({file}:{})", frame.function, frame.line),
-                                None => frame.function.clone(),
-                            });
-                        } else {
-                            names.push(frame.function.clone());
-                        }
-                        if names.len() == 4 {
-                            break 'frames;
-                        }
-                    }
-                }
-            }
-            if names.is_empty() {
-                names.push("[unknown]".into());
-            }
-            let description = format!("{kind} in {}", names.join(" <- "));
-            merged.add(description, site.values(self.config.sample_rate));
-        }
-        Ok(merged.top(limit))
     }
 }
 
