@@ -165,6 +165,7 @@ struct thread_state {
     uint32_t cxx_depth;           /* inside a replacement allocator's C++ operator */
     uint32_t reply_slot;          /* its slot of `replies`; 0 until taken */
     uint32_t queue_busy;          /* the queue is being changed (see busy_begin) */
+    uint32_t closing;             /* exit() has begun: records are reported at once */
     uint64_t until_sample;           /* bytes left before the next sampled allocation */
     uint64_t random;                 /* xorshift state */
     uint32_t known_victim;                /* the place replaced next */
@@ -253,14 +254,25 @@ static void find_allocator_text(const unsigned char *base)
 extern const char __ehdr_start[] __attribute__((visibility("hidden")));
 extern const char etext[] __attribute__((visibility("hidden")));
 
+/* Whether `ra` is in no loaded object: the kernel's return-probe trampoline, which
+ * another tool's return probe on the real function put in place of its return
+ * address (a signal handler's code is in the program or a library). */
+static __attribute__((noinline)) int in_no_object(uint64_t ra)
+{
+    dl_info_t info;
+    return !dladdr((void *)(uintptr_t)ra, &info);
+}
+
 /* Whether a call inside a real allocator call, returning to `ra`, is the allocator's
  * own (it passes through) rather than a signal handler's. A real function that ends
- * in a tail call of another (arm64 glibc's reallocarray jumps to realloc) returns to
- * the wrapper that called it, in this library's code. */
+ * in a tail call of another (glibc's reallocarray jumps to realloc) returns where the
+ * real function would have: to the wrapper that called it, in this library's code,
+ * or, when another tool has a return probe on it, to the kernel's trampoline. */
 static inline int from_allocator(uint64_t ra)
 {
     return allocator_text_end == 0 || (ra >= allocator_text_start && ra < allocator_text_end) ||
-           (ra >= (uint64_t)(uintptr_t)__ehdr_start && ra < (uint64_t)(uintptr_t)etext);
+           (ra >= (uint64_t)(uintptr_t)__ehdr_start && ra < (uint64_t)(uintptr_t)etext) ||
+           in_no_object(ra);
 }
 
 
@@ -420,7 +432,7 @@ static inline uint64_t meta(struct thread_state *t, unsigned function, unsigned 
 {
     uint64_t word = function | (uint64_t)kind << HP_META_KIND_SHIFT |
                     (uint64_t)t->queue.len << HP_META_COUNT_SHIFT;
-    if (!t->registered)
+    if (!t->registered && !t->closing)
         word |= HP_META_REGISTER_QUEUE;
     return word;
 }
@@ -450,7 +462,7 @@ static inline void reported(struct thread_state *t)
     t->queue.len = 0;
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     t->queue.generation++;
-    t->registered = 1;
+    t->registered = !t->closing;
 }
 
 static inline uint64_t queue_address(struct thread_state *t)
@@ -463,8 +475,10 @@ static __attribute__((noinline)) void flush(struct thread_state *t)
 {
     if (t->queue.len == 0)
         return;
+    /* Once closing, the queue is known to the program only for this report. */
+    uint64_t closing = t->closing ? HP_META_REGISTER_QUEUE | HP_META_UNREGISTER_QUEUE : 0;
     busy_begin(t);
-    probe(0, 0, 0, 0, 0, queue_address(t), meta(t, 0, HP_KIND_FLUSH));
+    probe(0, 0, 0, 0, 0, queue_address(t), meta(t, 0, HP_KIND_FLUSH) | closing);
     reported(t);
     busy_end(t);
 }
@@ -481,6 +495,8 @@ static inline void queue_record(struct thread_state *t, const uint64_t *record, 
     /* The words before the length that covers them (see reported()). */
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     t->queue.len = at + words;
+    if (unlikely(t->closing))
+        flush(t);
     busy_end(t);
 }
 
@@ -660,6 +676,7 @@ static __attribute__((noinline)) struct thread_state *adopt_thread(void)
     if (t) {
         t->queue.len = 0;
         t->queue_busy = 0;
+        t->closing = 0;
         t->registered = 0;
         t->depth = 0;
         t->cxx_depth = 0;
@@ -824,15 +841,26 @@ __attribute__((constructor)) static void on_load(void)
         initialize();
 }
 
-/* The thread calling exit() reports its last frees (other threads' queues are read by
- * heapprofd when they exit). */
+/* The thread calling exit() reports its last records and, from then on, each record
+ * at once, its queue unknown to the program in between: kernels that run the exit
+ * tracepoint after the address space is gone (6.1) cannot read it at the thread's
+ * exit. (Other threads' queues are read by heapprofd when they exit.) */
 __attribute__((destructor)) static void on_unload(void)
 {
     if (state != ACTIVE)
         return;
     struct thread_state *t = pthread_getspecific(thread_key);
-    if (t)
+    if (!t || t == &no_state)
+        return;
+    t->closing = 1;
+    if (!t->registered) {
         flush(t);
+        return;
+    }
+    busy_begin(t);
+    probe(0, 0, 0, 0, 0, queue_address(t), meta(t, 0, HP_KIND_FLUSH) | HP_META_UNREGISTER_QUEUE);
+    reported(t);
+    busy_end(t);
 }
 
 /* Whether the wrappers report; otherwise they pass the call on (or, before the real
