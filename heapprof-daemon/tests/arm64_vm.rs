@@ -46,7 +46,11 @@ mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
 mount -t tracefs tracefs /sys/kernel/tracing
 mount -t bpf bpf /sys/fs/bpf
+mkdir -p /dev/shm && mount -t tmpfs shm /dev/shm
 echo "==KERNEL $(uname -r) $(uname -m)"
+# A real module for kernel mode: the RAM disk driver, one 8 MiB disk.
+insmod /modules/brd.ko rd_nr=1 rd_size=8192
+echo "==INSMOD brd $?"
 # Whatever hangs, the VM ends and the host sees how far it got.
 (sleep 480; echo "==WATCHDOG: the scenarios took too long"; poweroff -f) &
 
@@ -100,6 +104,15 @@ scenarios() {
     # Kernel mode, launch: the pipes workload opens 50 pipes, closes them, exits.
     printf 'open\nclose\n' | /heapprofd --kernel -o $out/kernel -- /t/pipes 50 2>&1
     echo "==STATUS $round kernel $?"
+    # Kernel mode: everything made is freed again (epoll items go through kfree_rcu).
+    /heapprofd --kernel -o $out/release -- /t/release_all 500 3 2>&1
+    echo "==STATUS $round release $?"
+    # Kernel mode with pages: writes to the RAM disk, written back by fsync in dd's
+    # own context, allocate the disk's pages in brd (each round writes its own 2 MiB:
+    # a page the disk has already is not allocated again).
+    case $round in btf) seek=0 ;; *) seek=64 ;; esac
+    /heapprofd --kernel --pages -o $out/brd -- dd if=/dev/urandom of=/dev/ram0 bs=64k count=32 seek=$seek conv=fsync 2>&1
+    echo "==STATUS $round brd $?"
     for f in $(find $out -name '*.pb.gz' | sort); do
         echo "==FILE $f"
         base64 $f
@@ -236,7 +249,7 @@ fn host_dhat_stacks(dir: &Path) -> BTreeMap<&'static str, (dhat::StackMap, dhat:
 /// Builds the initramfs: busybox, the C library, heapprofd, the test programs, /init.
 fn initramfs(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
     let root = dir.join("root");
-    for sub in ["bin", "t", "proc", "sys", "dev", "tmp"] {
+    for sub in ["bin", "t", "proc", "sys", "dev", "tmp", "modules"] {
         std::fs::create_dir_all(root.join(sub)).expect("mkdir");
     }
     copy(&assets.join("bin/busybox"), &root.join("bin/busybox"));
@@ -255,6 +268,14 @@ fn initramfs(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
         .expect("cp");
     assert!(status.success(), "copying the C library");
     copy(heapprofd, &root.join("heapprofd"));
+    let brd = assets.join("modules/brd.ko");
+    assert!(
+        brd.exists(),
+        "{} is missing: the VM's assets predate the module test; `cargo xtask vm-test` \
+         fetches them again",
+        brd.display()
+    );
+    copy(&brd, &root.join("modules/brd.ko"));
     let cc = "aarch64-linux-gnu-gcc";
     for (source, name, flags) in [
         ("family", "family", "-O0"),
@@ -262,6 +283,7 @@ fn initramfs(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
         ("stacks", "stacks-O2", "-O2"),
         ("waiter", "waiter", "-O0"),
         ("pipes", "pipes", "-O1"),
+        ("release_all", "release_all", "-O1"),
     ] {
         let binary = compile_with(cc, dir, source, name, &[flags]);
         copy(&binary, &root.join("t").join(name));
@@ -581,6 +603,9 @@ fn check_round(
         "{round}: kernel frames are named and start below the tracepoint"
     );
 
+    check_deferred_frees(last(profiles, round, "release"), round);
+    check_module(last(profiles, round, "brd"), round);
+
     // Static programs with their own allocator: the totals and main/a/b stacks of their
     // own counts (see tests/allocators.rs). Both are checked before either fails.
     let section =
@@ -606,6 +631,74 @@ fn check_round(
             std::panic::resume_unwind(panic);
         }
     }
+}
+
+/// After release_all freed everything it made: with deferred frees seen (fentry on
+/// this kernel), do_epoll_ctl holds at most 5% of what it allocated; without, the
+/// profile says what it undercounts.
+fn check_deferred_frees(profile: &heapprof_daemon::pprof::proto::Profile, round: &str) {
+    let notes = comments(profile);
+    let epoll: Vec<&heapprof_daemon::pprof::proto::Sample> = profile
+        .sample
+        .iter()
+        .zip(samples(profile))
+        .filter(|(_, s)| s.stack.iter().any(|f| f == "do_epoll_ctl"))
+        .map(|(raw, _)| raw)
+        .collect();
+    let sum = |index: usize| epoll.iter().map(|s| s.value[index]).sum::<i64>();
+    assert!(sum(0) >= 500, "{round}: epoll allocations {}", sum(0));
+    let seen = notes
+        .iter()
+        .any(|c| c.starts_with("deferred and bulk frees seen at"));
+    if seen {
+        assert!(
+            sum(3) * 20 <= sum(1),
+            "{round}: do_epoll_ctl holds {} of {} bytes after everything was freed",
+            sum(3),
+            sum(1)
+        );
+    } else {
+        assert!(
+            notes.iter().any(|c| c.starts_with("undercounted: ")),
+            "{round}: neither deferred frees nor a warning: {notes:?}"
+        );
+    }
+    eprintln!(
+        "arm64 VM {round}: deferred frees {}; do_epoll_ctl holds {} of {} bytes{}",
+        if seen { "seen" } else { "not seen" },
+        sum(3),
+        sum(1),
+        notes
+            .iter()
+            .find(|c| c.starts_with("undercounted: "))
+            .map_or_else(String::new, |c| format!("; {c}"))
+    );
+}
+
+/// Writes to the RAM disk: page samples whose stacks pass through the brd module,
+/// named as its frames (`brd_*`) and labelled `module=[brd]`.
+fn check_module(profile: &heapprof_daemon::pprof::proto::Profile, round: &str) {
+    let through_brd: Vec<Sample> = samples(profile)
+        .into_iter()
+        .filter(|s| s.labels.get("module").is_some_and(|m| m == "[brd]"))
+        .collect();
+    assert!(
+        !through_brd.is_empty(),
+        "{round}: no sample labelled module=[brd]"
+    );
+    for sample in &through_brd {
+        assert!(
+            sample.stack.iter().any(|f| f.starts_with("brd_")),
+            "{round}: a [brd] sample without a brd frame: {:?}",
+            sample.stack
+        );
+    }
+    assert!(
+        through_brd
+            .iter()
+            .any(|s| s.stack.first().is_some_and(|f| f == "alloc_pages")),
+        "{round}: brd allocated no pages: {through_brd:?}"
+    );
 }
 
 /// The console's lines after the line `start`, up to the next line starting with `==`.
@@ -638,9 +731,13 @@ fn arm64_vm_with_and_without_btf() {
         .lines()
         .filter(|l| l.starts_with("==STATUS"))
         .collect();
+    assert!(
+        console.contains("==INSMOD brd 0"),
+        "the RAM disk module did not load:\n{console}"
+    );
     assert_eq!(
         statuses.len(),
-        18,
+        22,
         "scenario statuses: {statuses:?}\n{console}"
     );
     for status in &statuses {

@@ -41,18 +41,26 @@ const ALLOCATORS: [&str; 4] = [
     "lib/aarch64-linux-musl/libc.so",
 ];
 
+/// Modules of the kernel package kept in `modules/` of the assets (the VM's kernel
+/// mode test loads the RAM disk driver: no dependencies, no signature needed).
+const MODULES: [&str; 1] = ["kernel/drivers/block/brd.ko"];
+
 /// The assets directory, fetched and unpacked if it is not complete yet: it holds
-/// `vmlinuz`, `bin/busybox` and the C and C++ libraries under `lib/`.
+/// `vmlinuz`, `bin/busybox`, the C and C++ libraries under `lib/` and [`MODULES`]
+/// under `modules/`.
 ///
-/// `.complete` names the kernel package and then [`PACKAGES`]: assets fetched for
-/// another list of packages are fetched again.
+/// `.complete` names the kernel package and then [`PACKAGES`] and [`MODULES`]: assets
+/// fetched for other lists are fetched again.
 pub fn ensure_assets() -> Result<PathBuf> {
     let base = workspace_root().join("target/arm64-vm");
     let assets = base.join("assets");
     let complete = assets.join(".complete");
-    if std::fs::read_to_string(&complete)
-        .is_ok_and(|marker| marker.lines().skip(1).eq(PACKAGES.iter().copied()))
-    {
+    if std::fs::read_to_string(&complete).is_ok_and(|marker| {
+        marker
+            .lines()
+            .skip(1)
+            .eq(PACKAGES.iter().chain(MODULES.iter()).copied())
+    }) {
         return Ok(assets);
     }
     step("fetching Debian's arm64 kernel, busybox and C and C++ libraries for the VM test");
@@ -94,6 +102,7 @@ pub fn ensure_assets() -> Result<PathBuf> {
         .arg(unpacked.join("lib"))
         .arg(&assets)
         .run()?;
+    keep_modules(&unpacked, &assets)?;
     let _ = std::fs::remove_dir_all(assets.join("lib/modules"));
     // libstdc++ is under /usr/lib/aarch64-linux-gnu: next to the C library, where the
     // dynamic loader looks first (the VM has no ld.so.cache), it needs no other path.
@@ -130,7 +139,7 @@ pub fn ensure_assets() -> Result<PathBuf> {
         std::fs::copy(&from, assets.join("allocators").join(name))?;
     }
     let mut marker = kernel;
-    for package in PACKAGES {
+    for package in PACKAGES.iter().chain(MODULES.iter()) {
         marker.push('\n');
         marker.push_str(package);
     }
@@ -204,6 +213,27 @@ impl PrivateApt {
 }
 
 /// The machine's Debian sources (deb822 or one-line format), as one-line entries for arm64.
+/// Copies [`MODULES`] of the unpacked kernel package (`lib/modules/<version>/...`)
+/// into `modules/` of the assets, by file name.
+fn keep_modules(unpacked: &Path, assets: &Path) -> Result<()> {
+    let modules = unpacked.join("lib/modules");
+    let version = std::fs::read_dir(&modules)
+        .with_context(|| format!("reading {}", modules.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.is_dir())
+        .with_context(|| format!("the kernel package has no {}/<version>", modules.display()))?;
+    std::fs::create_dir_all(assets.join("modules"))?;
+    for module in MODULES {
+        let from = version.join(module);
+        let name = Path::new(module)
+            .file_name()
+            .context("a module without a file name")?;
+        std::fs::copy(&from, assets.join("modules").join(name))
+            .with_context(|| format!("the kernel package has no {}", from.display()))?;
+    }
+    Ok(())
+}
+
 fn arm64_sources() -> Result<String> {
     let mut lines = Vec::new();
     if let Ok(text) = std::fs::read_to_string("/etc/apt/sources.list") {
