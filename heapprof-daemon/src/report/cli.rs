@@ -44,7 +44,7 @@ pub struct ReportArgs {
     pub pid: Option<u32>,
 
     /// What the rows of the top table are: allocation sites, or (kernel profiles) slab
-    /// caches and kmalloc size classes.
+    /// caches and kmalloc size classes, or page orders.
     #[arg(long, value_enum, default_value_t = Grouping::Site)]
     pub by: Grouping,
 

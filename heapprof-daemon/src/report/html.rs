@@ -566,6 +566,7 @@ fn render(
     suspects_section(&mut html, session, top);
     flame_section(&mut html, flames);
     top_section(&mut html, session, top, filter)?;
+    kernel_sections(&mut html, &session.last, filter);
     if single.is_none() {
         processes_section(&mut html, session);
     }
@@ -759,6 +760,71 @@ fn top_section(
     Ok(())
 }
 
+/// Kernel profiles: the last profile's memory per slab cache, as `slabtop` and
+/// `perf kmem --alloc` show it (objects, bytes, requested, waste), and per page order
+/// when it counted pages.
+fn kernel_sections(html: &mut String, last: &Profile, filter: ProcessFilter) {
+    let index = |name: &str| last.sample_types.iter().position(|t| t == name);
+    let (
+        Some(alloc_objects),
+        Some(alloc_space),
+        Some(inuse_objects),
+        Some(inuse_space),
+        Some(requested),
+    ) = (
+        index("alloc_objects"),
+        index("alloc_space"),
+        index("inuse_objects"),
+        index("inuse_space"),
+        index("alloc_requested_space"),
+    )
+    else {
+        return;
+    };
+    for (by, title, what) in [
+        (stacks::Grouping::Cache, "Slab caches", "cache"),
+        (stacks::Grouping::Order, "Page orders", "order"),
+    ] {
+        let mut rows = stacks::top_groups(last, alloc_space, 0, filter, by);
+        // Slab samples in the order table, pages in the cache table: not rows of theirs.
+        rows.retain(|row| !row.description.starts_with('('));
+        if rows.is_empty() {
+            continue;
+        }
+        rows.sort_by(|a, b| {
+            b.values[inuse_space]
+                .cmp(&a.values[inuse_space])
+                .then_with(|| b.values[alloc_space].cmp(&a.values[alloc_space]))
+        });
+        let _ = write!(
+            html,
+            "<h2>{title}</h2><table id=\"{what}s\"><tr><th>{what}</th><th>objects in use</th>\
+             <th>bytes in use</th><th>objects allocated</th><th>bytes allocated</th>\
+             <th>requested</th><th>waste %</th></tr>"
+        );
+        for row in &rows {
+            let v = &row.values;
+            let waste = if v[alloc_space] > 0 {
+                100.0 * (v[alloc_space] - v[requested]).max(0) as f64 / v[alloc_space] as f64
+            } else {
+                0.0
+            };
+            let _ = write!(
+                html,
+                "<tr><td class=\"site\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\
+                 <td>{}</td><td>{waste:.1}</td></tr>",
+                escape_html(&row.description),
+                v[inuse_objects],
+                escape_html(&units::bytes(v[inuse_space] as f64)),
+                v[alloc_objects],
+                escape_html(&units::bytes(v[alloc_space] as f64)),
+                escape_html(&units::bytes(v[requested] as f64)),
+            );
+        }
+        html.push_str("</table>");
+    }
+}
+
 fn processes_section(html: &mut String, session: &Session) {
     html.push_str(
         "<h2>Processes</h2><table id=\"processes\"><tr><th>pid</th><th>comm</th><th>largest</th>\
@@ -851,6 +917,42 @@ const PAGE_SCRIPT: &str = "\
 mod tests {
     use super::*;
     use crate::{memstats::ProcessMemory, report::directory::tests::session};
+
+    #[test]
+    fn kernel_profiles_get_cache_and_order_tables() {
+        let profile = crate::report::test_profiles::kernel_profile(&[
+            (
+                &["kmem_cache_alloc", "getname_flags"],
+                Some("names_cache"),
+                [4, 16384, 1, 4096, 400, 100],
+            ),
+            (
+                &["kmalloc", "alloc_pipe_info"],
+                Some("kmalloc-192"),
+                [10, 1920, 10, 1920, 1600, 1600],
+            ),
+        ]);
+        let mut html = String::new();
+        kernel_sections(&mut html, &profile, ProcessFilter::All);
+        assert!(html.contains("<h2>Slab caches</h2>"), "{html}");
+        // In-use bytes first: names_cache (4 KiB) before kmalloc-192 (1.9 KiB).
+        let names = html.find(">names_cache<").expect("a names_cache row");
+        let kmalloc = html.find(">kmalloc-192<").expect("a kmalloc-192 row");
+        assert!(names < kmalloc, "{html}");
+        assert!(
+            html.contains("<td>97.6</td>"),
+            "names_cache's waste: {html}"
+        );
+        // No page samples, no order table; a user profile gets neither.
+        assert!(!html.contains("Page orders"), "{html}");
+        let mut user = String::new();
+        kernel_sections(
+            &mut user,
+            &crate::report::test_profiles::abc_profile(),
+            ProcessFilter::All,
+        );
+        assert!(user.is_empty(), "{user}");
+    }
 
     #[test]
     fn base64_as_the_standard_says() {

@@ -69,6 +69,8 @@ pub struct Sample {
     pub comm: Option<String>,
     /// The slab cache or kmalloc size class of a kernel sample (label `cache`).
     pub cache: Option<String>,
+    /// The page order of a kernel page sample (label `order`).
+    pub order: Option<i64>,
     /// The stack, innermost (the allocator function) first.
     pub locations: Vec<Location>,
     /// One value per sample type.
@@ -235,11 +237,13 @@ impl Profile {
             let mut pid = None;
             let mut comm = None;
             let mut cache = None;
+            let mut order = None;
             for label in &sample.label {
                 match string(label.key)? {
                     "pid" => pid = u32::try_from(label.num).ok(),
                     "comm" => comm = Some(string(label.str)?.to_owned()),
                     "cache" => cache = Some(string(label.str)?.to_owned()),
+                    "order" => order = Some(label.num),
                     _ => {}
                 }
             }
@@ -247,6 +251,7 @@ impl Profile {
                 pid,
                 comm,
                 cache,
+                order,
                 locations: stack,
                 values: sample.value.clone(),
             });

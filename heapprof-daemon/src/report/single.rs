@@ -24,7 +24,9 @@ pub fn run(args: &ReportArgs, out: &mut dyn Write) -> Result<()> {
     let written = match (args.format, &base) {
         (Format::Top, None) => top::write(out, &profile, index, args.top, filter, args.by),
         (Format::Top, Some(_)) if args.by != stacks::Grouping::Site => {
-            bail!("--by cache does not apply to a difference; compare sites, or leave out --base")
+            bail!(
+                "--by applies to one profile, not a difference; compare sites, or leave out --base"
+            )
         }
         (Format::Top, Some(base)) => top::write_diff(out, base, &profile, index, args.top, filter),
         (Format::Collapsed, None) => collapsed::write(out, &profile, index, filter),

@@ -78,6 +78,9 @@ pub enum Grouping {
     /// Kernel slab caches and kmalloc size classes (the `cache` label, as `slabtop`
     /// names them); page samples are `(pages)`.
     Cache,
+    /// Kernel page orders (the `order` label: blocks of 2^order pages); slab samples
+    /// are `(slab)`.
+    Order,
 }
 
 impl Grouping {
@@ -86,6 +89,9 @@ impl Grouping {
         match self {
             Grouping::Site => site_description(sample),
             Grouping::Cache => sample.cache.clone().unwrap_or_else(|| "(pages)".to_owned()),
+            Grouping::Order => sample
+                .order
+                .map_or_else(|| "(slab)".to_owned(), |order| format!("order {order}")),
         }
     }
 }
@@ -242,6 +248,7 @@ mod tests {
     fn sample(pid: u32, frames: &[&str], values: [i64; 4]) -> Sample {
         Sample {
             cache: None,
+            order: None,
             pid: Some(pid),
             comm: Some("prog".into()),
             locations: frames

@@ -51,6 +51,7 @@ pub fn write(
     let rows = match by {
         Grouping::Site => "allocation sites",
         Grouping::Cache => "slab caches",
+        Grouping::Order => "page orders",
     };
     let table = Table {
         title: format!(
