@@ -54,6 +54,9 @@ struct LoadRun {
     /// Seconds the work took under heapprofd, and heapprofd's peak RSS (KiB).
     worked: f64,
     rss_kib: u64,
+    /// What `heapprofd report` wrote about the session: the top table, the suspects,
+    /// the HTML page, and the timeline's standard error.
+    reports: [String; 4],
 }
 
 impl LoadRun {
@@ -90,7 +93,30 @@ fn run(args: &[&str], flags: &[&str]) -> LoadRun {
         expected,
         worked: worked.as_secs_f64(),
         rss_kib,
+        reports: reports_of(&out),
     }
+}
+
+/// The reports of a session's directory (see [`LoadRun::reports`]).
+fn reports_of(out: &std::path::Path) -> [String; 4] {
+    let report = |args: &[&str]| {
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_heapprofd"))
+            .arg("report")
+            .arg(out)
+            .args(args)
+            .output()
+            .expect("running heapprofd report");
+        assert!(output.status.success(), "report {args:?}: {output:?}");
+        output
+    };
+    let page = out.with_extension("html");
+    report(&["--html", page.to_str().expect("a UTF-8 path")]);
+    [
+        String::from_utf8_lossy(&report(&[]).stdout).into_owned(),
+        String::from_utf8_lossy(&report(&["--format", "suspects"]).stdout).into_owned(),
+        std::fs::read_to_string(&page).expect("the HTML page"),
+        String::from_utf8_lossy(&report(&["--format", "timeline"]).stderr).into_owned(),
+    ]
 }
 
 /// Runs `load ARGS` with `flags`, checks that nothing was dropped; returns the totals
@@ -174,6 +200,17 @@ fn tiny_tables_count_what_they_drop_and_stay_consistent() {
         "the log warns: {:?}",
         full_sites.log
     );
+    // Every report format says so, with the count and the flag that fixes it.
+    let said = format!("lost: {dropped} events: site table full");
+    for (format, text) in ["top", "suspects", "html", "timeline"]
+        .iter()
+        .zip(&full_sites.reports)
+    {
+        assert!(
+            text.contains(&said) && text.contains("raise --max-sites"),
+            "{format} does not say what was lost:\n{text}"
+        );
+    }
 
     // Into a 16-entry stack table: every allocation is counted, exactly, some
     // under an unknown stack.

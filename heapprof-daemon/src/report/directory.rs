@@ -348,7 +348,13 @@ pub fn run(args: &ReportArgs, out: &mut dyn Write) -> Result<()> {
         Format::Suspects => suspects::write_table(&session, args.top, out),
         // The dispatcher sends only the session formats here; any other one asked
         // together with a directory gets the timeline, the directory's main table.
-        _ => timeline::write_csv(&session, args.top, out),
+        _ => {
+            // CSV has no place for it: said on standard error.
+            for loss in super::losses::losses(&session.last.comments) {
+                eprintln!("heapprofd: the session's last profile {}", loss.line());
+            }
+            timeline::write_csv(&session, args.top, out)
+        }
     }
 }
 

@@ -556,6 +556,7 @@ fn render(
         rss.svg()
     );
     html.push_str("<div id=\"rest\">");
+    losses_section(&mut html, session);
     let _ = write!(
         html,
         "<div class=\"legends\"><div>{}</div><div>{}</div></div>",
@@ -580,6 +581,22 @@ fn render(
     Ok(html)
 }
 
+/// What the session's last profile lost, first on the page (see [`super::losses`]).
+fn losses_section(html: &mut String, session: &Session) {
+    let losses = super::losses::losses(&session.last.comments);
+    if losses.is_empty() {
+        return;
+    }
+    html.push_str(
+        "<section id=\"losses\"><h2>Lost data</h2><p class=\"note\">The last profile is \
+         incomplete: its totals and peak are lower than the program's.</p><ul>",
+    );
+    for loss in &losses {
+        let _ = write!(html, "<li>{}</li>", escape_html(&loss.line()));
+    }
+    html.push_str("</ul></section>");
+}
+
 fn peak_section(html: &mut String, session: &Session, peak: Option<&Peak>) {
     html.push_str("<h2 id=\"peak\">Peak</h2>");
     let Some(peak) = peak else {
@@ -587,16 +604,23 @@ fn peak_section(html: &mut String, session: &Session, peak: Option<&Peak>) {
         return;
     };
     let amount = suspects::amount(&session.tracked, peak.value);
+    // Blocks that were never tracked make the count a lower bound, not an exact one.
+    let count = if super::losses::losses(&session.last.comments)
+        .iter()
+        .any(|loss| loss.untracked_blocks)
+    {
+        "heapprofd's count, too low: blocks were lost, see Lost data"
+    } else {
+        "heapprofd's exact count"
+    };
     let text = if peak.exact {
         match peak.after {
             Some(after) => format!(
-                "{amount} in use at most (heapprofd's exact count), reached between {} and {} after the first profile.",
+                "{amount} in use at most ({count}), reached between {} and {} after the first profile.",
                 units::seconds(after),
                 units::seconds(peak.seconds)
             ),
-            None => format!(
-                "{amount} in use at most (heapprofd's exact count), reached by the first profile."
-            ),
+            None => format!("{amount} in use at most ({count}), reached by the first profile."),
         }
     } else {
         format!(
@@ -878,6 +902,7 @@ ul.legend li{margin:2px 0;overflow-wrap:anywhere}\
 .swatch{display:inline-block;width:14px;height:10px;margin-right:6px;vertical-align:middle}\
 h2{font-size:16px;margin:22px 0 6px}\
 .note{color:#555;font-size:12px;margin:4px 0}\
+#losses{color:#a00}\
 table{border-collapse:collapse;font-size:12px}\
 th,td{border-bottom:1px solid #ddd;padding:3px 8px;text-align:right;vertical-align:top}\
 td.site,th:last-child{text-align:left;font-family:monospace;overflow-wrap:anywhere}\
@@ -998,6 +1023,36 @@ mod tests {
                 exact: true
             })
         );
+    }
+
+    #[test]
+    fn a_profile_that_lost_blocks_is_stated_first_and_its_peak_is_not_exact() {
+        let mut s = session(&["a"], &[vec![100, 300]]);
+        let exact = Peak {
+            value: 300.0,
+            seconds: 1.0,
+            after: Some(0.0),
+            exact: true,
+        };
+        let mut clean = String::new();
+        losses_section(&mut clean, &s);
+        peak_section(&mut clean, &s, Some(&exact));
+        assert!(!clean.contains("Lost data"), "{clean}");
+        assert!(clean.contains("exact count"), "{clean}");
+
+        let full = heapprof_common::DropReason::LiveTableFull.describe();
+        s.last.comments.push(format!("dropped: {full} = 1800000"));
+        let mut lossy = String::new();
+        losses_section(&mut lossy, &s);
+        peak_section(&mut lossy, &s, Some(&exact));
+        assert!(lossy.contains("<h2>Lost data</h2>"), "{lossy}");
+        assert!(
+            lossy.contains("lost: 1800000 events: live-block table full"),
+            "{lossy}"
+        );
+        assert!(lossy.contains("raise --max-live-blocks"), "{lossy}");
+        assert!(!lossy.contains("exact count"), "{lossy}");
+        assert!(lossy.contains("too low"), "{lossy}");
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod flamegraph;
 pub mod html;
 pub mod input;
 pub mod legacy;
+pub mod losses;
 pub mod model;
 pub mod single;
 pub mod stacks;

@@ -240,6 +240,10 @@ pub fn write_table(session: &Session, limit: usize, out: &mut dyn Write) -> Resu
         units::seconds(session.span_seconds()),
         MIN_RELATIVE_GROWTH * 100.0,
     );
+    for loss in super::losses::losses(&session.last.comments) {
+        text.push_str(&loss.line());
+        text.push('\n');
+    }
     if suspects.is_empty() {
         text.push_str(if profiles < MIN_PROFILES {
             "No suspects: a trend needs at least 3 profiles; profile longer or with a shorter --interval.\n"
@@ -528,5 +532,19 @@ mod tests {
         let mut out = Vec::new();
         write_table(&session(&["a"], &[vec![1, 2]]), 20, &mut out).expect("written");
         assert!(String::from_utf8_lossy(&out).contains("at least 3 profiles"));
+    }
+
+    #[test]
+    fn the_table_states_what_the_last_profile_lost() {
+        let mut s = session(&["a"], &[vec![1, 2, 3]]);
+        let full = heapprof_common::DropReason::SiteTableFull.describe();
+        s.last.comments.push(format!("dropped: {full} = 7"));
+        let mut out = Vec::new();
+        write_table(&s, 20, &mut out).expect("written");
+        let text = String::from_utf8_lossy(&out);
+        assert!(
+            text.contains(&format!("lost: 7 events: {full} (raise --max-sites)")),
+            "{text}"
+        );
     }
 }

@@ -36,6 +36,8 @@ struct Table<'a> {
     /// Requested and allocated bytes (kernel profiles).
     waste: Option<(usize, usize)>,
     signed: bool,
+    /// What the profile lost (see [`super::losses`]), stated above the table.
+    losses: Vec<super::losses::Loss>,
 }
 
 /// Writes the `limit` sites (0: all) of `profile` with the most of sample type `index`.
@@ -63,6 +65,7 @@ pub fn write(
         columns: column_indices(profile),
         waste: waste_indices(profile),
         signed: false,
+        losses: super::losses::losses(&profile.comments),
     };
     print(out, &table, &profile.sample_types[index])
 }
@@ -89,6 +92,7 @@ pub fn write_diff(
         columns: column_indices(profile),
         waste: waste_indices(profile),
         signed: true,
+        losses: super::losses::losses(&profile.comments),
     };
     print(out, &table, &profile.sample_types[index])
 }
@@ -113,6 +117,9 @@ fn biggest_changes(mut sites: Vec<Site>, index: usize, limit: usize) -> Vec<Site
 /// the profile lacks.
 fn print(out: &mut dyn Write, table: &Table, sample_type: &str) -> io::Result<()> {
     writeln!(out, "{}", table.title)?;
+    for loss in &table.losses {
+        writeln!(out, "{}", loss.line())?;
+    }
     write!(
         out,
         "{:>12} {:>9} {:>13} {:>10}",
@@ -285,6 +292,24 @@ mod tests {
         );
         let inuse = text(|out| write(out, &freed, inuse, 1, ProcessFilter::All, Grouping::Site));
         assert!(inuse.contains("(no site has any inuse_space)"), "{inuse}");
+    }
+
+    #[test]
+    fn a_profile_that_lost_data_says_so_above_the_table() {
+        let mut profile = abc_profile();
+        let inuse = profile.sample_index("inuse_space").expect("type");
+        let clean = text(|out| write(out, &profile, inuse, 20, ProcessFilter::All, Grouping::Site));
+        assert!(!clean.contains("lost:"), "{clean}");
+        let full = heapprof_common::DropReason::LiveTableFull.describe();
+        profile.comments.push(format!("dropped: {full} = 42"));
+        let table = text(|out| write(out, &profile, inuse, 20, ProcessFilter::All, Grouping::Site));
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(
+            lines[1],
+            format!("lost: 42 events: {full} (raise --max-live-blocks)"),
+            "{table}"
+        );
+        assert!(lines[2].contains("LIVE BYTES"), "{table}");
     }
 
     #[test]
