@@ -828,11 +828,7 @@ fn kernel_sections(html: &mut String, last: &Profile, filter: ProcessFilter) {
         );
         for row in &rows {
             let v = &row.values;
-            let waste = if v[alloc_space] > 0 {
-                100.0 * (v[alloc_space] - v[requested]).max(0) as f64 / v[alloc_space] as f64
-            } else {
-                0.0
-            };
+            let waste = units::waste_percent(v[requested], v[alloc_space]).unwrap_or(0.0);
             let _ = write!(
                 html,
                 "<tr><td class=\"site\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>\

@@ -167,11 +167,8 @@ fn print(out: &mut dyn Write, table: &Table, sample_type: &str) -> io::Result<()
 
 /// The share of `allocated` bytes nobody asked for, as `12.5%` (`-` without bytes).
 fn waste_percent(requested: i64, allocated: i64) -> String {
-    if allocated <= 0 {
-        return "-".to_owned();
-    }
-    let waste = (allocated - requested).max(0) as f64 * 100.0 / allocated as f64;
-    format!("{waste:.1}%")
+    super::units::waste_percent(requested, allocated)
+        .map_or_else(|| "-".to_owned(), |waste| format!("{waste:.1}%"))
 }
 
 #[cfg(test)]

@@ -1,5 +1,11 @@
 //! Numbers as the session reports print them: bytes in binary units, seconds, CSV cells.
 
+/// The percentage of `allocated` bytes nobody asked for (slab waste); `None` without
+/// allocated bytes.
+pub fn waste_percent(requested: i64, allocated: i64) -> Option<f64> {
+    (allocated > 0).then(|| (allocated - requested).max(0) as f64 * 100.0 / allocated as f64)
+}
+
 /// `1.5 MiB`, `512 B`: bytes in the largest binary unit that keeps the number at
 /// least 1, one decimal above bytes. Negative values keep their sign.
 pub fn bytes(value: f64) -> String {
