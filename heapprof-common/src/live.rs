@@ -13,11 +13,13 @@
 //! - `LIVE_ENTRIES`, the slots' [`LiveEntry`]s (bucket `b`'s slots at `b *
 //!   BUCKET_SLOTS ..`).
 //!
-//! A block goes to its **home** bucket, chosen by its address (each bucket covers 128
+//! A block goes to its **home** bucket, chosen by its address (each bucket covers 64
 //! bytes of a process's address space, so blocks allocated one after the other share
 //! buckets and cache lines, and a program's frees find their buckets in the cache),
 //! or, when that is full, to a second bucket chosen by hash; the home bucket is then
-//! marked [`OVERFLOWED`], and lookups of its blocks read the second bucket too. No
+//! marked [`OVERFLOWED`], and lookups of its blocks read the second bucket too (and,
+//! where that one is full as well, a third bucket chosen by hash, the second marked
+//! [`SPILLED`]). No
 //! tombstones are needed: a lookup reads its buckets whole. The daemon maps both
 //! arrays (`BPF_F_MMAPABLE`) to read and clear the entries of exited processes with
 //! the same atomic operations.
@@ -30,9 +32,17 @@ pub const BUCKET_SLOTS: usize = 7;
 /// A bucket's flag: a block whose home it is went to its second bucket.
 pub const OVERFLOWED: u64 = 1;
 
-/// Bytes of a process's address space a home bucket covers: at most four blocks of
-/// glibc's smallest chunk (32 bytes), so a program's own blocks fill no bucket.
-pub const HOME_SPAN_SHIFT: u32 = 7;
+/// A bucket's flag: a block whose second bucket it is (its home full too) went to
+/// its third bucket.
+pub const SPILLED: u64 = 2;
+
+/// Bytes of a process's address space a home span covers: two blocks of glibc's
+/// smallest chunk (32 bytes), four of jemalloc's 16-byte class. A dense heap larger
+/// than the table's spans wraps around it, so a bucket takes the blocks of two or
+/// three spans: 64-byte spans keep that under a bucket's seven slots, where 128-byte
+/// ones (four of jemalloc's 32-byte blocks each, eight in two) filled both buckets of
+/// thousands of blocks in a redis holding a million keys at a default-sized table.
+pub const HOME_SPAN_SHIFT: u32 = 6;
 
 /// The tag of a slot a program has claimed and is filling (even: no [`tag`] is).
 pub const TAG_BUSY: u64 = 2;
@@ -78,6 +88,8 @@ pub struct Placement {
     pub first: u32,
     /// The second bucket, by hash (may equal the first).
     pub second: u32,
+    /// The third bucket, by the hash's other half (used when both are full).
+    pub third: u32,
     /// The block's tag: odd, so never 0 or [`TAG_BUSY`].
     pub tag: u64,
 }
@@ -100,7 +112,7 @@ pub const fn tag(hash: u64) -> u64 {
 }
 
 /// The buckets and tag of the block at `ptr` in process `tgid`, in a table of
-/// `buckets` buckets (at least 1). The home is the block's 128-byte span of address
+/// `buckets` buckets (at least 1). The home is the block's 64-byte span of address
 /// space, shifted per process; the second bucket comes from the hash by
 /// multiplication, so any bucket count works.
 #[inline(always)]
@@ -109,9 +121,13 @@ pub const fn placement(ptr: u64, tgid: u32, buckets: u32) -> Placement {
     let shift = (tgid as u64).wrapping_mul(0x9e37_79b9);
     let first = ((ptr >> HOME_SPAN_SHIFT).wrapping_add(shift)) % buckets as u64;
     let second = ((h >> 32) * buckets as u64) >> 32;
+    // From the hash's other half: a dense heap fills runs of neighbouring buckets, so
+    // the third is as independent of the second as the second is of the home.
+    let third = ((h & 0xffff_ffff) * buckets as u64) >> 32;
     Placement {
         first: first as u32,
         second: second as u32,
+        third: third as u32,
         tag: tag(h),
     }
 }
@@ -136,9 +152,89 @@ pub const fn table_bytes(buckets: u32) -> u64 {
             + BUCKET_SLOTS as u64 * core::mem::size_of::<LiveEntry>() as u64)
 }
 
+/// The live-block capacity heapprofd chooses when none is asked for, on a machine with
+/// `mem_total` bytes of memory: the largest power of two of blocks whose table takes
+/// at most 1/128 of the memory, from [`MIN_DEFAULT_BLOCKS`] to [`MAX_DEFAULT_BLOCKS`]
+/// (about 41 bytes per block: 4M blocks, enough for a redis of a million keys, on a
+/// machine of 24 GiB).
+pub const fn default_capacity(mem_total: u64) -> u32 {
+    let budget = mem_total / 128;
+    let mut blocks = MIN_DEFAULT_BLOCKS;
+    while blocks < MAX_DEFAULT_BLOCKS && table_bytes(buckets_for(blocks * 2)) <= budget {
+        blocks *= 2;
+    }
+    blocks
+}
+
+/// The smallest default capacity (the fixed default of earlier versions).
+pub const MIN_DEFAULT_BLOCKS: u32 = 1 << 20;
+
+/// The largest default capacity: larger tables are asked for with the flag.
+pub const MAX_DEFAULT_BLOCKS: u32 = 1 << 23;
+
 #[cfg(test)]
 mod tests {
+    extern crate std;
+
+    use std::vec;
+
     use super::*;
+
+    /// Fills a table of `capacity` blocks with `heap`'s blocks (start, block size,
+    /// count) by the programs' rules (home, then second, then third bucket); returns
+    /// how many found their three buckets full.
+    fn overflows(capacity: u32, heap: &[(u64, u64, u64)]) -> usize {
+        let buckets = buckets_for(capacity);
+        let mut used = vec![0u8; buckets as usize];
+        let mut full = 0;
+        for &(start, size, count) in heap {
+            for i in 0..count {
+                let p = placement(start + i * size, 4242, buckets);
+                match [p.first, p.second, p.third]
+                    .into_iter()
+                    .find(|&b| usize::from(used[b as usize]) < BUCKET_SLOTS)
+                {
+                    Some(bucket) => used[bucket as usize] += 1,
+                    None => full += 1,
+                }
+            }
+        }
+        full
+    }
+
+    #[test]
+    fn a_dense_heap_larger_than_the_table_fits_at_the_default_load() {
+        // redis with a million keys under jemalloc (measured): three blocks of 17 to
+        // 31 bytes a key, packed 32 bytes apart, three million in a table of four
+        // million; scaled down by 8 here.
+        assert_eq!(overflows(1 << 19, &[(0x7f00_0000_0000, 32, 372_000)]), 0);
+        // Mixed classes, each packed in its own region, at the same load: a few in a
+        // hundred thousand find their three buckets full (counted, never silent).
+        let mixed = [
+            (0x7f00_0000_0000, 32, 250_000),
+            (0x7f10_0000_0000, 16, 60_000),
+            (0x7f20_0000_0000, 48, 60_000),
+        ];
+        assert!(
+            overflows(1 << 19, &mixed) < 370,
+            "{}",
+            overflows(1 << 19, &mixed)
+        );
+    }
+
+    #[test]
+    fn the_default_capacity_follows_the_memory() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(default_capacity(0), MIN_DEFAULT_BLOCKS);
+        assert_eq!(default_capacity(GIB), MIN_DEFAULT_BLOCKS);
+        assert_eq!(default_capacity(8 * GIB), MIN_DEFAULT_BLOCKS);
+        assert_eq!(default_capacity(16 * GIB), 2 << 20);
+        assert_eq!(default_capacity(24 * GIB), 4 << 20);
+        assert_eq!(default_capacity(1024 * GIB), MAX_DEFAULT_BLOCKS);
+        // At most 1/128 of the memory above the minimum.
+        let table = table_bytes(buckets_for(default_capacity(24 * GIB)));
+        assert!(table <= 24 * GIB / 128, "{table}");
+    }
 
     #[test]
     fn tags_are_never_free_or_busy() {
@@ -157,7 +253,7 @@ mod tests {
             for i in 0..2000u64 {
                 let p = placement(0x5555_0000_0000 + i * 16, (i % 5) as u32, buckets);
                 assert!(
-                    p.first < buckets && p.second < buckets,
+                    p.first < buckets && p.second < buckets && p.third < buckets,
                     "{p:?} of {buckets}"
                 );
             }
@@ -180,9 +276,15 @@ mod tests {
         let base = 0x5555_0000_0000u64;
         let homes: [u32; 8] =
             core::array::from_fn(|i| placement(base + i as u64 * 32, 7, 163_840).first);
-        assert!(homes[..4].iter().all(|&h| h == homes[0]), "{homes:?}");
-        assert!(homes[4..].iter().all(|&h| h == homes[4]), "{homes:?}");
-        assert_eq!((homes[0] + 1) % 163_840, homes[4]);
+        // Two 32-byte blocks a home, the next two in the next bucket.
+        for pair in 0..4 {
+            assert_eq!(homes[2 * pair], homes[2 * pair + 1], "{homes:?}");
+            assert_eq!(
+                (homes[0] + pair as u32) % 163_840,
+                homes[2 * pair],
+                "{homes:?}"
+            );
+        }
     }
 
     #[test]

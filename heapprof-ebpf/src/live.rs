@@ -13,7 +13,9 @@
 //! instead of once per path of every program that reaches it (the slot loops,
 //! inlined, took the entry program past the verifier's instruction limit).
 
-use heapprof_common::live::{self, BUCKET_SLOTS, LiveBucket, LiveEntry, OVERFLOWED, TAG_BUSY};
+use heapprof_common::live::{
+    self, BUCKET_SLOTS, LiveBucket, LiveEntry, OVERFLOWED, SPILLED, TAG_BUSY,
+};
 
 use crate::{
     atomic::{compare_exchange, exchange, fetch_or},
@@ -27,7 +29,7 @@ pub enum Inserted {
     /// The address was still recorded for the process (its free went unseen, or waits
     /// in a preload queue): that entry, now replaced by the new block.
     Replaced(LiveEntry),
-    /// Both of the block's buckets are full.
+    /// The block's three buckets are full.
     Full,
 }
 
@@ -164,14 +166,41 @@ unsafe fn claim(
     false
 }
 
-/// Whether the block whose home is `tags` may be in its second bucket.
+/// Whether `tags` has `flag` set: [`OVERFLOWED`] on a home (its blocks may be in
+/// their second bucket), [`SPILLED`] on a second bucket (blocks whose second bucket
+/// it is may be in their third).
 ///
 /// # Safety
 /// `tags` is a live map value.
 #[inline(always)]
-unsafe fn overflowed(tags: *mut LiveBucket) -> bool {
+unsafe fn flagged(tags: *mut LiveBucket, flag: u64) -> bool {
     // SAFETY: as the caller promises.
-    unsafe { core::ptr::read_volatile(&raw const (*tags).flags) & OVERFLOWED != 0 }
+    unsafe { core::ptr::read_volatile(&raw const (*tags).flags) & flag != 0 }
+}
+
+/// Where a block may be besides its home, and what the insert saw there.
+struct Away {
+    /// The bucket's tags.
+    tags: *mut LiveBucket,
+    /// Its free slots, as scanned.
+    free: u64,
+}
+
+/// Looks for the block in `bucket` (scanning its tags for `tag`): its entry if there,
+/// and the bucket with its free slots.
+#[inline(always)]
+fn look_in(bucket: u32, tag: u64, ptr: u64, tgid: u32) -> Option<(Option<*mut LiveEntry>, Away)> {
+    let tags = LIVE.get_ptr_mut(bucket)?;
+    // SAFETY: the bucket's own map value.
+    let there = unsafe { scan(tags, tag) };
+    let entry = entry_of(bucket, lowest_slot(there.tagged), ptr, tgid);
+    Some((
+        entry,
+        Away {
+            tags,
+            free: there.free,
+        },
+    ))
 }
 
 /// Inserts `block` of process `tgid` (see [`insert`]); returns an `INSERTED_*`, with
@@ -193,18 +222,28 @@ pub extern "C" fn heapprof_live_insert(
     let Some(home) = LIVE.get_ptr_mut(place.first) else {
         return INSERTED_FULL;
     };
-    // SAFETY (each block): the buckets' own map values.
+    // SAFETY: the bucket's own map value.
     let at_home = unsafe { scan(home, place.tag) };
     let mut existing = entry_of(place.first, lowest_slot(at_home.tagged), ptr, tgid);
-    let spilled = unsafe { overflowed(home) };
-    let mut second_free = None;
-    if existing.is_none() && spilled {
-        let Some(second) = LIVE.get_ptr_mut(place.second) else {
+    // SAFETY: as above.
+    let overflowed = unsafe { flagged(home, OVERFLOWED) };
+    let mut second = None;
+    let mut third = None;
+    if existing.is_none() && overflowed {
+        let Some((entry, away)) = look_in(place.second, place.tag, ptr, tgid) else {
             return INSERTED_FULL;
         };
-        let there = unsafe { scan(second, place.tag) };
-        existing = entry_of(place.second, lowest_slot(there.tagged), ptr, tgid);
-        second_free = Some(there.free);
+        existing = entry;
+        // SAFETY: a live map value.
+        let spilled = unsafe { flagged(away.tags, SPILLED) };
+        second = Some(away);
+        if existing.is_none() && spilled {
+            let Some((entry, away)) = look_in(place.third, place.tag, ptr, tgid) else {
+                return INSERTED_FULL;
+            };
+            existing = entry;
+            third = Some(away);
+        }
     }
     if let Some(entry) = existing {
         // SAFETY: a published slot; replaced in place under the same tag.
@@ -214,22 +253,38 @@ pub extern "C" fn heapprof_live_insert(
         }
         return INSERTED_REPLACED;
     }
+    // SAFETY (each block): the buckets' own map values.
     if unsafe { claim(home, place.first, at_home.free, place.tag, block) } {
         return INSERTED_NEW;
     }
     // Home is full: the flag first, so that a lookup that misses the block at home
     // after it is published in the second bucket looks there.
-    let Some(second) = LIVE.get_ptr_mut(place.second) else {
-        return INSERTED_FULL;
-    };
-    if !spilled {
+    if !overflowed {
         unsafe { fetch_or(&raw mut (*home).flags, OVERFLOWED) };
     }
-    let free = match second_free {
-        Some(free) => free,
-        None => unsafe { scan(second, place.tag) }.free,
+    let second = match second {
+        Some(away) => away,
+        None => match look_in(place.second, place.tag, ptr, tgid) {
+            Some((_, away)) => away,
+            None => return INSERTED_FULL,
+        },
     };
-    if unsafe { claim(second, place.second, free, place.tag, block) } {
+    if unsafe { claim(second.tags, place.second, second.free, place.tag, block) } {
+        return INSERTED_NEW;
+    }
+    // The second is full too (a dense heap wrapped around the table): the same again
+    // with the third.
+    if !unsafe { flagged(second.tags, SPILLED) } {
+        unsafe { fetch_or(&raw mut (*second.tags).flags, SPILLED) };
+    }
+    let third = match third {
+        Some(away) => away,
+        None => match look_in(place.third, place.tag, ptr, tgid) {
+            Some((_, away)) => away,
+            None => return INSERTED_FULL,
+        },
+    };
+    if unsafe { claim(third.tags, place.third, third.free, place.tag, block) } {
         INSERTED_NEW
     } else {
         INSERTED_FULL
@@ -280,13 +335,24 @@ pub extern "C" fn heapprof_live_remove(ptr: u64, tgid: u32, found: *mut LiveEntr
     {
         return i64::from(removed);
     }
-    if !unsafe { overflowed(home) } {
+    if !unsafe { flagged(home, OVERFLOWED) } {
         return 0;
     }
     let Some(second) = LIVE.get_ptr_mut(place.second) else {
         return 0;
     };
-    unsafe { remove_from(second, place.second, place.tag, (ptr, tgid), found) }.map_or(0, i64::from)
+    if let Some(removed) =
+        unsafe { remove_from(second, place.second, place.tag, (ptr, tgid), found) }
+    {
+        return i64::from(removed);
+    }
+    if !unsafe { flagged(second, SPILLED) } {
+        return 0;
+    }
+    let Some(third) = LIVE.get_ptr_mut(place.third) else {
+        return 0;
+    };
+    unsafe { remove_from(third, place.third, place.tag, (ptr, tgid), found) }.map_or(0, i64::from)
 }
 
 /// Records `block`, a block of process `tgid`.

@@ -75,7 +75,7 @@ pub fn start(
     pprof::writer::prepare_output_dir(&cli.output)?;
 
     let capacities = probes::Capacities {
-        live_blocks: cli.max_live_blocks,
+        live_blocks: cli.live_blocks(),
         sites: cli.max_sites,
         stacks: cli.max_stacks,
         threads: cli.max_threads,
@@ -217,8 +217,10 @@ pub fn start(
             ),
         }
     }
+    let map_memory = probes::map_memory::tables();
+    log::info!("{}", probes::map_memory::describe(&map_memory));
     if let Some(endpoint) = endpoint {
-        session.export_metrics(serve_metrics(cli, target, endpoint));
+        session.export_metrics(serve_metrics(cli, target, endpoint, &map_memory));
     }
     // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).
     log::info!(
@@ -245,13 +247,18 @@ pub fn start(
 
 /// `--metrics`: serves the endpoint from now on (its task runs whenever the event
 /// loop waits); returns the exporter the session publishes its profiles to.
-fn serve_metrics(cli: &Cli, target: &Target, endpoint: Endpoint) -> metrics::Exporter {
+fn serve_metrics(
+    cli: &Cli,
+    target: &Target,
+    endpoint: Endpoint,
+    map_memory: &[probes::map_memory::TableMemory],
+) -> metrics::Exporter {
     let table = |table, value: u32| TableFigure {
         table,
         value: value.into(),
     };
     let mut capacities = vec![
-        table("live_blocks", cli.max_live_blocks),
+        table("live_blocks", cli.live_blocks()),
         table("sites", cli.max_sites),
         table("stacks", cli.max_stacks),
     ];
@@ -266,6 +273,13 @@ fn serve_metrics(cli: &Cli, target: &Target, endpoint: Endpoint) -> metrics::Exp
         active_only: !cli.kernel && *target == Target::All,
         top: cli.metrics_top,
         capacities,
+        kernel_memory: map_memory
+            .iter()
+            .map(|t| TableFigure {
+                table: t.table,
+                value: t.bytes,
+            })
+            .collect(),
     });
     match endpoint.local_addr() {
         Ok(addr) => log::info!("metrics at http://{addr}/metrics"),
@@ -305,7 +319,7 @@ fn start_kernel(
     let events = probes::kernel::resolve_events(&tracing, selection)?;
     pprof::writer::prepare_output_dir(&cli.output)?;
     let capacities = probes::Capacities {
-        live_blocks: cli.max_live_blocks,
+        live_blocks: cli.live_blocks(),
         sites: cli.max_sites,
         stacks: cli.max_stacks,
         threads: cli.max_threads,
@@ -334,8 +348,10 @@ fn start_kernel(
     if let Some(pid) = pid {
         session.trace_process(pid)?;
     }
+    let map_memory = probes::map_memory::tables();
+    log::info!("{}", probes::map_memory::describe(&map_memory));
     if let Some(endpoint) = endpoint {
-        session.export_metrics(serve_metrics(cli, target, endpoint));
+        session.export_metrics(serve_metrics(cli, target, endpoint, &map_memory));
     }
     let mut names: Vec<&str> = events.iter().map(|(event, _)| event.name()).collect();
     names.extend(session.deferred_frees().seen.iter().copied());

@@ -197,6 +197,17 @@ impl Collector for SnapshotCollector {
         )?;
         family(
             &mut encoder,
+            "table_kernel_memory",
+            "Kernel memory of heapprofd's tables' BPF maps, allocated at start for their capacities",
+            Some(&Unit::Bytes),
+            MetricType::Gauge,
+            state
+                .kernel_memory
+                .iter()
+                .map(|t| ([("table", t.table)], ConstGauge::new(t.value))),
+        )?;
+        family(
+            &mut encoder,
             "bpf_run",
             "Time the kernel spent running each of heapprofd's BPF programs (kernel BPF statistics)",
             Some(&Unit::Seconds),

@@ -106,6 +106,9 @@ pub struct Settings {
     pub top: usize,
     /// Capacity of each table (`--max-*` flags).
     pub capacities: Vec<TableFigure>,
+    /// Kernel memory of each table's BPF maps, in bytes (see
+    /// `probes::map_memory`), most of it allocated at start for the capacities.
+    pub kernel_memory: Vec<TableFigure>,
 }
 
 /// The figures last published, which every scrape encodes.
@@ -117,6 +120,7 @@ struct Published {
     drops: [u64; DropReason::COUNT as usize],
     tables: Vec<TableFigure>,
     capacities: Vec<TableFigure>,
+    kernel_memory: Vec<TableFigure>,
     programs: Vec<ProgramStats>,
     resident_bytes: Option<u64>,
 }
@@ -139,6 +143,7 @@ pub struct Exporter {
 pub fn new(settings: Settings) -> (Exporter, Arc<Registry>) {
     let state = Arc::new(Mutex::new(Published {
         capacities: settings.capacities,
+        kernel_memory: settings.kernel_memory,
         ..Published::default()
     }));
     // 1 ms to ~16 s: a profile of a small process takes milliseconds, one of
@@ -220,6 +225,10 @@ mod tests {
                 table: "sites",
                 value: 65536,
             }],
+            kernel_memory: vec![TableFigure {
+                table: "live_blocks",
+                value: 45 << 20,
+            }],
         });
         let text = scrape(&registry);
         for (family, kind) in [
@@ -231,6 +240,7 @@ mod tests {
             ("heapprofd_dropped", "counter"),
             ("heapprofd_table_entries", "gauge"),
             ("heapprofd_table_capacity", "gauge"),
+            ("heapprofd_table_kernel_memory_bytes", "gauge"),
             ("heapprofd_bpf_run_seconds", "counter"),
             ("heapprofd_bpf_runs", "counter"),
             ("heapprofd_profile_write_seconds", "histogram"),
@@ -243,6 +253,9 @@ mod tests {
             );
         }
         assert!(text.contains("heapprofd_table_capacity{table=\"sites\"} 65536\n"));
+        assert!(
+            text.contains("heapprofd_table_kernel_memory_bytes{table=\"live_blocks\"} 47185920\n")
+        );
         assert!(!text.contains("heapprofd_dropped_total{"), "{text}");
         assert!(text.ends_with("# EOF\n"));
     }
@@ -253,6 +266,7 @@ mod tests {
             active_only: false,
             top: 10,
             capacities: Vec::new(),
+            kernel_memory: Vec::new(),
         });
         let mut drops = [0; DropReason::COUNT as usize];
         drops[DropReason::StackTableFull as usize] = 7;

@@ -207,6 +207,7 @@ mod tests {
             active_only: false,
             top: 1,
             capacities: Vec::new(),
+            kernel_memory: Vec::new(),
         });
         String::from_utf8(respond(request.as_bytes(), &registry)).expect("text")
     }

@@ -4,6 +4,7 @@ pub mod bpf_log;
 pub mod kernel;
 pub mod libc;
 pub mod loader;
+pub mod map_memory;
 pub mod placement;
 pub mod stats;
 
