@@ -166,6 +166,9 @@ pub struct InFlight {
     /// when the thread's record is created and set at the thread's exec: the return
     /// probe needs it for every stack and finds it here instead of in a second table.
     pub exec_gen: u32,
+    /// The block of the thread's last allocation, until it is freed or the thread
+    /// allocates again (0: none): a free of it is a temporary allocation's.
+    pub last_block: u64,
 }
 
 /// A thread's call record in `IN_FLIGHT_SLOTS`, the array slot its thread id picks
@@ -207,8 +210,41 @@ pub struct StackKey {
     pub stack: u64,
     /// The [`ProbeSlot`] of the allocator function the user called.
     pub slot: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// The power-of-two class of the requested size ([`size_class`]): a stack that
+    /// allocates several sizes is one site per class, so profiles carry size
+    /// histograms per stack at no cost per call beyond the class's computation.
+    pub size_class: u32,
+}
+
+/// Size classes: class 0 holds requests of 0 bytes, class `k > 0` those in
+/// `[2^(k-1), 2^k)`.
+pub const SIZE_CLASSES: u32 = 65;
+
+/// The power-of-two class of a request of `size` bytes (its bit length).
+#[inline(always)]
+pub const fn size_class(size: u64) -> u32 {
+    // A binary search rather than `leading_zeros`: the BPF target has no such
+    // instruction and this is six shifts.
+    let mut class = 0;
+    let mut rest = size;
+    let mut step = 32;
+    while step > 0 {
+        if rest >> step != 0 {
+            rest >>= step;
+            class += step;
+        }
+        step /= 2;
+    }
+    if rest != 0 { class + 1 } else { class }
+}
+
+/// The smallest request of size class `class` (0 for class 0).
+pub const fn size_class_floor(class: u32) -> u64 {
+    if class == 0 || class > 64 {
+        0
+    } else {
+        1 << (class - 1)
+    }
 }
 
 /// A site's index in `SITE_COUNTERS`, given by the programs when they first meet the
@@ -217,6 +253,14 @@ pub struct StackKey {
 pub type SiteId = u32;
 
 /// Cumulative counters of one allocation site. In-use = allocated - freed.
+///
+/// The programs keep one copy per CPU and the daemon sums them. The peak fields
+/// record what the site held at its process's in-use peak without a write to every
+/// site at each new peak: the process counts its new peaks
+/// ([`ProcessUsage::peaks`]), and a copy changed for the first time since the latest
+/// one first saves its in-use value and that count. A copy whose saved count is the
+/// process's current one held its saved value at the peak; any other copy has not
+/// changed since, so it holds its current value.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SiteCounters {
@@ -228,6 +272,35 @@ pub struct SiteCounters {
     pub free_objects: u64,
     /// Bytes from this site freed since tracing began.
     pub free_bytes: u64,
+    /// Blocks from this site that were temporary: freed by the thread that allocated
+    /// them before it allocated again (heaptrack's definition).
+    pub temp_objects: u64,
+    /// Their bytes.
+    pub temp_bytes: u64,
+    /// The process's count of new peaks when this copy saved its value (0: never).
+    pub peak_generation: u64,
+    /// This copy's in-use blocks (allocated - freed, wrapping) at that peak.
+    pub peak_objects: u64,
+    /// This copy's in-use bytes at that peak.
+    pub peak_bytes: u64,
+}
+
+impl SiteCounters {
+    /// This copy's in-use blocks and bytes at the process's peak number `peaks` (0:
+    /// no peak yet), wrapping (a block may be freed on another CPU than the one
+    /// that counted it).
+    pub fn at_peak(&self, peaks: u64) -> (u64, u64) {
+        if peaks == 0 {
+            (0, 0)
+        } else if self.peak_generation == peaks {
+            (self.peak_objects, self.peak_bytes)
+        } else {
+            (
+                self.alloc_objects.wrapping_sub(self.free_objects),
+                self.alloc_bytes.wrapping_sub(self.free_bytes),
+            )
+        }
+    }
 }
 
 /// A block, identified by its process and address (the key of `STALE_FREES`).
@@ -408,6 +481,9 @@ pub struct ProcessUsage {
     pub inuse_bytes: u64,
     /// The most bytes ever in use at once since tracing began.
     pub peak_bytes: u64,
+    /// How many times `peak_bytes` was raised: the generation of the peak that site
+    /// counters compare theirs with (see [`SiteCounters`]).
+    pub peaks: u64,
 }
 
 /// A process's usage in `USAGE_SLOTS`, the array slot its id picks (the id modulo the

@@ -73,6 +73,10 @@ pub struct QueueState {
     pub generation: u32,
     /// Words of that generation already applied.
     pub applied: u32,
+    /// The block of the thread's last allocation the program applied, until it is
+    /// freed or the thread allocates again (0: none): a free of it is a temporary
+    /// allocation's.
+    pub last_block: u64,
 }
 
 /// The forms of a [`ReportQueue`]'s records.

@@ -56,7 +56,7 @@ struct LoadRun {
     rss_kib: u64,
     /// What `heapprofd report` wrote about the session: the top table, the suspects,
     /// the HTML page, and the timeline's standard error.
-    reports: [String; 4],
+    reports: [String; 7],
 }
 
 impl LoadRun {
@@ -98,7 +98,7 @@ fn run(args: &[&str], flags: &[&str]) -> LoadRun {
 }
 
 /// The reports of a session's directory (see [`LoadRun::reports`]).
-fn reports_of(out: &std::path::Path) -> [String; 4] {
+fn reports_of(out: &std::path::Path) -> [String; 7] {
     let report = |args: &[&str]| {
         let output = std::process::Command::new(env!("CARGO_BIN_EXE_heapprofd"))
             .arg("report")
@@ -116,6 +116,9 @@ fn reports_of(out: &std::path::Path) -> [String; 4] {
         String::from_utf8_lossy(&report(&["--format", "suspects"]).stdout).into_owned(),
         std::fs::read_to_string(&page).expect("the HTML page"),
         String::from_utf8_lossy(&report(&["--format", "timeline"]).stderr).into_owned(),
+        String::from_utf8_lossy(&report(&["--format", "sizes"]).stdout).into_owned(),
+        String::from_utf8_lossy(&report(&["--format", "collapsed"]).stderr).into_owned(),
+        String::from_utf8_lossy(&report(&["--format", "legacy"]).stderr).into_owned(),
     ]
 }
 
@@ -202,9 +205,17 @@ fn tiny_tables_count_what_they_drop_and_stay_consistent() {
     );
     // Every report format says so, with the count and the flag that fixes it.
     let said = format!("lost: {dropped} events: site table full");
-    for (format, text) in ["top", "suspects", "html", "timeline"]
-        .iter()
-        .zip(&full_sites.reports)
+    for (format, text) in [
+        "top",
+        "suspects",
+        "html",
+        "timeline",
+        "sizes",
+        "collapsed",
+        "legacy",
+    ]
+    .iter()
+    .zip(&full_sites.reports)
     {
         assert!(
             text.contains(&said) && text.contains("raise --max-sites"),

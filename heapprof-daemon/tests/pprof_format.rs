@@ -33,7 +33,11 @@ fn go_pprof_reads_every_sample_type_and_the_structure_holds() {
             ("alloc_objects", "count"),
             ("alloc_space", "bytes"),
             ("inuse_objects", "count"),
-            ("inuse_space", "bytes")
+            ("inuse_space", "bytes"),
+            ("temp_objects", "count"),
+            ("temp_space", "bytes"),
+            ("peak_inuse_objects", "count"),
+            ("peak_inuse_space", "bytes"),
         ]
     );
     let period = profile.period_type.expect("period_type");
@@ -55,11 +59,21 @@ fn go_pprof_reads_every_sample_type_and_the_structure_holds() {
     let stacks = samples(&profile);
     assert!(stacks.iter().any(|s| s.up_to_main() == ["b", "a", "main"]));
 
+    // The size class is a numeric label in bytes on every sample.
+    for sample in &profile.sample {
+        let class = sample
+            .label
+            .iter()
+            .find(|l| string(l.key) == "size_class")
+            .expect("a size_class label");
+        assert_eq!(string(class.num_unit), "bytes");
+    }
     for index in [
         "alloc_objects",
         "alloc_space",
         "inuse_objects",
         "inuse_space",
+        "peak_inuse_space",
     ] {
         let stdout = go_pprof_top(&path, index);
         assert!(stdout.contains(" main"), "{index}: no main in\n{stdout}");

@@ -101,10 +101,12 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
     let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
     let existing = threads::record(tid);
     let mut exec_gen = 0;
+    let mut last_block = 0;
     if let Some(state) = existing {
         // SAFETY: the entry belongs to this thread; nothing else writes it.
         let state = unsafe { &mut *state };
         exec_gen = state.exec_gen;
+        last_block = state.last_block;
         if state.active != 0 {
             if sp == state.entry_sp {
                 if call.size == state.size && call.old_ptr == state.old_ptr {
@@ -126,6 +128,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
         slot: call.slot,
         sampled: sampled(call.size) as u32,
         exec_gen,
+        last_block,
     };
     match existing {
         // SAFETY: as above.
@@ -163,31 +166,57 @@ pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
         return None; // a nested call's return, or one whose entry was not seen
     }
     state.active = 0;
-    Some(*state)
+    let call = *state;
+    // The thread allocates again: its last block, if still in use, was not temporary.
+    state.last_block = 0;
+    Some(call)
 }
 
-/// free's entry probe (`spec`): whether this free is the allocator's own (realloc's),
-/// which the enclosing call accounts for.
+/// Notes `block` as thread `pid_tgid`'s last allocation (see `InFlight::last_block`).
 #[inline(always)]
-pub fn free_is_nested(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) -> bool {
+pub fn note_last_block(pid_tgid: u64, block: u64) {
+    if let Some(state) = threads::record(pid_tgid) {
+        // SAFETY: this thread's own entry.
+        unsafe { (*state).last_block = block };
+    }
+}
+
+/// What free's entry probe learns from the thread's call record.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum FreeCall {
+    /// The allocator's own free (realloc's), which the enclosing call accounts for.
+    Nested,
+    /// The user's free of the thread's last allocation: a temporary block.
+    Temporary,
+    /// The user's free of another block.
+    Other,
+}
+
+/// free's entry probe (`spec`) for block `ptr`: whether the free is the allocator's
+/// own, or frees the thread's last allocation.
+#[inline(always)]
+pub fn free_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64, ptr: u64) -> FreeCall {
     let Some(state) = threads::record(pid_tgid) else {
-        return false;
+        return FreeCall::Other;
     };
     // SAFETY: this thread's own entry.
     let state = unsafe { &mut *state };
-    if state.active == 0 {
-        return false;
+    if state.active != 0 {
+        let (_, sp) = regs::at_entry(ctx);
+        let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
+        if nested(ctx, sp, state) {
+            return FreeCall::Nested;
+        }
+        if sp >= state.entry_sp {
+            // A call from the recorded call's frame or above: the recorded call is over.
+            state.active = 0;
+        }
     }
-    let (_, sp) = regs::at_entry(ctx);
-    let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
-    if nested(ctx, sp, state) {
-        return true;
+    if ptr != 0 && state.last_block == ptr {
+        state.last_block = 0;
+        return FreeCall::Temporary;
     }
-    if sp >= state.entry_sp {
-        // A call from the recorded call's frame or above: the recorded call is over.
-        state.active = 0;
-    }
-    false
+    FreeCall::Other
 }
 
 /// A preload library report with the caller's return address `ra` and stack pointer

@@ -17,6 +17,7 @@ use aya_ebpf::{
 use heapprof_common::{
     DropReason, StackKey,
     preload::{Kind, Meta, Preloaded, QUEUE_WORDS, QueueState, REPLY_SLOTS, Record, StackReply},
+    size_class,
 };
 
 use crate::{
@@ -42,6 +43,21 @@ pub struct QueueCursor {
     len: u32,
     /// The records' change of the process's in-use bytes.
     usage: UsageBatch,
+    /// The thread's last allocation (see `QueueState::last_block`).
+    last_block: u64,
+}
+
+impl QueueCursor {
+    /// Whether freeing `block` frees the thread's last allocation, which is then
+    /// forgotten.
+    #[inline(always)]
+    fn take_last_block(&mut self, block: u64) -> bool {
+        let last = block != 0 && block == self.last_block;
+        if last {
+            self.last_block = 0;
+        }
+        last
+    }
 }
 
 /// The image generation of process `tgid` (0 before its first exec is seen).
@@ -53,21 +69,20 @@ fn exec_gen_of(tgid: u32) -> u32 {
 
 /// Applies what is new in the queue at `address` (a user address) of thread
 /// `pid_tgid`: its words from where the last application of the same generation
-/// stopped (see `heapprof_common::preload::QueueState`) to its length.
+/// stopped (see `heapprof_common::preload::QueueState`) to its length. Returns the
+/// thread's queue state, if it has one.
 #[inline(always)]
-fn apply_queue(pid_tgid: u64, address: u64) {
+fn apply_queue(pid_tgid: u64, address: u64) -> Option<*mut QueueState> {
+    let state_ptr = REPORT_QUEUES.get_ptr_mut(&pid_tgid)?;
+    // SAFETY: a map value; only this thread's programs, which do not interleave, use it.
+    let state = unsafe { &mut *state_ptr };
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: bpf_probe_read_user checks the user address.
     let Ok(header) = (unsafe { bpf_probe_read_user(address as *const [u32; 2]) }) else {
         count_drop(DropReason::FreeQueueUnreadable);
-        return;
+        return Some(state_ptr);
     };
     let (len, generation) = (header[0].min(QUEUE_WORDS as u32), header[1]);
-    let Some(state) = REPORT_QUEUES.get_ptr_mut(&pid_tgid) else {
-        return;
-    };
-    // SAFETY: a map value; only this thread's programs, which do not interleave, use it.
-    let state = unsafe { &mut *state };
     let start = if state.generation == generation {
         state.applied.min(len)
     } else {
@@ -76,18 +91,16 @@ fn apply_queue(pid_tgid: u64, address: u64) {
     state.generation = generation;
     state.applied = len;
     if start >= len {
-        return;
+        return Some(state_ptr);
     }
-    let Some(scratch) = QUEUE_SCRATCH.get_ptr_mut(0) else {
-        return;
-    };
+    let scratch = QUEUE_SCRATCH.get_ptr_mut(0)?;
     let mut words = u64::from(len - start);
     // The length keeps its bounds in every copy the compiler makes (see
     // `unwind::copy_to_window`).
     // SAFETY: arithmetic on a register.
     unsafe { core::arch::asm!("{n} &= 0x7f", n = inout(reg) words, options(nostack)) };
     if words == 0 || words > QUEUE_WORDS as u64 {
-        return;
+        return Some(state_ptr);
     }
     // SAFETY: the words of this CPU's scratch queue viewed as bytes, the length bounded
     // by their size; programs on one CPU do not interleave.
@@ -101,14 +114,15 @@ fn apply_queue(pid_tgid: u64, address: u64) {
     // SAFETY: bpf_probe_read_user_buf checks the user address.
     if unsafe { bpf_probe_read_user_buf(first as *const u8, bytes) }.is_err() {
         count_drop(DropReason::FreeQueueUnreadable);
-        return;
+        return Some(state_ptr);
     }
     let mut cursor = QueueCursor {
         tgid,
         exec_gen: exec_gen_of(tgid),
         index: 0,
         len: words as u32,
-        usage: UsageBatch::default(),
+        usage: UsageBatch::start(tgid),
+        last_block: state.last_block,
     };
     // SAFETY: the callback is a BPF subprogram taking the context pointer given here,
     // which stays valid for the call.
@@ -121,6 +135,8 @@ fn apply_queue(pid_tgid: u64, address: u64) {
         );
     }
     cursor.usage.apply(tgid);
+    state.last_block = cursor.last_block;
+    Some(state_ptr)
 }
 
 /// `bpf_loop`'s callback: one record (see [`heapprof_apply_record`]).
@@ -155,10 +171,11 @@ pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
         return 1;
     }
     let header = queue.words[at];
-    let mut usage = Usage::Batch(&mut cursor.usage);
     if header & Record::EXTENDED == 0 {
         cursor.index += 1;
-        sites::release_into(tgid, header, &mut usage, Frees::Queued);
+        let temporary = cursor.take_last_block(header);
+        let mut usage = Usage::Batch(&mut cursor.usage);
+        sites::release_into(tgid, header, temporary, &mut usage, Frees::Queued);
         return 0;
     }
     let words = Record::EXTENDED_WORDS as usize;
@@ -168,19 +185,24 @@ pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
     cursor.index += Record::EXTENDED_WORDS;
     let block = queue.words[at + 1];
     if header & Record::FREE != 0 {
-        sites::release_into(tgid, block, &mut usage, Frees::Queued);
+        let temporary = cursor.take_last_block(block);
+        let mut usage = Usage::Batch(&mut cursor.usage);
+        sites::release_into(tgid, block, temporary, &mut usage, Frees::Queued);
         return 0;
     }
+    let size = header >> Record::SIZE_SHIFT;
     let site = StackKey {
         tgid,
         exec_gen: cursor.exec_gen,
         stack: queue.words[at + 2],
         slot: ((header >> Record::FUNCTION_SHIFT) & Record::FUNCTION_MASK) as u32,
-        _pad: 0,
+        size_class: size_class(size),
     };
+    cursor.last_block = block;
+    let mut usage = Usage::Batch(&mut cursor.usage);
     sites::allocated_into(
         tgid,
-        (block, header >> Record::SIZE_SHIFT),
+        (block, size),
         &site,
         NewSite::Stored,
         &mut usage,
@@ -216,7 +238,7 @@ fn allocated(
             stack: hash,
             // The library's functions take the first slots.
             slot: function,
-            _pad: 0,
+            size_class: size_class(size),
         },
         block,
         size,
@@ -300,6 +322,7 @@ fn on_report(ctx: &ProbeContext) {
             address: reports,
             generation: 0,
             applied: 0,
+            last_block: 0,
         };
         if REPORT_QUEUES.insert(&pid_tgid, &state, 0).is_err() {
             count_drop(DropReason::InFlightFull);
@@ -320,14 +343,25 @@ fn on_report(ctx: &ProbeContext) {
             }
         }
         Some(Kind::Free) => {
-            if !queue_busy {
-                apply_queue(pid_tgid, reports);
-            }
-            sites::release_into(tgid, block, &mut Usage::Direct, Frees::OnTime);
+            let temporary = if queue_busy {
+                false
+            } else {
+                apply_queue(pid_tgid, reports).is_some_and(|state| {
+                    // SAFETY: as in `apply_queue`.
+                    let state = unsafe { &mut *state };
+                    let last = block != 0 && state.last_block == block;
+                    if last {
+                        state.last_block = 0;
+                    }
+                    last
+                })
+            };
+            sites::release_into(tgid, block, temporary, &mut Usage::Direct, Frees::OnTime);
         }
         Some(Kind::Alloc) => {
-            if !queue_busy {
-                apply_queue(pid_tgid, reports);
+            if !queue_busy && let Some(state) = apply_queue(pid_tgid, reports) {
+                // SAFETY: as in `apply_queue`.
+                unsafe { (*state).last_block = block };
             }
             if calls::report_is_nested(pid_tgid, ra, sp) {
                 return;

@@ -114,16 +114,60 @@ pub fn site_id(site: &StackKey, new: NewSite<'_>) -> Option<SiteId> {
     unsafe { SITES.get(site) }.copied()
 }
 
-/// Adds to the counters of site `id`.
+/// A change of one site's counters.
+#[derive(Clone, Copy)]
+pub struct SiteChange {
+    /// Blocks and bytes allocated.
+    pub allocated: (u64, u64),
+    /// Blocks and bytes freed.
+    pub freed: (u64, u64),
+    /// Whether the freed block was temporary (see `SiteCounters::temp_objects`).
+    pub temporary: bool,
+}
+
+impl SiteChange {
+    /// A block of `size` bytes allocated.
+    #[inline(always)]
+    pub const fn alloc(size: u64) -> Self {
+        Self {
+            allocated: (1, size),
+            freed: (0, 0),
+            temporary: false,
+        }
+    }
+
+    /// A block of `size` bytes freed.
+    #[inline(always)]
+    pub const fn free(size: u64, temporary: bool) -> Self {
+        Self {
+            allocated: (0, 0),
+            freed: (1, size),
+            temporary,
+        }
+    }
+}
+
+/// Applies `change` to the counters of site `id`. `peaks` is the process's count of
+/// new in-use peaks before the change: the first change since the latest peak saves
+/// the site's value at it (see `SiteCounters`).
 #[inline(always)]
-pub fn add_to_site(id: SiteId, allocated: (u64, u64), freed: (u64, u64)) {
+pub fn add_to_site(id: SiteId, change: SiteChange, peaks: u64) {
     if let Some(counters) = SITE_COUNTERS.get_ptr_mut(id) {
-        // SAFETY: this CPU's copy of a per-CPU value.
-        unsafe {
-            (*counters).alloc_objects += allocated.0;
-            (*counters).alloc_bytes += allocated.1;
-            (*counters).free_objects += freed.0;
-            (*counters).free_bytes += freed.1;
+        // SAFETY: this CPU's copy of a per-CPU value; programs on one CPU do not
+        // interleave.
+        let counters = unsafe { &mut *counters };
+        if counters.peak_generation != peaks {
+            counters.peak_objects = counters.alloc_objects.wrapping_sub(counters.free_objects);
+            counters.peak_bytes = counters.alloc_bytes.wrapping_sub(counters.free_bytes);
+            counters.peak_generation = peaks;
+        }
+        counters.alloc_objects += change.allocated.0;
+        counters.alloc_bytes += change.allocated.1;
+        counters.free_objects += change.freed.0;
+        counters.free_bytes += change.freed.1;
+        if change.temporary {
+            counters.temp_objects += change.freed.0;
+            counters.temp_bytes += change.freed.1;
         }
     }
 }
@@ -138,6 +182,15 @@ pub enum Usage<'a> {
 }
 
 impl Usage<'_> {
+    /// The process's count of new in-use peaks so far (0 when peaks are not kept).
+    #[inline(always)]
+    fn peaks(&self, tgid: u32) -> u64 {
+        match self {
+            Usage::Direct => crate::usage::peaks(tgid),
+            Usage::Batch(batch) => batch.peaks(),
+        }
+    }
+
     #[inline(always)]
     fn grow(&mut self, tgid: u32, bytes: u64) {
         match self {
@@ -166,17 +219,18 @@ pub enum Frees {
     Queued,
 }
 
-/// Credits the free of a tracked block to the site that allocated it.
+/// Credits the free of a tracked block to the site that allocated it; `temporary`
+/// when the block was its thread's last allocation.
 #[inline(always)]
-pub fn release(tgid: u32, ptr: u64) {
-    release_into(tgid, ptr, &mut Usage::Direct, Frees::OnTime);
+pub fn release(tgid: u32, ptr: u64, temporary: bool) {
+    release_into(tgid, ptr, temporary, &mut Usage::Direct, Frees::OnTime);
 }
 
 /// [`release`], with the in-use change going to `usage`. A queued free of an address
 /// that another thread's allocation was seen to take before it is that free's late
 /// arrival: the block it freed was closed then, so it is consumed without effect.
 #[inline(always)]
-pub fn release_into(tgid: u32, ptr: u64, usage: &mut Usage<'_>, frees: Frees) {
+pub fn release_into(tgid: u32, ptr: u64, temporary: bool, usage: &mut Usage<'_>, frees: Frees) {
     if ptr == 0 {
         return;
     }
@@ -188,7 +242,8 @@ pub fn release_into(tgid: u32, ptr: u64, usage: &mut Usage<'_>, frees: Frees) {
     }
     // Not found: allocated before tracing began (or not tracked): ignored, never negative.
     if let Some(block) = live::remove(tgid, ptr) {
-        add_to_site(block.site, (0, 0), (1, block.size));
+        let peaks = usage.peaks(tgid);
+        add_to_site(block.site, SiteChange::free(block.size, temporary), peaks);
         usage.shrink(tgid, block.size);
     }
 }
@@ -242,7 +297,9 @@ pub fn allocated_at(
     usage: &mut Usage<'_>,
     frees: Frees,
 ) {
-    add_to_site(id, (1, size), (0, 0));
+    // Read before this block's own growth can raise a new peak, which it is part of.
+    let peaks = usage.peaks(tgid);
+    add_to_site(id, SiteChange::alloc(size), peaks);
     let block = LiveEntry {
         ptr,
         size,
@@ -255,7 +312,7 @@ pub fn allocated_at(
             // Still recorded at this address: it was freed by a path we did not see (the
             // allocator reused it), or its free waits in another thread's queue. Closed
             // now, so its site's in-use stays right.
-            add_to_site(old.site, (0, 0), (1, old.size));
+            add_to_site(old.site, SiteChange::free(old.size, false), peaks);
             usage.shrink(tgid, old.size);
             if frees == Frees::Queued {
                 expect_stale_free(&LiveKey { ptr, tgid, _pad: 0 });
@@ -265,7 +322,7 @@ pub fn allocated_at(
             // Its free cannot be matched: count it as released now, so that in-use stays
             // what is tracked instead of growing by blocks that may be long gone.
             count_drop(DropReason::LiveTableFull);
-            add_to_site(id, (0, 0), (1, size));
+            add_to_site(id, SiteChange::free(size, false), peaks);
             return;
         }
     }

@@ -1,7 +1,7 @@
 //! The user stack of an allocation, taken at the allocator's return.
 
 use aya_ebpf::programs::RetProbeContext;
-use heapprof_common::{ProbeSlot, SiteId, StackKey, UserStack};
+use heapprof_common::{ProbeSlot, SiteId, StackKey, UserStack, size_class};
 
 use crate::{
     maps::{STACK_SCRATCH, unwind_mode},
@@ -22,13 +22,14 @@ pub struct Recorded {
 }
 
 /// Where the walk of the caller's stack at the return of a call of function `slot`
-/// starts.
+/// for `size` bytes starts.
 #[inline(always)]
 pub fn walk_start(
     ctx: &RetProbeContext,
     pid_tgid: u64,
     exec_gen: u32,
     slot: ProbeSlot,
+    size: u64,
 ) -> WalkStart {
     let (pc, fp, sp) = regs::at_return(ctx);
     WalkStart {
@@ -38,6 +39,7 @@ pub fn walk_start(
         sp,
         exec_gen,
         slot,
+        size_class: size_class(size),
         epoch: walk_cache::epoch_now(),
     }
 }
@@ -62,7 +64,7 @@ fn site_key(start: &WalkStart, hash: u64) -> StackKey {
         exec_gen: start.exec_gen,
         stack: hash,
         slot: start.slot,
-        _pad: 0,
+        size_class: start.size_class,
     }
 }
 

@@ -22,6 +22,20 @@ use crate::{
 /// allocation settles.
 const PEAK_ATTEMPTS: usize = 4;
 
+/// How many times `tgid`'s peak was raised (0 when peaks are not kept or it has
+/// none yet): read before a site changes, see `heapprof_common::SiteCounters`.
+#[inline(always)]
+pub fn peaks(tgid: u32) -> u64 {
+    if !track_peak() {
+        return 0;
+    }
+    match find(tgid) {
+        // SAFETY: a map value whose fields are only accessed atomically.
+        Some(usage) => unsafe { core::ptr::read_volatile(&raw const (*usage).peaks) },
+        None => 0,
+    }
+}
+
 /// Adds a new block's bytes to `tgid`'s total and raises its peak.
 #[inline(always)]
 pub fn grow(tgid: u32, bytes: u64) {
@@ -90,34 +104,41 @@ fn usage_of(tgid: u32) -> Option<*mut ProcessUsage> {
 unsafe fn add_and_raise_peak(usage: *mut ProcessUsage, bytes: u64) {
     // SAFETY (each block): as the caller promises.
     let total = unsafe { fetch_add(&raw mut (*usage).inuse_bytes, bytes) }.wrapping_add(bytes);
-    unsafe { raise_peak(usage, total) };
+    if unsafe { raise_peak(usage, total) } {
+        unsafe { fetch_add(&raw mut (*usage).peaks, 1) };
+    }
 }
 
-/// Raises the peak of `usage` to `total` with compare-and-swap.
+/// Raises the peak of `usage` to `total` with compare-and-swap; returns whether it
+/// did.
 ///
 /// # Safety
 /// As [`add_and_raise_peak`].
 #[inline(always)]
-unsafe fn raise_peak(usage: *mut ProcessUsage, total: u64) {
+unsafe fn raise_peak(usage: *mut ProcessUsage, total: u64) -> bool {
     // SAFETY (each block): as the caller promises.
     let peak = unsafe { &raw mut (*usage).peak_bytes };
     let mut seen = unsafe { core::ptr::read_volatile(peak) };
     for _ in 0..PEAK_ATTEMPTS {
         if total <= seen {
-            break;
+            return false;
         }
         let found = unsafe { compare_exchange(peak, seen, total) };
         if found == seen {
-            break;
+            return true;
         }
         seen = found;
     }
+    false
 }
 
 /// The in-use change of a batch of one thread's records (the preload library's
 /// queue), applied in order: added to the process's total once at the batch's end,
 /// the peak raised to the total before it plus the batch's highest running sum, as
-/// if no other thread's change had come between the records.
+/// if no other thread's change had come between the records. The new peaks within
+/// the batch are counted as they come, from the total and peak read at its start, so
+/// that its sites save their values at the right record (see
+/// `heapprof_common::SiteCounters`).
 #[repr(C)]
 #[derive(Default)]
 pub struct UsageBatch {
@@ -125,15 +146,53 @@ pub struct UsageBatch {
     delta: u64,
     /// The highest value `delta` reached (signed), at least 0.
     high: u64,
+    /// The process's total when the batch started.
+    base: u64,
+    /// Its peak then, raised as the batch's running total passes it.
+    peak: u64,
+    /// Its count of new peaks then, plus the batch's own.
+    peaks: u64,
+    /// The batch's own new peaks.
+    new_peaks: u64,
 }
 
 impl UsageBatch {
+    /// A batch of `tgid`'s records starts.
+    #[inline(always)]
+    pub fn start(tgid: u32) -> Self {
+        let mut batch = Self::default();
+        if !track_peak() {
+            return batch;
+        }
+        if let Some(usage) = find(tgid) {
+            // SAFETY: a map value whose fields are only accessed atomically.
+            unsafe {
+                batch.base = core::ptr::read_volatile(&raw const (*usage).inuse_bytes);
+                batch.peak = core::ptr::read_volatile(&raw const (*usage).peak_bytes);
+                batch.peaks = core::ptr::read_volatile(&raw const (*usage).peaks);
+            }
+        }
+        batch
+    }
+
+    /// The process's count of new peaks at this point of the batch.
+    #[inline(always)]
+    pub fn peaks(&self) -> u64 {
+        self.peaks
+    }
+
     /// A block of `bytes` comes.
     #[inline(always)]
     pub fn grow(&mut self, bytes: u64) {
         self.delta = self.delta.wrapping_add(bytes);
         if (self.delta as i64) > (self.high as i64) {
             self.high = self.delta;
+        }
+        let total = self.base.wrapping_add(self.delta);
+        if track_peak() && total > self.peak {
+            self.peak = total;
+            self.peaks += 1;
+            self.new_peaks += 1;
         }
     }
 
@@ -157,6 +216,9 @@ impl UsageBatch {
         unsafe {
             let before = fetch_add(&raw mut (*usage).inuse_bytes, self.delta);
             raise_peak(usage, before.wrapping_add(self.high));
+            if self.new_peaks != 0 {
+                fetch_add(&raw mut (*usage).peaks, self.new_peaks);
+            }
         }
     }
 }

@@ -20,7 +20,7 @@ use heapprof_common::{
 };
 
 use crate::{
-    calls::{self, Call},
+    calls::{self, Call, FreeCall},
     maps::{
         EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PRELOADED, PROCESS_MAPPINGS,
         REPORT_QUEUES, armed, count_drop, empty_programs, hold_at_loader_events, ignored,
@@ -121,10 +121,15 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
 #[inline(always)]
 fn on_free(ctx: &ProbeContext, spec: &ProbeSpec, ptr: u64) {
     let pid_tgid = bpf_get_current_pid_tgid();
-    if ignored(pid_tgid) || !armed() || calls::free_is_nested(ctx, spec, pid_tgid) {
+    if ignored(pid_tgid) || !armed() {
         return;
     }
-    sites::release((pid_tgid >> 32) as u32, ptr);
+    let temporary = match calls::free_call(ctx, spec, pid_tgid, ptr) {
+        FreeCall::Nested => return,
+        FreeCall::Temporary => true,
+        FreeCall::Other => false,
+    };
+    sites::release((pid_tgid >> 32) as u32, ptr, temporary);
 }
 
 /// The shared return probe: counts the user's call when it returns.
@@ -165,7 +170,7 @@ fn on_return(ctx: &RetProbeContext) {
         ProbeRole::Realloc => {
             // Success (or realloc(p, 0), which frees p and returns NULL): the old block is gone.
             if state.old_ptr != 0 && (returned != 0 || state.size == 0) {
-                sites::release(tgid, state.old_ptr);
+                sites::release(tgid, state.old_ptr, state.old_ptr == state.last_block);
             }
             returned
         }
@@ -174,14 +179,18 @@ fn on_return(ctx: &RetProbeContext) {
             if returned < state.size {
                 return;
             }
-            sites::release(tgid, state.old_ptr);
+            sites::release(tgid, state.old_ptr, false);
             state.old_ptr
         }
     };
-    if ptr == 0 || state.sampled == 0 {
+    if ptr == 0 {
         return;
     }
-    let start = stack::walk_start(ctx, pid_tgid, state.exec_gen, state.slot);
+    calls::note_last_block(pid_tgid, ptr);
+    if state.sampled == 0 {
+        return;
+    }
+    let start = stack::walk_start(ctx, pid_tgid, state.exec_gen, state.slot, state.size);
     if let Some(site) = stack::remembered(&start) {
         sites::allocated_at(
             tgid,

@@ -59,7 +59,8 @@ pub struct CachedWalk {
     uses_fp: u32,
     /// Bytes above `sp` that hold every word read.
     span: u32,
-    /// The function of the last allocation counted with this walk, or `NO_SITE`.
+    /// The function and size class of the last allocation counted with this walk
+    /// ([`site_tag`]), or `NO_SITE`.
     site_slot: u32,
     /// That allocation's site index.
     site: SiteId,
@@ -109,8 +110,11 @@ pub struct WalkStart {
     pub sp: u64,
     /// The process image.
     pub exec_gen: u32,
-    /// The allocator function called (its `ProbeSlot`): with the walk, the site.
+    /// The allocator function called (its `ProbeSlot`): with the walk and the size
+    /// class, the site.
     pub slot: u32,
+    /// The request's size class (`heapprof_common::size_class`).
+    pub size_class: u32,
     /// The daemon's epochs (see `maps::walk_epoch`), read before the walk.
     pub epoch: u64,
 }
@@ -125,6 +129,13 @@ pub struct WalkHit {
     pub site: SiteId,
     /// Nonzero when `site` is known.
     pub known: u32,
+}
+
+/// What, beside the walk, names an allocation's site: its function (a `ProbeSlot`,
+/// below `MAX_PROBE_SLOTS`) and its size class.
+#[inline(always)]
+fn site_tag(start: &WalkStart) -> u32 {
+    start.slot | (start.size_class << 16)
 }
 
 /// The daemon's epochs, read before a walk starts: a walk made while mappings change
@@ -234,7 +245,7 @@ pub extern "C" fn heapprof_walk_check(
     unsafe {
         (*hit).hash = entry.hash;
         (*hit).site = entry.site;
-        (*hit).known = u32::from(entry.site_slot == start.slot);
+        (*hit).known = u32::from(entry.site_slot == site_tag(start));
     }
     1
 }
@@ -298,7 +309,7 @@ pub fn note_site(start: &WalkStart, site: SiteId) {
     // SAFETY: this CPU's slot; programs on one CPU do not interleave.
     let entry = unsafe { &mut *entry };
     if entry.pid_tgid == start.pid_tgid && entry.pc == start.pc && entry.sp == start.sp {
-        entry.site_slot = start.slot;
+        entry.site_slot = site_tag(start);
         entry.site = site;
     }
 }

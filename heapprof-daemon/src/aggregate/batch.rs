@@ -270,6 +270,7 @@ mod tests {
                     alloc_bytes: cpu,
                     free_objects: 0,
                     free_bytes: key + cpu,
+                    ..SiteCounters::default()
                 })
                 .collect();
             update(&map, &key, &per_cpu);

@@ -56,17 +56,29 @@ impl Site {
             .saturating_sub(self.counters.free_bytes)
     }
 
-    /// The profile's four values (allocated objects and bytes, in-use objects and
-    /// bytes), scaled to estimates of the real counts when sampling at `sample_rate`.
-    pub fn values(&self, sample_rate: u64) -> [u64; 4] {
-        let (alloc_objects, alloc_bytes) = sampling::scale(
-            self.counters.alloc_objects,
-            self.counters.alloc_bytes,
-            sample_rate,
-        );
-        let (inuse_objects, inuse_bytes) =
-            sampling::scale(self.inuse_objects(), self.inuse_bytes(), sample_rate);
-        [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes]
+    /// The profile's values, in the order of `pprof::builder::USER_SAMPLE_TYPES`:
+    /// allocated, in-use, temporary and at-the-peak objects and bytes, scaled to
+    /// estimates of the real counts when sampling at `sample_rate`.
+    pub fn values(&self, sample_rate: u64) -> [u64; 8] {
+        let c = &self.counters;
+        let scaled = |objects, bytes| sampling::scale(objects, bytes, sample_rate);
+        let (alloc_objects, alloc_bytes) = scaled(c.alloc_objects, c.alloc_bytes);
+        let (inuse_objects, inuse_bytes) = scaled(self.inuse_objects(), self.inuse_bytes());
+        let (temp_objects, temp_bytes) = scaled(c.temp_objects, c.temp_bytes);
+        // A site's value at the peak cannot be negative; wrapped sums of CPUs' copies
+        // that are would be a counting error.
+        let positive = |v: u64| if (v as i64) < 0 { 0 } else { v };
+        let (peak_objects, peak_bytes) = scaled(positive(c.peak_objects), positive(c.peak_bytes));
+        [
+            alloc_objects,
+            alloc_bytes,
+            inuse_objects,
+            inuse_bytes,
+            temp_objects,
+            temp_bytes,
+            peak_objects,
+            peak_bytes,
+        ]
     }
 }
 
@@ -291,7 +303,12 @@ impl Maps {
                 .iter()
                 .map(|(&key, &counters)| Site { key, counters }),
         );
-        let in_table = self.sites.read()?;
+        let peaks: HashMap<u32, u64> = self
+            .process_usage()
+            .into_iter()
+            .map(|(pid, usage)| (pid, usage.peaks))
+            .collect();
+        let in_table = self.sites.read(&peaks)?;
         self.site_ids.clear();
         for site in in_table {
             self.site_ids.insert(site.key, site.id);
@@ -598,12 +615,34 @@ impl Maps {
     }
 }
 
-/// Adds one CPU's (or one earlier read's) counters to a total.
+/// Adds one earlier read's counters (summed over CPUs, their peak values resolved)
+/// to a total.
 fn add_counters(total: &mut SiteCounters, more: &SiteCounters) {
     total.alloc_objects += more.alloc_objects;
     total.alloc_bytes += more.alloc_bytes;
     total.free_objects += more.free_objects;
     total.free_bytes += more.free_bytes;
+    total.temp_objects += more.temp_objects;
+    total.temp_bytes += more.temp_bytes;
+    total.peak_objects = total.peak_objects.wrapping_add(more.peak_objects);
+    total.peak_bytes = total.peak_bytes.wrapping_add(more.peak_bytes);
+}
+
+/// Adds one CPU's copy of a site's counters to its total, with what the copy held at
+/// its process's peak number `peaks` (see [`SiteCounters`]): in the total,
+/// `peak_objects`/`peak_bytes` are the site's values at that peak.
+fn add_cpu(total: &mut SiteCounters, cpu: &SiteCounters, peaks: u64) {
+    let (objects, bytes) = cpu.at_peak(peaks);
+    add_counters(
+        total,
+        &SiteCounters {
+            peak_objects: objects,
+            peak_bytes: bytes,
+            peak_generation: peaks,
+            ..*cpu
+        },
+    );
+    total.peak_generation = peaks;
 }
 
 /// The frames a stack-table entry holds, innermost first.

@@ -2,7 +2,7 @@
 //! index), `SITE_COUNTERS` (per-CPU counters by index) and `SITE_IDS_FREE` (indices
 //! given back), read in batches.
 
-use std::{os::fd::OwnedFd, sync::atomic::Ordering};
+use std::{collections::HashMap, os::fd::OwnedFd, sync::atomic::Ordering};
 
 use anyhow::{Context as _, Result};
 use aya::{
@@ -79,8 +79,10 @@ impl SiteTable {
         Ok(ids)
     }
 
-    /// Every site with its counters summed over CPUs, in no order.
-    pub(crate) fn read(&self) -> Result<Vec<TableSite>> {
+    /// Every site with its counters summed over CPUs, in no order; `peaks` gives each
+    /// process's count of new in-use peaks, read before the counters, which resolves
+    /// what each site held at its process's peak (see [`SiteCounters`]).
+    pub(crate) fn read(&self, peaks: &HashMap<u32, u64>) -> Result<Vec<TableSite>> {
         let ids = self.ids()?;
         let len = ids
             .iter()
@@ -88,15 +90,26 @@ impl SiteTable {
             .max()
             .unwrap_or(0);
         let mut counters = vec![SiteCounters::default(); len];
+        // Each index's process's peak count.
+        let mut index_peaks = vec![0u64; len];
+        for &(key, id) in &ids {
+            if let Some(slot) = index_peaks.get_mut(id as usize) {
+                *slot = peaks.get(&key.tgid).copied().unwrap_or(0);
+            }
+        }
+        let add = |counters: &mut [SiteCounters], index: usize, per_cpu: &[SiteCounters]| {
+            let peaks = index_peaks.get(index).copied().unwrap_or(0);
+            if let Some(total) = counters.get_mut(index) {
+                per_cpu.iter().for_each(|c| super::add_cpu(total, c, peaks));
+            }
+        };
         let batched = batch::for_each_batch_upto(
             &self.counters_fd,
             Some(self.cpus),
             len,
             |indices: &[u32], values: &[SiteCounters]| {
                 for (&index, per_cpu) in indices.iter().zip(values.chunks_exact(self.cpus.max(1))) {
-                    if let Some(total) = counters.get_mut(index as usize) {
-                        per_cpu.iter().for_each(|c| super::add_counters(total, c));
-                    }
+                    add(&mut counters, index as usize, per_cpu);
                 }
             },
         )
@@ -107,9 +120,7 @@ impl SiteTable {
                     .counters
                     .get(&id, 0)
                     .context("reading the site counters")?;
-                if let Some(total) = counters.get_mut(id as usize) {
-                    per_cpu.iter().for_each(|c| super::add_counters(total, c));
-                }
+                add(&mut counters, id as usize, &per_cpu);
             }
         }
         Ok(ids

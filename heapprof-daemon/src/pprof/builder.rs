@@ -20,6 +20,20 @@ pub const SAMPLE_TYPES: [(&str, &str); 4] = [
     ("inuse_space", "bytes"),
 ];
 
+/// The sample types of a user-space heap profile: Go's four, then the temporary
+/// allocations (freed by their thread before it allocated again, as heaptrack counts
+/// them) and what each stack held when its process's in-use total peaked.
+pub const USER_SAMPLE_TYPES: [(&str, &str); 8] = [
+    ("alloc_objects", "count"),
+    ("alloc_space", "bytes"),
+    ("inuse_objects", "count"),
+    ("inuse_space", "bytes"),
+    ("temp_objects", "count"),
+    ("temp_space", "bytes"),
+    ("peak_inuse_objects", "count"),
+    ("peak_inuse_space", "bytes"),
+];
+
 /// The sample types of a kernel heap profile: Go's four, where space is the memory
 /// handed out (slab-rounded), then the bytes the callers asked for.
 pub const KERNEL_SAMPLE_TYPES: [(&str, &str); 6] = [
@@ -38,6 +52,8 @@ pub enum LabelValue<'a> {
     Str(&'a str),
     /// A numeric label (e.g. `pid`).
     Num(i64),
+    /// A numeric label in bytes (e.g. `size_class`).
+    Bytes(i64),
 }
 
 /// An address space whose addresses the profile holds: one image of one process (a
@@ -259,6 +275,12 @@ impl ProfileBuilder {
                     LabelValue::Num(num) => Label {
                         key,
                         num: *num,
+                        ..Default::default()
+                    },
+                    LabelValue::Bytes(num) => Label {
+                        key,
+                        num: *num,
+                        num_unit: self.string("bytes"),
                         ..Default::default()
                     },
                 }

@@ -18,6 +18,7 @@ use super::stacks::Grouping;
                   heapprofd report NEW.pb.gz --base OLD.pb.gz       what grew between two profiles\n  \
                   heapprofd report KERNEL.pb.gz --by cache          kernel memory per slab cache\n  \
                   heapprofd report DIR --format suspects            sites whose in-use keeps growing\n  \
+                  heapprofd report heap-...pb.gz --format sizes     size histogram, per top site too\n  \
                   heapprofd report DIR --html report.html           everything, one page\n\
                   Given a directory, the single-profile formats read its newest profile."
 )]
@@ -77,4 +78,7 @@ pub enum Format {
     Timeline,
     /// Sites whose in-use bytes keep growing across a session, ranked.
     Suspects,
+    /// Allocations and bytes per power-of-two size class (allocated and in use), for
+    /// the profile and its top sites; kernel profiles add requested bytes and waste.
+    Sizes,
 }

@@ -564,10 +564,12 @@ fn render(
         legend(&rss)
     );
     peak_section(&mut html, session, peak.as_ref());
+    super::peak::html_section(&mut html, &session.last, top, filter);
     suspects_section(&mut html, session, top);
     flame_section(&mut html, flames);
     top_section(&mut html, session, top, filter)?;
     kernel_sections(&mut html, &session.last, filter);
+    super::sizes::html_section(&mut html, &session.last, filter);
     if single.is_none() {
         processes_section(&mut html, session);
     }
@@ -903,6 +905,7 @@ table{border-collapse:collapse;font-size:12px}\
 th,td{border-bottom:1px solid #ddd;padding:3px 8px;text-align:right;vertical-align:top}\
 td.site,th:last-child{text-align:left;font-family:monospace;overflow-wrap:anywhere}\
 #flame{width:100%;max-width:1240px;border:1px solid #ccc;margin-top:6px}\
+.bar{display:inline-block;height:10px;background:#4a7bd0}\
 #error-box h2{color:#b00020}";
 
 /// Runs first: errors anywhere on the page are written into it, for people and tests.

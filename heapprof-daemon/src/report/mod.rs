@@ -14,7 +14,9 @@ pub mod input;
 pub mod legacy;
 pub mod losses;
 pub mod model;
+pub mod peak;
 pub mod single;
+pub mod sizes;
 pub mod stacks;
 pub mod suspects;
 #[cfg(test)]

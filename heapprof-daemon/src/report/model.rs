@@ -71,6 +71,9 @@ pub struct Sample {
     pub cache: Option<String>,
     /// The page order of a kernel page sample (label `order`).
     pub order: Option<i64>,
+    /// The smallest request size of the sample's power-of-two size class (label
+    /// `size_class`, user-space profiles).
+    pub size_class: Option<i64>,
     /// The stack, innermost (the allocator function) first.
     pub locations: Vec<Location>,
     /// One value per sample type.
@@ -238,12 +241,14 @@ impl Profile {
             let mut comm = None;
             let mut cache = None;
             let mut order = None;
+            let mut size_class = None;
             for label in &sample.label {
                 match string(label.key)? {
                     "pid" => pid = u32::try_from(label.num).ok(),
                     "comm" => comm = Some(string(label.str)?.to_owned()),
                     "cache" => cache = Some(string(label.str)?.to_owned()),
                     "order" => order = Some(label.num),
+                    "size_class" => size_class = Some(label.num),
                     _ => {}
                 }
             }
@@ -252,6 +257,7 @@ impl Profile {
                 comm,
                 cache,
                 order,
+                size_class,
                 locations: stack,
                 values: sample.value.clone(),
             });

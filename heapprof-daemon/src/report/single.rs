@@ -8,6 +8,7 @@ use anyhow::{Context as _, Result, bail};
 use super::{
     Format, ReportArgs, collapsed, flamegraph, input, legacy,
     model::Profile,
+    sizes,
     stacks::{self, ProcessFilter},
     top,
 };
@@ -21,6 +22,16 @@ pub fn run(args: &ReportArgs, out: &mut dyn Write) -> Result<()> {
         None => None,
     };
     let filter = process_filter(&profile, base.as_ref(), args.pid)?;
+    if matches!(
+        args.format,
+        Format::Collapsed | Format::Flamegraph | Format::Legacy
+    ) {
+        // These formats have no place for it: said on standard error, as the
+        // timeline does.
+        for loss in super::losses::losses(&profile.comments) {
+            eprintln!("heapprofd: {} {}", profile.path.display(), loss.line());
+        }
+    }
     let written = match (args.format, &base) {
         (Format::Top, None) => top::write(out, &profile, index, args.top, filter, args.by),
         (Format::Top, Some(_)) if args.by != stacks::Grouping::Site => {
@@ -41,6 +52,10 @@ pub fn run(args: &ReportArgs, out: &mut dyn Write) -> Result<()> {
         (Format::Legacy, Some(_)) => bail!(
             "--base does not apply to the legacy format (it holds one profile); \
              use --format top, collapsed or flamegraph for a difference"
+        ),
+        (Format::Sizes, None) => sizes::write(out, &profile, index, args.top, filter),
+        (Format::Sizes, Some(_)) => bail!(
+            "--base does not apply to the sizes format; compare sites with --format top --base"
         ),
         (Format::Timeline | Format::Suspects, _) => {
             bail!("the timeline and suspects formats read a session's directory, not one profile")

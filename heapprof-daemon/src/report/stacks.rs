@@ -249,6 +249,7 @@ mod tests {
         Sample {
             cache: None,
             order: None,
+            size_class: None,
             pid: Some(pid),
             comm: Some("prog".into()),
             locations: frames

@@ -28,6 +28,13 @@ fn waste_indices(profile: &Profile) -> Option<(usize, usize)> {
     Some((index("alloc_requested_space")?, index("alloc_space")?))
 }
 
+/// Where a user-space profile's bytes at the peak and temporary allocations are, for
+/// the PEAK BYTES and TEMP columns (heaptrack's peak consumption and temporaries).
+fn view_indices(profile: &Profile) -> Option<(usize, usize)> {
+    let index = |name: &str| profile.sample_types.iter().position(|t| t == name);
+    Some((index("peak_inuse_space")?, index("temp_objects")?))
+}
+
 /// What to put in the table: sites sorted as they should be printed.
 struct Table<'a> {
     title: String,
@@ -35,6 +42,8 @@ struct Table<'a> {
     columns: [Option<usize>; 4],
     /// Requested and allocated bytes (kernel profiles).
     waste: Option<(usize, usize)>,
+    /// Bytes at the peak and temporary allocations (user-space profiles).
+    views: Option<(usize, usize)>,
     signed: bool,
     /// What the profile lost (see [`super::losses`]), stated above the table.
     losses: Vec<super::losses::Loss>,
@@ -64,6 +73,7 @@ pub fn write(
         sites: &sites,
         columns: column_indices(profile),
         waste: waste_indices(profile),
+        views: view_indices(profile),
         signed: false,
         losses: super::losses::losses(&profile.comments),
     };
@@ -91,6 +101,7 @@ pub fn write_diff(
         sites: &sites,
         columns: column_indices(profile),
         waste: waste_indices(profile),
+        views: view_indices(profile),
         signed: true,
         losses: super::losses::losses(&profile.comments),
     };
@@ -128,6 +139,9 @@ fn print(out: &mut dyn Write, table: &Table, sample_type: &str) -> io::Result<()
     if table.waste.is_some() {
         write!(out, " {:>13} {:>6}", "REQUESTED", "WASTE")?;
     }
+    if table.views.is_some() {
+        write!(out, " {:>12} {:>9}", "PEAK BYTES", "TEMP")?;
+    }
     writeln!(out, "  SITE")?;
     for site in table.sites {
         let [inuse_bytes, inuse_objects, alloc_bytes, alloc_objects] =
@@ -155,6 +169,17 @@ fn print(out: &mut dyn Write, table: &Table, sample_type: &str) -> io::Result<()
                 " {requested_text:>13} {:>6}",
                 waste_percent(requested, allocated)
             )?;
+        }
+        if let Some((peak, temporary)) = table.views {
+            let [peak, temporary] = [peak, temporary].map(|i| {
+                let value = site.values.get(i).copied().unwrap_or(0);
+                if table.signed {
+                    format!("{value:+}")
+                } else {
+                    value.to_string()
+                }
+            });
+            write!(out, " {peak:>12} {temporary:>9}")?;
         }
         writeln!(out, "  {}", site.description)?;
     }

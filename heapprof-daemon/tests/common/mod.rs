@@ -147,6 +147,8 @@ pub struct Sample {
     pub stack: Vec<String>,
     /// alloc_objects, alloc_space, inuse_objects, inuse_space.
     pub values: [i64; 4],
+    /// Every value, by sample type name (the four above and any others).
+    pub by_type: HashMap<String, i64>,
     /// String labels and numeric labels (as decimal strings).
     pub labels: HashMap<String, String>,
 }
@@ -193,6 +195,12 @@ pub fn samples(profile: &Profile) -> Vec<Sample> {
                 .flat_map(|id| locations[id].clone())
                 .collect(),
             values: [s.value[0], s.value[1], s.value[2], s.value[3]],
+            by_type: profile
+                .sample_type
+                .iter()
+                .zip(&s.value)
+                .map(|(t, &v)| (string(t.r#type), v))
+                .collect(),
             labels: s
                 .label
                 .iter()

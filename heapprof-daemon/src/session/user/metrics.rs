@@ -31,7 +31,7 @@ impl Session {
                     None,
                 )
             });
-            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes] = site.values(rate);
+            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes, ..] = site.values(rate);
             figures.allocated_objects += alloc_objects;
             figures.allocated_bytes += alloc_bytes;
             figures.inuse_objects += inuse_objects;

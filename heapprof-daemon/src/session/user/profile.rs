@@ -13,7 +13,7 @@ use super::{
 use crate::{
     aggregate::Site,
     cli::Target,
-    pprof::{LabelValue, MappingKey, ProfileBuilder, builder::SAMPLE_TYPES},
+    pprof::{LabelValue, MappingKey, ProfileBuilder, builder::USER_SAMPLE_TYPES},
     session::{Drops, comment_drops},
     symbolize::Frame,
 };
@@ -41,7 +41,7 @@ impl Session {
         let mut builder = ProfileBuilder::new(
             nanos(now),
             self.started_at.elapsed().as_nanos() as i64,
-            &SAMPLE_TYPES,
+            &USER_SAMPLE_TYPES,
         );
         builder.comment(&format!("heapprofd {}", env!("CARGO_PKG_VERSION")));
         builder.comment(&match &self.config.target {
@@ -68,6 +68,11 @@ impl Session {
             builder.comment(&format!(
                 "sampled: one allocation per {rate} bytes on average (Poisson); values are scaled estimates"
             ));
+            builder.comment(
+                "sampled: temp_* count the sampled blocks freed before their thread allocated \
+                 again (with the preload library: before its next sampled allocation, an upper \
+                 bound); peak_inuse_* are not kept (0)",
+            );
         }
         builder.comment(&format!(
             "traced since {} ns after the epoch",
@@ -176,9 +181,14 @@ impl Session {
                 };
                 locations.push(builder.location(space, 0, TAG_UNKNOWN_STACK, None, &[frame]));
             }
+            let floor = heapprof_common::size_class_floor(site.key.size_class);
             let mut labels = vec![
                 ("pid", LabelValue::Num(i64::from(pid))),
                 ("comm", LabelValue::Str(&info.comm)),
+                (
+                    "size_class",
+                    LabelValue::Bytes(i64::try_from(floor).unwrap_or(i64::MAX)),
+                ),
             ];
             if let Some(cgroup) = &info.cgroup {
                 labels.push(("cgroup", LabelValue::Str(&cgroup.path)));
