@@ -6,6 +6,8 @@
 
 mod bench;
 mod cross;
+#[cfg(test)]
+mod docs;
 mod package;
 mod remote;
 mod setup;
