@@ -40,8 +40,8 @@ enum Cmd {
     /// Install toolchains, bpf-linker and the Debian packages the tests need (idempotent).
     Setup {
         /// Only print what setup and the other commands install (toolchains, cargo tools,
-        /// Rust targets, Debian packages with the command that first needs each); install
-        /// nothing.
+        /// Rust targets, and Debian packages, each under the need that first asks for it:
+        /// build, package, test, bench); install nothing.
         #[arg(long)]
         list: bool,
     },
