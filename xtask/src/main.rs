@@ -1,11 +1,13 @@
 //! heapprofd's developer commands: `cargo xtask setup | build | run | test | vm-test |
 //! stress | soak | bench | package`.
 //!
-//! Every command first installs what it needs (see `setup`), so the README's two
-//! commands work on a fresh machine with only rustup.
+//! Every command first installs what it needs (see `setup`; `cargo xtask setup --list`
+//! prints it), so the README's two commands work on a fresh machine with only rustup.
 
 mod bench;
 mod cross;
+#[cfg(test)]
+mod docs;
 mod package;
 mod remote;
 mod setup;
@@ -35,8 +37,14 @@ struct Args {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install toolchains, bpf-linker and Debian packages (idempotent).
-    Setup,
+    /// Install toolchains, bpf-linker and the Debian packages the tests need (idempotent).
+    Setup {
+        /// Only print what setup and the other commands install (toolchains, cargo tools,
+        /// Rust targets, and Debian packages, each under the need that first asks for it:
+        /// build, package, test, bench); install nothing.
+        #[arg(long)]
+        list: bool,
+    },
     /// Build heapprofd (release) into target/release/heapprofd, or with --target a
     /// static binary for that architecture into target/<arch>-unknown-linux-musl/release/.
     Build {
@@ -114,7 +122,11 @@ fn main() {
 
 fn run(args: Args) -> Result<()> {
     match args.command {
-        Cmd::Setup => setup::ensure(setup::Needs::Test),
+        Cmd::Setup { list: true } => {
+            print!("{}", setup::list());
+            Ok(())
+        }
+        Cmd::Setup { list: false } => setup::ensure(setup::Needs::Test),
         Cmd::Build { target: None } => {
             setup::ensure(setup::Needs::Build)?;
             build_release().map(|_| ())

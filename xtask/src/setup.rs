@@ -2,12 +2,12 @@
 //!
 //! - the pinned stable toolchain (host crates) and the pinned nightly with rust-src (BPF crate);
 //! - bpf-linker built against the nightly's own libLLVM (their LLVM majors must match);
-//! - Debian packages: a C compiler, and for the tests golang-go (pprof), valgrind and
-//!   bpftrace (the kernel-mode test's independent count, and the benchmark's baseline),
-//!   google-perftools and chromium (the report tests), prometheus (the metrics test),
-//!   jemalloc, tcmalloc, mimalloc and musl-tools (the allocator tests), dpkg-dev and
-//!   systemd (the Debian package and its unit's check); for the benchmark also
-//!   redis-server, redis-tools and heaptrack.
+//! - the Debian packages of [`debian_packages`]: a C compiler for every command, and
+//!   what the Debian package, the tests and the benchmark use;
+//! - the musl Rust targets of the static builds, when a static build first needs them.
+//!
+//! `cargo xtask setup --list` prints all of it ([`list`]), from the same constants, so
+//! the documentation never carries a list of its own.
 
 use std::{
     path::{Path, PathBuf},
@@ -21,7 +21,7 @@ use crate::{CmdExt as _, NIGHTLY, STABLE, cargo_home, step};
 const BPF_LINKER_VERSION: &str = "0.13.0";
 
 /// What to install.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Needs {
     /// Toolchains, bpf-linker, a C compiler: enough to build and run.
     Build,
@@ -33,11 +33,47 @@ pub enum Needs {
     Package,
 }
 
+impl Needs {
+    /// Every need, each one's packages a superset of the previous one's.
+    pub const ALL: [Needs; 4] = [Needs::Build, Needs::Package, Needs::Test, Needs::Bench];
+
+    /// Its name in `setup --list`.
+    fn name(self) -> &'static str {
+        match self {
+            Needs::Build => "build",
+            Needs::Package => "package",
+            Needs::Test => "test",
+            Needs::Bench => "bench",
+        }
+    }
+
+    /// The commands that install this need's packages (for `setup --list`).
+    fn commands(self) -> &'static str {
+        match self {
+            Needs::Build => "every command (build, run, soak)",
+            Needs::Package => "cargo xtask package, and those below",
+            Needs::Test => "cargo xtask setup, test, vm-test, stress, and bench",
+            Needs::Bench => "cargo xtask bench only",
+        }
+    }
+}
+
+/// The Rust toolchains setup installs, each with its components.
+pub const TOOLCHAINS: [(&str, &[&str]); 2] =
+    [(STABLE, &["clippy", "rustfmt"]), (NIGHTLY, &["rust-src"])];
+
 /// Runs every install step that is needed.
 pub fn ensure(needs: Needs) -> Result<()> {
-    ensure_toolchain(STABLE, &["clippy", "rustfmt"])?;
-    ensure_toolchain(NIGHTLY, &["rust-src"])?;
+    for (toolchain, components) in TOOLCHAINS {
+        ensure_toolchain(toolchain, components)?;
+    }
     ensure_bpf_linker()?;
+    ensure_debian_packages(&debian_packages(needs))
+}
+
+/// The Debian packages `needs` asks for (a package may appear twice: installing
+/// deduplicates).
+pub fn debian_packages(needs: Needs) -> Vec<&'static str> {
     // gcc builds launch mode's preload library; the arm64 cross compiler builds it for
     // the board (`cargo xtask run --arch aarch64`).
     let mut packages = vec!["gcc", "libc6-dev", "gcc-aarch64-linux-gnu"];
@@ -85,7 +121,43 @@ pub fn ensure(needs: Needs) -> Result<()> {
         // benchmark's needs stand on their own).
         packages.extend(["redis-server", "redis-tools", "heaptrack", "sqlite3"]);
     }
-    ensure_debian_packages(&packages)
+    packages
+}
+
+/// What setup installs, one item per line, for `cargo xtask setup --list`: the
+/// toolchains and their components, bpf-linker, the Rust targets of the static builds,
+/// then every Debian package once, under the first need that asks for it. Lines that
+/// start with `#` are headings; `cargo xtask setup --list | awk '$1 == "deb" {print $2}'`
+/// gives the Debian packages alone.
+pub fn list() -> String {
+    let mut out =
+        String::from("# What cargo xtask setup and the other commands install when missing.\n");
+    out.push_str("# Rust toolchains (rustup) and their components\n");
+    for (toolchain, components) in TOOLCHAINS {
+        out.push_str(&format!("toolchain {toolchain} {}\n", components.join(" ")));
+    }
+    out.push_str("# cargo tools\n");
+    out.push_str(&format!(
+        "cargo-install bpf-linker {BPF_LINKER_VERSION} (built against {NIGHTLY}'s libLLVM)\n"
+    ));
+    out.push_str(&format!(
+        "# Rust targets of the static builds (toolchain {STABLE}), added by the first static build\n"
+    ));
+    for arch in <crate::cross::Arch as clap::ValueEnum>::value_variants() {
+        out.push_str(&format!("target {}\n", arch.musl_target()));
+    }
+    out.push_str("# Debian packages (apt-get, through sudo when not root): deb NAME NEED\n");
+    let mut seen: Vec<&str> = Vec::new();
+    for needs in Needs::ALL {
+        out.push_str(&format!("# {}: {}\n", needs.name(), needs.commands()));
+        for package in debian_packages(needs) {
+            if !seen.contains(&package) {
+                seen.push(package);
+                out.push_str(&format!("deb {package} {}\n", needs.name()));
+            }
+        }
+    }
+    out
 }
 
 /// Installs the standard library of `target` for the pinned stable toolchain (static
@@ -283,4 +355,61 @@ fn ensure_debian_packages(packages: &[&str]) -> Result<()> {
     let mut install = apt(&["install", "-y", "-qq", "--no-install-recommends"]);
     install.args(&missing);
     install.run()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_need_includes_the_previous_ones() {
+        for pair in Needs::ALL.windows(2) {
+            let (smaller, larger) = (debian_packages(pair[0]), debian_packages(pair[1]));
+            for package in smaller {
+                assert!(
+                    larger.contains(&package),
+                    "{package} of {:?} is missing from {:?}",
+                    pair[0],
+                    pair[1]
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn list_names_every_package_once() {
+        let list = list();
+        let debs: Vec<&str> = list
+            .lines()
+            .filter_map(|l| l.strip_prefix("deb "))
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        let mut all = debian_packages(Needs::Bench);
+        all.sort_unstable();
+        all.dedup();
+        let mut listed = debs.clone();
+        listed.sort_unstable();
+        assert_eq!(listed, all, "setup --list and debian_packages disagree");
+        // Under the first need that asks for it.
+        assert!(list.contains("deb gcc build\n"), "{list}");
+        assert!(list.contains("deb dpkg-dev package\n"), "{list}");
+        assert!(list.contains("deb sqlite3 test\n"), "{list}");
+        assert!(list.contains("deb redis-server bench\n"), "{list}");
+    }
+
+    #[test]
+    fn list_names_toolchains_tools_and_targets() {
+        let list = list();
+        assert!(list.contains(&format!("toolchain {STABLE} clippy rustfmt\n")));
+        assert!(list.contains(&format!("toolchain {NIGHTLY} rust-src\n")));
+        assert!(list.contains(&format!("cargo-install bpf-linker {BPF_LINKER_VERSION} ")));
+        assert!(list.contains("target aarch64-unknown-linux-musl\n"));
+        assert!(list.contains("target x86_64-unknown-linux-musl\n"));
+        for line in list.lines() {
+            assert!(
+                line.starts_with('#') || line.split_whitespace().count() >= 2,
+                "line without a name: {line:?}"
+            );
+        }
+    }
 }
