@@ -81,7 +81,7 @@ fn nonzero(x: u64) -> u64 {
 /// without a branch.
 #[inline(always)]
 fn lowest_slot(mask: u64) -> usize {
-    let bit = mask & mask.wrapping_neg();
+    let bit = mask.isolate_lowest_one();
     let index = nonzero(bit & 0xaa) | nonzero(bit & 0xcc) << 1 | nonzero(bit & 0xf0) << 2;
     (index | (1 - nonzero(mask)) << 3) as usize
 }
