@@ -38,7 +38,8 @@ pub enum Inserted {
 /// Both point to live entries (map values or the stack).
 #[inline(always)]
 unsafe fn copy_entry(dst: *mut LiveEntry, src: *const LiveEntry) {
-    // SAFETY (each line): as the caller promises.
+    // SAFETY: both point to live entries, as the caller promises; each field is read
+    // once and written once.
     unsafe {
         (*dst).ptr = core::ptr::read_volatile(&raw const (*src).ptr);
         (*dst).size = core::ptr::read_volatile(&raw const (*src).size);
@@ -141,9 +142,11 @@ unsafe fn claim(
             return false;
         }
         free &= free - 1;
-        // SAFETY (each block): as the caller promises; a tag is only changed
-        // atomically, and a claimed slot is this program's until published.
+        // SAFETY: `tags` is a live map value, as the caller promises; only a place is
+        // computed.
         let slot_tag = unsafe { &raw mut (*tags).tags[index] };
+        // SAFETY: a tag of that map value, aligned; a tag is only changed atomically,
+        // and a claimed slot is this program's until published.
         if unsafe { compare_exchange(slot_tag, 0, TAG_BUSY) } != 0 {
             continue; // taken meanwhile
         }
@@ -193,15 +196,17 @@ pub extern "C" fn heapprof_live_insert(
     let Some(home) = LIVE.get_ptr_mut(place.first) else {
         return INSERTED_FULL;
     };
-    // SAFETY (each block): the buckets' own map values.
+    // SAFETY: `home` is the first bucket's own map value.
     let at_home = unsafe { scan(home, place.tag) };
     let mut existing = entry_of(place.first, lowest_slot(at_home.tagged), ptr, tgid);
+    // SAFETY: `home` is a live map value.
     let spilled = unsafe { overflowed(home) };
     let mut second_free = None;
     if existing.is_none() && spilled {
         let Some(second) = LIVE.get_ptr_mut(place.second) else {
             return INSERTED_FULL;
         };
+        // SAFETY: `second` is the second bucket's own map value.
         let there = unsafe { scan(second, place.tag) };
         existing = entry_of(place.second, lowest_slot(there.tagged), ptr, tgid);
         second_free = Some(there.free);
@@ -214,6 +219,7 @@ pub extern "C" fn heapprof_live_insert(
         }
         return INSERTED_REPLACED;
     }
+    // SAFETY: `home` is bucket `place.first`'s map value.
     if unsafe { claim(home, place.first, at_home.free, place.tag, block) } {
         return INSERTED_NEW;
     }
@@ -223,12 +229,15 @@ pub extern "C" fn heapprof_live_insert(
         return INSERTED_FULL;
     };
     if !spilled {
+        // SAFETY: the flags of a live map value, aligned, only changed atomically.
         unsafe { fetch_or(&raw mut (*home).flags, OVERFLOWED) };
     }
     let free = match second_free {
         Some(free) => free,
+        // SAFETY: `second` is the second bucket's own map value.
         None => unsafe { scan(second, place.tag) }.free,
     };
+    // SAFETY: `second` is bucket `place.second`'s map value.
     if unsafe { claim(second, place.second, free, place.tag, block) } {
         INSERTED_NEW
     } else {
@@ -275,17 +284,19 @@ pub extern "C" fn heapprof_live_remove(ptr: u64, tgid: u32, found: *mut LiveEntr
     let Some(home) = LIVE.get_ptr_mut(place.first) else {
         return 0;
     };
-    // SAFETY (each block): the buckets' own map values.
+    // SAFETY: `home` is bucket `place.first`'s map value.
     if let Some(removed) = unsafe { remove_from(home, place.first, place.tag, (ptr, tgid), found) }
     {
         return i64::from(removed);
     }
+    // SAFETY: `home` is a live map value.
     if !unsafe { overflowed(home) } {
         return 0;
     }
     let Some(second) = LIVE.get_ptr_mut(place.second) else {
         return 0;
     };
+    // SAFETY: `second` is bucket `place.second`'s map value.
     unsafe { remove_from(second, place.second, place.tag, (ptr, tgid), found) }.map_or(0, i64::from)
 }
 
