@@ -1,6 +1,7 @@
 //! Installs what building and testing heapprofd needs, and nothing that is already there.
 //!
-//! - the pinned stable toolchain (host crates) and the pinned nightly with rust-src (BPF crate);
+//! - the pinned stable toolchain (host crates) and the pinned nightly with rust-src and
+//!   clippy (BPF crate);
 //! - bpf-linker built against the nightly's own libLLVM (their LLVM majors must match);
 //! - Debian packages: a C compiler, and for the tests golang-go (pprof), valgrind and
 //!   bpftrace (the kernel-mode test's independent count, and the benchmark's baseline),
@@ -36,7 +37,7 @@ pub enum Needs {
 /// Runs every install step that is needed.
 pub fn ensure(needs: Needs) -> Result<()> {
     ensure_toolchain(STABLE, &["clippy", "rustfmt"])?;
-    ensure_toolchain(NIGHTLY, &["rust-src"])?;
+    ensure_toolchain(NIGHTLY, &["rust-src", "clippy"])?;
     ensure_bpf_linker()?;
     // gcc builds launch mode's preload library; the arm64 cross compiler builds it for
     // the board (`cargo xtask run --arch aarch64`).
