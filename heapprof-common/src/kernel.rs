@@ -351,6 +351,10 @@ pub mod names {
 }
 
 #[cfg(feature = "user")]
+#[expect(
+    clippy::undocumented_unsafe_blocks,
+    reason = "a list of Pod impls: the one SAFETY comment at its head covers each"
+)]
 mod pod {
     // SAFETY: all of these are repr(C), Copy, made only of integers, with explicit padding.
     unsafe impl aya::Pod for super::KernelConfig {}

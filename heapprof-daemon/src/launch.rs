@@ -126,6 +126,7 @@ fn send_go(socket: &OwnedFd, fd: Option<&OwnedFd>) -> io::Result<()> {
         control.header.cmsg_type = libc::SCM_RIGHTS;
         control.fd = fd.as_raw_fd();
         message.msg_control = (&raw mut control).cast();
+        // SAFETY: as above, a size computation.
         message.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) } as _;
     }
     // SAFETY: the message points to live buffers of the sizes given.
@@ -335,29 +336,32 @@ impl PausedChild {
                 continue;
             }
             let event = (status >> 16) & 0xff;
-            // SAFETY (all ptrace calls below): requests on our own seized, stopped child.
             if event == libc::PTRACE_EVENT_EXIT {
                 let (resume, resumed) = oneshot::channel();
                 if events.send(ChildEvent::Exiting { resume }).is_ok() {
                     // Either answered or dropped: both mean go on.
                     let _ = resumed.blocking_recv();
                 }
+                // SAFETY: a request on our own seized child, stopped; it passes no memory.
                 unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
             } else if event == libc::PTRACE_EVENT_EXEC {
                 let (resume, resumed) = oneshot::channel();
                 if events.send(ChildEvent::Exec { resume }).is_ok() {
                     let _ = resumed.blocking_recv();
                 }
+                // SAFETY: a request on our own seized child, stopped; it passes no memory.
                 unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
             } else if event == libc::PTRACE_EVENT_STOP {
                 if is_stop_signal(libc::WSTOPSIG(status)) {
                     // A group stop (SIGSTOP, SIGTSTP...): stay stopped, as without a tracer.
+                    // SAFETY: a request on our own seized child, stopped; it passes no memory.
                     unsafe { libc::ptrace(libc::PTRACE_LISTEN, pid, 0, 0) };
                 } else {
                     // A notification trap (WSTOPSIG is SIGTRAP): a seized tracee traps like
                     // this when it gets SIGCONT, as `timeout` sends after its signal. It is
                     // not a group stop: answering with PTRACE_LISTEN would hold it stopped
                     // for good, with its pending SIGINT/SIGTERM never delivered.
+                    // SAFETY: a request on our own seized child, stopped; it passes no memory.
                     unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
                 }
             } else {
@@ -372,6 +376,8 @@ impl PausedChild {
                         signal = 0;
                     }
                 }
+                // SAFETY: a request on our own seized child, stopped; it passes no memory,
+                // only a signal number.
                 unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, signal as libc::c_long) };
             }
         }

@@ -135,8 +135,8 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
         Some(slot) => unsafe { *slot = state },
         None => {
             let tgid = (tid >> 32) as u32;
-            // SAFETY: a plain value copied out of the map.
             let state = InFlight {
+                // SAFETY: a plain value copied out of the map.
                 exec_gen: unsafe { EXEC_GEN.get(&tgid) }.copied().unwrap_or(0),
                 ..state
             };

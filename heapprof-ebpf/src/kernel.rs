@@ -128,10 +128,8 @@ fn read_cache_name(
 #[inline(always)]
 fn name_hash(name: &[u8; CACHE_NAME_LEN]) -> u64 {
     let mut hash = HASH_MULTIPLIER;
-    for chunk in name.chunks_exact(8) {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(chunk);
-        hash = (hash ^ u64::from_le_bytes(word)).wrapping_mul(HASH_MULTIPLIER);
+    for word in name.as_chunks::<8>().0 {
+        hash = (hash ^ u64::from_le_bytes(*word)).wrapping_mul(HASH_MULTIPLIER);
         hash ^= hash >> 29;
     }
     hash | 1

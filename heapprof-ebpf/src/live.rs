@@ -40,7 +40,8 @@ pub enum Inserted {
 /// Both point to live entries (map values or the stack).
 #[inline(always)]
 unsafe fn copy_entry(dst: *mut LiveEntry, src: *const LiveEntry) {
-    // SAFETY (each line): as the caller promises.
+    // SAFETY: both point to live entries, as the caller promises; each field is read
+    // once and written once.
     unsafe {
         (*dst).ptr = core::ptr::read_volatile(&raw const (*src).ptr);
         (*dst).size = core::ptr::read_volatile(&raw const (*src).size);
@@ -83,7 +84,7 @@ fn nonzero(x: u64) -> u64 {
 /// without a branch.
 #[inline(always)]
 fn lowest_slot(mask: u64) -> usize {
-    let bit = mask & mask.wrapping_neg();
+    let bit = mask.isolate_lowest_one();
     let index = nonzero(bit & 0xaa) | nonzero(bit & 0xcc) << 1 | nonzero(bit & 0xf0) << 2;
     (index | (1 - nonzero(mask)) << 3) as usize
 }
@@ -143,9 +144,11 @@ unsafe fn claim(
             return false;
         }
         free &= free - 1;
-        // SAFETY (each block): as the caller promises; a tag is only changed
-        // atomically, and a claimed slot is this program's until published.
+        // SAFETY: `tags` is a live map value, as the caller promises; only a place is
+        // computed.
         let slot_tag = unsafe { &raw mut (*tags).tags[index] };
+        // SAFETY: a tag of that map value, aligned; a tag is only changed atomically,
+        // and a claimed slot is this program's until published.
         if unsafe { compare_exchange(slot_tag, 0, TAG_BUSY) } != 0 {
             continue; // taken meanwhile
         }
@@ -253,13 +256,14 @@ pub extern "C" fn heapprof_live_insert(
         }
         return INSERTED_REPLACED;
     }
-    // SAFETY (each block): the buckets' own map values.
+    // SAFETY: `home` is bucket `place.first`'s map value.
     if unsafe { claim(home, place.first, at_home.free, place.tag, block) } {
         return INSERTED_NEW;
     }
     // Home is full: the flag first, so that a lookup that misses the block at home
     // after it is published in the second bucket looks there.
     if !overflowed {
+        // SAFETY: the flags of a live map value, aligned, only changed atomically.
         unsafe { fetch_or(&raw mut (*home).flags, OVERFLOWED) };
     }
     let second = match second {
@@ -269,12 +273,15 @@ pub extern "C" fn heapprof_live_insert(
             None => return INSERTED_FULL,
         },
     };
+    // SAFETY: `second.tags` is bucket `place.second`'s map value.
     if unsafe { claim(second.tags, place.second, second.free, place.tag, block) } {
         return INSERTED_NEW;
     }
     // The second is full too (a dense heap wrapped around the table): the same again
     // with the third.
+    // SAFETY: a live map value.
     if !unsafe { flagged(second.tags, SPILLED) } {
+        // SAFETY: the flags of a live map value, aligned, only changed atomically.
         unsafe { fetch_or(&raw mut (*second.tags).flags, SPILLED) };
     }
     let third = match third {
@@ -284,6 +291,7 @@ pub extern "C" fn heapprof_live_insert(
             None => return INSERTED_FULL,
         },
     };
+    // SAFETY: `third.tags` is bucket `place.third`'s map value.
     if unsafe { claim(third.tags, place.third, third.free, place.tag, block) } {
         INSERTED_NEW
     } else {
@@ -330,28 +338,32 @@ pub extern "C" fn heapprof_live_remove(ptr: u64, tgid: u32, found: *mut LiveEntr
     let Some(home) = LIVE.get_ptr_mut(place.first) else {
         return 0;
     };
-    // SAFETY (each block): the buckets' own map values.
+    // SAFETY: `home` is bucket `place.first`'s map value.
     if let Some(removed) = unsafe { remove_from(home, place.first, place.tag, (ptr, tgid), found) }
     {
         return i64::from(removed);
     }
+    // SAFETY: `home` is a live map value.
     if !unsafe { flagged(home, OVERFLOWED) } {
         return 0;
     }
     let Some(second) = LIVE.get_ptr_mut(place.second) else {
         return 0;
     };
+    // SAFETY: `second` is bucket `place.second`'s map value.
     if let Some(removed) =
         unsafe { remove_from(second, place.second, place.tag, (ptr, tgid), found) }
     {
         return i64::from(removed);
     }
+    // SAFETY: as above.
     if !unsafe { flagged(second, SPILLED) } {
         return 0;
     }
     let Some(third) = LIVE.get_ptr_mut(place.third) else {
         return 0;
     };
+    // SAFETY: `third` is bucket `place.third`'s map value.
     unsafe { remove_from(third, place.third, place.tag, (ptr, tgid), found) }.map_or(0, i64::from)
 }
 

@@ -676,10 +676,10 @@ pub fn unwind(
     answer: bool,
 ) -> u64 {
     let tgid = (pid_tgid >> 32) as u32;
-    // SAFETY: the value is only read; the daemon replaces whole entries.
     let mappings = if mode == UnwindMode::FramePointers as u32 {
         None
     } else {
+        // SAFETY: the value is only read; the daemon replaces whole entries.
         let mappings = unsafe { PROCESS_MAPPINGS.get(&tgid) };
         if mappings.is_none() {
             request_mappings(tgid, RequestReason::UnknownAddress);

@@ -102,9 +102,12 @@ fn usage_of(tgid: u32) -> Option<*mut ProcessUsage> {
 /// `usage` points to a live map value whose fields are only accessed atomically.
 #[inline(always)]
 unsafe fn add_and_raise_peak(usage: *mut ProcessUsage, bytes: u64) {
-    // SAFETY (each block): as the caller promises.
+    // SAFETY: a field of a live map value, only accessed atomically, as the caller
+    // promises.
     let total = unsafe { fetch_add(&raw mut (*usage).inuse_bytes, bytes) }.wrapping_add(bytes);
+    // SAFETY: the same `usage`, as the caller promises.
     if unsafe { raise_peak(usage, total) } {
+        // SAFETY: a field of the same value, only accessed atomically.
         unsafe { fetch_add(&raw mut (*usage).peaks, 1) };
     }
 }
@@ -116,13 +119,16 @@ unsafe fn add_and_raise_peak(usage: *mut ProcessUsage, bytes: u64) {
 /// As [`add_and_raise_peak`].
 #[inline(always)]
 unsafe fn raise_peak(usage: *mut ProcessUsage, total: u64) -> bool {
-    // SAFETY (each block): as the caller promises.
+    // SAFETY: `usage` is a live map value, as the caller promises; only a place is
+    // computed.
     let peak = unsafe { &raw mut (*usage).peak_bytes };
+    // SAFETY: an aligned field of that value; a volatile read is one load.
     let mut seen = unsafe { core::ptr::read_volatile(peak) };
     for _ in 0..PEAK_ATTEMPTS {
         if total <= seen {
             return false;
         }
+        // SAFETY: the same field, only changed atomically, as the caller promises.
         let found = unsafe { compare_exchange(peak, seen, total) };
         if found == seen {
             return true;

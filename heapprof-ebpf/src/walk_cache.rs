@@ -231,6 +231,11 @@ pub extern "C" fn heapprof_walk_check(
     };
     let reads = (entry.reads as usize).min(REPLY_READS);
     let mut values = 0;
+    #[expect(
+        clippy::needless_range_loop,
+        reason = "the iterator form adds a second exit test and a spill to this per-walk check; \
+                  the index loop is the code the verifier has accepted"
+    )]
     for read in 0..REPLY_READS {
         if read >= reads {
             break;

@@ -67,8 +67,9 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
-    /// Run the whole test suite: formatting, clippy, unit and BPF integration tests,
-    /// the static aarch64 build, the arm64 VM test, and the Debian package.
+    /// Run the whole test suite: formatting, clippy (also on the BPF crate for the bpf
+    /// target), unit and BPF integration tests, the static aarch64 build, the arm64 VM
+    /// test, and the Debian package.
     Test,
     /// Only the arm64 VM test: the static aarch64 heapprofd under Debian's arm64 6.1
     /// kernel in qemu, with and without BTF.
@@ -273,8 +274,13 @@ impl CmdExt for Command {
 
 /// `cargo` of the pinned stable toolchain, with bpf-linker on PATH for aya-build.
 fn cargo() -> Command {
+    toolchain_cargo(STABLE)
+}
+
+/// `cargo` of `toolchain`, with bpf-linker on PATH for aya-build.
+fn toolchain_cargo(toolchain: &str) -> Command {
     let mut cmd = Command::new("rustup");
-    cmd.args(["run", STABLE, "cargo"]);
+    cmd.args(["run", toolchain, "cargo"]);
     // Variables that `cargo xtask` itself set for this process would leak into the child build.
     for var in [
         "RUSTUP_TOOLCHAIN",
@@ -374,6 +380,12 @@ fn test() -> Result<()> {
             "warnings",
         ])
         .run()?;
+    for arch in BPF_TARGET_ARCHES {
+        step(&format!(
+            "running clippy on the BPF programs (bpf_target_arch {arch})"
+        ));
+        bpf_clippy(arch).run()?;
+    }
     let vm_env = vm_test_env()?;
     step("running the tests (the BPF integration tests need root)");
     cargo()
@@ -385,6 +397,36 @@ fn test() -> Result<()> {
     // real `cargo xtask package`, checked the same way.
     step("building the Debian package and checking it");
     package::package(true).map(|_| ())
+}
+
+/// The `bpf_target_arch` values the BPF programs are checked for: the daemon's targets
+/// (heapprof-ebpf/src/regs.rs reads registers by architecture).
+const BPF_TARGET_ARCHES: [&str; 2] = ["x86_64", "aarch64"];
+
+/// Clippy on the BPF crate, and on heapprof-common as built for it, warnings denied.
+/// `clippy --workspace` sees none of the BPF code, which only compiles for the bpf
+/// target; this builds it as aya-build does (`--release`, `--cfg bpf_target_arch`),
+/// in a target directory of its own for each architecture.
+fn bpf_clippy(arch: &str) -> Command {
+    let mut cmd = toolchain_cargo(NIGHTLY);
+    cmd.args([
+        "clippy",
+        "--package",
+        "heapprof-ebpf",
+        "--target",
+        "bpfel-unknown-none",
+        "-Z",
+        "build-std=core",
+        "--release",
+        "--target-dir",
+    ])
+    .arg(target_dir().join("bpf-clippy").join(arch))
+    .args(["--", "-D", "warnings"])
+    .env(
+        "CARGO_ENCODED_RUSTFLAGS",
+        format!("--cfg=bpf_target_arch=\"{arch}\""),
+    );
+    cmd
 }
 
 /// What the arm64 VM test needs, as the environment it reads: the static aarch64

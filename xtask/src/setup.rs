@@ -1,6 +1,7 @@
 //! Installs what building and testing heapprofd needs, and nothing that is already there.
 //!
-//! - the pinned stable toolchain (host crates) and the pinned nightly with rust-src (BPF crate);
+//! - the pinned stable toolchain (host crates) and the pinned nightly with rust-src and
+//!   clippy (BPF crate);
 //! - bpf-linker built against the nightly's own libLLVM (their LLVM majors must match);
 //! - the Debian packages of [`debian_packages`]: a C compiler for every command, and
 //!   what the Debian package, the tests and the benchmark use;
@@ -60,7 +61,7 @@ impl Needs {
 
 /// The Rust toolchains setup installs, each with its components.
 pub const TOOLCHAINS: [(&str, &[&str]); 2] =
-    [(STABLE, &["clippy", "rustfmt"]), (NIGHTLY, &["rust-src"])];
+    [(STABLE, &["clippy", "rustfmt"]), (NIGHTLY, &["rust-src", "clippy"])];
 
 /// Runs every install step that is needed.
 pub fn ensure(needs: Needs) -> Result<()> {
@@ -401,7 +402,7 @@ mod tests {
     fn list_names_toolchains_tools_and_targets() {
         let list = list();
         assert!(list.contains(&format!("toolchain {STABLE} clippy rustfmt\n")));
-        assert!(list.contains(&format!("toolchain {NIGHTLY} rust-src\n")));
+        assert!(list.contains(&format!("toolchain {NIGHTLY} rust-src clippy\n")));
         assert!(list.contains(&format!("cargo-install bpf-linker {BPF_LINKER_VERSION} ")));
         assert!(list.contains("target aarch64-unknown-linux-musl\n"));
         assert!(list.contains("target x86_64-unknown-linux-musl\n"));
