@@ -350,8 +350,8 @@ pub extern "C" fn heapprof_live_remove(ptr: u64, tgid: u32, found: *mut LiveEntr
     let Some(second) = LIVE.get_ptr_mut(place.second) else {
         return 0;
     };
-    // SAFETY: `second` is bucket `place.second`'s map value.
     if let Some(removed) =
+        // SAFETY: `second` is bucket `place.second`'s map value.
         unsafe { remove_from(second, place.second, place.tag, (ptr, tgid), found) }
     {
         return i64::from(removed);

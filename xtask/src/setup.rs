@@ -60,8 +60,10 @@ impl Needs {
 }
 
 /// The Rust toolchains setup installs, each with its components.
-pub const TOOLCHAINS: [(&str, &[&str]); 2] =
-    [(STABLE, &["clippy", "rustfmt"]), (NIGHTLY, &["rust-src", "clippy"])];
+pub const TOOLCHAINS: [(&str, &[&str]); 2] = [
+    (STABLE, &["clippy", "rustfmt"]),
+    (NIGHTLY, &["rust-src", "clippy"]),
+];
 
 /// Runs every install step that is needed.
 pub fn ensure(needs: Needs) -> Result<()> {
