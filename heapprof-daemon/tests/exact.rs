@@ -121,13 +121,13 @@ fn allocations_in_signal_handlers_are_counted_exactly_with_the_preload_library()
     let dir = scratch();
     let program = compile(dir.path(), "signals", "signals", &["-O2", "-pthread"]);
     let out = dir.path().join("profiles");
-    let rounds: i64 = 200;
+    // At least 200 rounds and 2000 signals: the program goes on until it has both.
     let output = run_ok(
         heapprofd(&out)
             .args(PRELOAD)
             .arg("--")
             .arg(&program)
-            .arg(rounds.to_string()),
+            .args(["200", "2000"]),
     );
     let stdout = String::from_utf8_lossy(&output.stdout);
     let field = |name: &str| {
@@ -138,6 +138,7 @@ fn allocations_in_signal_handlers_are_counted_exactly_with_the_preload_library()
             .unwrap_or_else(|| panic!("no {name}= in the program's output: {stdout}"))
     };
     let handled = field("handled");
+    let rounds = field("rounds");
     assert!(
         handled > 1000,
         "{handled} signals handled: too few to interrupt the library"
