@@ -2,18 +2,19 @@
 //! flamegraphs, the legacy text format, timelines, leak suspects and an HTML page.
 //!
 //! [`model`] reads a file; [`stacks`] names its stacks and sites; one module per
-//! output format; [`directory`] handles a session's directory of profiles.
+//! output format; [`session`] reads a session's directory of profiles. [`run`] sends
+//! each request to [`single`] or to the session-wide formats.
 
 pub mod chart;
 pub mod cli;
 pub mod collapsed;
-pub mod directory;
 pub mod flamegraph;
 pub mod html;
 pub mod input;
 pub mod legacy;
 pub mod losses;
 pub mod model;
+pub mod session;
 pub mod single;
 pub mod stacks;
 pub mod suspects;
@@ -28,6 +29,7 @@ use std::io::Write;
 use anyhow::{Context as _, Result};
 
 pub use cli::{Format, ReportArgs};
+use stacks::ProcessFilter;
 
 /// Runs `heapprofd report`.
 pub fn run(args: &ReportArgs) -> Result<()> {
@@ -37,7 +39,7 @@ pub fn run(args: &ReportArgs) -> Result<()> {
     let session_wide =
         args.html.is_some() || matches!(args.format, Format::Timeline | Format::Suspects);
     if session_wide {
-        directory::run(args, &mut rendered)?;
+        run_session_report(args, &mut rendered)?;
     } else {
         single::run(args, &mut rendered)?;
     }
@@ -51,6 +53,30 @@ pub fn run(args: &ReportArgs) -> Result<()> {
                 Err(err) if err.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
                 other => other.context("writing the report"),
             }
+        }
+    }
+}
+
+/// Writes a session-wide report: the timeline or suspects to `out`, or with `--html`
+/// the page to its file (and one line on standard error saying where).
+pub(crate) fn run_session_report(args: &ReportArgs, out: &mut dyn Write) -> Result<()> {
+    let filter = args.pid.map_or(ProcessFilter::All, ProcessFilter::Pid);
+    if let Some(page) = &args.html {
+        html::write_page(args, filter, page)?;
+        eprintln!("heapprofd: wrote {}", page.display());
+        return Ok(());
+    }
+    let session = session::load(&args.input, &args.sample_index, filter, |_, _, _| Ok(()))?;
+    match args.format {
+        Format::Suspects => suspects::write_table(&session, args.top, out),
+        // `run` sends only the session formats here; any other one asked
+        // together with a directory gets the timeline, the directory's main table.
+        _ => {
+            // CSV has no place for it: said on standard error.
+            for loss in losses::losses(&session.last.comments) {
+                eprintln!("heapprofd: the session's last profile {}", loss.line());
+            }
+            timeline::write_csv(&session, args.top, out)
         }
     }
 }

@@ -88,7 +88,7 @@ impl<T: Copy> MappedArray<T> {
         if values.is_empty() {
             return Ok(());
         }
-        let page = crate::probes::page_size() as usize;
+        let page = crate::sys::page_size() as usize;
         let start = index * size_of::<T>();
         let end = start + size_of_val(values);
         let map_start = start / page * page;

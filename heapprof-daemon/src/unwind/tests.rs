@@ -1299,7 +1299,7 @@ fn code_beyond_4_gib_is_an_error() {
 // Damaged objects
 
 // The property tests' generator, seeded per case so a failure names its seed.
-use crate::proptests::Rng;
+use crate::test_rng::Rng;
 
 fn cases() -> u64 {
     std::env::var("HEAPPROFD_PROPTEST_CASES")
