@@ -22,11 +22,11 @@ use crate::{
     probes::{self, bpf_log::BpfLog},
     procmaps::ObjectCache,
     session::{
-        Session, SessionConfig,
+        UserSession, UserSessionConfig,
         kernel::{KernelSession, KernelSessionConfig},
     },
     tracefs,
-    unwind::loader::TableCapacities,
+    unwind::table_upload::TableCapacities,
 };
 
 /// A session ready to run, with what tells it that its target has ended.
@@ -110,13 +110,13 @@ pub fn start(
     };
     // The loader's hook tells when objects are mapped: new unwind tables, new allocators.
     let loader = match target {
-        Target::Pid(pid) => probes::loader::of_process(*pid)?,
+        Target::Pid(pid) => probes::ldso_hook::of_process(*pid)?,
         // A script (a shebang, a wrapper) execs its interpreter: the system's loader.
         Target::Launch(_) => program
             .as_deref()
-            .and_then(probes::loader::of_executable)
-            .or_else(probes::loader::system),
-        Target::All => probes::loader::system(),
+            .and_then(probes::ldso_hook::of_executable)
+            .or_else(probes::ldso_hook::system),
+        Target::All => probes::ldso_hook::system(),
     };
     match &loader {
         Some(loader) => log::debug!(
@@ -142,7 +142,7 @@ pub fn start(
         );
     }
     let cgroup = cgroup_filter(cli)?;
-    let mut ebpf = probes::load(
+    let mut ebpf = probes::load_bpf_object(
         capacities,
         sample_rate,
         !cli.no_peak,
@@ -196,7 +196,7 @@ pub fn start(
         probes::attach_thread_switch(&mut ebpf)?;
     }
     probes::arm(&mut ebpf)?;
-    let config = SessionConfig {
+    let config = UserSessionConfig {
         target: target.clone(),
         output: cli.output.clone(),
         sample_rate,
@@ -204,7 +204,7 @@ pub fn start(
         unwind_tables: (unwind_mode != UnwindMode::FramePointers).then_some(tables),
         retain_exited: cli.retain_exited,
     };
-    let mut session = Session::new(config, ebpf, allocators)?;
+    let mut session = UserSession::new(config, ebpf, allocators)?;
     session.prime_processes();
     if let Target::Pid(pid) = target
         && session.allocator_probes() == 0
@@ -311,7 +311,8 @@ fn start_kernel(
         threads: cli.max_threads,
     };
     let filter = !matches!(target, Target::All);
-    let mut ebpf = probes::kernel::load(capacities, &events, filter, cgroup_filter(cli)?)?;
+    let mut ebpf =
+        probes::kernel::load_bpf_object(capacities, &events, filter, cgroup_filter(cli)?)?;
     let bpf_log = BpfLog::init(&mut ebpf);
     let config = KernelSessionConfig {
         target: target.clone(),

@@ -190,7 +190,7 @@ pub fn resolve_events(
 }
 
 /// Loads the BPF object for kernel mode: the user-mode tables shrink to one entry.
-pub fn load(
+pub fn load_bpf_object(
     capacities: Capacities,
     events: &[(KernelEvent, EventLayout)],
     filter_processes: bool,

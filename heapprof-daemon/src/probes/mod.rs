@@ -2,8 +2,8 @@
 
 pub mod bpf_log;
 pub mod kernel;
+pub mod ldso_hook;
 pub mod libc;
-pub mod loader;
 pub mod placement;
 pub mod stats;
 
@@ -20,8 +20,8 @@ use heapprof_common::{
     CONTROL_ARMED, Config, kernel::names as kernel_names, live, names, unwind::UnwindMode,
 };
 
-pub use self::loader::DynamicLoader;
-use crate::{cgroup::CgroupFilter, unwind::loader::TableCapacities};
+pub use self::ldso_hook::DynamicLoader;
+use crate::{cgroup::CgroupFilter, unwind::table_upload::TableCapacities};
 
 /// The BPF object built by aya-build from heapprof-ebpf.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
@@ -60,7 +60,7 @@ pub struct UnwindSettings {
 /// (0: every allocation), keeping each process's in-use peak if `track_peak` (exact
 /// mode only), tracing process `target` or all (`None`; only those of `cgroup` when
 /// given). Nothing is attached yet: the allocators' probes join as they are found.
-pub fn load(
+pub fn load_bpf_object(
     capacities: Capacities,
     sample_rate: u64,
     track_peak: bool,

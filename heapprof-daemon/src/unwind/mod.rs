@@ -28,8 +28,8 @@
 
 mod cfi;
 mod elf;
-pub mod loader;
 mod table;
+pub mod table_upload;
 #[cfg(test)]
 mod tests;
 
