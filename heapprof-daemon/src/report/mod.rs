@@ -59,7 +59,7 @@ pub fn run(args: &ReportArgs) -> Result<()> {
 
 /// Writes a session-wide report: the timeline or suspects to `out`, or with `--html`
 /// the page to its file (and one line on standard error saying where).
-pub(crate) fn run_session_report(args: &ReportArgs, out: &mut dyn Write) -> Result<()> {
+fn run_session_report(args: &ReportArgs, out: &mut dyn Write) -> Result<()> {
     let filter = args.pid.map_or(ProcessFilter::All, ProcessFilter::Pid);
     if let Some(page) = &args.html {
         html::write_page(args, filter, page)?;
@@ -78,5 +78,46 @@ pub(crate) fn run_session_report(args: &ReportArgs, out: &mut dyn Write) -> Resu
             }
             timeline::write_csv(&session, args.top, out)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_directory_gives_its_suspects_and_page() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        session::tests::write_session(dir.path(), 5);
+        let session = session::load(dir.path(), "inuse_space", ProcessFilter::All, |_, _, _| {
+            Ok(())
+        })
+        .expect("loaded");
+        let found = suspects::find(&session, 0);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(
+            session.site_name(found[0].key.site),
+            "malloc in f<std::map<int, int>> <- main"
+        );
+
+        // The whole page, through the command's entry point.
+        let page = dir.path().join("page.html");
+        let args = <ReportArgs as clap::Parser>::try_parse_from([
+            "heapprofd report".as_ref(),
+            dir.path().as_os_str(),
+            "--html".as_ref(),
+            page.as_os_str(),
+        ])
+        .expect("arguments");
+        run_session_report(&args, &mut Vec::new()).expect("the page");
+        let html = std::fs::read_to_string(&page).expect("the page");
+        assert!(html.contains("f&lt;std::map&lt;int, int&gt;&gt;"));
+        assert_eq!(
+            html.matches("<option ").count(),
+            5,
+            "a flamegraph per profile"
+        );
+        assert!(html.contains("2 processes"));
+        assert!(html.contains("id=\"processes\""));
     }
 }
