@@ -42,7 +42,7 @@ impl<T: Copy> MappedArray<T> {
 
     /// Maps the `len` values of the array at `fd`, named `name`.
     fn of(fd: BorrowedFd<'_>, len: usize, name: &str) -> Result<Self> {
-        let page = crate::probes::page_size() as usize;
+        let page = crate::sys::page_size() as usize;
         let bytes = (len * size_of::<T>()).next_multiple_of(page).max(page);
         // SAFETY: a shared mapping of the whole array, which the kernel allows for
         // BPF_F_MMAPABLE arrays; unmapped once, on drop.

@@ -5,7 +5,9 @@ use std::{net::SocketAddr, num::NonZeroUsize, path::PathBuf, time::Duration};
 use clap::Parser;
 
 use crate::{
-    pprof::retention::RetentionPolicy, preload::PreloadMode, probes::placement::PlacementMode,
+    pprof::retention::RetentionPolicy,
+    preload::PreloadMode,
+    probes::{AttachChoice, placement::PlacementMode},
 };
 
 /// eBPF heap profiler: live and cumulative heap usage per call stack, written as Go-pprof heap profiles.
@@ -215,15 +217,6 @@ impl UnwindChoice {
             UnwindChoice::Fp => UnwindMode::FramePointers,
         }
     }
-}
-
-/// How to attach uprobes (`--attach`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum AttachChoice {
-    /// Multi-uprobe links when the kernel supports them, perf events otherwise.
-    Auto,
-    /// One perf event per probe, on any kernel.
-    PerfEvents,
 }
 
 /// What to trace.

@@ -4,6 +4,7 @@
 pub mod aggregate;
 pub mod allocators;
 pub mod app;
+pub mod arch;
 mod bpf_array;
 pub mod cgroup;
 pub mod cli;
@@ -21,5 +22,8 @@ mod proptests;
 pub mod report;
 pub mod session;
 pub mod symbolize;
+mod sys;
+#[cfg(test)]
+mod test_rng;
 pub mod tracefs;
 pub mod unwind;

@@ -9,35 +9,17 @@
 //! the short run of `cargo xtask test`; raise it for a long run).
 
 use crate::{
+    arch::Arch,
     cli::{parse_duration, parse_listen_address, parse_sample_rate},
     probes::{
         libc,
-        placement::{self, Arch, PlacementMode},
+        placement::{self, PlacementMode},
     },
     procmaps::parse_maps_line,
     symbolize::kallsyms::KernelSymbols,
+    test_rng::Rng,
     tracefs::format,
 };
-
-/// xorshift64*: small, seedable, good enough to explore inputs.
-pub(crate) struct Rng(pub(crate) u64);
-
-impl Rng {
-    pub(crate) fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    pub(crate) fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
-        items[self.below(items.len() as u64) as usize]
-    }
-}
 
 fn cases() -> u64 {
     std::env::var("HEAPPROFD_PROPTEST_CASES")

@@ -1,43 +1,59 @@
 //! Faults: signals, SIGKILL of the daemon, a full output filesystem. heapprofd must
 //! never leave the system worse than it found it nor lose a profile it wrote.
 //!
-//! These tests look at system-wide state (loaded BPF programs), so they run one at a
-//! time (`SERIAL`); other test binaries run after this one, never beside it. They judge
-//! only the programs their own daemon loaded (those of heapprofd's names that were
-//! not loaded before it started): other BPF tools, another heapprofd among them, may
-//! run on the machine.
+//! These tests look at system-wide state (loaded BPF programs, links, uprobe events),
+//! so they run one at a time (`SERIAL`). They judge only what their own daemon
+//! created, by id: the programs and links whose descriptors its process holds. Other
+//! BPF tools, another heapprofd among them, may load and unload programs of the same
+//! names on the machine meanwhile.
 
 mod common;
 
 use std::{
     io::Write as _,
     path::Path,
-    process::Command,
+    process::{Child, Command},
     sync::Mutex,
     time::{Duration, Instant},
 };
 
 use common::*;
+use heapprof_common::{kernel::KernelEvent, kernel::names as kernel_names, names};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
-/// Names of heapprofd's BPF programs as the kernel lists them (truncated to 15 characters).
-const PROGRAM_NAMES: [&str; 14] = [
-    "entry",
-    "thread_switch",
-    "thread_futex",
-    "preload_report",
-    "entry_multi",
-    "alloc_return",
-    "alloc_return_mu",
-    "loader_state",
-    "loader_state_mu",
-    "process_exec",
-    "thread_exit",
-    "kmalloc",
-    "kmem_cache_allo",
-    "kfree",
-];
+/// Longest program name the kernel keeps (`BPF_OBJ_NAME_LEN` less the terminating 0).
+const KERNEL_NAME_LEN: usize = 15;
+
+/// Names of heapprofd's BPF programs, user and kernel mode.
+fn program_names() -> Vec<&'static str> {
+    let user = [
+        names::PROG_ENTRY,
+        names::PROG_ENTRY_MULTI,
+        names::PROG_ALLOC_RETURN,
+        names::PROG_ALLOC_RETURN_MULTI,
+        names::PROG_LOADER_STATE,
+        names::PROG_LOADER_STATE_MULTI,
+        names::PROG_EXEC,
+        names::PROG_THREAD_EXIT,
+        names::PROG_SWITCH,
+        names::PROG_FUTEX,
+        names::PROG_PRELOAD,
+    ];
+    let kernel = [kernel_names::PROG_RCU_FREE, kernel_names::PROG_BULK_FREE];
+    let tracepoints = KernelEvent::ALL.map(KernelEvent::name);
+    user.iter()
+        .chain(&kernel)
+        .chain(&tracepoints)
+        .copied()
+        .collect()
+}
+
+/// Whether bpftool's `listed` name is `name`: bpftool shows the full name when the
+/// program has BTF, else the kernel's, cut to [`KERNEL_NAME_LEN`].
+fn is_listed_as(listed: &str, name: &str) -> bool {
+    listed == name || name.get(..KERNEL_NAME_LEN) == Some(listed)
+}
 
 fn bpftool(what: &str) -> String {
     let output = Command::new("bpftool")
@@ -63,54 +79,115 @@ fn loaded_programs() -> Vec<(u32, String)> {
         .collect()
 }
 
-/// The IDs of the BPF programs loaded now.
-fn loaded_ids() -> Vec<u32> {
-    loaded_programs().into_iter().map(|(id, _)| id).collect()
-}
-
-/// The programs of heapprofd's names loaded since `before` (the IDs loaded then):
-/// the daemon's own, whatever other BPF tools run on the machine.
-fn programs_since(before: &[u32]) -> Vec<u32> {
-    loaded_programs()
-        .into_iter()
-        .filter(|(id, name)| !before.contains(id) && PROGRAM_NAMES.contains(&name.as_str()))
-        .map(|(id, _)| id)
-        .collect()
-}
-
-/// The programs of `ids` that links still use (`ID: TYPE  prog PROG_ID`).
-fn linked(ids: &[u32]) -> Vec<u32> {
+/// The BPF links that exist now, as `(link id, program id)` (`ID: TYPE  prog PROG_ID`).
+fn existing_links() -> Vec<(u32, u32)> {
     bpftool("link")
         .lines()
         .filter_map(|line| {
-            let words: Vec<&str> = line.split_whitespace().collect();
+            let (id, rest) = line.split_once(':')?;
+            let words: Vec<&str> = rest.split_whitespace().collect();
             let at = words.iter().position(|w| *w == "prog")?;
-            words.get(at + 1)?.parse().ok()
+            Some((id.trim().parse().ok()?, words.get(at + 1)?.parse().ok()?))
         })
-        .filter(|id| ids.contains(id))
         .collect()
 }
 
-/// Waits (up to 20 s: program teardown is asynchronous) until none of the programs
-/// `ids` is loaded; returns those left.
-fn wait_unloaded(ids: &[u32]) -> Vec<u32> {
+/// The BPF programs and links a process holds descriptors of, by id.
+#[derive(Debug, Default)]
+struct HeldObjects {
+    programs: Vec<u32>,
+    links: Vec<u32>,
+}
+
+/// What process `pid` holds, from the `prog_id:` and `link_id:` lines of its
+/// `/proc/PID/fdinfo` (a link's descriptor also names its program).
+fn held_by(pid: u32) -> HeldObjects {
+    let mut held = HeldObjects::default();
+    let dir = std::fs::read_dir(format!("/proc/{pid}/fdinfo")).expect("reading fdinfo");
+    for entry in dir.flatten() {
+        // A descriptor closed since the listing has no fdinfo any more.
+        let Ok(info) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        for line in info.lines() {
+            let Some((key, value)) = line.split_once(':') else {
+                continue;
+            };
+            let Ok(id) = value.trim().parse::<u32>() else {
+                continue;
+            };
+            let list = match key {
+                "prog_id" => &mut held.programs,
+                "link_id" => &mut held.links,
+                _ => continue,
+            };
+            if !list.contains(&id) {
+                list.push(id);
+            }
+        }
+    }
+    held
+}
+
+/// The programs and links the running daemon created, checked to be heapprofd's: each
+/// program it holds is listed by the kernel under one of heapprofd's names.
+fn daemon_objects(daemon: &Child) -> HeldObjects {
+    let held = held_by(daemon.id());
+    let loaded = loaded_programs();
+    let known = program_names();
+    for id in &held.programs {
+        let name = loaded
+            .iter()
+            .find(|(loaded_id, _)| loaded_id == id)
+            .map(|(_, name)| name.as_str());
+        assert!(
+            name.is_some_and(|listed| known.iter().any(|name| is_listed_as(listed, name))),
+            "the daemon holds program {id}, {name:?}, not one of heapprofd's {known:?}"
+        );
+    }
+    held
+}
+
+/// Waits (up to 20 s: teardown is asynchronous) until none of `ours` exists any more:
+/// no program of its ids loaded, no link of its ids, nor any link to its programs.
+/// Returns what is left.
+fn wait_released(ours: &HeldObjects) -> HeldObjects {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let loaded: Vec<u32> = loaded_ids();
-        let left: Vec<u32> = ids
-            .iter()
-            .copied()
-            .filter(|id| loaded.contains(id))
-            .collect();
-        if left.is_empty() || Instant::now() > deadline {
+        let loaded = loaded_programs();
+        let links = existing_links();
+        let left = HeldObjects {
+            programs: ours
+                .programs
+                .iter()
+                .copied()
+                .filter(|id| loaded.iter().any(|(loaded_id, _)| loaded_id == id))
+                .collect(),
+            links: links
+                .iter()
+                .filter(|(link, program)| {
+                    ours.links.contains(link) || ours.programs.contains(program)
+                })
+                .map(|(link, _)| *link)
+                .collect(),
+        };
+        if (left.programs.is_empty() && left.links.is_empty()) || Instant::now() > deadline {
             return left;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
 }
 
-fn uprobe_events() -> String {
-    std::fs::read_to_string("/sys/kernel/tracing/uprobe_events").unwrap_or_default()
+/// The lines of `uprobe_events` (kernels without perf-event uprobes) that aya made for
+/// process `pid`: it names its events `aya_PID_...`.
+fn uprobe_events_of(pid: u32) -> Vec<String> {
+    let prefix = format!("aya_{pid}_");
+    std::fs::read_to_string("/sys/kernel/tracing/uprobe_events")
+        .unwrap_or_default()
+        .lines()
+        .filter(|line| line.contains(&prefix))
+        .map(str::to_owned)
+        .collect()
 }
 
 /// The waiter program (tests/programs/waiter.c), ended when dropped.
@@ -122,32 +199,40 @@ fn start_waiter(dir: &Path) -> Driven {
 fn sigkill_leaves_nothing_behind(mode: &[&str]) {
     require_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let before: Vec<u32> = loaded_ids();
-    let events_before = uprobe_events();
     let dir = scratch();
     let waiter = start_waiter(dir.path());
     let out = dir.path().join("profiles");
     let (mut heapprofd, _log) =
         start_heapprofd(heapprofd(&out).args(mode).args(["--pid", &waiter.pid()]));
-    // The checks can fail: while heapprofd runs, its programs are listed, and linked.
-    let ours = programs_since(&before);
+    // The checks can fail: while heapprofd runs, its programs and links are found.
+    let ours = daemon_objects(&heapprofd);
     assert!(
-        !ours.is_empty(),
-        "bpftool does not list heapprofd's programs"
+        !ours.programs.is_empty(),
+        "no BPF program found in the daemon's fdinfo"
     );
     assert!(
-        !linked(&ours).is_empty(),
-        "bpftool does not list heapprofd's links"
+        !ours.links.is_empty(),
+        "no BPF link found in the daemon's fdinfo"
     );
+    let daemon_pid = heapprofd.id();
     signal(&heapprofd, libc::SIGKILL);
     let _ = heapprofd.wait();
+    let left = wait_released(&ours);
     assert_eq!(
-        wait_unloaded(&ours),
+        left.programs,
         Vec::<u32>::new(),
         "BPF programs left after SIGKILL"
     );
-    assert_eq!(linked(&ours), Vec::<u32>::new(), "links left after SIGKILL");
-    assert_eq!(uprobe_events(), events_before, "uprobe_events changed");
+    assert_eq!(
+        left.links,
+        Vec::<u32>::new(),
+        "BPF links left after SIGKILL"
+    );
+    assert_eq!(
+        uprobe_events_of(daemon_pid),
+        Vec::<String>::new(),
+        "uprobe events left after SIGKILL"
+    );
 }
 
 #[test]
@@ -164,7 +249,6 @@ fn sigkill_in_kernel_mode_leaves_no_program_behind() {
 fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
     require_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let before: Vec<u32> = loaded_ids();
     let dir = scratch();
     let mut waiter = start_waiter(dir.path());
     let out = dir.path().join("profiles");
@@ -173,10 +257,10 @@ fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
             .args(["--interval", "1h", "--pid"])
             .arg(waiter.pid()),
     );
-    let ours = programs_since(&before);
+    let ours = daemon_objects(&heapprofd);
     assert!(
-        !ours.is_empty(),
-        "bpftool does not list heapprofd's programs"
+        !ours.programs.is_empty(),
+        "no BPF program found in the daemon's fdinfo"
     );
     waiter.step("done");
     signal(&heapprofd, libc::SIGTERM);
@@ -186,11 +270,13 @@ fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
         s.stack.get(1).is_some_and(|f| f == "work")
     });
     assert_eq!(work, [1000, 48_000, 500, 24_000], "the final profile");
+    let left = wait_released(&ours);
     assert_eq!(
-        wait_unloaded(&ours),
+        left.programs,
         Vec::<u32>::new(),
         "programs left after SIGTERM"
     );
+    assert_eq!(left.links, Vec::<u32>::new(), "links left after SIGTERM");
 }
 
 #[test]

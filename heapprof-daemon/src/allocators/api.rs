@@ -359,7 +359,7 @@ mod tests {
     use super::*;
     use heapprof_common::NO_REGISTER;
 
-    use crate::probes::placement::Arch;
+    use crate::arch::Arch;
 
     #[test]
     fn standard_names_rank_before_vendor_aliases() {

@@ -13,8 +13,9 @@ use super::{
     spec::CustomFunction,
 };
 use crate::{
+    arch::Arch,
     mapped_file::MappedFile,
-    probes::placement::{self, Arch, Placement, PlacementMode},
+    probes::placement::{self, Placement, PlacementMode},
 };
 
 /// One allocator function of an object.

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use crate::procmaps::ObjectFile;
+use crate::{probes::libc::is_libc_name, procmaps::ObjectFile};
 
 /// Where an object stands in the binding order (lower binds first).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -29,14 +29,6 @@ enum Tier {
 /// The file name of a path.
 fn file_name(path: &str) -> &str {
     path.rsplit('/').next().unwrap_or(path)
-}
-
-/// Whether a file name looks like a C library (glibc's libc.so.6 / libc-2.x.so, musl's).
-pub fn is_libc_name(path: &str) -> bool {
-    let name = file_name(path);
-    name.starts_with("libc.so")
-        || (name.starts_with("libc-") && name.ends_with(".so"))
-        || name.starts_with("ld-musl-")
 }
 
 /// Whether a file name looks like glibc's dynamic loader.
@@ -152,13 +144,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn recognizes_libc_names() {
-        assert!(is_libc_name("/usr/lib/x86_64-linux-gnu/libc.so.6"));
-        assert!(is_libc_name("/lib/libc-2.31.so"));
-        assert!(is_libc_name("/usr/lib/x86_64-linux-musl/libc.so"));
-        assert!(is_libc_name("/lib/ld-musl-aarch64.so.1"));
-        assert!(!is_libc_name("/usr/lib/libcrypto.so.3"));
-        assert!(!is_libc_name("/usr/lib/libcap.so.2"));
+    fn recognizes_glibc_loader_names() {
         assert!(is_glibc_loader_name(
             "/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2"
         ));

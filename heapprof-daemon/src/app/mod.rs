@@ -16,12 +16,12 @@ pub use self::{
 };
 use crate::{
     cli::Target,
-    session::{Session, kernel::KernelSession},
+    session::{UserSession, kernel::KernelSession},
 };
 
 /// A user-space or a kernel session.
 pub(crate) enum AnySession {
-    User(Box<Session>),
+    User(Box<UserSession>),
     Kernel(Box<KernelSession>),
 }
 

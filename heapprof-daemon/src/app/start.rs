@@ -22,11 +22,11 @@ use crate::{
     probes::{self, bpf_log::BpfLog},
     procmaps::ObjectCache,
     session::{
-        Session, SessionConfig,
+        UserSession, UserSessionConfig,
         kernel::{KernelSession, KernelSessionConfig},
     },
     tracefs,
-    unwind::loader::TableCapacities,
+    unwind::table_upload::TableCapacities,
 };
 
 /// A session ready to run, with what tells it that its target has ended.
@@ -56,51 +56,48 @@ pub fn start(
     preflight::check_bpf()?;
     // Before anything is attached: an address in use ends the run before it starts.
     let endpoint = cli.metrics.map(Endpoint::bind).transpose()?;
-    if cli.kernel {
+    let (session, target_exit, bpf_log) = if cli.kernel {
         let target_exit = watch_target(target, true)?;
         let (session, bpf_log) = start_kernel(cli, target, child.as_ref(), endpoint)?;
-        return Ok(Started {
-            session: AnySession::Kernel(Box::new(session)),
-            child,
-            target_exit,
-            sigint,
-            sigterm,
-            bpf_log,
-        });
-    }
-    preflight::check_uprobes()?;
-    // Opened before anything is attached: a target that exits at any later moment is
-    // then seen as an exit (final profile, status 0), never as a failure to find it.
-    let target_exit = watch_target(target, false)?;
-    pprof::writer::prepare_output_dir(&cli.output)?;
-
-    let capacities = probes::Capacities {
-        live_blocks: cli.live_blocks(),
-        sites: cli.max_sites,
-        stacks: cli.max_stacks,
-        threads: cli.max_threads,
+        (AnySession::Kernel(Box::new(session)), target_exit, bpf_log)
+    } else {
+        preflight::check_uprobes()?;
+        // Opened before anything is attached: a target that exits at any later moment is
+        // then seen as an exit (final profile, status 0), never as a failure to find it.
+        let target_exit = watch_target(target, false)?;
+        let (session, bpf_log) = start_user(cli, target, child.as_mut(), preload, endpoint)?;
+        (AnySession::User(Box::new(session)), target_exit, bpf_log)
     };
+    Ok(Started {
+        session,
+        child,
+        target_exit,
+        sigint,
+        sigterm,
+        bpf_log,
+    })
+}
+
+/// User mode: the BPF object loaded, the allocators probed, the loader's hook and the
+/// process events attached, the session ready; logs the readiness line last.
+fn start_user(
+    cli: &Cli,
+    target: &Target,
+    mut child: Option<&mut PausedChild>,
+    preload: Option<PreloadLibrary>,
+    endpoint: Option<Endpoint>,
+) -> Result<(UserSession, Option<BpfLog>)> {
+    pprof::writer::prepare_output_dir(&cli.output)?;
     let sample_rate = cli.sample_rate.unwrap_or(0);
     let pid = match (target, &child) {
         (Target::Pid(pid), _) => Some(*pid),
         (Target::Launch(_), Some(child)) => Some(child.pid),
         _ => None,
     };
-    let unwind_mode = cli.unwind.mode();
     let tables = TableCapacities {
         rows: cli.max_unwind_rows,
         rules: cli.max_unwind_rules,
         objects: cli.max_unwind_objects,
-    };
-    // A launched command is held at each loader event until its new objects' unwind
-    // tables and allocators are in place.
-    let unwinding = probes::UnwindSettings {
-        mode: unwind_mode,
-        tables,
-        processes: cli.max_processes,
-        hold_at_loader_events: child.is_some() && !cli.empty_programs,
-        empty_programs: cli.empty_programs,
-        preload: preload.is_some(),
     };
     let program = match target {
         Target::Launch(command) => command
@@ -108,48 +105,10 @@ pub fn start(
             .and_then(|program| launch::resolve_program(program).ok()),
         _ => None,
     };
-    // The loader's hook tells when objects are mapped: new unwind tables, new allocators.
-    let loader = match target {
-        Target::Pid(pid) => probes::loader::of_process(*pid)?,
-        // A script (a shebang, a wrapper) execs its interpreter: the system's loader.
-        Target::Launch(_) => program
-            .as_deref()
-            .and_then(probes::loader::of_executable)
-            .or_else(probes::loader::system),
-        Target::All => probes::loader::system(),
-    };
-    match &loader {
-        Some(loader) => log::debug!(
-            "dynamic loader {}: _dl_debug_state at {:#x}",
-            loader.display,
-            loader.hook_offset
-        ),
-        None => log::debug!(
-            "no dynamic loader hook: new objects' unwind tables load when stacks meet them, \
-             and new allocators are found when the process's mappings are next read"
-        ),
-    }
-    if sample_rate != 0 && preload.is_some() {
-        log::info!(
-            "sampling about one allocation per {sample_rate} bytes, decided in the launched \
-             processes by the preload library: the calls it skips cost no probe"
-        );
-    } else if sample_rate != 0 {
-        log::info!(
-            "sampling about one allocation per {sample_rate} bytes: every allocator call \
-             still traps into the kernel, where the probes decide; sampling saves the stack \
-             walk and table updates of the calls it skips, not the traps"
-        );
-    }
-    let cgroup = cgroup_filter(cli)?;
-    let mut ebpf = probes::load(
-        capacities,
-        sample_rate,
-        !cli.no_peak,
-        cgroup,
-        pid,
-        unwinding,
-    )?;
+    let loader = find_loader_hook(target, program.as_deref())?;
+    let preloading = preload.is_some();
+    log_sampling(sample_rate, preloading);
+    let mut ebpf = load_user_bpf(cli, pid, child.is_some(), preloading, tables)?;
     let bpf_log = BpfLog::init(&mut ebpf);
     let method = probes::attach_method(cli.attach, pid);
     log::debug!("uprobes attached as {method:?}");
@@ -168,55 +127,36 @@ pub fn start(
     }
     let mut allocators = AllocatorProbes::new(&mut ebpf, settings)?;
     // With the preload library, the C library's standard names are left to it.
-    let preloading = preload.is_some();
     if let Some(library) = preload {
         allocators.add_preload(&mut ebpf, library)?;
         if let Some(child) = child.as_mut() {
             child.hand_over(replies_map(&ebpf)?);
         }
     }
-    let mut objects = ObjectCache::default();
-    for (path, executable) in initial_allocators(cli, target, program.as_deref())? {
-        let label = path.display().to_string();
-        let object = objects
-            .open(&path, &label)
-            .with_context(|| format!("opening {label}"))?;
-        let probed = allocators
-            .probe_found_object(&mut ebpf, &object, executable, executable || !preloading)
-            .with_context(|| format!("probing the allocator in {label}"))?;
-        if probed == 0 && !preloading && cli.libc.as_deref() == Some(path.as_path()) {
-            bail!(
-                "{label} has no malloc/free symbols; point --libc at the library that \
-                 provides the program's allocator"
-            );
-        }
-    }
+    probe_initial_allocators(
+        cli,
+        target,
+        program.as_deref(),
+        preloading,
+        &mut ebpf,
+        &mut allocators,
+    )?;
     let process_probes = probes::attach_process_events(&mut ebpf, loader.as_ref(), pid, method)?;
     if preloading {
         probes::attach_thread_switch(&mut ebpf)?;
     }
     probes::arm(&mut ebpf)?;
-    let config = SessionConfig {
+    let config = UserSessionConfig {
         target: target.clone(),
         output: cli.output.clone(),
         sample_rate,
         bpf_stats: cli.bpf_stats,
-        unwind_tables: (unwind_mode != UnwindMode::FramePointers).then_some(tables),
+        unwind_tables: (cli.unwind.mode() != UnwindMode::FramePointers).then_some(tables),
         retain_exited: cli.retain_exited,
     };
-    let mut session = Session::new(config, ebpf, allocators)?;
+    let mut session = UserSession::new(config, ebpf, allocators)?;
     session.prime_processes();
-    if let Target::Pid(pid) = target
-        && session.allocator_probes() == 0
-    {
-        match session.allocator_notes().last() {
-            Some(note) => bail!("{note}"),
-            None => bail!(
-                "process {pid}: heapprofd found no allocator to probe in it; name its \
-                 allocator's functions with --allocator"
-            ),
-        }
-    }
+    require_allocator_probed(&session, target)?;
     let map_memory = probes::map_memory::tables();
     log::info!("{}", probes::map_memory::describe(&map_memory));
     if let Some(endpoint) = endpoint {
@@ -235,14 +175,133 @@ pub fn start(
         cli.interval,
         cli.output.display()
     );
-    Ok(Started {
-        session: AnySession::User(Box::new(session)),
-        child,
-        target_exit,
-        sigint,
-        sigterm,
-        bpf_log,
-    })
+    Ok((session, bpf_log))
+}
+
+/// `--pid`: a process with no allocator heapprofd can probe is an error, with the last
+/// note saying why when there is one.
+fn require_allocator_probed(session: &UserSession, target: &Target) -> Result<()> {
+    if let Target::Pid(pid) = target
+        && session.allocator_probes() == 0
+    {
+        match session.allocator_notes().last() {
+            Some(note) => bail!("{note}"),
+            None => bail!(
+                "process {pid}: heapprofd found no allocator to probe in it; name its \
+                 allocator's functions with --allocator"
+            ),
+        }
+    }
+    Ok(())
+}
+
+/// The dynamic loader whose hook tells when objects are mapped (new unwind tables, new
+/// allocators): the target's, the launched program's, or the system's.
+fn find_loader_hook(
+    target: &Target,
+    program: Option<&std::path::Path>,
+) -> Result<Option<probes::DynamicLoader>> {
+    let loader = match target {
+        Target::Pid(pid) => probes::ldso_hook::of_process(*pid)?,
+        // A script (a shebang, a wrapper) execs its interpreter: the system's loader.
+        Target::Launch(_) => program
+            .and_then(probes::ldso_hook::of_executable)
+            .or_else(probes::ldso_hook::system),
+        Target::All => probes::ldso_hook::system(),
+    };
+    match &loader {
+        Some(loader) => log::debug!(
+            "dynamic loader {}: _dl_debug_state at {:#x}",
+            loader.display,
+            loader.hook_offset
+        ),
+        None => log::debug!(
+            "no dynamic loader hook: new objects' unwind tables load when stacks meet them, \
+             and new allocators are found when the process's mappings are next read"
+        ),
+    }
+    Ok(loader)
+}
+
+/// Says where sampling is decided, and so what it saves.
+fn log_sampling(sample_rate: u64, preloading: bool) {
+    if sample_rate != 0 && preloading {
+        log::info!(
+            "sampling about one allocation per {sample_rate} bytes, decided in the launched \
+             processes by the preload library: the calls it skips cost no probe"
+        );
+    } else if sample_rate != 0 {
+        log::info!(
+            "sampling about one allocation per {sample_rate} bytes: every allocator call \
+             still traps into the kernel, where the probes decide; sampling saves the stack \
+             walk and table updates of the calls it skips, not the traps"
+        );
+    }
+}
+
+/// Loads the user-mode BPF object with the command line's capacities, tracing `pid`
+/// (all processes when `None`); `launched`: a command is held at each loader event.
+fn load_user_bpf(
+    cli: &Cli,
+    pid: Option<u32>,
+    launched: bool,
+    preloading: bool,
+    tables: TableCapacities,
+) -> Result<aya::Ebpf> {
+    let capacities = probes::Capacities {
+        live_blocks: cli.live_blocks(),
+        sites: cli.max_sites,
+        stacks: cli.max_stacks,
+        threads: cli.max_threads,
+    };
+    // A launched command is held at each loader event until its new objects' unwind
+    // tables and allocators are in place.
+    let unwinding = probes::UnwindSettings {
+        mode: cli.unwind.mode(),
+        tables,
+        processes: cli.max_processes,
+        hold_at_loader_events: launched && !cli.empty_programs,
+        empty_programs: cli.empty_programs,
+        preload: preloading,
+    };
+    let cgroup = cgroup_filter(cli)?;
+    probes::load_bpf_object(
+        capacities,
+        cli.sample_rate.unwrap_or(0),
+        !cli.no_peak,
+        cgroup,
+        pid,
+        unwinding,
+    )
+}
+
+/// Probes the allocators known before anything runs ([`initial_allocators`]); `--libc`
+/// naming a library without an allocator is an error.
+fn probe_initial_allocators(
+    cli: &Cli,
+    target: &Target,
+    program: Option<&std::path::Path>,
+    preloading: bool,
+    ebpf: &mut aya::Ebpf,
+    allocators: &mut AllocatorProbes,
+) -> Result<()> {
+    let mut objects = ObjectCache::default();
+    for (path, executable) in initial_allocators(cli, target, program)? {
+        let label = path.display().to_string();
+        let object = objects
+            .open(&path, &label)
+            .with_context(|| format!("opening {label}"))?;
+        let probed = allocators
+            .probe_found_object(ebpf, &object, executable, executable || !preloading)
+            .with_context(|| format!("probing the allocator in {label}"))?;
+        if probed == 0 && !preloading && cli.libc.as_deref() == Some(path.as_path()) {
+            bail!(
+                "{label} has no malloc/free symbols; point --libc at the library that \
+                 provides the program's allocator"
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `--metrics`: serves the endpoint from now on (its task runs whenever the event
@@ -325,7 +384,8 @@ fn start_kernel(
         threads: cli.max_threads,
     };
     let filter = !matches!(target, Target::All);
-    let mut ebpf = probes::kernel::load(capacities, &events, filter, cgroup_filter(cli)?)?;
+    let mut ebpf =
+        probes::kernel::load_bpf_object(capacities, &events, filter, cgroup_filter(cli)?)?;
     let bpf_log = BpfLog::init(&mut ebpf);
     let config = KernelSessionConfig {
         target: target.clone(),

@@ -13,8 +13,11 @@ use heapprof_common::{
 };
 use thiserror::Error;
 
-use super::{BPF_OBJECT, Capacities, page_size};
-use crate::tracefs::{self, EventFormat};
+use super::{BPF_OBJECT, Capacities};
+use crate::{
+    sys::page_size,
+    tracefs::{self, EventFormat},
+};
 
 /// Why an event's layout cannot be used.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -187,7 +190,7 @@ pub fn resolve_events(
 }
 
 /// Loads the BPF object for kernel mode: the user-mode tables shrink to one entry.
-pub fn load(
+pub fn load_bpf_object(
     capacities: Capacities,
     events: &[(KernelEvent, EventLayout)],
     filter_processes: bool,

@@ -4,7 +4,15 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{allocators::serving::is_libc_name, procmaps::parse_maps_line};
+use crate::procmaps::parse_maps_line;
+
+/// Whether a file name looks like a C library (glibc's libc.so.6 / libc-2.x.so, musl's).
+pub fn is_libc_name(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    name.starts_with("libc.so")
+        || (name.starts_with("libc-") && name.ends_with(".so"))
+        || name.starts_with("ld-musl-")
+}
 
 /// The libc mapped by `pid`, opened through the process's own root.
 pub fn find_in_process(pid: u32) -> Result<(PathBuf, String)> {
@@ -79,6 +87,16 @@ mod tests {
     use std::path::Path;
 
     use super::*;
+
+    #[test]
+    fn recognizes_libc_names() {
+        assert!(is_libc_name("/usr/lib/x86_64-linux-gnu/libc.so.6"));
+        assert!(is_libc_name("/lib/libc-2.31.so"));
+        assert!(is_libc_name("/usr/lib/x86_64-linux-musl/libc.so"));
+        assert!(is_libc_name("/lib/ld-musl-aarch64.so.1"));
+        assert!(!is_libc_name("/usr/lib/libcrypto.so.3"));
+        assert!(!is_libc_name("/usr/lib/libcap.so.2"));
+    }
 
     #[test]
     fn opens_a_mapped_library_only_if_it_is_the_mapped_file() {

@@ -2,8 +2,8 @@
 
 pub mod bpf_log;
 pub mod kernel;
+pub mod ldso_hook;
 pub mod libc;
-pub mod loader;
 pub mod map_memory;
 pub mod placement;
 pub mod stats;
@@ -21,8 +21,8 @@ use heapprof_common::{
     CONTROL_ARMED, Config, kernel::names as kernel_names, live, names, unwind::UnwindMode,
 };
 
-pub use self::loader::DynamicLoader;
-use crate::{cgroup::CgroupFilter, cli::AttachChoice, unwind::loader::TableCapacities};
+pub use self::ldso_hook::DynamicLoader;
+use crate::{cgroup::CgroupFilter, unwind::table_upload::TableCapacities};
 
 /// The BPF object built by aya-build from heapprof-ebpf.
 static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
@@ -61,7 +61,7 @@ pub struct UnwindSettings {
 /// (0: every allocation), keeping each process's in-use peak if `track_peak` (exact
 /// mode only), tracing process `target` or all (`None`; only those of `cgroup` when
 /// given). Nothing is attached yet: the allocators' probes join as they are found.
-pub fn load(
+pub fn load_bpf_object(
     capacities: Capacities,
     sample_rate: u64,
     track_peak: bool,
@@ -70,7 +70,7 @@ pub fn load(
     unwind: UnwindSettings,
 ) -> Result<Ebpf> {
     let config = Config {
-        page_size: page_size(),
+        page_size: crate::sys::page_size(),
         ignore_tgid: std::process::id(),
         target_tgid: target.unwrap_or(0),
         sample_rate,
@@ -140,12 +140,6 @@ pub fn load(
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
 }
 
-pub(crate) fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let size = unsafe { ::libc::sysconf(::libc::_SC_PAGESIZE) };
-    u64::try_from(size).unwrap_or(4096)
-}
-
 /// The uprobe program `name`, loaded into the kernel on first use.
 pub(crate) fn uprobe<'a>(ebpf: &'a mut Ebpf, name: &str) -> Result<&'a mut UProbe> {
     let program: &mut UProbe = ebpf
@@ -186,6 +180,15 @@ pub enum AttachMethod {
     /// each waiting for RCU grace periods under a global lock (`event_mutex` in
     /// `perf_uprobe_destroy`): about 0.1 s per probe, 1.6 s for heapprofd's 17 here,
     /// whether they are closed in turn or side by side.
+    PerfEvents,
+}
+
+/// How to attach uprobes (`--attach`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttachChoice {
+    /// Multi-uprobe links when the kernel supports them, perf events otherwise.
+    Auto,
+    /// One perf event per probe, on any kernel.
     PerfEvents,
 }
 

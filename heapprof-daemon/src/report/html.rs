@@ -27,9 +27,9 @@ use anyhow::{Context as _, Result};
 use super::{
     ReportArgs,
     chart::{self, Chart, Marker, Series, Unit},
-    directory::{self, Session},
     flamegraph,
     model::Profile,
+    session::{self, Session},
     stacks::{self, ProcessFilter},
     suspects,
     timeline::{self, memory_sum},
@@ -116,7 +116,7 @@ pub fn write_page(args: &ReportArgs, filter: ProcessFilter, page: &Path) -> Resu
     let mut flames = Vec::new();
     let mut first_time = None;
     let tracked = args.sample_index.as_str();
-    let session = directory::load(&args.input, tracked, filter, |index, count, profile| {
+    let session = session::load(&args.input, tracked, filter, |index, count, profile| {
         let start = *first_time.get_or_insert(profile.time_nanos);
         // The last file is drawn after loading: it may be unreadable, and then the
         // last readable profile is the one shown first.
@@ -282,7 +282,7 @@ fn peak(session: &Session, single: Option<u32>) -> Option<Peak> {
 /// The in-use chart: the top sites of the one process, or the top processes, stacked.
 fn inuse_chart(session: &Session, single: Option<u32>, peak: Option<&Peak>) -> Chart {
     let times: Vec<f64> = session.snapshots.iter().map(|s| s.seconds).collect();
-    let tracked = |v: directory::Values| v.tracked as f64;
+    let tracked = |v: session::Values| v.tracked as f64;
     let mut stacked = Vec::new();
     let mut named = vec![0.0; times.len()];
     let mut push = |label: String, values: Vec<f64>, stacked: &mut Vec<Series>| {
@@ -940,7 +940,7 @@ const PAGE_SCRIPT: &str = "\
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{memstats::ProcessMemory, report::directory::tests::session};
+    use crate::{memstats::ProcessMemory, report::session::tests::session};
 
     #[test]
     fn kernel_profiles_get_cache_and_order_tables() {

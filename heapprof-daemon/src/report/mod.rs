@@ -2,12 +2,12 @@
 //! flamegraphs, the legacy text format, timelines, leak suspects and an HTML page.
 //!
 //! [`model`] reads a file; [`stacks`] names its stacks and sites; one module per
-//! output format; [`directory`] handles a session's directory of profiles.
+//! output format; [`session`] reads a session's directory of profiles. [`run`] sends
+//! each request to [`single`] or to the session-wide formats.
 
 pub mod chart;
 pub mod cli;
 pub mod collapsed;
-pub mod directory;
 pub mod flamegraph;
 pub mod html;
 pub mod input;
@@ -15,6 +15,7 @@ pub mod legacy;
 pub mod losses;
 pub mod model;
 pub mod peak;
+pub mod session;
 pub mod single;
 pub mod sizes;
 pub mod stacks;
@@ -30,6 +31,7 @@ use std::io::Write;
 use anyhow::{Context as _, Result};
 
 pub use cli::{Format, ReportArgs};
+use stacks::ProcessFilter;
 
 /// Runs `heapprofd report`.
 pub fn run(args: &ReportArgs) -> Result<()> {
@@ -39,7 +41,7 @@ pub fn run(args: &ReportArgs) -> Result<()> {
     let session_wide =
         args.html.is_some() || matches!(args.format, Format::Timeline | Format::Suspects);
     if session_wide {
-        directory::run(args, &mut rendered)?;
+        run_session_report(args, &mut rendered)?;
     } else {
         single::run(args, &mut rendered)?;
     }
@@ -54,5 +56,70 @@ pub fn run(args: &ReportArgs) -> Result<()> {
                 other => other.context("writing the report"),
             }
         }
+    }
+}
+
+/// Writes a session-wide report: the timeline or suspects to `out`, or with `--html`
+/// the page to its file (and one line on standard error saying where).
+fn run_session_report(args: &ReportArgs, out: &mut dyn Write) -> Result<()> {
+    let filter = args.pid.map_or(ProcessFilter::All, ProcessFilter::Pid);
+    if let Some(page) = &args.html {
+        html::write_page(args, filter, page)?;
+        eprintln!("heapprofd: wrote {}", page.display());
+        return Ok(());
+    }
+    let session = session::load(&args.input, &args.sample_index, filter, |_, _, _| Ok(()))?;
+    match args.format {
+        Format::Suspects => suspects::write_table(&session, args.top, out),
+        // `run` sends only the session formats here; any other one asked
+        // together with a directory gets the timeline, the directory's main table.
+        _ => {
+            // CSV has no place for it: said on standard error.
+            for loss in losses::losses(&session.last.comments) {
+                eprintln!("heapprofd: the session's last profile {}", loss.line());
+            }
+            timeline::write_csv(&session, args.top, out)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_session_directory_gives_its_suspects_and_page() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        session::tests::write_session(dir.path(), 5);
+        let session = session::load(dir.path(), "inuse_space", ProcessFilter::All, |_, _, _| {
+            Ok(())
+        })
+        .expect("loaded");
+        let found = suspects::find(&session, 0);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(
+            session.site_name(found[0].key.site),
+            "malloc in f<std::map<int, int>> <- main"
+        );
+
+        // The whole page, through the command's entry point.
+        let page = dir.path().join("page.html");
+        let args = <ReportArgs as clap::Parser>::try_parse_from([
+            "heapprofd report".as_ref(),
+            dir.path().as_os_str(),
+            "--html".as_ref(),
+            page.as_os_str(),
+        ])
+        .expect("arguments");
+        run_session_report(&args, &mut Vec::new()).expect("the page");
+        let html = std::fs::read_to_string(&page).expect("the page");
+        assert!(html.contains("f&lt;std::map&lt;int, int&gt;&gt;"));
+        assert_eq!(
+            html.matches("<option ").count(),
+            5,
+            "a flamegraph per profile"
+        );
+        assert!(html.contains("2 processes"));
+        assert!(html.contains("id=\"processes\""));
     }
 }

@@ -35,7 +35,7 @@ use std::io::Write;
 use anyhow::{Context as _, Result};
 
 use super::{
-    directory::{Session, SiteKey},
+    session::{Session, SiteKey},
     units,
 };
 
@@ -322,7 +322,7 @@ pub fn write_table(session: &Session, limit: usize, out: &mut dyn Write) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::directory::tests::session;
+    use crate::report::session::tests::session;
 
     /// A series with one point per second.
     fn per_second(values: &[f64]) -> Vec<(f64, f64)> {

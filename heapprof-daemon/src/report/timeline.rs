@@ -32,7 +32,7 @@ use std::{collections::HashMap, fmt::Write as _, io::Write};
 use anyhow::{Context as _, Result};
 
 use super::{
-    directory::{Session, SiteKey, Snapshot, Values},
+    session::{Session, SiteKey, Snapshot, Values},
     units::csv_cell,
 };
 use crate::memstats::ProcessMemory;
@@ -220,7 +220,7 @@ pub fn write_csv(session: &Session, top: usize, out: &mut dyn Write) -> Result<(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::directory::tests::session;
+    use crate::report::session::tests::session;
 
     #[test]
     fn one_row_per_profile_and_process_or_top_site() {

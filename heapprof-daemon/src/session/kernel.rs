@@ -396,7 +396,7 @@ impl KernelSession {
             if let Some(module) = &module {
                 labels.push(("module", LabelValue::Str(module)));
             }
-            let cache = self.maps.cache(&site.key, crate::probes::page_size());
+            let cache = self.maps.cache(&site.key, crate::sys::page_size());
             if let Some(cache) = &cache {
                 labels.push(("cache", LabelValue::Str(cache)));
             }

@@ -9,7 +9,7 @@ mod user;
 
 use heapprof_common::DropReason;
 
-pub use user::{Session, SessionConfig};
+pub use user::{UserSession, UserSessionConfig};
 
 use crate::{pprof::ProfileBuilder, probes::stats::RunTimeStats};
 

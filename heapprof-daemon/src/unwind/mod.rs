@@ -28,14 +28,14 @@
 
 mod cfi;
 mod elf;
-pub mod loader;
 mod table;
+pub mod table_upload;
 #[cfg(test)]
 mod tests;
 
 use heapprof_common::unwind::{MAX_OBJECT_ROWS, RULE_NONE, UnwindRow, UnwindRule};
 
-use crate::probes::placement::Arch;
+use crate::arch::Arch;
 
 /// An object's unwind table: rows sorted by `pc`, rule indices into `rules` (local to
 /// this table) or [`RULE_NONE`].

@@ -14,14 +14,15 @@ use std::{
 };
 
 use gimli::{
-    BaseAddresses, DebugFrame, EhFrame, FrameDescriptionEntry, UnwindContext, UnwindSection,
+    BaseAddresses, DebugFrame, EhFrame, FrameDescriptionEntry, Operation, Register, RegisterRule,
+    UnwindContext, UnwindSection, UnwindTableRow,
 };
 use heapprof_common::unwind::{CfaRule, MAX_OBJECT_ROWS, RULE_NONE, RegRule, UnwindRule};
 use object::{Object as _, ObjectSection as _, ObjectSegment as _, ObjectSymbol as _};
 
 use super::{
     Arch, BuildStats, UnwindError, UnwindTable, build, build_with_stats,
-    cfi::{Slice, convert},
+    cfi::Slice,
     table::{Builder, FdeRow},
 };
 
@@ -222,7 +223,8 @@ struct RefFde<'a> {
 
 /// An independent lookup of an address's rule: gimli's entry iterator lists the FDEs,
 /// the first one (by the builder's priority) containing the address is evaluated from
-/// scratch with a fresh context (`unwind_info_for_address`), and its row is converted.
+/// scratch with a fresh context (`unwind_info_for_address`), and its row is converted
+/// by [`expected_rule`], not by the production `cfi::convert`.
 struct Reference<'a> {
     arch: Arch,
     eh_frame: EhFrame<Slice<'a>>,
@@ -337,20 +339,156 @@ impl<'a> Reference<'a> {
                 Which::EhFrame => candidate
                     .fde
                     .unwind_info_for_address(&self.eh_frame, &self.bases, &mut ctx, pc)
-                    .map(|row| convert(self.arch, ra_column, row, &self.eh_frame)),
+                    .map(|row| expected_rule(self.arch, ra_column, row, &self.eh_frame)),
                 Which::DebugFrame => candidate
                     .fde
                     .unwind_info_for_address(&self.debug_frame, &self.bases, &mut ctx, pc)
-                    .map(|row| convert(self.arch, ra_column, row, &self.debug_frame)),
+                    .map(|row| expected_rule(self.arch, ra_column, row, &self.debug_frame)),
             };
             match row {
-                Ok(converted) => return Some(converted.rule),
+                Ok(rule) => return Some(rule),
                 Err(gimli::Error::NoUnwindInfoForAddress) => return None,
                 // The builder drops FDEs it cannot evaluate: look further.
                 Err(_) => continue,
             }
         }
         None
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The reference's conversion of gimli's rows, written apart from `cfi::convert` from
+// the DWARF rules and what the BPF unwinder can follow (heapprof_common::unwind), so
+// that a mistake in the production conversion shows as a difference.
+
+/// The DWARF numbers of the stack pointer, the frame pointer and the return-address
+/// column in each psABI: x86-64 rsp 7, rbp 6, column 16 (the return address, not a
+/// real register); AArch64 sp 31, x29 29, the link register x30.
+fn psabi_registers(arch: Arch) -> (Register, Register, Register) {
+    match arch {
+        Arch::X86_64 => (Register(7), Register(6), Register(16)),
+        Arch::Aarch64 => (Register(31), Register(29), Register(30)),
+    }
+}
+
+/// A rule whose CFA is `cfa` and whose registers are unchanged, offsets 0: what rows
+/// ending the stack and rows the unwinder cannot follow all become.
+fn bare_rule(cfa: CfaRule) -> UnwindRule {
+    UnwindRule {
+        cfa: cfa as u8,
+        ..UnwindRule::default()
+    }
+}
+
+/// The threshold of a CFA expression when it is the lazy x86-64 PLT one, read as
+/// operations: `rsp + 8`, `rip + 0`, `15`, and, `T`, ge, `3`, shl, plus, i.e.
+/// CFA = rsp + 8 + ((rip & 15) >= T) * 8.
+fn plt_expression_threshold<'a, S: UnwindSection<Slice<'a>>>(
+    expression: &gimli::UnwindExpression<usize>,
+    section: &S,
+) -> Option<u64> {
+    let encoding = gimli::Encoding {
+        format: gimli::Format::Dwarf32,
+        version: 4,
+        address_size: 8,
+    };
+    let mut operations = expression.get(section).ok()?.operations(encoding);
+    let mut parsed = Vec::new();
+    while let Some(operation) = operations.next().ok()? {
+        parsed.push(operation);
+    }
+    let register_plus = |operation: &Operation<Slice<'a>>, number: u16, wanted: i64| {
+        matches!(operation, Operation::RegisterOffset { register, offset, .. }
+            if register.0 == number && *offset == wanted)
+    };
+    let constant = |operation: &Operation<Slice<'a>>| match operation {
+        Operation::UnsignedConstant { value } => Some(*value),
+        _ => None,
+    };
+    let [rsp, rip, mask, and, threshold, ge, three, shl, plus] = parsed.as_slice() else {
+        return None;
+    };
+    let shape = register_plus(rsp, 7, 8)
+        && register_plus(rip, 16, 0)
+        && constant(mask) == Some(15)
+        && matches!(and, Operation::And)
+        && matches!(ge, Operation::Ge)
+        && constant(three) == Some(3)
+        && matches!(shl, Operation::Shl)
+        && matches!(plus, Operation::Plus);
+    shape.then(|| constant(threshold)).flatten()
+}
+
+/// What gimli's `row` (of an FDE whose CIE names `ra_column`) should become in the
+/// table, from the meaning of each DWARF rule:
+/// - the return address is only looked for in the psABI's column; an undefined return
+///   address means there is no caller (the outermost frame), whatever the CFA;
+/// - the CFA can be based on the stack or the frame pointer with a 32-bit offset, or be
+///   x86-64's PLT expression with the threshold of a 16-byte entry (11);
+/// - x86-64's return address is where `call` put it, at CFA - 8, and nowhere else;
+///   aarch64's is saved at CFA + n, or still in x30 (no rule, or same value);
+/// - the frame pointer is unchanged (no rule, same value), saved at CFA + n, or lost
+///   for the frames above (any other rule, or an offset beyond 32 bits).
+fn expected_rule<'a, S: UnwindSection<Slice<'a>>>(
+    arch: Arch,
+    ra_column: Register,
+    row: &UnwindTableRow<usize>,
+    section: &S,
+) -> UnwindRule {
+    let unsupported = bare_rule(CfaRule::Unsupported);
+    let (sp, fp, ra) = psabi_registers(arch);
+    if ra_column != ra {
+        return unsupported;
+    }
+    let return_address = row.register(ra);
+    if return_address == Some(RegisterRule::Undefined) {
+        return bare_rule(CfaRule::End);
+    }
+    let (cfa, cfa_offset) = match row.cfa() {
+        gimli::CfaRule::RegisterAndOffset { register, offset } => {
+            let base = if *register == sp {
+                CfaRule::SpOffset
+            } else if *register == fp {
+                CfaRule::FpOffset
+            } else {
+                return unsupported;
+            };
+            match i32::try_from(*offset) {
+                Ok(offset) => (base, offset),
+                Err(_) => return unsupported,
+            }
+        }
+        gimli::CfaRule::Expression(expression) => {
+            match (arch, plt_expression_threshold(expression, section)) {
+                (Arch::X86_64, Some(11)) => (CfaRule::PltX86, 0),
+                _ => return unsupported,
+            }
+        }
+    };
+    let (ra_rule, ra_offset) = match (arch, return_address) {
+        (Arch::X86_64, Some(RegisterRule::Offset(-8))) => (RegRule::AtCfa, -8),
+        (Arch::Aarch64, None | Some(RegisterRule::SameValue)) => (RegRule::Same, 0),
+        (Arch::Aarch64, Some(RegisterRule::Offset(offset))) => match i32::try_from(offset) {
+            Ok(offset) => (RegRule::AtCfa, offset),
+            Err(_) => return unsupported,
+        },
+        _ => return unsupported,
+    };
+    let (fp_rule, fp_offset) = match row.register(fp) {
+        None | Some(RegisterRule::SameValue) => (RegRule::Same, 0),
+        Some(RegisterRule::Offset(offset)) => {
+            i32::try_from(offset).map_or((RegRule::Undefined, 0), |offset| (RegRule::AtCfa, offset))
+        }
+        Some(_) => (RegRule::Undefined, 0),
+    };
+    UnwindRule {
+        cfa: cfa as u8,
+        fp: fp_rule as u8,
+        ra: ra_rule as u8,
+        _pad: 0,
+        cfa_offset,
+        fp_offset,
+        ra_offset,
     }
 }
 
@@ -1299,7 +1437,7 @@ fn code_beyond_4_gib_is_an_error() {
 // Damaged objects
 
 // The property tests' generator, seeded per case so a failure names its seed.
-use crate::proptests::Rng;
+use crate::test_rng::Rng;
 
 fn cases() -> u64 {
     std::env::var("HEAPPROFD_PROPTEST_CASES")

@@ -20,7 +20,6 @@
 //! heaptrack, whose added time is the baseline there).
 
 use std::{
-    collections::BTreeMap,
     fmt::Write as _,
     io::{BufRead as _, BufReader, Write as _},
     path::{Path, PathBuf},
@@ -35,6 +34,8 @@ use crate::{step, workspace_root};
 
 mod launch;
 mod redis;
+mod sections;
+mod workload;
 
 /// Settings of a benchmark run.
 pub struct Options {
@@ -1109,6 +1110,86 @@ const SECTIONS: [&str; 7] = [
 
 /// Runs the benchmark and writes target/bench/summary.{txt,json}.
 pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
+    check_requirements(options)?;
+    let dir = workspace_root().join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    // Profiles of earlier benchmark runs: this run's are read back (frames per allocation).
+    match std::fs::remove_dir_all(dir.join("profiles")) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+            return Err(err).context("removing target/bench/profiles");
+        }
+        _ => {}
+    }
+    let programs = Programs::compile(&dir)?;
+    let workloads = workloads(&programs, options.quick);
+    let bench = Bench {
+        heapprofd: heapprofd.to_owned(),
+        dir: dir.clone(),
+    };
+    let load_before = load_average();
+    let named_sections = named_sections(options, &workloads)?;
+    // Sections named: those alone (with the workloads named); none named: all.
+    let section = |key: &str| named_sections.is_empty() || named_sections.contains(&key);
+    let mut summary = Summary::default();
+    let chosen = |w: &&Workload| options.only.is_empty() || options.only.iter().any(|k| k == w.key);
+    for workload in workloads.iter().filter(chosen) {
+        workload::measure(&bench, workload, options, &mut summary)?;
+    }
+    let mut json = SectionsJson::default();
+    if section("launch") {
+        note_foreign_tracers("launch", &mut summary.warnings);
+        let report = launch::section(
+            &bench,
+            &programs.stl,
+            options.runs,
+            options.quick,
+            &mut summary.text,
+        )?;
+        for (key, goal) in &report.goals {
+            let _ = writeln!(summary.goals_text, "{key} (launch): {}", goal.describe());
+            summary.json_goals.push(goal.json(key));
+        }
+        json.launch = report.json;
+    }
+    let _ = writeln!(
+        summary.text,
+        "\n## Goals (figures of this run, never pass/fail; ratios of added time per allocation, medians)\n\n{}",
+        summary.goals_text
+    );
+    let _ = writeln!(
+        summary.text,
+        "## Unwind tables of heapprofd exact, per workload (BPF map memory)\n\n{}",
+        summary.tables_text
+    );
+    if section("library") {
+        note_foreign_tracers("largest library", &mut summary.warnings);
+        json.library =
+            sections::largest_library(&bench, &programs.dlopen, options.runs, &mut summary.text)?;
+    }
+    if section("dumps") {
+        note_foreign_tracers("profile dumps", &mut summary.warnings);
+        json.dumps = sections::dumps(&bench, &programs.stacks, options.runs, &mut summary.text)?;
+    }
+    if section("shutdown") {
+        note_foreign_tracers("shutdown", &mut summary.warnings);
+        json.shutdown =
+            sections::shutdown(&bench, &programs.pairs, options.runs, &mut summary.text)?;
+    }
+    if section("redis") {
+        note_foreign_tracers("redis", &mut summary.warnings);
+        json.redis = redis::section(&bench, options.runs, options.quick, &mut summary.text)?;
+    }
+    if section("load") {
+        note_foreign_tracers("daemon load", &mut summary.warnings);
+        let seconds = if options.quick { 12 } else { 35 };
+        json.load = sections::daemon_load(&bench, &programs.churn, seconds, &mut summary.text)?;
+    }
+    write_summary(&dir, options, &load_before, &summary, &json)
+}
+
+/// What the benchmark needs before it compiles anything: root, a sane `--runs`,
+/// tracefs, g++ and Debian's python3.
+fn check_requirements(options: &Options) -> Result<()> {
     if !crate::is_root() {
         bail!("the benchmark attaches BPF programs: run it as root (sudo -E cargo xtask bench)");
     }
@@ -1121,53 +1202,69 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
     if !python.exists() {
         bail!("the python workload needs Debian's {PYTHON} (apt-get install python3)");
     }
-    let dir = workspace_root().join("target/bench");
-    std::fs::create_dir_all(&dir)?;
-    // Profiles of earlier benchmark runs: this run's are read back (frames per allocation).
-    match std::fs::remove_dir_all(dir.join("profiles")) {
-        Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
-            return Err(err).context("removing target/bench/profiles");
-        }
-        _ => {}
+    Ok(())
+}
+
+/// The benchmark's programs, compiled into target/bench from xtask/workloads/bench_*.
+struct Programs {
+    pairs: PathBuf,
+    churn: PathBuf,
+    stacks: PathBuf,
+    stl: PathBuf,
+    dlopen: PathBuf,
+}
+
+impl Programs {
+    fn compile(dir: &Path) -> Result<Self> {
+        step("compiling the benchmark workloads (xtask/workloads/bench_*)");
+        let programs = Programs {
+            pairs: dir.join("bench_pairs"),
+            churn: dir.join("bench_churn"),
+            stacks: dir.join("bench_stacks"),
+            stl: dir.join("bench_stl"),
+            dlopen: dir.join("bench_dlopen"),
+        };
+        compile("bench_pairs.c", &programs.pairs, &["-O2"])?;
+        compile("bench_churn.c", &programs.churn, &["-O2", "-pthread"])?;
+        compile(
+            "bench_stacks.c",
+            &programs.stacks,
+            &[
+                "-O2",
+                "-fno-omit-frame-pointer",
+                "-fno-optimize-sibling-calls",
+            ],
+        )?;
+        // Plain -O2: no frame pointers (the x86-64 default), as the true-stacks test builds it.
+        compile_with("g++", "bench_stl.cpp", &programs.stl, &["-O2"])?;
+        compile("bench_dlopen.c", &programs.dlopen, &["-O2"])?;
+        Ok(programs)
     }
-    step("compiling the benchmark workloads (xtask/workloads/bench_*)");
-    let pairs = dir.join("bench_pairs");
-    let churn = dir.join("bench_churn");
-    let stacks = dir.join("bench_stacks");
-    let stl = dir.join("bench_stl");
-    let dlopen = dir.join("bench_dlopen");
-    compile("bench_pairs.c", &pairs, &["-O2"])?;
-    compile("bench_churn.c", &churn, &["-O2", "-pthread"])?;
-    compile(
-        "bench_stacks.c",
-        &stacks,
-        &[
-            "-O2",
-            "-fno-omit-frame-pointer",
-            "-fno-optimize-sibling-calls",
-        ],
-    )?;
-    // Plain -O2: no frame pointers (the x86-64 default), as the true-stacks test builds it.
-    compile_with("g++", "bench_stl.cpp", &stl, &["-O2"])?;
-    compile("bench_dlopen.c", &dlopen, &["-O2"])?;
-    let scale = if options.quick { 1 } else { 4 };
+}
+
+/// The workloads timed under every mode; `quick` runs them a quarter as long.
+fn workloads(programs: &Programs, quick: bool) -> Vec<Workload> {
+    let scale = if quick { 1 } else { 4 };
     let perl_script = format!(
         "<STDIN>; my %h; for my $i (1..{}) {{ $h{{\"key$i\"}} = \"v\" x ($i % 200); delete $h{{\"key\" . ($i - 1000)}} if $i > 1000; }}",
         25_000 * scale
     );
     let python_script = workspace_root().join("xtask/workloads/bench_python.py");
-    let workloads = [
+    vec![
         Workload {
             name: "malloc/free pairs (1 thread)",
             key: "pairs",
-            command: vec![pairs.display().to_string(), (50_000 * scale).to_string()],
+            command: vec![
+                programs.pairs.display().to_string(),
+                (50_000 * scale).to_string(),
+            ],
             goal: Goal::Shallow,
         },
         Workload {
             name: "family churn (2 threads)",
             key: "churn",
             command: vec![
-                churn.display().to_string(),
+                programs.churn.display().to_string(),
                 "2".into(),
                 (10_000 * scale).to_string(),
             ],
@@ -1183,7 +1280,7 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         Workload {
             name: "C++ STL, g++ -O2 without frame pointers (deep stacks)",
             key: "cxx_stl",
-            command: vec![stl.display().to_string(), (10 * scale).to_string()],
+            command: vec![programs.stl.display().to_string(), (10 * scale).to_string()],
             goal: Goal::Deep,
         },
         // About 8,800 allocations a round (blocks above pymalloc's 512 bytes).
@@ -1197,20 +1294,11 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
             ],
             goal: Goal::Deep,
         },
-    ];
-    let bench = Bench {
-        heapprofd: heapprofd.to_owned(),
-        dir: dir.clone(),
-    };
+    ]
+}
 
-    let load_before = load_average();
-    let mut warnings: Vec<String> = Vec::new();
-    let mut text = String::new();
-    let mut goals_text = String::new();
-    let mut tables_text = String::new();
-    let mut json_workloads = Vec::new();
-    let mut json_goals = Vec::new();
-    let chosen = |w: &&Workload| options.only.is_empty() || options.only.iter().any(|k| k == w.key);
+/// The sections `--only` names; an unknown workload or section is an error.
+fn named_sections<'a>(options: &'a Options, workloads: &[Workload]) -> Result<Vec<&'a str>> {
     if let Some(unknown) = options
         .only
         .iter()
@@ -1223,446 +1311,80 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
             SECTIONS.join(", ")
         );
     }
-    // Sections named: those alone (with the workloads named); none named: all.
-    let named_sections: Vec<&str> = options
+    Ok(options
         .only
         .iter()
         .map(String::as_str)
         .filter(|k| SECTIONS.contains(k))
-        .collect();
-    let section = |key: &str| named_sections.is_empty() || named_sections.contains(&key);
-    for workload in workloads.iter().filter(chosen) {
-        step(&format!(
-            "{}: {} runs x {} modes",
-            workload.name,
-            options.runs,
-            Mode::ALL.len()
-        ));
-        let mut runs: BTreeMap<Mode, Vec<Run>> = BTreeMap::new();
-        let (mut disturbed, mut foreign_seen) = (0usize, Vec::new());
-        for round in 0..options.runs {
-            // Each round starts one mode later: no mode always follows the same one.
-            for i in 0..Mode::ALL.len() {
-                let mode = Mode::ALL[(i + round) % Mode::ALL.len()];
-                let foreign = foreign_tracers();
-                if !foreign.is_empty() {
-                    eprintln!(
-                        "xtask:   warning: other tracers are active: {}",
-                        foreign.join(", ")
-                    );
-                    disturbed += 1;
-                    if foreign_seen.is_empty() {
-                        foreign_seen = foreign;
-                    }
-                }
-                let run = bench
-                    .run(workload, mode)
-                    .with_context(|| format!("{} under {}", workload.name, mode.name()))?;
-                eprintln!(
-                    "xtask:   round {} {:<30} {:8.3} s",
-                    round + 1,
-                    mode.name(),
-                    run.wall
-                );
-                runs.entry(mode).or_default().push(run);
-            }
-        }
-        let walls = |mode: Mode| -> Vec<f64> { runs[&mode].iter().map(|r| r.wall).collect() };
-        let allocations = runs[&Mode::Heapprofd]
-            .iter()
-            .filter_map(|r| r.allocations)
-            .max()
-            .context("heapprofd did not report its allocation count")?;
-        let bare = spread(&walls(Mode::Bare)).median;
-        let added = |mode: Mode| (spread(&walls(mode)).median - bare) / allocations as f64 * 1e6;
-        let floor = added(Mode::Floor);
-        // A floor that noise made zero or negative gives no ratio.
-        let to_floor = |mode: Mode| {
-            if floor > 0.0 {
-                added(mode) / floor
-            } else {
-                f64::NAN
-            }
-        };
-        let _ = writeln!(
-            text,
-            "\n## {} ({allocations} allocations counted by heapprofd)\n",
-            workload.name
-        );
-        let _ = writeln!(
-            text,
-            "{:<32} {:>9} {:>9} {:>9} {:>14} {:>8} {:>8} {:>10} {:>9}",
-            "mode",
-            "median s",
-            "min s",
-            "max s",
-            "added us/alloc",
-            "x floor",
-            "start s",
-            "daemon cpu",
-            "peak RSS"
-        );
-        if disturbed > 0 {
-            let warning = format!(
-                "WARNING: other tracers were active before {disturbed} of {} runs (first seen: {}); they trap this workload's allocator calls too, bare runs included: these figures do not measure heapprofd alone",
-                options.runs * Mode::ALL.len(),
-                foreign_seen.join(", ")
-            );
-            let _ = writeln!(text, "{warning}\n");
-            warnings.push(format!("{}: {warning}", workload.key));
-        }
-        let mut json_modes = Vec::new();
-        for mode in Mode::ALL {
-            let s = spread(&walls(mode));
-            let cpu: Vec<f64> = runs[&mode].iter().filter_map(|r| r.daemon_cpu).collect();
-            let rss = runs[&mode].iter().filter_map(|r| r.daemon_rss_kib).max();
-            let cpu_median = spread(&cpu).median;
-            let start: Vec<f64> = runs[&mode].iter().filter_map(|r| r.start).collect();
-            let start_median = spread(&start).median;
-            let ratio = if mode == Mode::Bare {
-                f64::NAN
-            } else {
-                to_floor(mode)
-            };
-            let _ = writeln!(
-                text,
-                "{:<32} {:>9.3} {:>9.3} {:>9.3} {:>14.3} {:>8} {:>8} {:>10} {:>9}",
-                mode.name(),
-                s.median,
-                s.min,
-                s.max,
-                added(mode),
-                if ratio.is_finite() {
-                    format!("{ratio:.2}x")
-                } else {
-                    "-".into()
-                },
-                if start.is_empty() {
-                    "-".into()
-                } else {
-                    format!("{start_median:.2}")
-                },
-                if cpu.is_empty() {
-                    "-".into()
-                } else {
-                    format!("{cpu_median:.3} s")
-                },
-                rss.map_or("-".into(), |r| format!("{} MiB", r / 1024)),
-            );
-            json_modes.push(format!(
-                "{}: {{\"median_s\": {}, \"min_s\": {}, \"max_s\": {}, \"added_us_per_alloc\": {}, \"ratio_to_floor\": {}, \"start_s\": {}, \"daemon_cpu_s\": {}, \"daemon_peak_rss_kib\": {}}}",
-                json_string(mode.key()),
-                json_number(s.median),
-                json_number(s.min),
-                json_number(s.max),
-                json_number(added(mode)),
-                json_number(ratio),
-                json_number(start_median),
-                json_number(cpu_median),
-                rss.map_or("null".into(), |r| r.to_string())
-            ));
-        }
-        let exact = added(Mode::Heapprofd);
-        let ratio_bpftrace = exact / added(Mode::Bpftrace);
-        let ratio_empty = exact / added(Mode::EmptyProbes);
-        let ratio_sampled_empty = added(Mode::HeapprofdSampled) / added(Mode::EmptyProbes);
+        .collect())
+}
 
-        // The goals, next to the figures.
-        let mut goals = Vec::new();
-        match workload.goal {
-            Goal::None => {}
-            Goal::Shallow => goals.push(GoalFigure {
-                text: "shallow stacks, heapprofd exact / trap floor".into(),
-                value: to_floor(Mode::Heapprofd),
-                limit: 1.25,
-                relation: "at most",
-                unit: "x",
-            }),
-            Goal::Deep => {
-                goals.push(GoalFigure {
-                    text: "deep stacks, full CFI unwinding (--unwind auto), heapprofd exact / trap floor"
-                        .into(),
-                    value: to_floor(Mode::Heapprofd),
-                    limit: 1.25,
-                    relation: "at most",
-                    unit: "x",
-                });
-                goals.push(GoalFigure {
-                    text: "deep stacks, heapprofd exact added time per allocation".into(),
-                    value: exact,
-                    limit: added(Mode::Bpftrace),
-                    relation: "below bpftrace memleak's",
-                    unit: " us",
-                });
-            }
-        }
-        if !goals.is_empty() {
-            let _ = writeln!(text);
-        }
-        for goal in &goals {
-            let line = goal.describe();
-            let _ = writeln!(text, "goal: {line}");
-            let _ = writeln!(goals_text, "{}: {line}", workload.key);
-            json_goals.push(goal.json(workload.key));
-        }
-        let _ = writeln!(
-            text,
-            "\nheapprofd exact / bpftrace memleak: {ratio_bpftrace:.3}x   heapprofd exact / empty entry probes: {ratio_empty:.3}x   sampled / empty entry probes: {ratio_sampled_empty:.3}x"
-        );
+/// What the workloads and sections write to summary.txt and summary.json, gathered as
+/// they run.
+#[derive(Default)]
+struct Summary {
+    /// The body of summary.txt, after its heading.
+    text: String,
+    /// The goals, one line each, for the summary's list of them.
+    goals_text: String,
+    /// Each workload's unwind tables, one line each.
+    tables_text: String,
+    /// Warnings of other tracers, also in the heading.
+    warnings: Vec<String>,
+    json_workloads: Vec<String>,
+    json_goals: Vec<String>,
+}
 
-        // Frames per allocation, from the last profile of each unwinding method.
-        let frames = |mode: Mode| {
-            runs[&mode]
-                .iter()
-                .rev()
-                .find_map(|r| r.profile.as_deref())
-                .and_then(frames_per_allocation)
-        };
-        let (frames_cfi, frames_fp) = (frames(Mode::Heapprofd), frames(Mode::HeapprofdFp));
-        let show = |f: Option<f64>| f.map_or("-".into(), |f| format!("{f:.1}"));
-        let _ = writeln!(
-            text,
-            "mean frames per allocation (final profile, allocator frame included): exact --unwind auto {}, --unwind fp {}",
-            show(frames_cfi),
-            show(frames_fp)
-        );
+/// The sections' parts of summary.json: `null` (or empty) for a section not run.
+struct SectionsJson {
+    launch: String,
+    library: String,
+    dumps: Vec<String>,
+    shutdown: Vec<String>,
+    redis: String,
+    /// The daemon-load section's CPU s, wall s and peak RSS (KiB).
+    load: (f64, f64, u64),
+}
 
-        // Probes the kernel single-steps (~10x an emulated one) at the default
-        // placement: expected none (`--probe-placement entry` has them on purpose).
-        let single_stepped = Mode::ALL
-            .iter()
-            .filter(|mode| !mode.is_bpftrace() && **mode != Mode::HeapprofdEntry)
-            .flat_map(|mode| runs[mode].iter().filter_map(|r| r.single_stepped))
-            .max()
-            .unwrap_or(0);
-        let _ = writeln!(
-            text,
-            "single-stepped probes at the default placement (heapprofd's warnings): {single_stepped}"
-        );
-
-        // The unwind tables heapprofd exact built for this process.
-        let tables_line = runs[&Mode::Heapprofd]
-            .iter()
-            .rev()
-            .find_map(|r| r.unwind_tables.clone());
-        let tables = tables_line.as_deref().and_then(Tables::parse);
-        let tables_shown = tables_line
-            .clone()
-            .unwrap_or_else(|| "no `unwind tables:` line logged".into());
-        let _ = writeln!(text, "heapprofd exact: {tables_shown}");
-        let _ = writeln!(tables_text, "{:<10} {tables_shown}", workload.key);
-
-        // Where the time goes: the BPF programs' own run time per allocation.
-        let stats_modes = [Mode::Floor, Mode::Heapprofd, Mode::HeapprofdFp];
-        let mut json_stats = Vec::new();
-        let mut bpf_ns = BTreeMap::new();
-        for mode in stats_modes {
-            let stats = bench
-                .bpf_stats(workload, mode)
-                .with_context(|| format!("{} under {} --bpf-stats", workload.name, mode.name()))?;
-            let ns = bpf_total_ns(&stats).map_or(f64::NAN, |ns| ns / allocations as f64);
-            bpf_ns.insert(mode, ns);
-            let _ = writeln!(text, "--bpf-stats, {}: {stats}", mode.name());
-            json_stats.push(format!(
-                "{}: {{\"line\": {}, \"bpf_ns_per_alloc\": {}}}",
-                json_string(mode.key()),
-                json_string(&stats),
-                json_number(ns)
-            ));
-        }
-        let wall_ns = |mode: Mode| added(mode) * 1e3;
-        let over_floor = |mode: Mode| {
-            format!(
-                "{} +{:.0} wall, +{:.0} BPF",
-                mode.name(),
-                wall_ns(mode) - wall_ns(Mode::Floor),
-                bpf_ns[&mode] - bpf_ns[&Mode::Floor]
-            )
-        };
-        let _ = writeln!(
-            text,
-            "where the time goes (ns per allocation; wall: medians above, BPF: the --bpf-stats runs): floor {:.0} wall, of which {:.0} BPF, so ~{:.0} in the traps; over the floor: {}; {}",
-            wall_ns(Mode::Floor),
-            bpf_ns[&Mode::Floor],
-            wall_ns(Mode::Floor) - bpf_ns[&Mode::Floor],
-            over_floor(Mode::Heapprofd),
-            over_floor(Mode::HeapprofdFp)
-        );
-        json_workloads.push(format!(
-            "{{\"name\": {}, \"key\": {}, \"allocations\": {allocations}, \"runs\": {}, \"modes\": {{{}}}, \"ratio_exact_to_bpftrace\": {}, \"ratio_exact_to_empty_probes\": {}, \"ratio_sampled_to_empty_probes\": {}, \"runs_with_other_tracers\": {disturbed}, \"single_stepped\": {single_stepped}, \"goals\": [{}], \"frames_per_alloc\": {{\"heapprofd_exact\": {}, \"heapprofd_exact_fp\": {}}}, \"unwind_tables\": {}, \"unwind_tables_line\": {}, \"bpf_stats\": {{{}}}}}",
-            json_string(workload.name),
-            json_string(workload.key),
-            options.runs,
-            json_modes.join(", "),
-            json_number(ratio_bpftrace),
-            json_number(ratio_empty),
-            json_number(ratio_sampled_empty),
-            goals
-                .iter()
-                .map(|g| g.json(workload.key))
-                .collect::<Vec<_>>()
-                .join(", "),
-            json_number(frames_cfi.unwrap_or(f64::NAN)),
-            json_number(frames_fp.unwrap_or(f64::NAN)),
-            tables.map_or("null".into(), |t| t.json()),
-            tables_line.as_deref().map_or("null".into(), json_string),
-            json_stats.join(", ")
-        ));
-    }
-    let mut launch_json = "null".to_owned();
-    if section("launch") {
-        note_foreign_tracers("launch", &mut warnings);
-        let report = launch::section(&bench, &stl, options.runs, options.quick, &mut text)?;
-        for (key, goal) in &report.goals {
-            let _ = writeln!(goals_text, "{key} (launch): {}", goal.describe());
-            json_goals.push(goal.json(key));
-        }
-        launch_json = report.json;
-    }
-    let _ = writeln!(
-        text,
-        "\n## Goals (figures of this run, never pass/fail; ratios of added time per allocation, medians)\n\n{goals_text}"
-    );
-    let _ = writeln!(
-        text,
-        "## Unwind tables of heapprofd exact, per workload (BPF map memory)\n\n{tables_text}"
-    );
-
-    let mut library_json = "null".to_owned();
-    if section("library") {
-        note_foreign_tracers("largest library", &mut warnings);
-        step(
-            "unwind tables of the machine's largest library: dlopen() under heapprofd, with and without it",
-        );
-        let library = bench.largest_library(&dlopen, options.runs)?;
-        let (library_text, json) = library.report(options.runs);
-        let _ = write!(text, "{library_text}");
-        library_json = json;
-    }
-
-    let mut json_dumps = Vec::new();
-    if section("dumps") {
-        note_foreign_tracers("profile dumps", &mut warnings);
-        let _ = writeln!(
-            text,
-            "\n## Profile dumps ({} runs each; median, min-max; the breakdown is the median run's)\n",
-            options.runs
-        );
-        for count in [10_000, 100_000] {
-            step(&format!(
-                "profile dumps with {count} distinct stacks, {} runs",
-                options.runs
-            ));
-            let mut runs = Vec::new();
-            for _ in 0..options.runs {
-                runs.push(bench.dump_times(&stacks, count)?);
-            }
-            let ms = |timing: &str| -> f64 {
-                timing
-                    .split(" ms")
-                    .next()
-                    .and_then(|n| n.trim().parse().ok())
-                    .unwrap_or(f64::NAN)
-            };
-            let first = spread(&runs.iter().map(|r| ms(&r.0)).collect::<Vec<_>>());
-            let cached = spread(&runs.iter().map(|r| ms(&r.1)).collect::<Vec<_>>());
-            let rss = spread(&runs.iter().map(|r| r.2 as f64 / 1024.0).collect::<Vec<_>>());
-            runs.sort_by(|a, b| ms(&a.0).total_cmp(&ms(&b.0)));
-            let median_run = &runs[runs.len() / 2];
-            let _ = writeln!(
-                text,
-                "{count:>7} stacks: first dump {:.0} ms ({:.0}-{:.0}); next dump {:.0} ms ({:.0}-{:.0}); heapprofd peak RSS {:.1} MiB ({:.1}-{:.1})\n         median first dump: {}",
-                first.median,
-                first.min,
-                first.max,
-                cached.median,
-                cached.min,
-                cached.max,
-                rss.median,
-                rss.min,
-                rss.max,
-                median_run.0
-            );
-            json_dumps.push(format!(
-                "{{\"stacks\": {count}, \"runs\": {}, \"first_dump_ms\": {}, \"cached_dump_ms\": {}, \"daemon_peak_rss_mib\": {}, \"median_first_dump\": {}}}",
-                options.runs,
-                json_number(first.median),
-                json_number(cached.median),
-                json_number(rss.median),
-                json_string(&median_run.0)
-            ));
+impl Default for SectionsJson {
+    fn default() -> Self {
+        SectionsJson {
+            launch: "null".to_owned(),
+            library: "null".to_owned(),
+            dumps: Vec::new(),
+            shutdown: Vec::new(),
+            redis: "null".to_owned(),
+            load: (f64::NAN, f64::NAN, 0),
         }
     }
+}
 
-    let mut json_shutdown = Vec::new();
-    if section("shutdown") {
-        note_foreign_tracers("shutdown", &mut warnings);
-        step("shutdown: heapprofd -- true, and final profile to exit after SIGINT");
-        let _ = writeln!(
-            text,
-            "\n## Shutdown ({} runs each; median, min-max)\n",
-            options.runs
-        );
-        for method in ["auto", "perf-events"] {
-            let mut end_to_end = Vec::new();
-            let mut after_write = Vec::new();
-            for _ in 0..options.runs {
-                let (total, tail) = bench.shutdown(method, &pairs)?;
-                end_to_end.push(total);
-                after_write.push(tail);
-            }
-            let (total, tail) = (spread(&end_to_end), spread(&after_write));
-            let _ = writeln!(
-                text,
-                "--attach {method:<12} heapprofd -- true: {:.3} s ({:.3}-{:.3}); final profile written to exit: {:.3} s ({:.3}-{:.3})",
-                total.median, total.min, total.max, tail.median, tail.min, tail.max
-            );
-            json_shutdown.push(format!(
-                "{}: {{\"end_to_end_true_s\": {}, \"write_to_exit_s\": {}}}",
-                json_string(method),
-                json_number(total.median),
-                json_number(tail.median)
-            ));
-        }
-    }
-
-    let mut redis_json = "null".to_owned();
-    if section("redis") {
-        note_foreign_tracers("redis", &mut warnings);
-        redis_json = redis::section(&bench, options.runs, options.quick, &mut text)?;
-    }
-
-    let seconds = if options.quick { 12 } else { 35 };
-    let (mut cpu, mut wall, mut rss) = (f64::NAN, f64::NAN, 0);
-    if section("load") {
-        note_foreign_tracers("daemon load", &mut warnings);
-        step(&format!(
-            "daemon load: {seconds} s of churn, profiles every 10 s (exact)"
-        ));
-        (cpu, wall, rss) = bench.daemon_load(&churn, seconds)?;
-        let _ = writeln!(
-            text,
-            "\n## Daemon load\n\n{seconds} s churn (2 threads), --interval 10s, exact: heapprofd used {cpu:.3} s CPU in {wall:.1} s = {:.2}% of a core, peak RSS {} MiB",
-            cpu / wall * 100.0,
-            rss / 1024
-        );
-    }
+/// Writes target/bench/summary.{txt,json} and prints the text.
+fn write_summary(
+    dir: &Path,
+    options: &Options,
+    load_before: &str,
+    summary: &Summary,
+    sections: &SectionsJson,
+) -> Result<()> {
+    let (cpu, wall, rss) = sections.load;
     let json = format!(
         "{{\n  \"load_average\": {{\"start\": {}, \"end\": {}}},\n  \"warnings\": [{}],\n  \"workloads\": [\n    {}\n  ],\n  \"goals\": [\n    {}\n  ],\n  \"largest_library\": {},\n  \"dumps\": [{}],\n  \"shutdown\": {{{}}},\n  \"redis\": {},\n  \"launch\": {},\n  \"daemon_load\": {{\"seconds\": {}, \"cpu_s\": {}, \"cpu_percent_of_core\": {}, \"peak_rss_kib\": {rss}}}\n}}\n",
-        json_string(&load_before),
+        json_string(load_before),
         json_string(&load_average()),
-        warnings
+        summary
+            .warnings
             .iter()
             .map(|w| json_string(w))
             .collect::<Vec<_>>()
             .join(", "),
-        json_workloads.join(",\n    "),
-        json_goals.join(",\n    "),
-        library_json,
-        json_dumps.join(", "),
-        json_shutdown.join(", "),
-        redis_json,
-        launch_json,
+        summary.json_workloads.join(",\n    "),
+        summary.json_goals.join(",\n    "),
+        sections.library,
+        sections.dumps.join(", "),
+        sections.shutdown.join(", "),
+        sections.redis,
+        sections.launch,
         json_number(wall),
         json_number(cpu),
         json_number(cpu / wall * 100.0),
@@ -1673,9 +1395,10 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         if options.quick { ", --quick" } else { "" },
         load_average()
     );
-    for warning in &warnings {
+    for warning in &summary.warnings {
         let _ = writeln!(heading, "# {warning}");
     }
+    let text = &summary.text;
     std::fs::write(dir.join("summary.txt"), format!("{heading}{text}"))?;
     std::fs::write(dir.join("summary.json"), json)?;
     println!("{heading}{text}");

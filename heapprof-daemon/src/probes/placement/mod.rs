@@ -29,33 +29,10 @@ use std::fmt;
 use heapprof_common::NO_REGISTER;
 use iced_x86::{Decoder, DecoderOptions};
 
-/// Instruction set of the probed library.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arch {
-    /// x86-64.
-    X86_64,
-    /// AArch64 (arm64).
-    Aarch64,
-}
+use crate::arch::Arch;
 
+/// What placement needs of an instruction set: which registers hold the values.
 impl Arch {
-    /// The instruction set heapprofd runs on.
-    #[cfg(target_arch = "aarch64")]
-    pub const HOST: Arch = Arch::Aarch64;
-    /// The instruction set heapprofd runs on.
-    #[cfg(not(target_arch = "aarch64"))]
-    pub const HOST: Arch = Arch::X86_64;
-
-    /// The instruction set of an ELF file from its header, if one we can decode.
-    pub fn of_elf_header(header: &[u8]) -> Option<Arch> {
-        // e_machine, little-endian, at offset 18.
-        match header.get(18..20)? {
-            [62, 0] => Some(Arch::X86_64),
-            [183, 0] => Some(Arch::Aarch64),
-            _ => None,
-        }
-    }
-
     /// The register the programs read as value register `index` (see
     /// [`heapprof_common::VALUE_REGISTERS`]): x86-64's sixteen in DWARF numbering;
     /// arm64's x0-x7 (the arguments) and x19-x26 (the callee-saved registers functions

@@ -15,7 +15,7 @@ use crate::{
     cli::Target,
     pprof::builder::AddressSpace,
     procmaps::{ObjectCache, ObjectFile, ProcessMaps, process_name},
-    unwind::loader::TableLoader,
+    unwind::table_upload::TableUploader,
 };
 
 /// One image of a process: what runs between two execs. Addresses mean something
@@ -104,12 +104,12 @@ pub(super) struct Images {
     processes: BTreeMap<Image, ProcessInfo>,
     exec_reads: Vec<ExecRead>,
     /// The unwind tables, fed with every current image read (none with `--unwind fp`).
-    unwinder: Option<TableLoader>,
+    unwinder: Option<TableUploader>,
 }
 
 impl Images {
     /// No image known yet.
-    pub fn new(target: Target, unwinder: Option<TableLoader>) -> Self {
+    pub fn new(target: Target, unwinder: Option<TableUploader>) -> Self {
         Self {
             target,
             objects: ObjectCache::default(),
@@ -120,7 +120,7 @@ impl Images {
     }
 
     /// The unwind tables, if stacks are unwound with CFI.
-    pub fn unwinder(&self) -> Option<&TableLoader> {
+    pub fn unwinder(&self) -> Option<&TableUploader> {
         self.unwinder.as_ref()
     }
 

@@ -2,14 +2,14 @@
 
 use std::collections::BTreeMap;
 
-use super::{Session, images::Image};
+use super::{UserSession, images::Image};
 use crate::{
     aggregate::Site,
     metrics::{ProcessFigures, Snapshot, TableFigure},
     session::{Drops, program_figures},
 };
 
-impl Session {
+impl UserSession {
     /// The metrics of the profile built from `sites` and `drops`: per process the
     /// sums of its samples' values, exactly as the profile holds them.
     pub(super) fn metrics_snapshot(&self, sites: &[Site], drops: &Drops) -> Snapshot {

@@ -41,11 +41,11 @@ use crate::{
     pprof::writer,
     probes::stats::{self, RunTimeStats},
     symbolize::Symbolizer,
-    unwind::loader::{TableCapacities, TableLoader, TableUsage},
+    unwind::table_upload::{TableCapacities, TableUploader, TableUsage},
 };
 
 /// Settings of a session.
-pub struct SessionConfig {
+pub struct UserSessionConfig {
     /// What is traced.
     pub target: Target,
     /// Where profiles go.
@@ -62,8 +62,8 @@ pub struct SessionConfig {
 }
 
 /// A running session. Dropping it detaches every probe.
-pub struct Session {
-    config: SessionConfig,
+pub struct UserSession {
+    config: UserSessionConfig,
     ebpf: Ebpf,
     run_time_stats: Option<RunTimeStats>,
     maps: Maps,
@@ -137,9 +137,13 @@ impl GapLog {
     }
 }
 
-impl Session {
+impl UserSession {
     /// Wraps loaded, attached BPF programs.
-    pub fn new(config: SessionConfig, mut ebpf: Ebpf, allocators: AllocatorProbes) -> Result<Self> {
+    pub fn new(
+        config: UserSessionConfig,
+        mut ebpf: Ebpf,
+        allocators: AllocatorProbes,
+    ) -> Result<Self> {
         let maps = Maps::new(&mut ebpf)?;
         let exec_events = ebpf
             .take_map(names::EXEC_EVENTS)
@@ -155,7 +159,7 @@ impl Session {
             .and_then(|map| Array::try_from(map).ok())
             .with_context(|| format!("BPF map {} missing or mistyped", names::LOADER_SYNCS))?;
         let unwinder = match config.unwind_tables {
-            Some(capacities) => Some(TableLoader::new(&mut ebpf, capacities)?),
+            Some(capacities) => Some(TableUploader::new(&mut ebpf, capacities)?),
             None => None,
         };
         let run_time_stats = if config.bpf_stats {

@@ -7,7 +7,7 @@ use std::{
 };
 
 use super::{
-    Session, StackGaps,
+    StackGaps, UserSession,
     images::{Image, ProcessInfo, SpaceNumbers},
 };
 use crate::{
@@ -26,7 +26,7 @@ const MAX_GAP_COMMENTS: usize = 20;
 const TAG_FRAME: u16 = 0;
 const TAG_UNKNOWN_STACK: u16 = u16::MAX;
 
-impl Session {
+impl UserSession {
     pub(super) fn build_profile(
         &mut self,
         sites: &[Site],

@@ -1,5 +1,5 @@
-//! Reports over a session's directory: its profiles read in time order into a compact
-//! [`Session`], and the dispatch to the timeline, the leak suspects and the HTML page.
+//! A session's directory of profiles read in time order into a compact [`Session`]:
+//! the model the timeline, the leak suspects and the HTML page are drawn from.
 //!
 //! A session directory holds `heap-YYYYMMDDTHHMMSS.mmmZ-NNNN.pb.gz` files (their names
 //! sort chronologically); other files are ignored. Each profile is read, reduced to its
@@ -14,17 +14,14 @@
 
 use std::{
     collections::{BTreeMap, HashMap},
-    io::Write,
     path::{Path, PathBuf},
 };
 
 use anyhow::{Context as _, Result, bail};
 
 use super::{
-    Format, ReportArgs, html,
     model::Profile,
     stacks::{ProcessFilter, site_description},
-    suspects, timeline,
 };
 use crate::memstats::ProcessMemory;
 
@@ -334,30 +331,6 @@ fn reduce(
     Ok(snapshot)
 }
 
-/// Writes a session-wide report: the timeline or suspects to `out`, or with `--html`
-/// the page to its file (and one line on standard error saying where).
-pub fn run(args: &ReportArgs, out: &mut dyn Write) -> Result<()> {
-    let filter = args.pid.map_or(ProcessFilter::All, ProcessFilter::Pid);
-    if let Some(page) = &args.html {
-        html::write_page(args, filter, page)?;
-        eprintln!("heapprofd: wrote {}", page.display());
-        return Ok(());
-    }
-    let session = load(&args.input, &args.sample_index, filter, |_, _, _| Ok(()))?;
-    match args.format {
-        Format::Suspects => suspects::write_table(&session, args.top, out),
-        // The dispatcher sends only the session formats here; any other one asked
-        // together with a directory gets the timeline, the directory's main table.
-        _ => {
-            // CSV has no place for it: said on standard error.
-            for loss in super::losses::losses(&session.last.comments) {
-                eprintln!("heapprofd: the session's last profile {}", loss.line());
-            }
-            timeline::write_csv(&session, args.top, out)
-        }
-    }
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
@@ -424,7 +397,7 @@ pub(crate) mod tests {
     /// Writes a session of `count` profiles, one a second, to `dir`: pid 7 leaks 4 KiB
     /// a second at a C++ template's site and churns at another; pid 9 holds 100 bytes.
     /// Returns the files' names.
-    fn write_session(dir: &Path, count: u32) -> Vec<String> {
+    pub(crate) fn write_session(dir: &Path, count: u32) -> Vec<String> {
         use crate::{
             memstats::ProcessMemory,
             pprof::{LabelValue, ProfileBuilder, writer::write_profile},
@@ -517,13 +490,6 @@ pub(crate) mod tests {
         assert_eq!(process.memory.as_ref().map(|m| m.vm_rss), Some(1 << 20));
         assert!(session.snapshots[0].processes[&9].memory.is_none());
 
-        let found = suspects::find(&session, 0);
-        assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(
-            session.site_name(found[0].key.site),
-            "malloc in f<std::map<int, int>> <- main"
-        );
-
         let one = load(
             dir.path(),
             "inuse_space",
@@ -543,26 +509,6 @@ pub(crate) mod tests {
             format!("{err:#}").contains("process 1 is in no profile"),
             "{err:#}"
         );
-
-        // The whole page, through the command's entry point.
-        let page = dir.path().join("page.html");
-        let args = <ReportArgs as clap::Parser>::try_parse_from([
-            "heapprofd report".as_ref(),
-            dir.path().as_os_str(),
-            "--html".as_ref(),
-            page.as_os_str(),
-        ])
-        .expect("arguments");
-        run(&args, &mut Vec::new()).expect("the page");
-        let html = std::fs::read_to_string(&page).expect("the page");
-        assert!(html.contains("f&lt;std::map&lt;int, int&gt;&gt;"));
-        assert_eq!(
-            html.matches("<option ").count(),
-            5,
-            "a flamegraph per profile"
-        );
-        assert!(html.contains("2 processes"));
-        assert!(html.contains("id=\"processes\""));
     }
 
     #[test]

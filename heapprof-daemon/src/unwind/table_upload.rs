@@ -88,7 +88,7 @@ impl<T: Copy> MappedArray<T> {
         if values.is_empty() {
             return Ok(());
         }
-        let page = crate::probes::page_size() as usize;
+        let page = crate::sys::page_size() as usize;
         let start = index * size_of::<T>();
         let end = start + size_of_val(values);
         let map_start = start / page * page;
@@ -247,7 +247,7 @@ impl TableUsage {
 }
 
 /// The unwind tables and process mappings in the BPF maps.
-pub struct TableLoader {
+pub struct TableUploader {
     process_mappings: BpfHashMap<MapData, u32, ProcessMappings>,
     objects_map: Array<MapData, UnwindObject>,
     rows: MappedArray<UnwindRow>,
@@ -267,7 +267,7 @@ pub struct TableLoader {
     epoch: u64,
 }
 
-impl TableLoader {
+impl TableUploader {
     /// Takes the unwind maps out of the loaded BPF object.
     pub fn new(ebpf: &mut Ebpf, capacities: TableCapacities) -> Result<Self> {
         let take = |ebpf: &mut Ebpf, name: &str| {
