@@ -279,7 +279,7 @@ pub extern "C" fn heapprof_count_block(allocation: *const NewBlock) -> i64 {
             (block, size),
             &site,
             NewSite::Stack(stack),
-            &mut Usage::Direct,
+            &mut Usage::direct(),
             Frees::Queued,
         )
         .is_some(),
@@ -356,7 +356,7 @@ fn on_report(ctx: &ProbeContext) {
                     last
                 })
             };
-            sites::release_into(tgid, block, temporary, &mut Usage::Direct, Frees::OnTime);
+            sites::release_into(tgid, block, temporary, &mut Usage::direct(), Frees::OnTime);
         }
         Some(Kind::Alloc) => {
             if !queue_busy && let Some(state) = apply_queue(pid_tgid, reports) {

@@ -175,18 +175,25 @@ pub fn add_to_site(id: SiteId, change: SiteChange, peaks: u64) {
 /// Where a change of a process's in-use bytes goes: straight to its total, or into
 /// a batch that is added at its end (see [`crate::usage::UsageBatch`]).
 pub enum Usage<'a> {
-    /// `PROCESS_USAGE`, one atomic update per block.
-    Direct,
+    /// `PROCESS_USAGE`/`USAGE_SLOTS`, one atomic update per block; the process's
+    /// entry is looked up once per call ([`Usage::direct`]).
+    Direct(crate::usage::Process),
     /// A batch of one thread's records.
     Batch(&'a mut crate::usage::UsageBatch),
 }
 
 impl Usage<'_> {
+    /// Straight to the process's total.
+    #[inline(always)]
+    pub const fn direct() -> Self {
+        Usage::Direct(crate::usage::Process::new())
+    }
+
     /// The process's count of new in-use peaks so far (0 when peaks are not kept).
     #[inline(always)]
-    fn peaks(&self, tgid: u32) -> u64 {
+    fn peaks(&mut self, tgid: u32) -> u64 {
         match self {
-            Usage::Direct => crate::usage::peaks(tgid),
+            Usage::Direct(process) => process.peaks(tgid),
             Usage::Batch(batch) => batch.peaks(),
         }
     }
@@ -194,7 +201,7 @@ impl Usage<'_> {
     #[inline(always)]
     fn grow(&mut self, tgid: u32, bytes: u64) {
         match self {
-            Usage::Direct => crate::usage::grow(tgid, bytes),
+            Usage::Direct(process) => process.grow(tgid, bytes),
             Usage::Batch(batch) => batch.grow(bytes),
         }
     }
@@ -202,7 +209,7 @@ impl Usage<'_> {
     #[inline(always)]
     fn shrink(&mut self, tgid: u32, bytes: u64) {
         match self {
-            Usage::Direct => crate::usage::shrink(tgid, bytes),
+            Usage::Direct(process) => process.shrink(tgid, bytes),
             Usage::Batch(batch) => batch.shrink(bytes),
         }
     }
@@ -223,7 +230,7 @@ pub enum Frees {
 /// when the block was its thread's last allocation.
 #[inline(always)]
 pub fn release(tgid: u32, ptr: u64, temporary: bool) {
-    release_into(tgid, ptr, temporary, &mut Usage::Direct, Frees::OnTime);
+    release_into(tgid, ptr, temporary, &mut Usage::direct(), Frees::OnTime);
 }
 
 /// [`release`], with the in-use change going to `usage`. A queued free of an address
@@ -263,7 +270,7 @@ pub fn allocated(
         (ptr, size),
         site,
         new,
-        &mut Usage::Direct,
+        &mut Usage::direct(),
         Frees::OnTime,
     )
 }

@@ -22,31 +22,62 @@ use crate::{
 /// allocation settles.
 const PEAK_ATTEMPTS: usize = 4;
 
-/// How many times `tgid`'s peak was raised (0 when peaks are not kept or it has
-/// none yet): read before a site changes, see `heapprof_common::SiteCounters`.
-#[inline(always)]
-pub fn peaks(tgid: u32) -> u64 {
-    if !track_peak() {
-        return 0;
-    }
-    match find(tgid) {
-        // SAFETY: a map value whose fields are only accessed atomically.
-        Some(usage) => unsafe { core::ptr::read_volatile(&raw const (*usage).peaks) },
-        None => 0,
-    }
+/// A process's usage for the changes one call makes, looked up once (an allocation
+/// reads its peak count, then adds its block; a free the same with its block).
+pub struct Process {
+    /// The usage, once looked up (null: not yet, or the table is full).
+    usage: *mut ProcessUsage,
 }
 
-/// Adds a new block's bytes to `tgid`'s total and raises its peak.
-#[inline(always)]
-pub fn grow(tgid: u32, bytes: u64) {
-    if !track_peak() {
-        return;
+impl Process {
+    /// Nothing looked up yet.
+    #[inline(always)]
+    pub const fn new() -> Self {
+        Self {
+            usage: core::ptr::null_mut(),
+        }
     }
-    let Some(usage) = usage_of(tgid) else {
-        return;
-    };
-    // SAFETY: a map value, valid for the program's run.
-    unsafe { add_and_raise_peak(usage, bytes) };
+
+    /// `tgid`'s usage, created on first use; `None` when peaks are not kept.
+    #[inline(always)]
+    fn get(&mut self, tgid: u32) -> Option<*mut ProcessUsage> {
+        if !track_peak() {
+            return None;
+        }
+        if self.usage.is_null() {
+            self.usage = usage_of(tgid).unwrap_or(core::ptr::null_mut());
+        }
+        (!self.usage.is_null()).then_some(self.usage)
+    }
+
+    /// How many times `tgid`'s peak was raised (0 when peaks are not kept or it has
+    /// none yet): read before a site changes, see `heapprof_common::SiteCounters`.
+    #[inline(always)]
+    pub fn peaks(&mut self, tgid: u32) -> u64 {
+        match self.get(tgid) {
+            // SAFETY: a map value whose fields are only accessed atomically.
+            Some(usage) => unsafe { core::ptr::read_volatile(&raw const (*usage).peaks) },
+            None => 0,
+        }
+    }
+
+    /// Adds a new block's bytes to `tgid`'s total and raises its peak.
+    #[inline(always)]
+    pub fn grow(&mut self, tgid: u32, bytes: u64) {
+        if let Some(usage) = self.get(tgid) {
+            // SAFETY: a map value, valid for the program's run.
+            unsafe { add_and_raise_peak(usage, bytes) };
+        }
+    }
+
+    /// Takes a freed block's bytes off `tgid`'s total.
+    #[inline(always)]
+    pub fn shrink(&mut self, tgid: u32, bytes: u64) {
+        if let Some(usage) = self.get(tgid) {
+            // SAFETY: a map value whose fields are only accessed atomically.
+            unsafe { fetch_add(&raw mut (*usage).inuse_bytes, bytes.wrapping_neg()) };
+        }
+    }
 }
 
 /// The slot process `tgid` would own.
@@ -226,18 +257,6 @@ impl UsageBatch {
                 fetch_add(&raw mut (*usage).peaks, self.new_peaks);
             }
         }
-    }
-}
-
-/// Takes a freed block's bytes off `tgid`'s total.
-#[inline(always)]
-pub fn shrink(tgid: u32, bytes: u64) {
-    if !track_peak() {
-        return;
-    }
-    if let Some(usage) = find(tgid) {
-        // SAFETY: as in `grow`.
-        unsafe { fetch_add(&raw mut (*usage).inuse_bytes, bytes.wrapping_neg()) };
     }
 }
 

@@ -196,7 +196,7 @@ fn on_return(ctx: &RetProbeContext) {
             tgid,
             (ptr, state.size),
             site,
-            &mut Usage::Direct,
+            &mut Usage::direct(),
             Frees::OnTime,
         );
         return;
