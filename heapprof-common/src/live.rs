@@ -13,7 +13,7 @@
 //! - `LIVE_ENTRIES`, the slots' [`LiveEntry`]s (bucket `b`'s slots at `b *
 //!   BUCKET_SLOTS ..`).
 //!
-//! A block goes to its **home** bucket, chosen by its address (each bucket covers 64
+//! A block goes to its **home** bucket, chosen by its address (each bucket covers 32
 //! bytes of a process's address space, so blocks allocated one after the other share
 //! buckets and cache lines, and a program's frees find their buckets in the cache),
 //! or, when that is full, to a second bucket chosen by hash; the home bucket is then
@@ -36,13 +36,15 @@ pub const OVERFLOWED: u64 = 1;
 /// its third bucket.
 pub const SPILLED: u64 = 2;
 
-/// Bytes of a process's address space a home span covers: two blocks of glibc's
-/// smallest chunk (32 bytes), four of jemalloc's 16-byte class. A dense heap larger
-/// than the table's spans wraps around it, so a bucket takes the blocks of two or
-/// three spans: 64-byte spans keep that under a bucket's seven slots, where 128-byte
-/// ones (four of jemalloc's 32-byte blocks each, eight in two) filled both buckets of
-/// thousands of blocks in a redis holding a million keys at a default-sized table.
-pub const HOME_SPAN_SHIFT: u32 = 6;
+/// Bytes of a process's address space a home span covers: one block of glibc's
+/// smallest chunk (32 bytes), so neighbouring blocks go to neighbouring buckets. A
+/// dense heap larger than the table's spans wraps around it, and a bucket takes the
+/// blocks of several spans: the smaller the span, the closer each bucket's share to
+/// the table's average. 128-byte spans (glibc's 48-byte chunks two or three to a
+/// span) or 64-byte ones (one or two) filled both buckets of some blocks at the
+/// tests' loads, and 128-byte ones those of thousands of blocks of a redis holding a
+/// million keys (jemalloc's 32-byte blocks, four to a span, eight to a bucket).
+pub const HOME_SPAN_SHIFT: u32 = 5;
 
 /// The tag of a slot a program has claimed and is filling (even: no [`tag`] is).
 pub const TAG_BUSY: u64 = 2;
@@ -112,7 +114,7 @@ pub const fn tag(hash: u64) -> u64 {
 }
 
 /// The buckets and tag of the block at `ptr` in process `tgid`, in a table of
-/// `buckets` buckets (at least 1). The home is the block's 64-byte span of address
+/// `buckets` buckets (at least 1). The home is the block's 32-byte span of address
 /// space, shifted per process; the second bucket comes from the hash by
 /// multiplication, so any bucket count works.
 #[inline(always)]
@@ -272,19 +274,16 @@ mod tests {
     }
 
     #[test]
-    fn neighbouring_blocks_share_their_home() {
+    fn neighbouring_blocks_go_to_neighbouring_homes() {
         let base = 0x5555_0000_0000u64;
         let homes: [u32; 8] =
             core::array::from_fn(|i| placement(base + i as u64 * 32, 7, 163_840).first);
-        // Two 32-byte blocks a home, the next two in the next bucket.
-        for pair in 0..4 {
-            assert_eq!(homes[2 * pair], homes[2 * pair + 1], "{homes:?}");
-            assert_eq!(
-                (homes[0] + pair as u32) % 163_840,
-                homes[2 * pair],
-                "{homes:?}"
-            );
+        // One 32-byte block a home, the next in the next bucket.
+        for (i, &home) in homes.iter().enumerate() {
+            assert_eq!((homes[0] + i as u32) % 163_840, home, "{homes:?}");
         }
+        // A 16-byte block shares its home with its neighbour.
+        assert_eq!(placement(base + 16, 7, 163_840).first, homes[0]);
     }
 
     #[test]
