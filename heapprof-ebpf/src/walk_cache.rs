@@ -31,8 +31,13 @@ use crate::maps::{
 /// registers; each set is two entries, the last used first.
 const SETS: u32 = 256;
 
-/// [`CachedWalk::site_slot`] before a site is known.
+/// A [`CachedWalk::site_tags`] entry before a site is known.
 const NO_SITE: u32 = u32::MAX;
+
+/// Sites a remembered walk keeps, one per size class modulo this: allocations of
+/// several sizes at one stack (a buffer that grows, a helper called for several
+/// types) are one site per class, each known without a lookup of its key.
+const SITE_WAYS: usize = 8;
 
 /// One remembered walk.
 #[repr(C)]
@@ -59,11 +64,11 @@ pub struct CachedWalk {
     uses_fp: u32,
     /// Bytes above `sp` that hold every word read.
     span: u32,
-    /// The function and size class of the last allocation counted with this walk
-    /// ([`site_tag`]), or `NO_SITE`.
-    site_slot: u32,
-    /// That allocation's site index.
-    site: SiteId,
+    /// Per size class modulo [`SITE_WAYS`]: the function and size class of the last
+    /// allocation of that class counted with this walk ([`site_tag`]), or `NO_SITE`.
+    site_tags: [u32; SITE_WAYS],
+    /// Those allocations' site indices.
+    sites: [SiteId; SITE_WAYS],
     /// The words' places, in words above `sp`.
     places: [u16; REPLY_READS],
 }
@@ -136,6 +141,12 @@ pub struct WalkHit {
 #[inline(always)]
 fn site_tag(start: &WalkStart) -> u32 {
     start.slot | (start.size_class << 16)
+}
+
+/// Where in a remembered walk's sites the site of an allocation from `start` is kept.
+#[inline(always)]
+fn site_way(start: &WalkStart) -> usize {
+    start.size_class as usize & (SITE_WAYS - 1)
 }
 
 /// The daemon's epochs, read before a walk starts: a walk made while mappings change
@@ -249,8 +260,9 @@ pub extern "C" fn heapprof_walk_check(
     // SAFETY: the caller's own value.
     unsafe {
         (*hit).hash = entry.hash;
-        (*hit).site = entry.site;
-        (*hit).known = u32::from(entry.site_slot == site_tag(start));
+        let way = site_way(start);
+        (*hit).site = entry.sites[way];
+        (*hit).known = u32::from(entry.site_tags[way] == site_tag(start));
     }
     1
 }
@@ -314,8 +326,9 @@ pub fn note_site(start: &WalkStart, site: SiteId) {
     // SAFETY: this CPU's slot; programs on one CPU do not interleave.
     let entry = unsafe { &mut *entry };
     if entry.pid_tgid == start.pid_tgid && entry.pc == start.pc && entry.sp == start.sp {
-        entry.site_slot = site_tag(start);
-        entry.site = site;
+        let way = site_way(start);
+        entry.site_tags[way] = site_tag(start);
+        entry.sites[way] = site;
     }
 }
 
@@ -374,7 +387,7 @@ pub extern "C" fn heapprof_walk_remember(start: *const WalkStart, hash: u64) -> 
     entry.uses_fp = reply.uses_fp;
     // A walk that read nothing (its first frame ended it) still copies a word.
     entry.span = span.max(8);
-    entry.site_slot = NO_SITE;
+    entry.site_tags = [NO_SITE; SITE_WAYS];
     entry.pid_tgid = start.pid_tgid;
     1
 }

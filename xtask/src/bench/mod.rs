@@ -34,6 +34,7 @@ use crate::{step, workspace_root};
 
 mod launch;
 mod redis;
+mod redis_keys;
 mod sections;
 mod workload;
 

@@ -26,7 +26,7 @@ use super::{Bench, json_number, json_string, spread, written_profile};
 use crate::step;
 
 /// Loopback port of the benchmark's redis (outside redis's default 6379).
-const PORT: &str = "16399";
+pub(super) const PORT: &str = "16399";
 /// The commands timed, as the issue measured them.
 const TESTS: &str = "set,get,lpush,lpop,sadd,hset";
 /// The goal of the sampled launch: at least this fraction of bare redis's requests/s.
@@ -154,7 +154,7 @@ const SERVER_ARGS: [&str; 10] = [
 
 /// A redis-server on [`PORT`], pinned to CPU 0, without persistence; bare or launched by
 /// heapprofd.
-struct Redis {
+pub(super) struct Redis {
     /// `taskset` (which becomes redis-server), or heapprofd in launch mode.
     child: Child,
     /// redis-server's pid.
@@ -165,7 +165,7 @@ struct Redis {
 
 impl Redis {
     /// Starts a bare redis-server.
-    fn start() -> Result<Redis> {
+    pub(super) fn start() -> Result<Redis> {
         let child = Command::new("taskset")
             .args(["-c", "0", "redis-server"])
             .args(SERVER_ARGS)
@@ -222,7 +222,7 @@ impl Redis {
         Ok(redis)
     }
 
-    fn pid(&self) -> u32 {
+    pub(super) fn pid(&self) -> u32 {
         self.pid
     }
 
@@ -476,8 +476,15 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         zmalloc(RedisMode::LaunchSampled),
         zmalloc(RedisMode::LaunchExact)
     );
+    let million_keys = match super::redis_keys::section(bench, quick, text) {
+        Ok(json) => json,
+        Err(err) => {
+            let _ = writeln!(text, "redis filled with keys: failed: {err:#}");
+            "null".to_owned()
+        }
+    };
     Ok(format!(
-        "{{{}, \"launch_sampled_goal\": {goal_json}, \"stacks_through_zmalloc\": {{\"heapprofd_launch_sampled\": {}, \"heapprofd_launch_exact\": {}}}}}",
+        "{{{}, \"launch_sampled_goal\": {goal_json}, \"stacks_through_zmalloc\": {{\"heapprofd_launch_sampled\": {}, \"heapprofd_launch_exact\": {}}}, \"million_keys\": {million_keys}}}",
         json_modes.join(", "),
         json_string(zmalloc(RedisMode::LaunchSampled)),
         json_string(zmalloc(RedisMode::LaunchExact))
