@@ -181,33 +181,52 @@ unsafe fn flagged(tags: *mut LiveBucket, flag: u64) -> bool {
     unsafe { core::ptr::read_volatile(&raw const (*tags).flags) & flag != 0 }
 }
 
-/// Where a block may be besides its home, and what the insert saw there.
-struct Away {
-    /// The bucket's tags.
-    tags: *mut LiveBucket,
-    /// Its free slots, as scanned.
-    free: u64,
-}
-
-/// Looks for the block in `bucket` (scanning its tags for `tag`): its entry if there,
-/// and the bucket with its free slots.
+/// The entry of the block `(ptr, tgid)` with `tag` in `bucket`, if there.
 #[inline(always)]
-fn look_in(bucket: u32, tag: u64, ptr: u64, tgid: u32) -> Option<(Option<*mut LiveEntry>, Away)> {
+fn find_in(bucket: u32, tag: u64, ptr: u64, tgid: u32) -> Option<*mut LiveEntry> {
     let tags = LIVE.get_ptr_mut(bucket)?;
     // SAFETY: the bucket's own map value.
-    let there = unsafe { scan(tags, tag) };
-    let entry = entry_of(bucket, lowest_slot(there.tagged), ptr, tgid);
-    Some((
-        entry,
-        Away {
-            tags,
-            free: there.free,
-        },
-    ))
+    let tagged = unsafe { scan(tags, tag) }.tagged;
+    entry_of(bucket, lowest_slot(tagged), ptr, tgid)
+}
+
+/// Claims a free slot of `bucket` for `block`; returns whether it got one.
+#[inline(always)]
+fn claim_in(bucket: u32, tag: u64, block: &LiveEntry) -> bool {
+    let Some(tags) = LIVE.get_ptr_mut(bucket) else {
+        return false;
+    };
+    // SAFETY: the bucket's own map value.
+    let free = unsafe { scan(tags, tag) }.free;
+    // SAFETY: as above.
+    unsafe { claim(tags, bucket, free, tag, block) }
+}
+
+/// Sets `flag` on `bucket` if it is not set yet.
+#[inline(always)]
+fn mark(bucket: u32, flag: u64) {
+    if let Some(tags) = LIVE.get_ptr_mut(bucket) {
+        // SAFETY: the bucket's own map value; its flags are only changed atomically.
+        unsafe {
+            if !flagged(tags, flag) {
+                fetch_or(&raw mut (*tags).flags, flag);
+            }
+        }
+    }
+}
+
+/// Whether `bucket` has `flag` set.
+#[inline(always)]
+fn bucket_flagged(bucket: u32, flag: u64) -> bool {
+    // SAFETY: the bucket's own map value.
+    LIVE.get_ptr_mut(bucket)
+        .is_some_and(|tags| unsafe { flagged(tags, flag) })
 }
 
 /// Inserts `block` of process `tgid` (see [`insert`]); returns an `INSERTED_*`, with
-/// the entry replaced in `found`.
+/// the entry replaced in `found`. Its frame is kept small (the buckets away from
+/// home are looked up again rather than kept): it is the third of a chain of calls
+/// from the preload library's probe, whose frames together must fit in 512 bytes.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn heapprof_live_insert(
@@ -230,22 +249,10 @@ pub extern "C" fn heapprof_live_insert(
     let mut existing = entry_of(place.first, lowest_slot(at_home.tagged), ptr, tgid);
     // SAFETY: as above.
     let overflowed = unsafe { flagged(home, OVERFLOWED) };
-    let mut second = None;
-    let mut third = None;
     if existing.is_none() && overflowed {
-        let Some((entry, away)) = look_in(place.second, place.tag, ptr, tgid) else {
-            return INSERTED_FULL;
-        };
-        existing = entry;
-        // SAFETY: a live map value.
-        let spilled = unsafe { flagged(away.tags, SPILLED) };
-        second = Some(away);
-        if existing.is_none() && spilled {
-            let Some((entry, away)) = look_in(place.third, place.tag, ptr, tgid) else {
-                return INSERTED_FULL;
-            };
-            existing = entry;
-            third = Some(away);
+        existing = find_in(place.second, place.tag, ptr, tgid);
+        if existing.is_none() && bucket_flagged(place.second, SPILLED) {
+            existing = find_in(place.third, place.tag, ptr, tgid);
         }
     }
     if let Some(entry) = existing {
@@ -263,36 +270,15 @@ pub extern "C" fn heapprof_live_insert(
     // Home is full: the flag first, so that a lookup that misses the block at home
     // after it is published in the second bucket looks there.
     if !overflowed {
-        // SAFETY: the flags of a live map value, aligned, only changed atomically.
-        unsafe { fetch_or(&raw mut (*home).flags, OVERFLOWED) };
+        mark(place.first, OVERFLOWED);
     }
-    let second = match second {
-        Some(away) => away,
-        None => match look_in(place.second, place.tag, ptr, tgid) {
-            Some((_, away)) => away,
-            None => return INSERTED_FULL,
-        },
-    };
-    // SAFETY: `second.tags` is bucket `place.second`'s map value.
-    if unsafe { claim(second.tags, place.second, second.free, place.tag, block) } {
+    if claim_in(place.second, place.tag, block) {
         return INSERTED_NEW;
     }
     // The second is full too (a dense heap wrapped around the table): the same again
     // with the third.
-    // SAFETY: a live map value.
-    if !unsafe { flagged(second.tags, SPILLED) } {
-        // SAFETY: the flags of a live map value, aligned, only changed atomically.
-        unsafe { fetch_or(&raw mut (*second.tags).flags, SPILLED) };
-    }
-    let third = match third {
-        Some(away) => away,
-        None => match look_in(place.third, place.tag, ptr, tgid) {
-            Some((_, away)) => away,
-            None => return INSERTED_FULL,
-        },
-    };
-    // SAFETY: `third.tags` is bucket `place.third`'s map value.
-    if unsafe { claim(third.tags, place.third, third.free, place.tag, block) } {
+    mark(place.second, SPILLED);
+    if claim_in(place.third, place.tag, block) {
         INSERTED_NEW
     } else {
         INSERTED_FULL
