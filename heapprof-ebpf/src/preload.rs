@@ -142,11 +142,14 @@ fn apply_queue(pid_tgid: u64, address: u64) -> Option<*mut QueueState> {
 /// `bpf_loop`'s callback: one record (see [`heapprof_apply_record`]).
 extern "C" fn apply_record(_index: u64, context: *mut c_void) -> i64 {
     // As in the unwinder's callback: the global function keeps the verifier from
-    // checking the loop's body once per iteration, and the volatile read keeps the
-    // return's mask, which the verifier needs.
-    let stop = heapprof_apply_record(context.cast::<QueueCursor>());
-    // SAFETY: reads a local.
-    unsafe { core::ptr::read_volatile(&stop) & 1 }
+    // checking the loop's body once per iteration. The mask, which the verifier needs,
+    // is kept in assembly on the register: a volatile read of a local would give this
+    // callback a stack frame, and its chain (the probe, this callback, the record's
+    // global function, the live-block insert) has none to spare under 6.1's 512 bytes.
+    let mut stop = heapprof_apply_record(context.cast::<QueueCursor>());
+    // SAFETY: arithmetic on a register.
+    unsafe { core::arch::asm!("{r} &= 1", r = inout(reg) stop, options(nostack)) };
+    stop
 }
 
 /// Applies the record at the cursor (see `heapprof_common::preload::Record`) and
