@@ -11,7 +11,7 @@ use heapprof_common::{
     MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
     StackKey, UserStack, WalkEpoch,
     live::{BUCKET_SLOTS, LiveBucket, LiveEntry},
-    preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, ReportQueue, StackReply},
+    preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, StackReply},
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
         UnwindRule,
@@ -128,19 +128,6 @@ pub static PRELOADED: HashMap<u32, Preloaded> = HashMap::with_max_entries(4096, 
 /// Where each thread of those keeps its `ThreadReports`, keyed by pid_tgid.
 #[map(name = "REPORT_QUEUES")]
 pub static REPORT_QUEUES: HashMap<u64, QueueState> = HashMap::with_max_entries(16384, 0);
-/// A report queue's copy, with room past its end: an extended record's last word is
-/// read at most two words after the last place the verifier can tell a record starts.
-#[repr(C)]
-pub struct QueueScratch {
-    /// The copy.
-    pub queue: ReportQueue,
-    /// Never read as part of a record.
-    pub slack: [u64; 2],
-}
-
-/// Per-CPU room to copy a report queue into (too big for the BPF stack).
-#[map(name = "QUEUE_SCRATCH")]
-pub static QUEUE_SCRATCH: PerCpuArray<QueueScratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// A [`StackReply`] being written by a walk, with the stack pointer its offsets are
 /// from and the values of the words read (for `crate::walk_cache`).

@@ -11,26 +11,51 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     helpers::{bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_user, bpf_probe_read_user_buf},
-    macros::uprobe,
+    macros::{map, uprobe},
+    maps::PerCpuArray,
     programs::ProbeContext,
 };
 use heapprof_common::{
     DropReason, StackKey,
-    preload::{Kind, Meta, Preloaded, QUEUE_WORDS, QueueState, REPLY_SLOTS, Record, StackReply},
+    preload::{
+        Kind, Meta, Preloaded, QUEUE_WORDS, QueueState, REPLY_SLOTS, Record, ReportQueue,
+        StackReply,
+    },
     size_class,
 };
 
 use crate::{
     calls,
     maps::{
-        EXEC_GEN, PRELOADED, QUEUE_SCRATCH, REPLIES, REPLY_SCRATCH, REPORT_QUEUES, STACK_SCRATCH,
-        armed, count_drop, empty_programs, ignored, unwind_mode,
+        EXEC_GEN, PRELOADED, REPLIES, REPLY_SCRATCH, REPORT_QUEUES, STACK_SCRATCH, armed,
+        count_drop, empty_programs, ignored, unwind_mode,
     },
     regs,
     sites::{self, Frees, NewSite, Usage},
     unwind,
     usage::UsageBatch,
 };
+
+/// A report queue's copy, with room past its end (an extended record's last word is
+/// read at most two words after the last place the verifier can tell a record
+/// starts), and where its application stands.
+#[repr(C)]
+pub struct QueueScratch {
+    /// The copy.
+    queue: ReportQueue,
+    /// Never read as part of a record.
+    slack: [u64; 2],
+    /// The application's state. Kept here, not on the stack of the program that calls
+    /// `bpf_loop`: kernels up to 6.1 count the loop's callback as a call from that
+    /// program, and the chain of its frame, the callback's (at least 32 bytes), the
+    /// record's and the live-block insert's must fit 512 bytes.
+    cursor: QueueCursor,
+}
+
+/// Per-CPU room to copy a report queue into (too big for the BPF stack). Programs on
+/// one CPU do not interleave: tracing programs do not run while one runs on the CPU.
+#[map(name = "QUEUE_SCRATCH")]
+pub static QUEUE_SCRATCH: PerCpuArray<QueueScratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// Where the queue's records are being applied, for [`heapprof_apply_record`].
 #[repr(C)]
@@ -116,21 +141,21 @@ fn apply_queue(pid_tgid: u64, address: u64) -> Option<*mut QueueState> {
         count_drop(DropReason::FreeQueueUnreadable);
         return Some(state_ptr);
     }
-    let mut cursor = QueueCursor {
-        tgid,
-        exec_gen: exec_gen_of(tgid),
-        index: 0,
-        len: words as u32,
-        usage: UsageBatch::start(tgid),
-        last_block: state.last_block,
-    };
-    // SAFETY: the callback is a BPF subprogram taking the context pointer given here,
-    // which stays valid for the call.
+    // SAFETY: this CPU's scratch slot, as above.
+    let cursor = unsafe { &mut (*scratch).cursor };
+    cursor.tgid = tgid;
+    cursor.exec_gen = exec_gen_of(tgid);
+    cursor.index = 0;
+    cursor.len = words as u32;
+    cursor.usage = UsageBatch::start(tgid);
+    cursor.last_block = state.last_block;
+    // SAFETY: the callback is a BPF subprogram; it takes no context (the cursor is in
+    // this CPU's scratch slot).
     unsafe {
         bpf_loop(
             QUEUE_WORDS as u32,
             apply_record as *mut c_void,
-            (&raw mut cursor).cast(),
+            core::ptr::null_mut(),
             0,
         );
     }
@@ -140,35 +165,31 @@ fn apply_queue(pid_tgid: u64, address: u64) -> Option<*mut QueueState> {
 }
 
 /// `bpf_loop`'s callback: one record (see [`heapprof_apply_record`]).
-extern "C" fn apply_record(_index: u64, context: *mut c_void) -> i64 {
+extern "C" fn apply_record(_index: u64, _context: *mut c_void) -> i64 {
     // As in the unwinder's callback: the global function keeps the verifier from
     // checking the loop's body once per iteration. The mask, which the verifier needs,
     // is kept in assembly on the register: a volatile read of a local would give this
-    // callback a stack frame, and its chain (the probe, this callback, the record's
-    // global function, the live-block insert) has none to spare under 6.1's 512 bytes.
-    let mut stop = heapprof_apply_record(context.cast::<QueueCursor>());
+    // callback a stack frame of its own.
+    let mut stop = heapprof_apply_record();
     // SAFETY: arithmetic on a register.
     unsafe { core::arch::asm!("{r} &= 1", r = inout(reg) stop, options(nostack)) };
     stop
 }
 
-/// Applies the record at the cursor (see `heapprof_common::preload::Record`) and
-/// moves the cursor past it; returns 1 after the last. A global function: the
-/// verifier checks it once, on its own.
+/// Applies the record at the cursor in this CPU's `QUEUE_SCRATCH` (see
+/// `heapprof_common::preload::Record`) and moves the cursor past it; returns 1 after
+/// the last. A global function: the verifier checks it once, on its own.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn heapprof_apply_record(cursor: *mut QueueCursor) -> i64 {
-    if cursor.is_null() {
-        return 1;
-    }
-    // SAFETY: `apply_queue`'s own cursor, alive for the whole loop.
-    let cursor = unsafe { &mut *cursor };
-    // Map keys must be on this function's stack (see `unwind::fallback_step`).
-    let tgid = cursor.tgid;
-    let Some(scratch) = QUEUE_SCRATCH.get(0) else {
+pub extern "C" fn heapprof_apply_record() -> i64 {
+    let Some(scratch) = QUEUE_SCRATCH.get_ptr_mut(0) else {
         return 1;
     };
-    let queue = &scratch.queue;
+    // SAFETY: this CPU's scratch slot, which `apply_queue` filled; programs on one CPU
+    // do not interleave.
+    let (queue, cursor) = unsafe { (&(*scratch).queue, &mut (*scratch).cursor) };
+    // Map keys must be on this function's stack (see `unwind::fallback_step`).
+    let tgid = cursor.tgid;
     let at = cursor.index as usize;
     if at >= cursor.len as usize || at >= QUEUE_WORDS {
         return 1;
