@@ -77,9 +77,11 @@ impl Insn {
     }
 }
 
+const CLASS_LD: u8 = 0x00;
 const CLASS_LDX: u8 = 0x01;
 const CLASS_ST: u8 = 0x02;
 const CLASS_STX: u8 = 0x03;
+const CLASS_ALU: u8 = 0x04;
 const CLASS_ALU64: u8 = 0x07;
 const CODE_LD_IMM64: u8 = 0x18;
 const CODE_CALL: u8 = 0x85;
@@ -236,10 +238,8 @@ fn scan(
                 }
             }
             // Any other ALU or load result in a register ends what it held.
-            CLASS_ALU64 | 0x04 | 0x00 => {
-                if insn.dst != FP {
-                    frame_offsets[insn.dst as usize] = None;
-                }
+            CLASS_ALU64 | CLASS_ALU | CLASS_LD if insn.dst != FP => {
+                frame_offsets[insn.dst as usize] = None;
             }
             _ => {}
         }
@@ -388,10 +388,9 @@ impl AlignedObject {
     }
 
     fn bytes(&self) -> &[u8] {
+        const { assert!(cfg!(target_endian = "little")) };
         // SAFETY: the words are initialized, `len` bytes lie within them, and u8 has no
-        // alignment; little-endian words hold the bytes in order on the little-endian
-        // hosts this test runs on (checked below).
-        assert!(cfg!(target_endian = "little"));
+        // alignment; little-endian words hold the bytes in order (asserted above).
         unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u8>(), self.len) }
     }
 }
@@ -410,33 +409,55 @@ fn the_aarch64_builds_programs_fit_the_verifiers_combined_stack_limit() {
     let object = embedded_bpf_object(&executable);
     assert_fits(object.bytes(), "aarch64");
 }
-/// The scanner sees what it must: a frame, a call and a callback, in a hand-made object
-/// would need an assembler; instead, check it against known functions of the real one.
+/// The scanner sees what the verifier sees, checked on known functions of the real
+/// object (a hand-made one would need an assembler): a frame reached through a
+/// pointer register, a callback handed to `bpf_loop` (an `ld_imm64` into `.text`),
+/// and calls to global functions by relocation.
 #[test]
 fn the_scanner_finds_frames_calls_and_callbacks() {
     let functions = functions(BPF_OBJECT);
-    let by_name = |name: &str| {
+    let named = |name: &str| {
         functions
             .values()
-            .find(|function| function.name == name)
+            .find(|function| function.name == name || function.name.ends_with(name))
             .unwrap_or_else(|| panic!("no function {name} in the embedded BPF object"))
     };
-    let names_of = |function: &Function| -> Vec<&str> {
+    let callees = |function: &Function| -> Vec<String> {
         function
             .callees
             .iter()
-            .filter_map(|key| functions.get(key).map(|callee| callee.name.as_str()))
+            .map(|key| {
+                functions
+                    .get(key)
+                    .map_or_else(|| format!("{key:?}"), |callee| callee.name.clone())
+            })
             .collect()
     };
-    let report = by_name("preload_report");
+    let report = named("preload_report");
     assert!(
         report.stack_depth >= 64,
-        "preload_report's frame read as {}",
+        "preload_report's frame read as {} bytes",
         report.stack_depth
     );
-    let callback_names = names_of(report);
+    let report_callees = callees(report);
     assert!(
-        !callback_names.is_empty(),
-        "preload_report hands bpf_loop a callback, but no callee was found"
+        report_callees
+            .iter()
+            .any(|name| name.ends_with("12apply_record")),
+        "preload_report hands bpf_loop its record callback, but its callees are {report_callees:?}"
+    );
+    let callback = named("12apply_record");
+    assert_eq!(callees(callback), ["heapprof_apply_record"]);
+    let record = named("heapprof_apply_record");
+    let record_callees = callees(record);
+    assert!(
+        record_callees
+            .iter()
+            .any(|name| name == "heapprof_live_insert"),
+        "heapprof_apply_record calls the live-block insert, but its callees are {record_callees:?}"
+    );
+    assert!(
+        named("heapprof_live_insert").stack_depth > 0,
+        "heapprof_live_insert's map keys are on its stack, but its frame read as empty"
     );
 }
