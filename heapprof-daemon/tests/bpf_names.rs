@@ -13,10 +13,12 @@ use std::{
 };
 
 use heapprof_common::{kernel::KernelEvent, kernel::names as kernel_names, names};
-use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SectionKind, SymbolKind};
+use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SymbolKind};
 
-/// The object the daemon embeds (see `probes::BPF_OBJECT`).
-static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
+#[path = "common/bpf_object.rs"]
+mod bpf_object;
+
+use bpf_object::{BPF_OBJECT, is_program};
 
 /// `(module::CONSTANT, ...)` as `("module::CONSTANT", value)` pairs.
 macro_rules! constants {
@@ -144,8 +146,7 @@ fn contents() -> Contents {
         if section_name == "maps" || section_name == ".maps" {
             contents.maps.insert(name);
         } else if symbol.kind() == SymbolKind::Text {
-            if symbol.is_global() && section.kind() == SectionKind::Text && section_name != ".text"
-            {
+            if is_program(&symbol, &section) {
                 contents.programs.insert(name);
             }
         } else if symbol.kind() == SymbolKind::Data

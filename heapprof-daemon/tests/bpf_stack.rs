@@ -20,8 +20,10 @@ use object::{
     SectionKind, SymbolKind,
 };
 
-/// The object the daemon embeds (see `probes::BPF_OBJECT`).
-static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
+#[path = "common/bpf_object.rs"]
+mod bpf_object;
+
+use bpf_object::{BPF_OBJECT, is_program};
 
 /// A function's place: its section's index and its byte offset there.
 type Key = (usize, u64);
@@ -103,7 +105,7 @@ fn functions(data: &[u8]) -> BTreeMap<Key, Function> {
         if symbol.kind() != SymbolKind::Text || section.kind() != SectionKind::Text {
             continue;
         }
-        let program = symbol.is_global() && section.name().unwrap_or_default() != ".text";
+        let program = is_program(&symbol, &section);
         starts.insert(
             (section_index.0, symbol.address()),
             (name.to_owned(), program),
