@@ -585,12 +585,9 @@ pub mod names {
     /// Switches set by the daemon at run time (`Array<u32>`, indexed by
     /// [`crate::CONTROL_ARMED`]).
     pub const CONTROL: &str = "CONTROL";
-    /// The live-block table's tags (`Array<live::LiveBucket>`, one per bucket; see
+    /// The live-block table (`Array<live::LiveBucket>`, one per bucket; see
     /// [`crate::live`]).
     pub const LIVE: &str = "LIVE";
-    /// The live-block table's entries (`Array<live::LiveEntry>`, bucket `b`'s at
-    /// `b * live::BUCKET_SLOTS ..`).
-    pub const LIVE_ENTRIES: &str = "LIVE_ENTRIES";
     /// The sites (`HashMap<StackKey, SiteId>`): each site's index in
     /// [`SITE_COUNTERS`].
     pub const SITES: &str = "SITES";
@@ -706,7 +703,6 @@ mod pod {
     unsafe impl aya::Pod for super::SiteCounters {}
     unsafe impl aya::Pod for super::LiveKey {}
     unsafe impl aya::Pod for super::live::LiveBucket {}
-    unsafe impl aya::Pod for super::live::LiveEntry {}
     unsafe impl aya::Pod for super::Config {}
     unsafe impl aya::Pod for super::UserStack {}
     unsafe impl aya::Pod for super::ExecEvent {}

@@ -9,7 +9,7 @@ use std::{
     marker::PhantomData,
     os::fd::{AsFd as _, AsRawFd as _, BorrowedFd, OwnedFd},
     ptr::NonNull,
-    sync::atomic::AtomicU64,
+    sync::atomic::{AtomicU32, AtomicU64},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -82,24 +82,49 @@ impl<T: Copy> MappedArray<T> {
         })
     }
 
-    /// The 64-bit word at byte offset `offset` of value `index`, for atomic access.
-    pub(crate) fn word(&self, index: usize, offset: usize) -> Option<&AtomicU64> {
-        if index >= self.len || !offset.is_multiple_of(8) || offset + 8 > size_of::<T>() {
+    /// The place of a `U` at byte offset `offset` of value `index`, if it lies inside
+    /// the value and is aligned for `U` (values are 8-byte multiples at a page-aligned
+    /// base, so an offset aligned within the value is aligned in memory).
+    fn place<U>(&self, index: usize, offset: usize) -> Option<*mut U> {
+        if index >= self.len
+            || !offset.is_multiple_of(align_of::<U>())
+            || offset + size_of::<U>() > size_of::<T>()
+            || align_of::<U>() > 8
+        {
             return None;
         }
-        // SAFETY: an aligned word inside the mapping (values are 8-byte multiples at
-        // a page-aligned base), valid while self is; the kernel side changes it with
-        // atomic instructions too.
+        // SAFETY: inside the mapping, as checked above.
         Some(unsafe {
-            AtomicU64::from_ptr(
-                self.base
-                    .as_ptr()
-                    .add(index)
-                    .cast::<u8>()
-                    .add(offset)
-                    .cast(),
-            )
+            self.base
+                .as_ptr()
+                .add(index)
+                .cast::<u8>()
+                .add(offset)
+                .cast()
         })
+    }
+
+    /// The 64-bit word at byte offset `offset` of value `index`, for atomic access.
+    pub(crate) fn word(&self, index: usize, offset: usize) -> Option<&AtomicU64> {
+        // SAFETY: an aligned word inside the mapping, valid while self is; the kernel
+        // side changes it with atomic instructions too.
+        self.place(index, offset)
+            .map(|place| unsafe { AtomicU64::from_ptr(place) })
+    }
+
+    /// The 32-bit word at byte offset `offset` of value `index`, for atomic access.
+    pub(crate) fn word32(&self, index: usize, offset: usize) -> Option<&AtomicU32> {
+        // SAFETY: as in `word`.
+        self.place(index, offset)
+            .map(|place| unsafe { AtomicU32::from_ptr(place) })
+    }
+
+    /// A copy of the `U` (plain data) at byte offset `offset` of value `index`, as it
+    /// is now: part of a value, without copying the rest.
+    pub(crate) fn read_at<U: Copy>(&self, index: usize, offset: usize) -> Option<U> {
+        // SAFETY: an aligned `U` inside the mapping; plain data, read whole.
+        self.place::<U>(index, offset)
+            .map(|place| unsafe { place.read_volatile() })
     }
 }
 

@@ -87,7 +87,7 @@ pub struct Cli {
     pub allocator: Vec<AllocatorSpec>,
 
     /// Capacity of the live-block table (blocks allocated while tracing and not yet
-    /// freed; about 41 bytes of kernel memory each, allocated at start). Default: from
+    /// freed; about 36 bytes of kernel memory each, allocated at start). Default: from
     /// the machine's memory, the largest power of two whose table takes at most 1/128
     /// of it, from 1M to 8M blocks (4M on 24 GiB); the start-up log states the choice.
     #[arg(long, value_name = "N", value_parser = parse_capacity)]

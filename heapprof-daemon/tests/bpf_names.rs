@@ -28,13 +28,12 @@ macro_rules! constants {
 }
 
 /// The constants that name maps.
-const MAPS: [(&str, &str); 37] = constants![
+const MAPS: [(&str, &str); 36] = constants![
     names::IN_FLIGHT,
     names::IN_FLIGHT_SLOTS,
     names::PROBES,
     names::CONTROL,
     names::LIVE,
-    names::LIVE_ENTRIES,
     names::SITES,
     names::SITE_COUNTERS,
     names::SITE_IDS_NEXT,

@@ -64,21 +64,62 @@ pub unsafe fn exchange(target: *mut u64, value: u64) -> u64 {
     before
 }
 
-/// Atomically sets the bits of `value` in `*target`; returns the value before.
+/// [`compare_exchange`] on a 32-bit word.
 ///
 /// # Safety
 /// `target` is valid, aligned, and only accessed atomically.
 #[inline(always)]
-pub unsafe fn fetch_or(target: *mut u64, value: u64) -> u64 {
+pub unsafe fn compare_exchange_32(target: *mut u32, expected: u32, new: u32) -> u32 {
+    let found: u64;
+    // SAFETY: as the caller promises. BPF_CMPXCHG (32-bit) compares with w0 and
+    // returns in r0, zero-extended.
+    unsafe {
+        core::arch::asm!(
+            "w0 = cmpxchg32_32(r1 + 0, w0, w2)",
+            in("r1") target,
+            in("r2") u64::from(new),
+            inout("r0") u64::from(expected) => found,
+            options(nostack),
+        );
+    }
+    found as u32
+}
+
+/// [`exchange`] on a 32-bit word.
+///
+/// # Safety
+/// `target` is valid, aligned, and only accessed atomically.
+#[inline(always)]
+pub unsafe fn exchange_32(target: *mut u32, value: u32) -> u32 {
     let before: u64;
     // SAFETY: as the caller promises.
     unsafe {
         core::arch::asm!(
-            "{v} = atomic_fetch_or((u64 *)({p} + 0), {v})",
-            p = in(reg) target,
-            v = inout(reg) value => before,
+            "w2 = xchg32_32(r1 + 0, w2)",
+            in("r1") target,
+            inout("r2") u64::from(value) => before,
             options(nostack),
         );
     }
-    before
+    before as u32
+}
+
+/// Atomically sets the bits of `value` in the 32-bit word `*target`; returns the
+/// value before.
+///
+/// # Safety
+/// `target` is valid, aligned, and only accessed atomically.
+#[inline(always)]
+pub unsafe fn fetch_or_32(target: *mut u32, value: u32) -> u32 {
+    let before: u64;
+    // SAFETY: as the caller promises.
+    unsafe {
+        core::arch::asm!(
+            "w2 = atomic_fetch_or((u32 *)(r1 + 0), w2)",
+            in("r1") target,
+            inout("r2") u64::from(value) => before,
+            options(nostack),
+        );
+    }
+    before as u32
 }

@@ -33,10 +33,7 @@
 //! `CONTROL` flag), so that attaching to a busy process starts with whole calls only,
 //! and a thread's record is removed when the thread exits.
 
-use aya_ebpf::{
-    helpers::bpf_get_current_pid_tgid,
-    programs::{ProbeContext, RetProbeContext},
-};
+use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use heapprof_common::{DropReason, InFlight, MAX_NESTING_SPAN, ProbeSlot, ProbeSpec};
 
 use crate::{
@@ -89,10 +86,10 @@ fn nested(ctx: &ProbeContext, sp: u64, state: &mut InFlight) -> bool {
     false
 }
 
-/// An allocator function's entry probe: records the call if it is the user's.
+/// An allocator function's entry probe in thread `tid`: records the call if it is the
+/// user's.
 #[inline(always)]
-pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, call: Call) {
-    let tid = bpf_get_current_pid_tgid();
+pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) {
     if ignored(tid) || !armed() {
         return;
     }

@@ -1,7 +1,7 @@
 //! The live-block table (`heapprof_common::live`): blocks by process and address, in
-//! two arrays changed with atomic instructions only, so that an allocation's insert
-//! and a free's removal cost no kernel function call, and mostly touch one bucket near
-//! the ones the program's last calls touched.
+//! one array changed with atomic instructions only, so that an allocation's insert
+//! and a free's removal cost no kernel function call, and mostly touch one cache line
+//! of one bucket near the ones the program's last calls touched.
 //!
 //! A slot is claimed by swapping its tag from 0 to `TAG_BUSY`, filled, then published
 //! by storing the block's tag; it is released by swapping the tag back to 0. Two
@@ -18,8 +18,8 @@ use heapprof_common::live::{
 };
 
 use crate::{
-    atomic::{compare_exchange, exchange, fetch_or},
-    maps::{LIVE, LIVE_ENTRIES, live_buckets},
+    atomic::{compare_exchange_32, exchange_32, fetch_or_32},
+    maps::{LIVE, live_buckets},
 };
 
 /// What an insert did.
@@ -56,7 +56,7 @@ const INSERTED_REPLACED: i64 = 1;
 const INSERTED_FULL: i64 = 2;
 
 /// No slot found (above every slot index).
-const NO_SLOT: usize = 8;
+const NO_SLOT: usize = 16;
 
 const _: () = assert!(BUCKET_SLOTS < NO_SLOT);
 
@@ -80,13 +80,16 @@ fn nonzero(x: u64) -> u64 {
     result
 }
 
-/// The index of the lowest set bit of `mask` (below `2^8`), or [`NO_SLOT`] for 0,
+/// The index of the lowest set bit of `mask` (below `2^16`), or [`NO_SLOT`] for 0,
 /// without a branch.
 #[inline(always)]
 fn lowest_slot(mask: u64) -> usize {
     let bit = mask.isolate_lowest_one();
-    let index = nonzero(bit & 0xaa) | nonzero(bit & 0xcc) << 1 | nonzero(bit & 0xf0) << 2;
-    (index | (1 - nonzero(mask)) << 3) as usize
+    let index = nonzero(bit & 0xaaaa)
+        | nonzero(bit & 0xcccc) << 1
+        | nonzero(bit & 0xf0f0) << 2
+        | nonzero(bit & 0xff00) << 3;
+    (index | (1 - nonzero(mask)) << 4) as usize
 }
 
 /// What a scan of one bucket found, as masks of slots: those with the tag, the free
@@ -97,130 +100,130 @@ struct Scan {
     free: u64,
 }
 
-/// Scans `tags` for `tag`.
+/// Scans `bucket`'s tags for `tag`.
 ///
 /// # Safety
-/// `tags` is a live map value.
+/// `bucket` is a live map value.
 #[inline(always)]
-unsafe fn scan(tags: *mut LiveBucket, tag: u64) -> Scan {
+unsafe fn scan(bucket: *mut LiveBucket, tag: u32) -> Scan {
     let mut scan = Scan { tagged: 0, free: 0 };
     for index in 0..BUCKET_SLOTS {
         // SAFETY: as the caller promises; other CPUs change tags atomically.
-        let value = unsafe { core::ptr::read_volatile(&raw const (*tags).tags[index]) };
-        scan.tagged |= (1 - nonzero(value ^ tag)) << index;
+        let value =
+            u64::from(unsafe { core::ptr::read_volatile(&raw const (*bucket).tags[index]) });
+        scan.tagged |= (1 - nonzero(value ^ u64::from(tag))) << index;
         scan.free |= (1 - nonzero(value)) << index;
     }
     scan
 }
 
-/// The entry of slot `index` of `bucket` if it holds the block `(tgid, ptr)`.
-#[inline(always)]
-fn entry_of(bucket: u32, index: usize, ptr: u64, tgid: u32) -> Option<*mut LiveEntry> {
-    if index >= BUCKET_SLOTS {
-        return None;
-    }
-    let entry =
-        LIVE_ENTRIES.get_ptr_mut(bucket.wrapping_mul(BUCKET_SLOTS as u32) + index as u32)?;
-    // SAFETY: a live map value; a published slot's fields are set.
-    unsafe { ((*entry).ptr == ptr && (*entry).tgid == tgid).then_some(entry) }
-}
-
-/// Claims one of the `free` slots (a mask) of `bucket` (tags at `tags`) for `block`
-/// and publishes it with `tag`; returns whether it got one.
+/// The slot of `bucket` among the `tagged` ones (a mask) that holds the block
+/// `(ptr, tgid)`, if any. Two blocks of a bucket may share a tag: each tagged slot's
+/// entry is checked, the lowest first (almost always the only one).
 ///
 /// # Safety
-/// `tags` is `bucket`'s live map value.
+/// `bucket` is a live map value.
 #[inline(always)]
-unsafe fn claim(
-    tags: *mut LiveBucket,
-    bucket: u32,
-    mut free: u64,
-    tag: u64,
-    block: &LiveEntry,
-) -> bool {
+unsafe fn find(bucket: *mut LiveBucket, mut tagged: u64, ptr: u64, tgid: u32) -> Option<usize> {
+    for _ in 0..BUCKET_SLOTS {
+        let index = lowest_slot(tagged);
+        if index >= BUCKET_SLOTS {
+            return None;
+        }
+        // SAFETY: as the caller promises; a published slot's fields are set.
+        let entry = unsafe { &raw const (*bucket).entries[index] };
+        // SAFETY: as above.
+        if unsafe { (*entry).ptr == ptr && (*entry).tgid == tgid } {
+            return Some(index);
+        }
+        tagged &= tagged - 1;
+    }
+    None
+}
+
+/// Claims one of the `free` slots (a mask) of `bucket` for `block` and publishes it
+/// with `tag`; returns whether it got one.
+///
+/// # Safety
+/// `bucket` is a live map value.
+#[inline(always)]
+unsafe fn claim(bucket: *mut LiveBucket, mut free: u64, tag: u32, block: &LiveEntry) -> bool {
     for _ in 0..BUCKET_SLOTS {
         let index = lowest_slot(free);
         if index >= BUCKET_SLOTS {
             return false;
         }
         free &= free - 1;
-        // SAFETY: `tags` is a live map value, as the caller promises; only a place is
-        // computed.
-        let slot_tag = unsafe { &raw mut (*tags).tags[index] };
+        // SAFETY: `bucket` is a live map value, as the caller promises; only a place
+        // is computed.
+        let slot_tag = unsafe { &raw mut (*bucket).tags[index] };
         // SAFETY: a tag of that map value, aligned; a tag is only changed atomically,
         // and a claimed slot is this program's until published.
-        if unsafe { compare_exchange(slot_tag, 0, TAG_BUSY) } != 0 {
+        if unsafe { compare_exchange_32(slot_tag, 0, TAG_BUSY) } != 0 {
             continue; // taken meanwhile
         }
-        let published = match LIVE_ENTRIES
-            .get_ptr_mut(bucket.wrapping_mul(BUCKET_SLOTS as u32) + index as u32)
-        {
-            Some(entry) => {
-                // SAFETY: the slot claimed above.
-                unsafe { copy_entry(entry, block) };
-                tag
-            }
-            None => 0,
-        };
-        // SAFETY: as above.
-        unsafe { exchange(slot_tag, published) };
-        return published != 0;
+        // SAFETY: the slot claimed above; then published.
+        unsafe {
+            copy_entry(&raw mut (*bucket).entries[index], block);
+            exchange_32(slot_tag, tag);
+        }
+        return true;
     }
     false
 }
 
-/// Whether `tags` has `flag` set: [`OVERFLOWED`] on a home (its blocks may be in
+/// Whether `bucket` has `flag` set: [`OVERFLOWED`] on a home (its blocks may be in
 /// their second bucket), [`SPILLED`] on a second bucket (blocks whose second bucket
 /// it is may be in their third).
 ///
 /// # Safety
-/// `tags` is a live map value.
+/// `bucket` is a live map value.
 #[inline(always)]
-unsafe fn flagged(tags: *mut LiveBucket, flag: u64) -> bool {
+unsafe fn flagged(bucket: *mut LiveBucket, flag: u32) -> bool {
     // SAFETY: as the caller promises.
-    unsafe { core::ptr::read_volatile(&raw const (*tags).flags) & flag != 0 }
+    unsafe { core::ptr::read_volatile(&raw const (*bucket).flags) & flag != 0 }
 }
 
-/// The entry of the block `(ptr, tgid)` with `tag` in `bucket`, if there.
+/// The entry of the block `(ptr, tgid)` with `tag` in bucket `index`, if there.
 #[inline(always)]
-fn find_in(bucket: u32, tag: u64, ptr: u64, tgid: u32) -> Option<*mut LiveEntry> {
-    let tags = LIVE.get_ptr_mut(bucket)?;
+fn find_in(index: u32, tag: u32, ptr: u64, tgid: u32) -> Option<*mut LiveEntry> {
+    let bucket = LIVE.get_ptr_mut(index)?;
     // SAFETY: the bucket's own map value.
-    let tagged = unsafe { scan(tags, tag) }.tagged;
-    entry_of(bucket, lowest_slot(tagged), ptr, tgid)
+    unsafe {
+        let slot = find(bucket, scan(bucket, tag).tagged, ptr, tgid)?;
+        Some(&raw mut (*bucket).entries[slot])
+    }
 }
 
-/// Claims a free slot of `bucket` for `block`; returns whether it got one.
+/// Claims a free slot of bucket `index` for `block`; returns whether it got one.
 #[inline(always)]
-fn claim_in(bucket: u32, tag: u64, block: &LiveEntry) -> bool {
-    let Some(tags) = LIVE.get_ptr_mut(bucket) else {
+fn claim_in(index: u32, tag: u32, block: &LiveEntry) -> bool {
+    let Some(bucket) = LIVE.get_ptr_mut(index) else {
         return false;
     };
     // SAFETY: the bucket's own map value.
-    let free = unsafe { scan(tags, tag) }.free;
-    // SAFETY: as above.
-    unsafe { claim(tags, bucket, free, tag, block) }
+    unsafe { claim(bucket, scan(bucket, tag).free, tag, block) }
 }
 
-/// Sets `flag` on `bucket` if it is not set yet.
+/// Sets `flag` on bucket `index` if it is not set yet.
 #[inline(always)]
-fn mark(bucket: u32, flag: u64) {
-    if let Some(tags) = LIVE.get_ptr_mut(bucket) {
+fn mark(index: u32, flag: u32) {
+    if let Some(bucket) = LIVE.get_ptr_mut(index) {
         // SAFETY: the bucket's own map value; its flags are only changed atomically.
         unsafe {
-            if !flagged(tags, flag) {
-                fetch_or(&raw mut (*tags).flags, flag);
+            if !flagged(bucket, flag) {
+                fetch_or_32(&raw mut (*bucket).flags, flag);
             }
         }
     }
 }
 
-/// Whether `bucket` has `flag` set.
+/// Whether bucket `index` has `flag` set.
 #[inline(always)]
-fn bucket_flagged(bucket: u32, flag: u64) -> bool {
+fn bucket_flagged(index: u32, flag: u32) -> bool {
     // SAFETY: the bucket's own map value.
-    LIVE.get_ptr_mut(bucket)
-        .is_some_and(|tags| unsafe { flagged(tags, flag) })
+    LIVE.get_ptr_mut(index)
+        .is_some_and(|bucket| unsafe { flagged(bucket, flag) })
 }
 
 /// Inserts `block` of process `tgid` (see [`insert`]); returns an `INSERTED_*`, with
@@ -246,7 +249,10 @@ pub extern "C" fn heapprof_live_insert(
     };
     // SAFETY: the bucket's own map value.
     let at_home = unsafe { scan(home, place.tag) };
-    let mut existing = entry_of(place.first, lowest_slot(at_home.tagged), ptr, tgid);
+    // SAFETY: as above.
+    let mut existing = unsafe { find(home, at_home.tagged, ptr, tgid) }
+        // SAFETY: as above; only a place is computed.
+        .map(|slot| unsafe { &raw mut (*home).entries[slot] });
     // SAFETY: as above.
     let overflowed = unsafe { flagged(home, OVERFLOWED) };
     if existing.is_none() && overflowed {
@@ -264,7 +270,7 @@ pub extern "C" fn heapprof_live_insert(
         return INSERTED_REPLACED;
     }
     // SAFETY: `home` is bucket `place.first`'s map value.
-    if unsafe { claim(home, place.first, at_home.free, place.tag, block) } {
+    if unsafe { claim(home, at_home.free, place.tag, block) } {
         return INSERTED_NEW;
     }
     // Home is full: the flag first, so that a lookup that misses the block at home
@@ -285,30 +291,25 @@ pub extern "C" fn heapprof_live_insert(
     }
 }
 
-/// Removes the block at `ptr` of process `tgid` from `bucket` (tags at `tags`) into
-/// `found`: `Some(removed)` if the bucket held it.
+/// Removes the block at `ptr` of process `tgid` from `bucket` into `found`:
+/// `Some(removed)` if the bucket held it.
 ///
 /// # Safety
-/// `tags` is `bucket`'s live map value.
+/// `bucket` is a live map value.
 #[inline(always)]
 unsafe fn remove_from(
-    tags: *mut LiveBucket,
-    bucket: u32,
-    tag: u64,
+    bucket: *mut LiveBucket,
+    tag: u32,
     (ptr, tgid): (u64, u32),
     found: *mut LiveEntry,
 ) -> Option<bool> {
     // SAFETY: as the caller promises.
-    let tagged = lowest_slot(unsafe { scan(tags, tag) }.tagged);
-    let entry = entry_of(bucket, tagged, ptr, tgid)?;
-    if tagged >= BUCKET_SLOTS {
-        return None;
-    }
+    let slot = unsafe { find(bucket, scan(bucket, tag).tagged, ptr, tgid) }?;
     // SAFETY: a published slot: copied out, then released; a failed swap means
     // another program released it first.
     unsafe {
-        copy_entry(found, entry);
-        Some(compare_exchange(&raw mut (*tags).tags[tagged], tag, 0) == tag)
+        copy_entry(found, &raw const (*bucket).entries[slot]);
+        Some(compare_exchange_32(&raw mut (*bucket).tags[slot], tag, 0) == tag)
     }
 }
 
@@ -324,22 +325,19 @@ pub extern "C" fn heapprof_live_remove(ptr: u64, tgid: u32, found: *mut LiveEntr
     let Some(home) = LIVE.get_ptr_mut(place.first) else {
         return 0;
     };
-    // SAFETY: `home` is bucket `place.first`'s map value.
-    if let Some(removed) = unsafe { remove_from(home, place.first, place.tag, (ptr, tgid), found) }
-    {
+    // SAFETY: `home` is a live map value.
+    if let Some(removed) = unsafe { remove_from(home, place.tag, (ptr, tgid), found) } {
         return i64::from(removed);
     }
-    // SAFETY: `home` is a live map value.
+    // SAFETY: as above.
     if !unsafe { flagged(home, OVERFLOWED) } {
         return 0;
     }
     let Some(second) = LIVE.get_ptr_mut(place.second) else {
         return 0;
     };
-    if let Some(removed) =
-        // SAFETY: `second` is bucket `place.second`'s map value.
-        unsafe { remove_from(second, place.second, place.tag, (ptr, tgid), found) }
-    {
+    // SAFETY: `second` is a live map value.
+    if let Some(removed) = unsafe { remove_from(second, place.tag, (ptr, tgid), found) } {
         return i64::from(removed);
     }
     // SAFETY: as above.
@@ -349,8 +347,8 @@ pub extern "C" fn heapprof_live_remove(ptr: u64, tgid: u32, found: *mut LiveEntr
     let Some(third) = LIVE.get_ptr_mut(place.third) else {
         return 0;
     };
-    // SAFETY: `third` is bucket `place.third`'s map value.
-    unsafe { remove_from(third, place.third, place.tag, (ptr, tgid), found) }.map_or(0, i64::from)
+    // SAFETY: `third` is a live map value.
+    unsafe { remove_from(third, place.tag, (ptr, tgid), found) }.map_or(0, i64::from)
 }
 
 /// Records `block`, a block of process `tgid`.

@@ -10,7 +10,7 @@ use heapprof_common::{
     CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, InFlightSlot, LiveKey,
     MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
     StackKey, UserStack, WalkEpoch,
-    live::{BUCKET_SLOTS, LiveBucket, LiveEntry},
+    live::LiveBucket,
     preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, StackReply},
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
@@ -30,14 +30,9 @@ pub static IN_FLIGHT_SLOTS: Array<InFlightSlot> = Array::with_max_entries(1, BPF
 pub static PROBES: Array<ProbeSpec> = Array::with_max_entries(MAX_PROBE_SLOTS, 0);
 #[map(name = "CONTROL")]
 pub static CONTROL: Array<u32> = Array::with_max_entries(CONTROL_SLOTS, 0);
-/// The live-block table's tags, one bucket each (see `crate::live`); mapped by the
-/// daemon.
+/// The live-block table, one bucket each (see `crate::live`); mapped by the daemon.
 #[map(name = "LIVE")]
 pub static LIVE: Array<LiveBucket> = Array::with_max_entries(1, BPF_F_MMAPABLE);
-/// The live-block table's entries, `BUCKET_SLOTS` per bucket; mapped by the daemon.
-#[map(name = "LIVE_ENTRIES")]
-pub static LIVE_ENTRIES: Array<LiveEntry> =
-    Array::with_max_entries(BUCKET_SLOTS as u32, BPF_F_MMAPABLE);
 /// Each site's index in `SITE_COUNTERS`.
 #[map(name = "SITES")]
 pub static SITES: HashMap<StackKey, SiteId> = HashMap::with_max_entries(65536, 0);

@@ -72,8 +72,8 @@ fn requested_size(registers: &[u64; VALUE_REGISTERS], spec: &ProbeSpec) -> u64 {
 /// allocator functions the library does not wrap (jemalloc's `mallocx`, `mi_*`, a pool
 /// or a static allocator in the program) come from outside.
 #[inline(always)]
-fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec) -> bool {
-    let Some(library) = preloaded((bpf_get_current_pid_tgid() >> 32) as u32) else {
+fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) -> bool {
+    let Some(library) = preloaded((pid_tgid >> 32) as u32) else {
         return false;
     };
     let (ip, sp) = regs::at_entry(ctx);
@@ -86,20 +86,22 @@ fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec) -> bool {
 }
 
 /// The entry probe of the function in `slot`: free's accounting, or the call matching.
+/// The thread's id is read once, here: each read is a helper call.
 #[inline(always)]
 fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
+    let pid_tgid = bpf_get_current_pid_tgid();
     let Some(spec) = probe_spec(slot) else {
         return;
     };
     let Some(role) = ProbeRole::from_u32(spec.role) else {
         return;
     };
-    if preload_call(ctx, spec) {
+    if preload_call(ctx, spec, pid_tgid) {
         return;
     }
     let registers = regs::value_registers(ctx);
     if role == ProbeRole::Free {
-        on_free(ctx, spec, reg(&registers, spec.ptr_reg));
+        on_free(ctx, spec, pid_tgid, reg(&registers, spec.ptr_reg));
         return;
     }
     let old_ptr = reg(&registers, spec.ptr_reg);
@@ -107,6 +109,7 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
     calls::enter(
         ctx,
         spec,
+        pid_tgid,
         Call {
             slot,
             size: requested_size(&registers, spec),
@@ -119,8 +122,7 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
 /// A free function's probe: credits the block to its site, unless an allocator call
 /// in progress made it (realloc's own free).
 #[inline(always)]
-fn on_free(ctx: &ProbeContext, spec: &ProbeSpec, ptr: u64) {
-    let pid_tgid = bpf_get_current_pid_tgid();
+fn on_free(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64, ptr: u64) {
     if ignored(pid_tgid) || !armed() {
         return;
     }

@@ -12,7 +12,7 @@ use heapprof_common::{kernel::names as kernel_names, names};
 const TABLES: [(&str, &[&str], &str); 5] = [
     (
         "live_blocks",
-        &[names::LIVE, names::LIVE_ENTRIES, kernel_names::KERNEL_LIVE],
+        &[names::LIVE, kernel_names::KERNEL_LIVE],
         "--max-live-blocks",
     ),
     (

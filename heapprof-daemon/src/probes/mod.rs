@@ -103,10 +103,6 @@ pub fn load_bpf_object(
     EbpfLoader::new()
         .override_global(names::CONFIG, &config, true)
         .map_max_entries(names::LIVE, config.live_buckets)
-        .map_max_entries(
-            names::LIVE_ENTRIES,
-            config.live_buckets * live::BUCKET_SLOTS as u32,
-        )
         .map_max_entries(names::SITES, capacities.sites)
         .map_max_entries(names::SITE_COUNTERS, capacities.sites)
         .map_max_entries(names::SITE_IDS_FREE, capacities.sites)
