@@ -59,11 +59,10 @@ pub const TAG_BUSY: u32 = 2;
 const SLOTS_NUMERATOR: u64 = 5;
 const SLOTS_DENOMINATOR: u64 = 4;
 
-/// Most buckets: the array's size in bytes still fits in a `u32` (the kernel's limit
-/// for an array map's values).
+/// Most buckets: the table stays below 4 GiB (its byte offsets fit in a `u32`).
 pub const MAX_BUCKETS: u32 = u32::MAX / core::mem::size_of::<LiveBucket>() as u32;
 
-/// A block allocated while tracing and not yet freed (`LIVE_ENTRIES`).
+/// A block allocated while tracing and not yet freed (a slot of a [`LiveBucket`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LiveEntry {

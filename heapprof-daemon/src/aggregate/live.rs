@@ -29,7 +29,7 @@ const fn entry_offset(index: usize) -> usize {
 }
 
 impl LiveTable {
-    /// The table's arrays of a loaded object.
+    /// The table of a loaded object.
     pub(crate) fn of(ebpf: &Ebpf) -> Result<Self> {
         Ok(Self {
             buckets: ArrayHandle::of(ebpf, names::LIVE)?,
