@@ -262,6 +262,67 @@ fn sigterm_to_the_process_group_and_sigcont_end_launch_mode() {
     timeout_ends_launch_mode("TERM", 128 + libc::SIGTERM, false);
 }
 
+/// Launch mode while another session profiles every process (`--all`): the other
+/// session leaves this one's preload library alone. Its return probes on the
+/// library's functions put the kernel's return trampoline where this session's
+/// unwinder reads their return addresses, and cut every stack there from the moment
+/// the other session saw the command.
+#[test]
+fn launch_mode_beside_an_all_session_keeps_its_stacks() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let binary = compile(dir.path(), "busy", "busy", &["-O2"]);
+    let (mut all_session, all_log) =
+        start_heapprofd(heapprofd(&dir.path().join("all-profiles")).args([
+            "--interval",
+            "1h",
+            "--all",
+        ]));
+    let out = dir.path().join("profiles");
+    let (mut launched, launched_log) = start_heapprofd(
+        heapprofd(&out)
+            .args(["--interval", "1h", "--"])
+            .arg(&binary)
+            .args(["2", "forever"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null()),
+    );
+    // Long enough for the --all session, which reads every process's mappings and
+    // builds their unwind tables first, to turn to the command and probe it: a pause
+    // in the setup, not a measured time (with the other session slower, the test
+    // checks less, never wrongly).
+    std::thread::sleep(Duration::from_secs(10));
+    signal(&launched, libc::SIGINT);
+    let exit = wait_exit(&mut launched, Duration::from_secs(30), "launch mode");
+    let lines: Vec<String> = launched_log.try_iter().collect();
+    assert_eq!(
+        exit.code(),
+        Some(128 + libc::SIGINT),
+        "heapprofd exits with the command's status; its log:\n{}",
+        lines.join("\n")
+    );
+    signal(&all_session, libc::SIGINT);
+    wait_success(&mut all_session, &all_log, "the --all session");
+    let profile = last_profile(&out);
+    let samples = samples(&profile);
+    for function in ["busy_0", "busy_1"] {
+        assert!(
+            samples
+                .iter()
+                .any(|s| s.stack.get(1).is_some_and(|f| f == function) && s.values[0] > 0),
+            "the final profile counts {function}; heapprofd's log:\n{}",
+            lines.join("\n")
+        );
+    }
+    assert_eq!(
+        drop_count(&profile, "stacks not unwound to their end"),
+        0,
+        "no stack cut short beside the --all session; heapprofd's log:\n{}",
+        lines.join("\n")
+    );
+}
+
 #[test]
 fn sigterm_ends_launch_mode_while_the_command_is_stopped() {
     require_root();

@@ -33,6 +33,15 @@ use crate::{
     procmaps::ObjectFile,
 };
 
+/// Whether `object` is the preload library of another heapprofd session (one that
+/// launched this process), not this session's (`own`). It is not probed: its functions
+/// forward to the allocator behind it, whose probes count the same calls, and return
+/// probes on them would put the kernel's return trampoline in place of their return
+/// addresses, where the other session's unwinder, walking through them, stops.
+fn another_sessions_library(object: &ObjectFile, own: Option<(u64, u64)>) -> bool {
+    Some(object.id) != own && crate::preload::is_library(&object.path)
+}
+
 /// Most notes kept for the profiles' comments.
 const MAX_NOTES: usize = 64;
 
@@ -454,7 +463,7 @@ impl AllocatorProbes {
         // be unreadable, or changed since): after the program, it binds first.
         let preload_mapped = preload_id.filter(|id| process.objects.iter().any(|o| o.id == *id));
         for object in &order {
-            if serving::is_loader(object) {
+            if serving::is_loader(object) || another_sessions_library(object, preload_id) {
                 continue;
             }
             let executable = process.exe == Some(object.path.as_str());
@@ -482,7 +491,7 @@ impl AllocatorProbes {
         let all = [Family::Standard, Family::Vendor, Family::Custom];
         let others = [Family::Vendor, Family::Custom];
         for object in process.objects {
-            if serving::is_loader(object) {
+            if serving::is_loader(object) || another_sessions_library(object, preload_id) {
                 continue;
             }
             let serves = serving_object.as_ref().is_some_and(|s| s.id == object.id);
@@ -558,7 +567,10 @@ impl AllocatorProbes {
         preload_id: Option<(u64, u64)>,
     ) {
         for object in process.objects {
-            if serving::is_loader(object) || Some(object.id) == preload_id {
+            if serving::is_loader(object)
+                || Some(object.id) == preload_id
+                || another_sessions_library(object, preload_id)
+            {
                 continue;
             }
             let executable = process.exe == Some(object.path.as_str());

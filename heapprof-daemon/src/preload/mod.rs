@@ -29,6 +29,14 @@ static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libheapprofd_p
 /// The library's file name.
 const FILE_NAME: &str = "libheapprofd_preload.so";
 
+/// Whether `path` is a copy of the library, this session's or another's: a process
+/// another heapprofd launched maps it ahead of its allocator.
+pub fn is_library(path: &str) -> bool {
+    std::path::Path::new(path)
+        .file_name()
+        .is_some_and(|name| name == FILE_NAME)
+}
+
 /// `--preload`: whether launched commands get the interposer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PreloadMode {
