@@ -223,19 +223,21 @@ pub const SIZE_CLASSES: u32 = 65;
 /// The power-of-two class of a request of `size` bytes (its bit length).
 #[inline(always)]
 pub const fn size_class(size: u64) -> u32 {
-    // A binary search rather than `leading_zeros`: the BPF target has no such
-    // instruction and this is six shifts.
-    let mut class = 0;
+    // A binary search rather than `leading_zeros`, which the BPF target lacks, and
+    // without branches: a branch per step on a size that varies from call to call
+    // is mispredicted often. `((rest >> step) + 2^step - 1) >> step` is 1 exactly
+    // when `rest >> step` is nonzero, as `rest` is below `2^(2 * step)` at each step.
+    let mut class = 0u64;
     let mut rest = size;
-    let mut step = 32;
+    let mut step = 32u64;
     while step > 0 {
-        if rest >> step != 0 {
-            rest >>= step;
-            class += step;
-        }
+        let shift = (((rest >> step) + ((1 << step) - 1)) >> step) * step;
+        rest >>= shift;
+        class += shift;
         step /= 2;
     }
-    if rest != 0 { class + 1 } else { class }
+    // `rest` is now 0 or 1.
+    (class + rest) as u32
 }
 
 /// The smallest request of size class `class` (0 for class 0).
@@ -717,4 +719,31 @@ mod pod {
     unsafe impl aya::Pod for super::unwind::ProcessMappings {}
     unsafe impl aya::Pod for super::unwind::UnwindGap {}
     unsafe impl aya::Pod for super::unwind::MappingsRequest {}
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+
+    use std::vec;
+
+    use super::*;
+
+    /// The class is the bit length, for every power of two, its neighbours and the
+    /// extremes.
+    #[test]
+    fn size_class_is_the_bit_length() {
+        let mut sizes = vec![0u64, 1, 2, 3, u64::MAX];
+        for bit in 0..64 {
+            let power = 1u64 << bit;
+            sizes.extend([power - 1, power, power + 1, power | (power >> 1)]);
+        }
+        for size in sizes {
+            assert_eq!(
+                size_class(size),
+                64 - size.leading_zeros(),
+                "size class of {size:#x}"
+            );
+        }
+    }
 }
