@@ -146,6 +146,29 @@ unsafe fn find(bucket: *mut LiveBucket, mut tagged: u64, ptr: u64, tgid: u32) ->
     None
 }
 
+/// Claims slot `index` of `bucket` for `block` and publishes it with `tag`, if the
+/// slot is still free; returns whether it got it.
+///
+/// # Safety
+/// `bucket` is a live map value; `index` is below [`BUCKET_SLOTS`].
+#[inline(always)]
+unsafe fn claim_slot(bucket: *mut LiveBucket, index: usize, tag: u32, block: &LiveEntry) -> bool {
+    // SAFETY: `bucket` is a live map value, as the caller promises; only a place is
+    // computed.
+    let slot_tag = unsafe { &raw mut (*bucket).tags[index] };
+    // SAFETY: a tag of that map value, aligned; a tag is only changed atomically, and
+    // a claimed slot is this program's until published.
+    if unsafe { compare_exchange_32(slot_tag, 0, TAG_BUSY) } != 0 {
+        return false; // taken meanwhile
+    }
+    // SAFETY: the slot claimed above; then published.
+    unsafe {
+        copy_entry(&raw mut (*bucket).entries[index], block);
+        exchange_32(slot_tag, tag);
+    }
+    true
+}
+
 /// Claims one of the `free` slots (a mask) of `bucket` for `block` and publishes it
 /// with `tag`; returns whether it got one.
 ///
@@ -159,22 +182,32 @@ unsafe fn claim(bucket: *mut LiveBucket, mut free: u64, tag: u32, block: &LiveEn
             return false;
         }
         free &= free - 1;
-        // SAFETY: `bucket` is a live map value, as the caller promises; only a place
-        // is computed.
-        let slot_tag = unsafe { &raw mut (*bucket).tags[index] };
-        // SAFETY: a tag of that map value, aligned; a tag is only changed atomically,
-        // and a claimed slot is this program's until published.
-        if unsafe { compare_exchange_32(slot_tag, 0, TAG_BUSY) } != 0 {
-            continue; // taken meanwhile
+        // SAFETY: as the caller promises; `index` is a slot's.
+        if unsafe { claim_slot(bucket, index, tag, block) } {
+            return true;
         }
-        // SAFETY: the slot claimed above; then published.
-        unsafe {
-            copy_entry(&raw mut (*bucket).entries[index], block);
-            exchange_32(slot_tag, tag);
-        }
-        return true;
     }
     false
+}
+
+/// Copies the published block in slot `index` of `bucket` (with `tag`) to `found`,
+/// then releases the slot; returns whether this program released it (a failed swap
+/// means another program released it first).
+///
+/// # Safety
+/// `bucket` is a live map value; `index` is below [`BUCKET_SLOTS`].
+#[inline(always)]
+unsafe fn release_slot(
+    bucket: *mut LiveBucket,
+    index: usize,
+    tag: u32,
+    found: *mut LiveEntry,
+) -> bool {
+    // SAFETY: as the caller promises; a published slot is copied out, then released.
+    unsafe {
+        copy_entry(found, &raw const (*bucket).entries[index]);
+        compare_exchange_32(&raw mut (*bucket).tags[index], tag, 0) == tag
+    }
 }
 
 /// Whether `bucket` is empty and unflagged: no block is in it, and none whose home it
@@ -193,28 +226,6 @@ unsafe fn untouched(bucket: *mut LiveBucket) -> bool {
         any |= unsafe { core::ptr::read_volatile(&raw const (*bucket).tags[index]) };
     }
     any == 0
-}
-
-/// Claims `bucket`'s first slot for `block` and publishes it with `tag`, if the slot
-/// is still free; returns whether it got it.
-///
-/// # Safety
-/// `bucket` is a live map value.
-#[inline(always)]
-unsafe fn claim_first(bucket: *mut LiveBucket, tag: u32, block: &LiveEntry) -> bool {
-    // SAFETY: `bucket` is a live map value, as the caller promises; only a place is
-    // computed.
-    let slot_tag = unsafe { &raw mut (*bucket).tags[0] };
-    // SAFETY: as in `claim`.
-    if unsafe { compare_exchange_32(slot_tag, 0, TAG_BUSY) } != 0 {
-        return false;
-    }
-    // SAFETY: the slot claimed above; then published.
-    unsafe {
-        copy_entry(&raw mut (*bucket).entries[0], block);
-        exchange_32(slot_tag, tag);
-    }
-    true
 }
 
 /// Whether `bucket`'s first slot holds the block `(ptr, tgid)` with `tag` (where a
@@ -310,7 +321,7 @@ pub extern "C" fn heapprof_live_insert(
     // An empty home without the overflow flag: the block is recorded nowhere, and
     // takes the first slot unless another program took it meanwhile.
     // SAFETY: the bucket's own map value.
-    if unsafe { untouched(home) && claim_first(home, place.tag, block) } {
+    if unsafe { untouched(home) && claim_slot(home, 0, place.tag, block) } {
         return INSERTED_NEW;
     }
     // SAFETY: the bucket's own map value.
@@ -371,12 +382,8 @@ unsafe fn remove_from(
 ) -> Option<bool> {
     // SAFETY: as the caller promises.
     let slot = unsafe { find(bucket, scan(bucket, tag).tagged, ptr, tgid) }?;
-    // SAFETY: a published slot: copied out, then released; a failed swap means
-    // another program released it first.
-    unsafe {
-        copy_entry(found, &raw const (*bucket).entries[slot]);
-        Some(compare_exchange_32(&raw mut (*bucket).tags[slot], tag, 0) == tag)
-    }
+    // SAFETY: a published slot of that bucket.
+    Some(unsafe { release_slot(bucket, slot, tag, found) })
 }
 
 /// Removes the block at `ptr` of process `tgid` into `found`; returns 1 if it was
@@ -392,15 +399,10 @@ pub extern "C" fn heapprof_live_remove(ptr: u64, tgid: u32, found: *mut LiveEntr
         return 0;
     };
     // The block alone at home, the usual case: no scan.
-    // SAFETY: `home` is a live map value; a published slot is copied out, then
-    // released, as in `remove_from`.
-    unsafe {
-        if first_holds(home, place.tag, ptr, tgid) {
-            copy_entry(found, &raw const (*home).entries[0]);
-            return i64::from(
-                compare_exchange_32(&raw mut (*home).tags[0], place.tag, 0) == place.tag,
-            );
-        }
+    // SAFETY: `home` is a live map value.
+    if unsafe { first_holds(home, place.tag, ptr, tgid) } {
+        // SAFETY: as above; its first slot holds the block.
+        return i64::from(unsafe { release_slot(home, 0, place.tag, found) });
     }
     // SAFETY: `home` is a live map value.
     if let Some(removed) = unsafe { remove_from(home, place.tag, (ptr, tgid), found) } {
