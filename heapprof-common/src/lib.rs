@@ -525,6 +525,10 @@ pub struct Config {
     /// Benchmark baseline: the uprobe programs return at once, so only the traps cost
     /// (the read-only value lets the verifier drop everything else as dead code).
     pub empty_programs: u32,
+    /// Benchmark baseline: the uprobe programs match returns to calls and find each
+    /// allocation's stack (a remembered walk's check, or a walk), then count nothing:
+    /// what an exact profile of stacks costs at the least, beyond the traps.
+    pub stacks_only: u32,
     /// Keep each process's in-use bytes and their high-water mark (`PROCESS_USAGE`):
     /// exact mode only, since sampled sizes are not the process's bytes.
     pub track_peak: u32,

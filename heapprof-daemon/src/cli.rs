@@ -184,8 +184,14 @@ pub struct Cli {
 
     /// Benchmark baseline (`cargo xtask bench`): the probes are attached where they
     /// always are, but their programs do nothing, so only the uprobe traps cost.
-    #[arg(long, hide = true)]
+    #[arg(long, hide = true, conflicts_with = "stacks_only")]
     pub empty_programs: bool,
+
+    /// Benchmark baseline (`cargo xtask bench`): the probes' programs match returns
+    /// to calls and find each allocation's stack, then count nothing (the profile
+    /// stays empty): the least an exact profile of stacks costs beyond the traps.
+    #[arg(long, hide = true)]
+    pub stacks_only: bool,
 
     /// After the final profile, print the N allocation sites holding the most memory.
     #[arg(long, value_name = "N", default_value_t = 0)]

@@ -199,6 +199,61 @@ fn allocations_at_known_stacks_skip_the_probe() {
     );
 }
 
+/// The benchmark's `--stacks-only` baseline does the stack work of every allocation
+/// the exact mode counts (one lookup each: a remembered walk's check or a walk) and
+/// counts nothing, so that `cargo xtask bench` holds heapprofd against a baseline that
+/// really finds each stack.
+#[test]
+fn stacks_only_finds_every_stack_and_counts_nothing() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "family", "family", &["-O2"]);
+    let run = |out: &std::path::Path, extra: &[&str]| {
+        let output = run_ok(
+            heapprofd(out)
+                .args(PROBES_AUTO)
+                .arg("--bpf-stats")
+                .args(extra)
+                .arg("--")
+                .arg(&program)
+                .args(["2", "500"]),
+        );
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    let lookups = |stderr: &str| {
+        stderr
+            .split("stack lookups: ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("no count of stack lookups in:\n{stderr}"))
+    };
+    let exact_out = dir.path().join("exact");
+    let exact_log = run(&exact_out, &[]);
+    let [allocated, ..] = totals(&samples(&last_profile(&exact_out)), |_| true);
+    assert!(
+        allocated >= 10 * 2 * 500,
+        "exact mode counted {allocated} allocations"
+    );
+    assert!(
+        lookups(&exact_log) >= allocated,
+        "exact mode: fewer stack lookups than allocations\n{exact_log}"
+    );
+
+    let stacks_only_out = dir.path().join("stacks-only");
+    let stacks_only_log = run(&stacks_only_out, &["--stacks-only"]);
+    assert_eq!(
+        lookups(&stacks_only_log),
+        allocated,
+        "--stacks-only: one stack lookup per allocation of the exact run\n{stacks_only_log}"
+    );
+    let counted = totals(&samples(&last_profile(&stacks_only_out)), |_| true);
+    assert_eq!(
+        counted, [0; 4],
+        "--stacks-only counts nothing\n{stacks_only_log}"
+    );
+}
+
 /// Parses valgrind's "in use at exit: B bytes in N blocks" and
 /// "total heap usage: A allocs, F frees, T bytes allocated".
 fn valgrind_summary(stderr: &str) -> (i64, i64, i64, i64, i64) {

@@ -186,6 +186,7 @@ static CONFIG: Config = Config {
     unwind_mode: 0,
     hold_at_loader_events: 0,
     empty_programs: 0,
+    stacks_only: 0,
     track_peak: 0,
     cgroup_id: 0,
     cgroup_level: 0,
@@ -247,6 +248,14 @@ pub fn hold_at_loader_events() -> bool {
 pub fn empty_programs() -> bool {
     // SAFETY: a plain global (see above).
     unsafe { core::ptr::read_volatile(&CONFIG.empty_programs) != 0 }
+}
+
+/// Whether the uprobe programs are to find stacks but count nothing (the benchmark's
+/// baseline of the least an exact profile costs).
+#[inline(always)]
+pub fn stacks_only() -> bool {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.stacks_only) != 0 }
 }
 
 /// Where the preload library's code is in process `tgid`, if it serves the process.

@@ -68,6 +68,16 @@ fn site_key(start: &WalkStart, hash: u64) -> StackKey {
     }
 }
 
+/// The benchmark's `stacks_only` baseline: the stack of the allocation whose return
+/// starts at `start` is found, from a remembered walk or by a walk (remembered for the
+/// next time), and nothing is counted.
+#[inline(always)]
+pub fn find_only(start: &WalkStart) {
+    if walk_cache::cached(start).is_none() {
+        let _ = walk(start);
+    }
+}
+
 /// Unwinds the caller's stack from `start` into the per-CPU scratch stack and hashes it
 /// with the process id, remembering the walk when it depended only on the registers
 /// and the stack words it read. At the return the caller's frame is intact, so its

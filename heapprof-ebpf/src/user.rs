@@ -24,7 +24,7 @@ use crate::{
     maps::{
         EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PRELOADED, PROCESS_MAPPINGS,
         REPORT_QUEUES, armed, count_drop, empty_programs, hold_at_loader_events, ignored,
-        page_size, preloaded, probe_spec, target_tgid,
+        page_size, preloaded, probe_spec, stacks_only, target_tgid,
     },
     regs,
     sites::{self, Frees, NewSite, Usage},
@@ -131,6 +131,9 @@ fn on_free(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64, ptr: u64) {
         FreeCall::Temporary => true,
         FreeCall::Other => false,
     };
+    if stacks_only() {
+        return;
+    }
     sites::release((pid_tgid >> 32) as u32, ptr, temporary);
 }
 
@@ -171,7 +174,7 @@ fn on_return(ctx: &RetProbeContext) {
         ProbeRole::Alloc => returned,
         ProbeRole::Realloc => {
             // Success (or realloc(p, 0), which frees p and returns NULL): the old block is gone.
-            if state.old_ptr != 0 && (returned != 0 || state.size == 0) {
+            if state.old_ptr != 0 && (returned != 0 || state.size == 0) && !stacks_only() {
                 sites::release(tgid, state.old_ptr, state.old_ptr == state.last_block);
             }
             returned
@@ -181,7 +184,9 @@ fn on_return(ctx: &RetProbeContext) {
             if returned < state.size {
                 return;
             }
-            sites::release(tgid, state.old_ptr, false);
+            if !stacks_only() {
+                sites::release(tgid, state.old_ptr, false);
+            }
             state.old_ptr
         }
     };
@@ -193,6 +198,10 @@ fn on_return(ctx: &RetProbeContext) {
         return;
     }
     let start = stack::walk_start(ctx, pid_tgid, state.exec_gen, state.slot, state.size);
+    if stacks_only() {
+        stack::find_only(&start);
+        return;
+    }
     if let Some(site) = stack::remembered(&start) {
         sites::allocated_at(
             tgid,

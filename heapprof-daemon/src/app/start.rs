@@ -262,8 +262,15 @@ fn load_user_bpf(
         processes: cli.max_processes,
         hold_at_loader_events: launched && !cli.empty_programs,
         empty_programs: cli.empty_programs,
+        stacks_only: cli.stacks_only,
         preload: preloading,
     };
+    if cli.stacks_only {
+        log::info!(
+            "stacks only (a benchmark baseline): the probes match calls and find each \
+             allocation's stack, then count nothing; the profiles stay empty"
+        );
+    }
     let cgroup = cgroup_filter(cli)?;
     probes::load_bpf_object(
         capacities,

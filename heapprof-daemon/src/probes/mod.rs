@@ -53,6 +53,8 @@ pub struct UnwindSettings {
     pub hold_at_loader_events: bool,
     /// The benchmark's trap floor: the uprobe programs do nothing.
     pub empty_programs: bool,
+    /// The benchmark's baseline of stacks found, nothing counted.
+    pub stacks_only: bool,
     /// Launched commands get the preload library.
     pub preload: bool,
 }
@@ -77,6 +79,7 @@ pub fn load_bpf_object(
         unwind_mode: unwind.mode as u32,
         hold_at_loader_events: u32::from(unwind.hold_at_loader_events),
         empty_programs: u32::from(unwind.empty_programs),
+        stacks_only: u32::from(unwind.stacks_only),
         track_peak: u32::from(track_peak && sample_rate == 0),
         cgroup_id: cgroup.map_or(0, |c| c.id),
         cgroup_level: cgroup.map_or(0, |c| c.level),

@@ -1,4 +1,5 @@
-//! Self-measurement: the kernel's run-time statistics of our BPF programs.
+//! Self-measurement: the kernel's run-time statistics of our BPF programs, and how the
+//! programs found the stacks they recorded.
 //!
 //! While the descriptor from `BPF_ENABLE_STATS` is open the kernel times every program
 //! run (a few ns each, which is why this is opt-in: `--bpf-stats`).
@@ -8,8 +9,10 @@ use std::{os::fd::OwnedFd, time::Duration};
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
+    maps::PerCpuArray,
     sys::{Stats, enable_stats},
 };
+use heapprof_common::{WalkOutcome, names};
 
 /// Keeps the kernel's BPF run-time statistics on while alive.
 pub struct RunTimeStats {
@@ -82,4 +85,56 @@ pub fn describe(stats: &[ProgramStats]) -> String {
             parts.join(", ")
         }
     )
+}
+
+/// How the user-mode programs looked up the stacks of the allocations they recorded
+/// (`WALK_STATS`, summed over CPUs). An allocation is one lookup, or two when a
+/// remembered walk holds but its site is not yet in the table (the walk is made again
+/// to store the stack).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StackLookups {
+    /// From a walk remembered on the CPU, checked against the stack's words.
+    pub remembered: u64,
+    /// By a walk, remembered for the next allocation there.
+    pub walked: u64,
+    /// By a walk that could not be remembered.
+    pub not_rememberable: u64,
+}
+
+impl StackLookups {
+    /// Reads the programs' counters.
+    pub fn read(ebpf: &Ebpf) -> Result<Self> {
+        let map = ebpf
+            .map(names::WALK_STATS)
+            .with_context(|| format!("BPF map {} missing from the object", names::WALK_STATS))?;
+        let counters = PerCpuArray::<_, u64>::try_from(map)
+            .with_context(|| format!("BPF map {} has an unexpected type", names::WALK_STATS))?;
+        let count = |outcome: WalkOutcome| -> Result<u64> {
+            let per_cpu = counters
+                .get(&(outcome as u32), 0)
+                .with_context(|| format!("reading {}", names::WALK_STATS))?;
+            Ok(per_cpu.iter().sum())
+        };
+        Ok(Self {
+            remembered: count(WalkOutcome::Remembered)?,
+            walked: count(WalkOutcome::Walked)?,
+            not_rememberable: count(WalkOutcome::NotRememberable)?,
+        })
+    }
+
+    /// Lookups, however made.
+    pub fn total(&self) -> u64 {
+        self.remembered + self.walked + self.not_rememberable
+    }
+
+    /// One log line.
+    pub fn describe(&self) -> String {
+        format!(
+            "stack lookups: {} ({} by a remembered walk, {} walked and remembered, {} walked)",
+            self.total(),
+            self.remembered,
+            self.walked,
+            self.not_rememberable
+        )
+    }
 }

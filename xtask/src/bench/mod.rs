@@ -10,7 +10,8 @@
 //! The trap floor is heapprofd itself with `--empty-programs`: the same probes at the
 //! same spots, with BPF programs that return at once. Every mode's added time per
 //! allocation is also given as a multiple of the floor's, and the goals (figures, not
-//! pass/fail) are stated against it. Two workloads have deep stacks without frame
+//! pass/fail) are stated against it, beside the least cost: `--stacks-only`, whose
+//! programs find every allocation's stack and count nothing. Two workloads have deep stacks without frame
 //! pointers (C++ STL code built `g++ -O2`, Debian's python3), where only CFI unwinding
 //! finds the callers; for each workload the mean frames per allocation of heapprofd's
 //! profiles (CFI and frame pointers) and the unwind tables' BPF map memory are given,
@@ -55,6 +56,8 @@ enum Mode {
     Bpftrace,
     /// heapprofd --empty-programs: the trap floor.
     Floor,
+    /// heapprofd --stacks-only: calls matched and stacks found, nothing counted.
+    StacksOnly,
     HeapprofdEntry,
     Heapprofd,
     HeapprofdNoPeak,
@@ -63,11 +66,12 @@ enum Mode {
 }
 
 impl Mode {
-    const ALL: [Mode; 9] = [
+    const ALL: [Mode; 10] = [
         Mode::Bare,
         Mode::EmptyProbes,
         Mode::Bpftrace,
         Mode::Floor,
+        Mode::StacksOnly,
         Mode::HeapprofdEntry,
         Mode::Heapprofd,
         Mode::HeapprofdNoPeak,
@@ -81,6 +85,7 @@ impl Mode {
             Mode::EmptyProbes => "empty entry probes (bpftrace)",
             Mode::Bpftrace => "bpftrace memleak",
             Mode::Floor => "trap floor (--empty-programs)",
+            Mode::StacksOnly => "stacks only (--stacks-only)",
             Mode::HeapprofdEntry => "heapprofd exact, entry probes",
             Mode::Heapprofd => "heapprofd exact",
             Mode::HeapprofdNoPeak => "heapprofd exact --no-peak",
@@ -95,6 +100,7 @@ impl Mode {
             Mode::EmptyProbes => "empty_entry_probes",
             Mode::Bpftrace => "bpftrace_memleak",
             Mode::Floor => "heapprofd_empty_programs",
+            Mode::StacksOnly => "heapprofd_stacks_only",
             Mode::HeapprofdEntry => "heapprofd_exact_entry",
             Mode::Heapprofd => "heapprofd_exact",
             Mode::HeapprofdNoPeak => "heapprofd_exact_no_peak",
@@ -108,6 +114,7 @@ impl Mode {
         match self {
             Mode::Bare | Mode::EmptyProbes | Mode::Bpftrace => None,
             Mode::Floor => Some(&["--interval", "1h", "--empty-programs"]),
+            Mode::StacksOnly => Some(&["--interval", "1h", "--stacks-only"]),
             Mode::HeapprofdEntry => Some(&["--interval", "1h", "--probe-placement", "entry"]),
             Mode::Heapprofd => Some(&["--interval", "1h"]),
             Mode::HeapprofdNoPeak => Some(&["--interval", "1h", "--no-peak"]),

@@ -91,6 +91,13 @@ pub(super) fn measure(
         timings.added(Mode::HeapprofdSampled) / timings.added(Mode::EmptyProbes);
     let goals = goals(workload, &timings);
     write_goals(workload, &goals, summary);
+    let stacks_only = timings.to_floor(Mode::StacksOnly);
+    write_least_cost(
+        workload,
+        stacks_only,
+        timings.to_floor(Mode::Heapprofd),
+        summary,
+    );
     let text = &mut summary.text;
     let _ = writeln!(
         text,
@@ -99,7 +106,7 @@ pub(super) fn measure(
     let profiles = write_profile_figures(workload, &rounds.runs, summary);
     let json_stats = write_where_time_goes(bench, workload, &timings, &mut summary.text)?;
     summary.json_workloads.push(format!(
-        "{{\"name\": {}, \"key\": {}, \"allocations\": {}, \"runs\": {}, \"modes\": {{{}}}, \"ratio_exact_to_bpftrace\": {}, \"ratio_exact_to_empty_probes\": {}, \"ratio_sampled_to_empty_probes\": {}, \"runs_with_other_tracers\": {}, \"single_stepped\": {}, \"goals\": [{}], \"frames_per_alloc\": {{\"heapprofd_exact\": {}, \"heapprofd_exact_fp\": {}}}, \"unwind_tables\": {}, \"unwind_tables_line\": {}, \"bpf_stats\": {{{}}}}}",
+        "{{\"name\": {}, \"key\": {}, \"allocations\": {}, \"runs\": {}, \"modes\": {{{}}}, \"ratio_exact_to_bpftrace\": {}, \"ratio_exact_to_empty_probes\": {}, \"ratio_sampled_to_empty_probes\": {}, \"ratio_stacks_only_to_floor\": {}, \"runs_with_other_tracers\": {}, \"single_stepped\": {}, \"goals\": [{}], \"frames_per_alloc\": {{\"heapprofd_exact\": {}, \"heapprofd_exact_fp\": {}}}, \"unwind_tables\": {}, \"unwind_tables_line\": {}, \"bpf_stats\": {{{}}}}}",
         json_string(workload.name),
         json_string(workload.key),
         timings.allocations,
@@ -108,6 +115,7 @@ pub(super) fn measure(
         json_number(ratio_bpftrace),
         json_number(ratio_empty),
         json_number(ratio_sampled_empty),
+        json_number(stacks_only),
         rounds.disturbed,
         profiles.single_stepped,
         goals
@@ -303,6 +311,19 @@ fn write_goals(workload: &Workload, goals: &[GoalFigure], summary: &mut Summary)
         let _ = writeln!(summary.goals_text, "{}: {line}", workload.key);
         summary.json_goals.push(goal.json(workload.key));
     }
+}
+
+/// The least an exact profile of stacks costs (`--stacks-only`: calls matched and
+/// stacks found, nothing counted), as a multiple of the trap floor, beside heapprofd
+/// exact's: the goals' 1.25x is to be read against it.
+fn write_least_cost(workload: &Workload, stacks_only: f64, exact: f64, summary: &mut Summary) {
+    let line = format!(
+        "stacks found, nothing counted (--stacks-only) / trap floor: {stacks_only:.2}x; \
+         heapprofd exact: {exact:.2}x, its counting {:.2}x of the floor",
+        exact - stacks_only
+    );
+    let _ = writeln!(summary.text, "least cost: {line}");
+    let _ = writeln!(summary.goals_text, "{} (least cost): {line}", workload.key);
 }
 
 /// What heapprofd's own output says about a workload.

@@ -39,7 +39,7 @@ use crate::{
     cli::Target,
     metrics::Exporter,
     pprof::writer,
-    probes::stats::{self, RunTimeStats},
+    probes::stats::{self, RunTimeStats, StackLookups},
     symbolize::Symbolizer,
     unwind::table_upload::{TableCapacities, TableUploader, TableUsage},
 };
@@ -554,6 +554,10 @@ impl UserSession {
             && self.config.bpf_stats
         {
             log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
+            match StackLookups::read(&self.ebpf) {
+                Ok(found) => log::info!("{}", found.describe()),
+                Err(err) => log::warn!("no count of the stacks found: {err:#}"),
+            }
         }
         if let Some(unwinder) = self.images.unwinder() {
             let usage = unwinder.usage();
