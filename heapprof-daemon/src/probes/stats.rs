@@ -1,5 +1,5 @@
 //! Self-measurement: the kernel's run-time statistics of our BPF programs, and how the
-//! programs found the stacks they recorded.
+//! programs looked up the stacks of the allocations they recorded.
 //!
 //! While the descriptor from `BPF_ENABLE_STATS` is open the kernel times every program
 //! run (a few ns each, which is why this is opt-in: `--bpf-stats`).

@@ -555,8 +555,8 @@ impl UserSession {
         {
             log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
             match StackLookups::read(&self.ebpf) {
-                Ok(found) => log::info!("{}", found.describe()),
-                Err(err) => log::warn!("no count of the stacks found: {err:#}"),
+                Ok(lookups) => log::info!("{}", lookups.describe()),
+                Err(err) => log::warn!("no count of the stack lookups: {err:#}"),
             }
         }
         if let Some(unwinder) = self.images.unwinder() {
