@@ -1,6 +1,6 @@
 //! The real-service section: Debian's redis-server (linked with jemalloc) under
-//! `redis-benchmark`, bare against `heapprofd --pid` attached to it (exact, sampled, and
-//! the trap floor with `--empty-programs`), and against redis-server launched by heapprofd
+//! `redis-benchmark`, bare against `heapprofd --pid` attached to it (exact, sampled, the
+//! trap floor with `--empty-programs` and the least cost with `--stacks-only`), and against redis-server launched by heapprofd
 //! (`heapprofd -- taskset -c 0 redis-server ...`, exact and sampled; launch mode uses the
 //! LD_PRELOAD interposer by default). The sampled launch's profile is read back to check
 //! that its stacks go through redis's `zmalloc`.
@@ -36,6 +36,8 @@ const LAUNCH_SAMPLED_GOAL: f64 = 0.95;
 enum RedisMode {
     Bare,
     Floor,
+    /// `--pid --stacks-only`: every allocation's stack found, nothing counted.
+    StacksOnly,
     Exact,
     Sampled,
     /// redis-server launched by heapprofd, exact.
@@ -45,9 +47,10 @@ enum RedisMode {
 }
 
 impl RedisMode {
-    const ALL: [RedisMode; 6] = [
+    const ALL: [RedisMode; 7] = [
         RedisMode::Bare,
         RedisMode::Floor,
+        RedisMode::StacksOnly,
         RedisMode::Exact,
         RedisMode::Sampled,
         RedisMode::LaunchExact,
@@ -58,6 +61,7 @@ impl RedisMode {
         match self {
             RedisMode::Bare => "bare",
             RedisMode::Floor => "trap floor (--empty-programs)",
+            RedisMode::StacksOnly => "stacks only (--stacks-only)",
             RedisMode::Exact => "heapprofd --pid exact",
             RedisMode::Sampled => "heapprofd --pid sampled 512KiB",
             RedisMode::LaunchExact => "heapprofd launch exact",
@@ -69,6 +73,7 @@ impl RedisMode {
         match self {
             RedisMode::Bare => "bare",
             RedisMode::Floor => "heapprofd_empty_programs",
+            RedisMode::StacksOnly => "heapprofd_stacks_only",
             RedisMode::Exact => "heapprofd_exact",
             RedisMode::Sampled => "heapprofd_sampled",
             RedisMode::LaunchExact => "heapprofd_launch_exact",
@@ -81,6 +86,7 @@ impl RedisMode {
         match self {
             RedisMode::Bare | RedisMode::LaunchExact | RedisMode::LaunchSampled => None,
             RedisMode::Floor => Some(&["--interval", "1h", "--empty-programs"]),
+            RedisMode::StacksOnly => Some(&["--interval", "1h", "--stacks-only"]),
             RedisMode::Exact => Some(&["--interval", "1h"]),
             RedisMode::Sampled => Some(&["--interval", "1h", "--sample-rate", "512KiB"]),
         }
@@ -459,10 +465,12 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
     }
     let added = |mode: RedisMode| median(mode, |p| p.cpu_us_per_request) - bare_cpu;
     let (floor_added, exact_added) = (added(RedisMode::Floor), added(RedisMode::Exact));
+    let stacks_only_added = added(RedisMode::StacksOnly);
     let _ = writeln!(
         text,
-        "redis CPU added per request: exact {exact_added:.2} us, trap floor {floor_added:.2} us: exact = {:.2}x the floor; launch exact {:.2} us, launch sampled {:.2} us",
+        "redis CPU added per request: exact {exact_added:.2} us, trap floor {floor_added:.2} us: exact = {:.2}x the floor; stacks only {stacks_only_added:.2} us = {:.2}x the floor; launch exact {:.2} us, launch sampled {:.2} us",
         exact_added / floor_added,
+        stacks_only_added / floor_added,
         added(RedisMode::LaunchExact),
         added(RedisMode::LaunchSampled)
     );
