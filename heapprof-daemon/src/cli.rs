@@ -190,6 +190,8 @@ pub struct Cli {
     /// Benchmark baseline (`cargo xtask bench`): the probes' programs match returns
     /// to calls and find each allocation's stack, then count nothing (the profile
     /// stays empty): the least an exact profile of stacks costs beyond the traps.
+    /// Launched commands get the allocator's probes, as with `--preload off`: the
+    /// preload library would count the calls without them.
     #[arg(long, hide = true)]
     pub stacks_only: bool,
 
@@ -277,9 +279,12 @@ impl Cli {
     }
 
     /// Whether launched commands get the preload library (launch mode, user space,
-    /// `--preload auto`).
+    /// `--preload auto`, not the probes-only `--stacks-only` baseline).
     pub fn uses_preload(&self, target: &Target) -> bool {
-        matches!(target, Target::Launch(_)) && !self.kernel && self.preload == PreloadMode::Auto
+        matches!(target, Target::Launch(_))
+            && !self.kernel
+            && self.preload == PreloadMode::Auto
+            && !self.stacks_only
     }
 
     /// The retention of the output directory the flags ask for.

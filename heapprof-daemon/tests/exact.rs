@@ -202,18 +202,18 @@ fn allocations_at_known_stacks_skip_the_probe() {
 /// The benchmark's `--stacks-only` baseline does the stack work of every allocation
 /// the exact mode counts (one lookup each: a remembered walk's check or a walk) and
 /// counts nothing, so that `cargo xtask bench` holds heapprofd against a baseline that
-/// really finds each stack.
+/// really finds each stack; launched, with the preload library's default too (the
+/// baseline uses the probes, since the library would count without them).
 #[test]
 fn stacks_only_finds_every_stack_and_counts_nothing() {
     require_root();
     let dir = scratch();
     let program = compile(dir.path(), "family", "family", &["-O2"]);
-    let run = |out: &std::path::Path, extra: &[&str]| {
+    let run = |out: &std::path::Path, flags: &[&str]| {
         let output = run_ok(
             heapprofd(out)
-                .args(PROBES_AUTO)
                 .arg("--bpf-stats")
-                .args(extra)
+                .args(flags)
                 .arg("--")
                 .arg(&program)
                 .args(["2", "500"]),
@@ -229,7 +229,7 @@ fn stacks_only_finds_every_stack_and_counts_nothing() {
             .unwrap_or_else(|| panic!("no count of stack lookups in:\n{stderr}"))
     };
     let exact_out = dir.path().join("exact");
-    let exact_log = run(&exact_out, &[]);
+    let exact_log = run(&exact_out, PROBES_AUTO);
     let [allocated, ..] = totals(&samples(&last_profile(&exact_out)), |_| true);
     assert!(
         allocated >= 10 * 2 * 500,
@@ -240,18 +240,21 @@ fn stacks_only_finds_every_stack_and_counts_nothing() {
         "exact mode: fewer stack lookups than allocations\n{exact_log}"
     );
 
-    let stacks_only_out = dir.path().join("stacks-only");
-    let stacks_only_log = run(&stacks_only_out, &["--stacks-only"]);
-    assert_eq!(
-        lookups(&stacks_only_log),
-        allocated,
-        "--stacks-only: one stack lookup per allocation of the exact run\n{stacks_only_log}"
-    );
-    let counted = totals(&samples(&last_profile(&stacks_only_out)), |_| true);
-    assert_eq!(
-        counted, [0; 4],
-        "--stacks-only counts nothing\n{stacks_only_log}"
-    );
+    let probes_flags = [PROBES_AUTO, &["--stacks-only"]].concat();
+    for (name, flags) in [
+        ("probes", &probes_flags[..]),
+        ("default", &["--stacks-only"][..]),
+    ] {
+        let out = dir.path().join(format!("stacks-only-{name}"));
+        let log = run(&out, flags);
+        assert_eq!(
+            lookups(&log),
+            allocated,
+            "{flags:?}: one stack lookup per allocation of the exact run\n{log}"
+        );
+        let counted = totals(&samples(&last_profile(&out)), |_| true);
+        assert_eq!(counted, [0; 4], "{flags:?} counts nothing\n{log}");
+    }
 }
 
 /// Parses valgrind's "in use at exit: B bytes in N blocks" and
