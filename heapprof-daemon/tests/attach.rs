@@ -336,8 +336,19 @@ fn sigterm_ends_launch_mode_while_the_command_is_stopped() {
             .arg(&binary)
             .args(["2", "forever"])
             .stdin(Stdio::null())
-            .stdout(Stdio::null()),
+            .stdout(Stdio::piped()),
     );
+    // The command's "ready" (its threads run), and a moment of allocating, before it
+    // is stopped: on a loaded machine (beside an --all session) the command could be
+    // stopped before its first allocation, leaving nothing to profile.
+    let output = forward_lines(heapprofd.stdout.take().expect("stdout"));
+    let first = output.recv_timeout(Duration::from_secs(30));
+    assert_eq!(
+        first.as_deref().ok(),
+        Some("ready"),
+        "the launched command's output"
+    );
+    std::thread::sleep(Duration::from_millis(200));
     let pid = (0..50)
         .find_map(|_| {
             std::thread::sleep(Duration::from_millis(100));
