@@ -1,6 +1,7 @@
 //! Build step of the preload library (included by the daemon's build script): writes
 //! `preload_abi.h` from `heapprof_common::preload`, the interface's one definition,
-//! and compiles `heapprofd_preload.c` into `$OUT_DIR/libheapprofd_preload.so` for the
+//! and compiles `heapprofd_preload.c` (the interposer) and `got.c` (joining a running
+//! process by its GOT slots) into `$OUT_DIR/libheapprofd_preload.so` for the
 //! target's architecture.
 
 use std::{fmt::Write as _, path::Path, process::Command};
@@ -16,8 +17,17 @@ const OUTPUT: &str = "libheapprofd_preload.so";
 
 /// Writes the header and compiles the library.
 pub fn build(manifest_dir: &Path) -> Result<()> {
-    let source = manifest_dir.join("preload/heapprofd_preload.c");
-    println!("cargo:rerun-if-changed={}", source.display());
+    let sources = [
+        manifest_dir.join("preload/heapprofd_preload.c"),
+        manifest_dir.join("preload/got.c"),
+    ];
+    for source in &sources {
+        println!("cargo:rerun-if-changed={}", source.display());
+    }
+    println!(
+        "cargo:rerun-if-changed={}",
+        manifest_dir.join("preload/got.h").display()
+    );
     println!("cargo:rerun-if-changed=preload/build.rs");
     println!("cargo:rerun-if-env-changed=HEAPPROFD_PRELOAD_CC");
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
@@ -35,7 +45,7 @@ pub fn build(manifest_dir: &Path) -> Result<()> {
         .arg("-Wl,--hash-style=both")
         .arg("-I")
         .arg(&out_dir)
-        .arg(&source)
+        .args(&sources)
         .arg("-o")
         .arg(out_dir.join(OUTPUT));
     if arch == "x86_64" {

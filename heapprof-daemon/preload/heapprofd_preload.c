@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "got.h"
 #include "preload_abi.h"
 
 #define EXPORT __attribute__((visibility("default")))
@@ -55,12 +56,17 @@ extern int pthread_key_create(unsigned *key, void (*destructor)(void *));
 extern void *pthread_getspecific(unsigned key);
 extern int pthread_setspecific(unsigned key, const void *value);
 extern long readlink(const char *path, char *buffer, size_t size);
+extern long recvmsg(int fd, void *message, int flags);
+extern int poll(void *fds, unsigned long count, int timeout);
+extern int close(int fd);
 #define RTLD_NEXT ((void *)-1L)
+#define RTLD_DEFAULT ((void *)0)
 #define SC_PAGESIZE 30 /* the same on glibc and musl */
 #define PROT_READ 1
 #define PROT_WRITE 2
 #define MAP_SHARED 1
 #define MAP_PRIVATE 2
+#define MAP_FIXED 0x10
 #define MAP_ANONYMOUS 0x20
 #define MAP_FAILED ((void *)-1)
 
@@ -172,6 +178,8 @@ struct thread_state {
     uint64_t known_ra[KNOWN_STACKS];      /* known[i].ra, or 0 */
     struct known_stack known[KNOWN_STACKS];
     struct thread_state *next_spare;      /* in `spare_states` */
+    uint32_t session;                     /* the join it belongs to (see `session`) */
+    uint32_t until_check;                 /* calls left before the next injected_check */
 };
 
 /*
@@ -189,14 +197,30 @@ static int spare_lock;
 static struct thread_state no_state = { .depth = 1u << 30 };
 
 static struct thread_state *adopt_thread(void);
+static struct thread_state *renew_thread(struct thread_state *t);
+
+/* Counts the joins of an injected library (0 in launch mode): a thread's state from an
+ * earlier heapprofd session (its queue registered, its known stacks hashed by that
+ * session's program) starts afresh in the next. */
+static uint32_t session;
 
 static inline struct thread_state *this_thread(void)
 {
     struct thread_state *t = pthread_getspecific(thread_key);
-    return likely(t != NULL) ? t : adopt_thread();
+    if (likely(t != NULL) && likely(t->session == __atomic_load_n(&session, __ATOMIC_RELAXED)))
+        return t;
+    return t ? renew_thread(t) : adopt_thread();
 }
 
 /* ---- the real functions --------------------------------------------------------- */
+
+/* heapprofd's mark in its copy of this file when it injects it into a running process
+ * (`--pid`), where no LD_PRELOAD put it first: the constructor then does nothing, and
+ * heapprofd_join starts it. Initialized, so that it is in the file. */
+#define LAUNCHED_MARK 0x4c41554eu /* "LAUN" */
+EXPORT volatile uint32_t heapprofd_injected = LAUNCHED_MARK;
+
+static inline int injected(void) { return heapprofd_injected != LAUNCHED_MARK; }
 
 enum state { UNINITIALIZED, INITIALIZING, ACTIVE, INERT };
 static volatile int state = UNINITIALIZED;
@@ -583,11 +607,21 @@ static inline const struct known_stack *find_known(struct thread_state *t, uint6
 
 /* Reports an allocation of `size` bytes at `p` by wrapped function `function`, with
  * the caller's registers: queued if its stack is known, else through the probe site. */
+static void injected_check(void);
+
+/* Calls of a thread between two injected_check()s. */
+#define CHECK_EVERY 4096
+
 static inline void report(struct thread_state *t, unsigned function, void *p, uint64_t size,
                           uint64_t ra, uint64_t sp, uint64_t fp)
 {
     if (!p || unlikely(t == &no_state))
         return;
+    if (unlikely(t->until_check-- == 0)) {
+        t->until_check = CHECK_EVERY;
+        if (injected())
+            injected_check();
+    }
     if (sample_rate) {
         if (!sampled(t, size))
             return;
@@ -682,17 +716,40 @@ static __attribute__((noinline)) struct thread_state *adopt_thread(void)
         t->cxx_depth = 0;
         t->until_sample = 0;
         t->next_spare = NULL;
+        t->session = session;
     } else {
         void *fresh = mmap(NULL, sizeof(struct thread_state), PROT_READ | PROT_WRITE,
                            MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (fresh == MAP_FAILED)
             return &no_state;
         t = fresh;
+        t->session = session;
     }
     if (pthread_setspecific(thread_key, t) != 0) {
         t->next_spare = NULL;
         return &no_state; /* never on glibc or musl: the key exists */
     }
+    return t;
+}
+
+/* A thread's state from an earlier join: what the last session's program knew of it
+ * (its registered queue, its reply slot, the hashes of its known stacks) is forgotten. */
+static __attribute__((noinline)) struct thread_state *renew_thread(struct thread_state *t)
+{
+    if (t == &no_state)
+        return t;
+    t->queue.len = 0;
+    t->queue_busy = 0;
+    t->registered = 0;
+    t->closing = 0;
+    t->reply_slot = 0;
+    t->until_sample = 0;
+    t->until_check = 0;
+    for (unsigned i = 0; i < KNOWN_STACKS; i++) {
+        t->known_ra[i] = 0;
+        t->known[i].ra = 0;
+    }
+    t->session = __atomic_load_n(&session, __ATOMIC_RELAXED);
     return t;
 }
 
@@ -739,6 +796,18 @@ static int cxx_allocates_with_malloc(void)
 
 static uint64_t parse_u64(const char *s);
 
+/* The size of the program's answers in memory. */
+#define REPLIES_BYTES ((size_t)HP_REPLY_SLOTS * sizeof(struct hp_stack_reply))
+
+/* Maps the program's answers from `descriptor`, a BPF map; where an earlier join's
+ * answers were (an injected library joins again), in their place. */
+static void map_replies_fd(int descriptor)
+{
+    void *mapped = mmap(replies, REPLIES_BYTES, PROT_READ | PROT_WRITE,
+                        MAP_SHARED | (replies ? MAP_FIXED : 0), descriptor, 0);
+    replies = mapped == MAP_FAILED ? NULL : mapped;
+}
+
 /* Maps the program's answers, if heapprofd handed the map over: the descriptor named
  * by HEAPPROFD_REPLIES_FD, if it is a BPF map (the variable may outlive it: a program
  * may close descriptors it does not know, then open others). */
@@ -766,9 +835,7 @@ static void map_replies(void)
     for (long i = 0; i < length; i++)
         if (target[i] != expected[i])
             return;
-    void *mapped = mmap(NULL, (size_t)HP_REPLY_SLOTS * sizeof(struct hp_stack_reply),
-                        PROT_READ | PROT_WRITE, MAP_SHARED, descriptor, 0);
-    replies = mapped == MAP_FAILED ? NULL : mapped;
+    map_replies_fd(descriptor);
 }
 
 static uint64_t parse_u64(const char *s)
@@ -779,36 +846,30 @@ static uint64_t parse_u64(const char *s)
     return value;
 }
 
-static void initialize(void)
+/* Looks up the real functions: the ones after this library in the binding order
+ * (preloaded), or the ones the process's global scope binds (injected, loaded alone). */
+static void find_real_functions(void *(*lookup)(const char *))
 {
-    int expected = UNINITIALIZED;
-    if (!__atomic_compare_exchange_n(&state, &expected, INITIALIZING, 0, __ATOMIC_ACQ_REL,
-                                     __ATOMIC_ACQUIRE))
-        return; /* another thread is at it: the arena serves meanwhile */
-    real.malloc = next("malloc");
-    real.calloc = next("calloc");
-    real.realloc = next("realloc");
-    real.reallocarray = next("reallocarray");
-    real.posix_memalign = next("posix_memalign");
-    real.aligned_alloc = next("aligned_alloc");
-    real.memalign = next("memalign");
-    real.valloc = next("valloc");
-    real.pvalloc = next("pvalloc");
-    real.free = next("free");
+    real.malloc = lookup("malloc");
+    real.calloc = lookup("calloc");
+    real.realloc = lookup("realloc");
+    real.reallocarray = lookup("reallocarray");
+    real.posix_memalign = lookup("posix_memalign");
+    real.aligned_alloc = lookup("aligned_alloc");
+    real.memalign = lookup("memalign");
+    real.valloc = lookup("valloc");
+    real.pvalloc = lookup("pvalloc");
+    real.free = lookup("free");
     for (unsigned i = 0; i < 8; i++)
-        real.cxx_new[i] = next(hp_function_names[HP_FN_FIRST_NEW + i]);
+        real.cxx_new[i] = lookup(hp_function_names[HP_FN_FIRST_NEW + i]);
     for (unsigned i = 0; i < 12; i++)
-        real.cxx_delete[i] = next(hp_function_names[HP_FN_FIRST_DELETE + i]);
-    /* Only the program comes before this library in the binding order. If it defines
-     * malloc itself, its calls (and the libraries') bind there and heapprofd's probes
-     * on the program count them; this library then sees the functions it does not
-     * define. If it only takes malloc's address (a non-PIE program's canonical PLT
-     * entry, as python3's), that entry leads here. Either way it stays active. */
-    if (!real.malloc || !real.free || !real.calloc || !real.realloc ||
-        pthread_key_create(&thread_key, thread_ends) != 0) {
-        __atomic_store_n(&state, INERT, __ATOMIC_RELEASE);
-        return;
-    }
+        real.cxx_delete[i] = lookup(hp_function_names[HP_FN_FIRST_DELETE + i]);
+}
+
+/* What the real functions tell: whether C++'s operators allocate with malloc, where
+ * the allocator's code is, and the page size. */
+static void learn_allocator(void)
+{
     cxx_through_malloc = cxx_allocates_with_malloc();
     dl_info_t allocator;
     if (dladdr((void *)real.malloc, &allocator))
@@ -819,18 +880,62 @@ static void initialize(void)
     long page = sysconf(SC_PAGESIZE);
     if (page > 0)
         page_size = (uint64_t)page;
-    sample_rate = parse_u64(getenv(HP_SAMPLE_RATE_ENV));
-    map_replies();
-    if (sample_rate) {
-        void *set = mmap(NULL, SET_SLOTS * sizeof(uint64_t), PROT_READ | PROT_WRITE,
-                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-        sampled_set = set == MAP_FAILED ? NULL : set;
+}
+
+/* The set of sampled blocks, empty (an injected library's from an earlier join is
+ * cleared: its blocks belonged to that session). */
+static void prepare_sampling(void)
+{
+    set_saturated = 0;
+    if (!sample_rate)
+        return;
+    if (sampled_set) {
+        for (uint32_t i = 0; i < SET_SLOTS; i++)
+            sampled_set[i] = SET_EMPTY;
+        return;
     }
-    /* No DSO handle: the handlers stay for the process's life (-z nodelete). */
+    void *set = mmap(NULL, SET_SLOTS * sizeof(uint64_t), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    sampled_set = set == MAP_FAILED ? NULL : set;
+}
+
+/* Once per process: the handlers stay for its life (-z nodelete, no DSO handle). */
+static void register_fork_handlers(void)
+{
+    static int registered;
+    if (registered)
+        return;
+    registered = 1;
     if (__register_atfork)
         __register_atfork(before_fork, NULL, in_child, NULL);
     else if (pthread_atfork)
         pthread_atfork(before_fork, NULL, in_child);
+}
+
+static void initialize(void)
+{
+    if (injected())
+        return; /* heapprofd_join starts it */
+    int expected = UNINITIALIZED;
+    if (!__atomic_compare_exchange_n(&state, &expected, INITIALIZING, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return; /* another thread is at it: the arena serves meanwhile */
+    find_real_functions(next);
+    /* Only the program comes before this library in the binding order. If it defines
+     * malloc itself, its calls (and the libraries') bind there and heapprofd's probes
+     * on the program count them; this library then sees the functions it does not
+     * define. If it only takes malloc's address (a non-PIE program's canonical PLT
+     * entry, as python3's), that entry leads here. Either way it stays active. */
+    if (!real.malloc || !real.free || !real.calloc || !real.realloc ||
+        pthread_key_create(&thread_key, thread_ends) != 0) {
+        __atomic_store_n(&state, INERT, __ATOMIC_RELEASE);
+        return;
+    }
+    learn_allocator();
+    sample_rate = parse_u64(getenv(HP_SAMPLE_RATE_ENV));
+    map_replies();
+    prepare_sampling();
+    register_fork_handlers();
     hello();
     __atomic_store_n(&state, ACTIVE, __ATOMIC_RELEASE);
 }
@@ -1145,3 +1250,283 @@ DELETE_WRAPPER(_ZdlPvSt11align_val_tRKSt9nothrow_t, 10, delete3_t,
                (void *p, uint64_t a, uint64_t b), (p, a, b))
 DELETE_WRAPPER(_ZdaPvSt11align_val_tRKSt9nothrow_t, 11, delete3_t,
                (void *p, uint64_t a, uint64_t b), (p, a, b))
+
+/* ---- joining a running process ---------------------------------------------------------- */
+
+/*
+ * `heapprofd --pid` loads this library into a running process (ptrace, dlopen) and
+ * calls heapprofd_join: the real functions are the ones the process's global scope
+ * binds, and the slots its objects call them through are pointed at the wrappers
+ * (got.c). heapprofd_leave puts the slots back; the library then passes every call
+ * that still reaches it straight on, and a later heapprofd joins the same copy again.
+ */
+
+/* The wrappers' own addresses (an exported name used here would bind to the
+ * process's definition). */
+#define LOCAL_ALIAS(name) extern __typeof__(name) hp_local_##name __attribute__((alias(#name), visibility("hidden"), copy(name)));
+LOCAL_ALIAS(malloc)
+LOCAL_ALIAS(calloc)
+LOCAL_ALIAS(realloc)
+LOCAL_ALIAS(reallocarray)
+LOCAL_ALIAS(posix_memalign)
+LOCAL_ALIAS(aligned_alloc)
+LOCAL_ALIAS(memalign)
+LOCAL_ALIAS(valloc)
+LOCAL_ALIAS(pvalloc)
+LOCAL_ALIAS(free)
+LOCAL_ALIAS(_Znwm)
+LOCAL_ALIAS(_Znam)
+LOCAL_ALIAS(_ZnwmRKSt9nothrow_t)
+LOCAL_ALIAS(_ZnamRKSt9nothrow_t)
+LOCAL_ALIAS(_ZnwmSt11align_val_t)
+LOCAL_ALIAS(_ZnamSt11align_val_t)
+LOCAL_ALIAS(_ZnwmSt11align_val_tRKSt9nothrow_t)
+LOCAL_ALIAS(_ZnamSt11align_val_tRKSt9nothrow_t)
+LOCAL_ALIAS(_ZdlPv)
+LOCAL_ALIAS(_ZdaPv)
+LOCAL_ALIAS(_ZdlPvm)
+LOCAL_ALIAS(_ZdaPvm)
+LOCAL_ALIAS(_ZdlPvRKSt9nothrow_t)
+LOCAL_ALIAS(_ZdaPvRKSt9nothrow_t)
+LOCAL_ALIAS(_ZdlPvSt11align_val_t)
+LOCAL_ALIAS(_ZdaPvSt11align_val_t)
+LOCAL_ALIAS(_ZdlPvmSt11align_val_t)
+LOCAL_ALIAS(_ZdaPvmSt11align_val_t)
+LOCAL_ALIAS(_ZdlPvSt11align_val_tRKSt9nothrow_t)
+LOCAL_ALIAS(_ZdaPvSt11align_val_tRKSt9nothrow_t)
+
+/* The slots redirected: the C functions, and C++'s operators when they do not
+ * allocate with malloc (libstdc++'s do: malloc's wrapper sees their calls). */
+static struct got_target redirected[32];
+static unsigned redirected_count;
+
+static void add_target(const char *name, void *original, void *replacement)
+{
+    if (original && redirected_count < sizeof redirected / sizeof redirected[0])
+        redirected[redirected_count++] = (struct got_target){ name, original, replacement };
+}
+
+static void choose_targets(void)
+{
+    redirected_count = 0;
+    add_target("malloc", (void *)real.malloc, (void *)hp_local_malloc);
+    add_target("calloc", (void *)real.calloc, (void *)hp_local_calloc);
+    add_target("realloc", (void *)real.realloc, (void *)hp_local_realloc);
+    add_target("reallocarray", (void *)real.reallocarray, (void *)hp_local_reallocarray);
+    add_target("posix_memalign", (void *)real.posix_memalign, (void *)hp_local_posix_memalign);
+    add_target("aligned_alloc", (void *)real.aligned_alloc, (void *)hp_local_aligned_alloc);
+    add_target("memalign", (void *)real.memalign, (void *)hp_local_memalign);
+    add_target("valloc", (void *)real.valloc, (void *)hp_local_valloc);
+    add_target("pvalloc", (void *)real.pvalloc, (void *)hp_local_pvalloc);
+    add_target("free", (void *)real.free, (void *)hp_local_free);
+    if (cxx_through_malloc)
+        return;
+    void *news[8] = { (void *)hp_local__Znwm,
+                      (void *)hp_local__Znam,
+                      (void *)hp_local__ZnwmRKSt9nothrow_t,
+                      (void *)hp_local__ZnamRKSt9nothrow_t,
+                      (void *)hp_local__ZnwmSt11align_val_t,
+                      (void *)hp_local__ZnamSt11align_val_t,
+                      (void *)hp_local__ZnwmSt11align_val_tRKSt9nothrow_t,
+                      (void *)hp_local__ZnamSt11align_val_tRKSt9nothrow_t };
+    void *deletes[12] = { (void *)hp_local__ZdlPv,
+                          (void *)hp_local__ZdaPv,
+                          (void *)hp_local__ZdlPvm,
+                          (void *)hp_local__ZdaPvm,
+                          (void *)hp_local__ZdlPvRKSt9nothrow_t,
+                          (void *)hp_local__ZdaPvRKSt9nothrow_t,
+                          (void *)hp_local__ZdlPvSt11align_val_t,
+                          (void *)hp_local__ZdaPvSt11align_val_t,
+                          (void *)hp_local__ZdlPvmSt11align_val_t,
+                          (void *)hp_local__ZdaPvmSt11align_val_t,
+                          (void *)hp_local__ZdlPvSt11align_val_tRKSt9nothrow_t,
+                          (void *)hp_local__ZdaPvSt11align_val_tRKSt9nothrow_t };
+    for (unsigned i = 0; i < 8; i++)
+        add_target(hp_function_names[HP_FN_FIRST_NEW + i], (void *)real.cxx_new[i], news[i]);
+    for (unsigned i = 0; i < 12; i++)
+        add_target(hp_function_names[HP_FN_FIRST_DELETE + i], (void *)real.cxx_delete[i],
+                   deletes[i]);
+}
+
+static void *lookup_default(const char *name) { return dlsym(RTLD_DEFAULT, name); }
+
+/* heapprofd itself, while the library is joined: its exit (a SIGKILL, a crash) makes
+ * the descriptor readable. */
+static int daemon_pidfd = -1;
+
+/* Objects the loader has added, when the slots were last rewritten. */
+static uint64_t loads_seen;
+
+struct phdr_info_adds {
+    uint64_t addr;
+    const char *name;
+    const void *phdr;
+    uint16_t phnum;
+    unsigned long long adds;
+    unsigned long long subs;
+};
+
+static int read_adds(void *info, size_t size, void *data)
+{
+    const struct phdr_info_adds *i = info;
+    *(uint64_t *)data = size >= sizeof *i ? i->adds : 0;
+    return 1;
+}
+
+static uint64_t loader_adds(void)
+{
+    uint64_t adds = 0;
+    extern int dl_iterate_phdr(int (*callback)(void *, size_t, void *), void *data);
+    dl_iterate_phdr(read_adds, &adds);
+    return adds;
+}
+
+/* Puts the slots back and passes every call on from now on: heapprofd detaches, or
+ * it has died. The answers' map is replaced by untouched memory in place (a wrapper
+ * of another thread may still read it), which releases the map; the library and its
+ * memory stay for a later join. Returns the slots put back. */
+static long heapprofd_leave_now(void)
+{
+    int expected = ACTIVE;
+    if (!__atomic_compare_exchange_n(&state, &expected, INERT, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return 0;
+    struct got_result result = got_rewrite(redirected, redirected_count, __ehdr_start, 1, 1);
+    struct thread_state *t = pthread_getspecific(thread_key);
+    if (t && t != &no_state && t->session == session)
+        flush(t);
+    if (replies) {
+        void *blank = mmap(replies, REPLIES_BYTES, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+        (void)blank; /* on failure the map stays mapped, still harmless */
+    }
+    if (daemon_pidfd >= 0)
+        close(daemon_pidfd);
+    daemon_pidfd = -1;
+    return (long)result.rewritten;
+}
+
+/* Called by heapprofd through ptrace when it detaches. */
+EXPORT long heapprofd_leave(void) { return heapprofd_leave_now(); }
+
+/* Now and then (every CHECK_EVERY allocations of a thread): leaves if heapprofd has
+ * died without detaching, and redirects the slots of objects loaded since the last
+ * look (dlopen). */
+static __attribute__((noinline)) void injected_check(void)
+{
+    if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) != ACTIVE)
+        return;
+    struct {
+        int fd;
+        short events;
+        short revents;
+    } watch = { daemon_pidfd, 1 /* POLLIN */, 0 };
+    if (watch.fd >= 0 && poll(&watch, 1, 0) > 0) {
+        heapprofd_leave_now();
+        return;
+    }
+    uint64_t adds = loader_adds();
+    if (adds == __atomic_load_n(&loads_seen, __ATOMIC_RELAXED))
+        return;
+    __atomic_store_n(&loads_seen, adds, __ATOMIC_RELAXED);
+    got_rewrite(redirected, redirected_count, __ehdr_start, 0, 0);
+    /* heapprofd left during the pass: what it redirected goes back. */
+    if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) != ACTIVE)
+        got_rewrite(redirected, redirected_count, __ehdr_start, 1, 1);
+}
+
+/* Receives the descriptors heapprofd sends over `socket`: the program's answers (a BPF
+ * map) and heapprofd's pidfd. */
+static int receive_descriptors(int socket, int *replies_fd, int *pidfd)
+{
+    struct iovec_ {
+        void *base;
+        size_t length;
+    };
+    struct message_ {
+        void *name;
+        uint32_t name_length;
+        uint32_t pad0;
+        struct iovec_ *iov;
+        size_t iov_length;
+        void *control;
+        size_t control_length;
+        int flags;
+        int pad1;
+    };
+    union {
+        struct {
+            uint64_t length;
+            int level;
+            int type;
+            int fds[2];
+        } header;
+        uint64_t align[4];
+    } control = { .align = { 0 } };
+    char byte;
+    struct iovec_ io = { &byte, 1 };
+    struct message_ message = { .iov = &io, .iov_length = 1, .control = &control,
+                                .control_length = sizeof control };
+    const int cmsg_cloexec = 0x40000000, sol_socket = 1, scm_rights = 1;
+    long got = recvmsg(socket, &message, cmsg_cloexec);
+    if (got < 1 || control.header.level != sol_socket || control.header.type != scm_rights ||
+        control.header.length < 16 + 2 * sizeof(int))
+        return -1;
+    *replies_fd = control.header.fds[0];
+    *pidfd = control.header.fds[1];
+    return 0;
+}
+
+/* Why heapprofd_join refused, as its negative results. */
+enum join_error {
+    JOIN_NOT_INJECTED = -1,   /* a launch-mode copy */
+    JOIN_ALREADY = -2,        /* joined now */
+    JOIN_NO_DESCRIPTORS = -3, /* nothing received */
+    JOIN_NO_ALLOCATOR = -4,   /* the process binds no malloc/free */
+    JOIN_NO_SLOTS = -5,       /* no slot could be redirected */
+};
+
+/*
+ * Joins heapprofd: `socket` carries the answers' map and heapprofd's pidfd, and
+ * `rate` is the sample rate (0: every allocation). Called by heapprofd through ptrace
+ * on a thread that holds no allocator or loader lock. Returns the slots redirected,
+ * or a join_error.
+ */
+EXPORT long heapprofd_join(int socket, uint64_t rate)
+{
+    if (!injected())
+        return JOIN_NOT_INJECTED;
+    int now = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (now != UNINITIALIZED && now != INERT)
+        return JOIN_ALREADY;
+    int replies_fd, pidfd;
+    if (receive_descriptors(socket, &replies_fd, &pidfd) != 0)
+        return JOIN_NO_DESCRIPTORS;
+    if (now == UNINITIALIZED) {
+        find_real_functions(lookup_default);
+        if (!real.malloc || !real.free || !real.calloc || !real.realloc ||
+            pthread_key_create(&thread_key, thread_ends) != 0) {
+            close(replies_fd);
+            close(pidfd);
+            return JOIN_NO_ALLOCATOR;
+        }
+        learn_allocator();
+    }
+    map_replies_fd(replies_fd);
+    close(replies_fd);
+    daemon_pidfd = pidfd;
+    sample_rate = rate;
+    prepare_sampling();
+    register_fork_handlers();
+    __atomic_add_fetch(&session, 1, __ATOMIC_RELEASE);
+    choose_targets();
+    loads_seen = loader_adds();
+    __atomic_store_n(&state, ACTIVE, __ATOMIC_RELEASE);
+    hello();
+    struct got_result result = got_rewrite(redirected, redirected_count, __ehdr_start, 0, 1);
+    if (result.rewritten == 0) {
+        heapprofd_leave_now();
+        return JOIN_NO_SLOTS;
+    }
+    return (long)result.rewritten;
+}

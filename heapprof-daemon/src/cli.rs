@@ -5,6 +5,7 @@ use std::{net::SocketAddr, num::NonZeroUsize, path::PathBuf, time::Duration};
 use clap::Parser;
 
 use crate::{
+    inject::InjectMode,
     pprof::retention::RetentionPolicy,
     preload::PreloadMode,
     probes::{AttachChoice, placement::PlacementMode},
@@ -182,6 +183,15 @@ pub struct Cli {
     #[arg(long, value_name = "MODE", value_enum, default_value_t = PreloadMode::Auto)]
     pub preload: PreloadMode,
 
+    /// `--pid`: `auto` loads heapprofd's interposer into the running process (ptrace
+    /// on one thread waiting in a system call, dlopen from a memfd) and redirects its
+    /// allocator calls there, so it costs what launch mode costs; heapprofd puts the
+    /// calls back when it exits. Where it cannot (a static or Go program, ptrace
+    /// refused, no thread ever waiting), it says why on one line and uses the
+    /// allocator's probes. `off` uses those probes only.
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = InjectMode::Auto)]
+    pub inject: InjectMode,
+
     /// Benchmark baseline (`cargo xtask bench`): the probes are attached where they
     /// always are, but their programs do nothing, so only the uprobe traps cost.
     #[arg(long, hide = true, conflicts_with = "stacks_only")]
@@ -285,6 +295,16 @@ impl Cli {
             && !self.kernel
             && self.preload == PreloadMode::Auto
             && !self.stacks_only
+    }
+
+    /// Whether `--pid` tries to load the preload library into the process (user
+    /// space, `--inject auto`, not a benchmark baseline).
+    pub fn injects(&self, target: &Target) -> bool {
+        matches!(target, Target::Pid(_))
+            && !self.kernel
+            && self.inject == InjectMode::Auto
+            && !self.stacks_only
+            && !self.empty_programs
     }
 
     /// The retention of the output directory the flags ask for.

@@ -197,6 +197,12 @@ impl AllocatorProbes {
         Ok(())
     }
 
+    /// A preload library that will not serve (it could not join the process it was
+    /// loaded into): the process's allocator gets the probes. Its probe stays, idle.
+    pub fn forget_preload(&mut self) {
+        self.preload = None;
+    }
+
     /// The function of `slot`.
     pub fn slot(&self, slot: ProbeSlot) -> Option<&SlotInfo> {
         self.slots.get(slot as usize)

@@ -15,6 +15,7 @@ use super::AnySession;
 use crate::{
     allocators::{AllocatorProbes, ProbeSettings, spec::CustomFunction},
     cli::{Cli, Target},
+    inject,
     launch::{self, PausedChild},
     metrics::{self, TableFigure, server::Endpoint},
     pprof, preflight,
@@ -106,9 +107,10 @@ fn start_user(
         _ => None,
     };
     let loader = find_loader_hook(target, program.as_deref())?;
-    let preloading = preload.is_some();
+    let injecting = cli.injects(target);
+    let mut preloading = preload.is_some();
     log_sampling(sample_rate, preloading);
-    let mut ebpf = load_user_bpf(cli, pid, child.is_some(), preloading, tables)?;
+    let mut ebpf = load_user_bpf(cli, pid, child.is_some(), preloading || injecting, tables)?;
     let bpf_log = BpfLog::init(&mut ebpf);
     let method = probes::attach_method(cli.attach, pid);
     log::debug!("uprobes attached as {method:?}");
@@ -133,6 +135,13 @@ fn start_user(
             child.hand_over(replies_map(&ebpf)?);
         }
     }
+    // The library is loaded and probed now, but joins once the programs are armed:
+    // its first report registers its thread's queue.
+    let loaded = match (target, injecting) {
+        (Target::Pid(pid), true) => load_in_process(*pid, &mut ebpf, &mut allocators)?,
+        _ => None,
+    };
+    preloading |= loaded.is_some();
     probe_initial_allocators(
         cli,
         target,
@@ -146,6 +155,7 @@ fn start_user(
         probes::attach_thread_switch(&mut ebpf)?;
     }
     probes::arm(&mut ebpf)?;
+    let replies = loaded.as_ref().map(|_| replies_map(&ebpf)).transpose()?;
     let config = UserSessionConfig {
         target: target.clone(),
         output: cli.output.clone(),
@@ -156,6 +166,11 @@ fn start_user(
     };
     let mut session = UserSession::new(config, ebpf, allocators)?;
     session.prime_processes();
+    // Joined once the process's mappings and unwind tables are in place, so that its
+    // first reports are unwound whole.
+    if let (Some(injection), Some(replies)) = (loaded, replies) {
+        join_in_process(injection, &replies, &mut session, sample_rate);
+    }
     require_allocator_probed(&session, target)?;
     let map_memory = probes::map_memory::tables();
     log::info!("{}", probes::map_memory::describe(&map_memory));
@@ -176,6 +191,68 @@ fn start_user(
         cli.output.display()
     );
     Ok((session, bpf_log))
+}
+
+/// `--pid --inject auto`: loads the preload library into the running process and
+/// probes it; `None`, with the reason on one line, where it cannot (the process then
+/// gets the allocator's probes).
+fn load_in_process(
+    pid: u32,
+    ebpf: &mut aya::Ebpf,
+    allocators: &mut AllocatorProbes,
+) -> Result<Option<inject::Injection>> {
+    let image = crate::preload::injectable_image()?;
+    let entries = inject::entries(&image).context("the preload library has no entry points")?;
+    let attempt = (|| {
+        let mut injection = inject::Injection::start(pid)?;
+        let file = injection.load(&image, entries)?;
+        let library =
+            PreloadLibrary::injected(file).map_err(|err| inject::NotJoined(format!("{err:#}")))?;
+        allocators
+            .add_preload(ebpf, library)
+            .map_err(|err| inject::NotJoined(format!("probing its copy: {err:#}")))?;
+        Ok(injection)
+    })();
+    match attempt {
+        Ok(injection) => Ok(Some(injection)),
+        Err(reason) => {
+            cannot_join(pid, &reason);
+            Ok(None)
+        }
+    }
+}
+
+/// Has the loaded library join: it redirects the process's allocator calls to itself.
+/// Where it refuses, the library is forgotten and the process gets the probes.
+fn join_in_process(
+    injection: inject::Injection,
+    replies: &OwnedFd,
+    session: &mut UserSession,
+    sample_rate: u64,
+) {
+    use std::os::fd::AsFd as _;
+    let pid = injection.pid();
+    match injection.join(replies.as_fd(), sample_rate) {
+        Ok(joined) => {
+            log::info!(
+                "pid {pid}: joined in-process: heapprofd's library serves its allocator \
+                 calls ({} slots redirected; they are put back at exit)",
+                joined.slots
+            );
+            session.set_joined(Some(joined));
+        }
+        Err(reason) => {
+            cannot_join(pid, &reason);
+            session.probe_instead_of_preload(pid);
+        }
+    }
+}
+
+fn cannot_join(pid: u32, reason: &inject::NotJoined) {
+    log::warn!(
+        "pid {pid}: cannot join it in-process ({reason}); using the allocator's probes, \
+         which trap into the kernel at every call"
+    );
 }
 
 /// `--pid`: a process with no allocator heapprofd can probe is an error, with the last

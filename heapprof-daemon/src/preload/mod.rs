@@ -30,11 +30,13 @@ static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libheapprofd_p
 const FILE_NAME: &str = "libheapprofd_preload.so";
 
 /// Whether `path` is a copy of the library, this session's or another's: a process
-/// another heapprofd launched maps it ahead of its allocator.
+/// another heapprofd launched maps it ahead of its allocator, one it joined maps it
+/// from a memfd ([`crate::inject`]).
 pub fn is_library(path: &str) -> bool {
     std::path::Path::new(path)
         .file_name()
         .is_some_and(|name| name == FILE_NAME)
+        || path.starts_with(crate::inject::MEMFD_PATH_PREFIX)
 }
 
 /// `--preload`: whether launched commands get the interposer.
@@ -50,8 +52,11 @@ pub enum PreloadMode {
 /// This session's copy of the library.
 #[derive(Debug)]
 pub struct PreloadLibrary {
-    dir: PathBuf,
+    /// The directory of an installed copy (removed with it); `None` for the copy in
+    /// a running process, held open by `_held`.
+    dir: Option<PathBuf>,
     path: PathBuf,
+    _held: Option<std::fs::File>,
     /// File offset of the probe site.
     pub probe_offset: u64,
     /// File offsets of the wrapped functions, by symbol.
@@ -74,8 +79,26 @@ impl PreloadLibrary {
         file.write_all(LIBRARY)
             .with_context(|| format!("writing the preload library to {}", path.display()))?;
         Ok(Self {
-            dir,
+            dir: Some(dir),
             path,
+            _held: None,
+            probe_offset,
+            functions,
+        })
+    }
+
+    /// The copy heapprofd loaded into a running process (`--pid`, see
+    /// [`crate::inject`]), known by a descriptor of its file.
+    pub fn injected(file: std::fs::File) -> Result<Self> {
+        let (probe_offset, functions) = symbol_offsets(LIBRARY)?;
+        let path = PathBuf::from(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&file)
+        ));
+        Ok(Self {
+            dir: None,
+            path,
+            _held: Some(file),
             probe_offset,
             functions,
         })
@@ -109,8 +132,10 @@ impl PreloadLibrary {
 impl Drop for PreloadLibrary {
     fn drop(&mut self) {
         // Processes still running keep their mapping of the deleted file.
-        let _ = std::fs::remove_file(&self.path);
-        let _ = std::fs::remove_dir(&self.dir);
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_file(&self.path);
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 
@@ -150,6 +175,35 @@ fn session_dir() -> Result<PathBuf> {
          preload-{id}-* directories there, or run with --preload off",
         parent.display()
     )
+}
+
+/// The symbol heapprofd marks in the copy it injects into a running process.
+const INJECTED_MARK_SYMBOL: &str = "heapprofd_injected";
+
+/// The library as heapprofd loads it into a running process: marked so that its
+/// constructor leaves the start to `heapprofd_join` (see `heapprofd_preload.c`).
+pub fn injectable_image() -> Result<Vec<u8>> {
+    let file = object::File::parse(LIBRARY).context("reading the embedded preload library")?;
+    let symbol = file
+        .dynamic_symbols()
+        .find(|s| s.name() == Ok(INJECTED_MARK_SYMBOL))
+        .context("the embedded preload library has no injection mark")?;
+    let offset = file
+        .segments()
+        .find_map(|segment| {
+            let (start, size) = (segment.address(), segment.size());
+            let (offset, file_size) = segment.file_range();
+            let at = symbol.address();
+            (at >= start && at + 4 <= start + size.min(file_size))
+                .then(|| (at - start + offset) as usize)
+        })
+        .context("the preload library's injection mark is not in its file")?;
+    let mut image = LIBRARY.to_vec();
+    let mark = image
+        .get_mut(offset..offset + 4)
+        .context("the preload library's injection mark is past its end")?;
+    mark.copy_from_slice(b"INJT");
+    Ok(image)
 }
 
 /// The file offsets of the probe site and of the wrapped functions.
@@ -207,10 +261,16 @@ mod tests {
         let file = object::File::parse(LIBRARY).expect("ELF");
         // Bound at load: every C library (glibc 2.34+, musl) exports them.
         let required = [
+            "close",
+            "dl_iterate_phdr",
             "dladdr",
             "dlsym",
             "getenv",
+            "memset",
             "mmap",
+            "mprotect",
+            "poll",
+            "recvmsg",
             "pthread_getspecific",
             "pthread_key_create",
             "pthread_setspecific",
@@ -237,8 +297,9 @@ mod tests {
     #[test]
     fn the_library_goes_first_in_ld_preload() {
         let library = PreloadLibrary {
-            dir: PathBuf::from("/nonexistent"),
+            dir: Some(PathBuf::from("/nonexistent")),
             path: PathBuf::from("/nonexistent/lib.so"),
+            _held: None,
             probe_offset: 0,
             functions: Vec::new(),
         };

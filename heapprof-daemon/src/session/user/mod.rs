@@ -63,6 +63,9 @@ pub struct UserSessionConfig {
 
 /// A running session. Dropping it detaches every probe.
 pub struct UserSession {
+    /// `--pid` joined in-process: first, so that the process's calls are put back
+    /// before the probe on the library goes.
+    joined: JoinedProcess,
     config: UserSessionConfig,
     ebpf: Ebpf,
     run_time_stats: Option<RunTimeStats>,
@@ -169,6 +172,7 @@ impl UserSession {
         };
         let images = Images::new(config.target.clone(), unwinder);
         Ok(Self {
+            joined: JoinedProcess(None),
             config,
             ebpf,
             run_time_stats,
@@ -213,6 +217,24 @@ impl UserSession {
     pub fn export_metrics(&mut self, exporter: Exporter) {
         super::enable_stats_for_metrics(&mut self.run_time_stats);
         self.metrics = Some(exporter);
+    }
+
+    /// The process the preload library joined (`--pid --inject auto`), which it
+    /// leaves when the session ends.
+    pub fn set_joined(&mut self, joined: Option<crate::inject::Joined>) {
+        self.joined = JoinedProcess(joined);
+    }
+
+    /// The preload library loaded into `pid` could not join it: forgotten, and the
+    /// process's allocator probed instead.
+    pub fn probe_instead_of_preload(&mut self, pid: u32) {
+        self.allocators.forget_preload();
+        self.refresh_process(pid);
+    }
+
+    /// Whether the target was joined in-process.
+    pub fn joined_in_process(&self) -> bool {
+        self.joined.0.is_some()
     }
 
     /// Reads the mappings of the processes that exist at attach time, so that
@@ -567,5 +589,31 @@ impl UserSession {
             }
         }
         Ok(path)
+    }
+}
+
+/// The process the preload library joined; when dropped, the library puts its calls
+/// back (if heapprofd cannot reach it, the library leaves by itself once it sees
+/// heapprofd gone).
+struct JoinedProcess(Option<crate::inject::Joined>);
+
+impl Drop for JoinedProcess {
+    fn drop(&mut self) {
+        let Some(joined) = self.0.take() else {
+            return;
+        };
+        let pid = joined.pid();
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            return;
+        }
+        match joined.leave() {
+            Ok(restored) => {
+                log::info!("pid {pid}: left in-process: {restored} allocator slots put back")
+            }
+            Err(reason) => log::warn!(
+                "pid {pid}: cannot leave it in-process now ({reason}); heapprofd's library \
+                 there puts its calls back by itself within a few thousand allocations"
+            ),
+        }
     }
 }

@@ -1,0 +1,659 @@
+//! `--pid` at launch mode's cost: heapprofd's preload library loaded into a process
+//! that is already running (`--inject auto`).
+//!
+//! A probe on the allocator traps into the kernel at every call; the preload library
+//! costs one cheap probe per allocation at a new stack and nothing at a known one
+//! (see [`crate::preload`]). A running process never had it in its `LD_PRELOAD`, so
+//! heapprofd puts it there itself:
+//!
+//! 1. One thread of the process waiting in a system call (it holds no allocator,
+//!    loader or stdio lock) is held with ptrace ([`tracee`]); the others keep running.
+//! 2. On it, heapprofd calls the process's own functions: `memfd_create`, into which
+//!    it writes the library (a container's process cannot see heapprofd's files),
+//!    then `dlopen` of `/proc/self/fd/N`. A library left by an earlier session is
+//!    used again instead.
+//! 3. The probe site is probed (by the caller), then the library's `heapprofd_join`
+//!    gets the answers' map and heapprofd's pidfd over a socket pair and points the
+//!    slots the process calls its allocator through (its objects' GOT) at its
+//!    wrappers (`preload/got.c`).
+//! 4. At the end, `heapprofd_leave` puts the slots back. If heapprofd dies first, the
+//!    library sees its pidfd readable and leaves by itself.
+//!
+//! Anything that stops this on the way is a [`NotJoined`] reason, said on one line,
+//! and the process gets the allocator's probes as before.
+
+#[cfg(target_arch = "x86_64")]
+mod tracee;
+
+use std::{
+    fs::File,
+    os::{
+        fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+        unix::fs::MetadataExt as _,
+    },
+    time::Duration,
+};
+
+use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+
+use crate::procmaps::parse_maps_line;
+
+/// `--inject`: whether `--pid` loads heapprofd's library into the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum InjectMode {
+    /// Load the preload library into the process (ptrace, dlopen) and redirect its
+    /// allocator calls there; where it cannot, say why and use the allocator's probes.
+    Auto,
+    /// The allocator's probes only (an entry and a return trap per allocation).
+    Off,
+}
+
+/// Why heapprofd did not join a process in-process: one line for the user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotJoined(pub String);
+
+impl std::fmt::Display for NotJoined {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn not_joined(reason: impl Into<String>) -> NotJoined {
+    NotJoined(reason.into())
+}
+
+/// The library's memfd name; it shows as `/memfd:NAME (deleted)` in the maps.
+const MEMFD_NAME: &str = "heapprofd-preload";
+/// How the maps name the library's memfd.
+pub const MEMFD_PATH_PREFIX: &str = "/memfd:heapprofd-preload";
+
+/// How long a remote call may take (`dlopen` runs the loader).
+const CALL_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The process's functions heapprofd calls.
+#[derive(Debug, Default, Clone, Copy)]
+struct Functions {
+    dlopen: u64,
+    dlerror: u64,
+    memfd_create: u64,
+    socketpair: u64,
+    close: u64,
+}
+
+/// The library as loaded in the process.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadedAt {
+    /// Where its first byte is mapped.
+    pub base: u64,
+    /// `heapprofd_join`'s and `heapprofd_leave`'s addresses.
+    join: u64,
+    leave: u64,
+}
+
+/// The library's entry points, as offsets from its first byte.
+#[derive(Debug, Clone, Copy)]
+pub struct Entries {
+    /// `heapprofd_join`.
+    pub join: u64,
+    /// `heapprofd_leave`.
+    pub leave: u64,
+}
+
+/// A process being joined: one of its threads held until this is dropped.
+pub struct Injection {
+    pid: u32,
+    #[cfg(target_arch = "x86_64")]
+    thread: tracee::Tracee,
+    functions: Functions,
+    loaded: Option<LoadedAt>,
+}
+
+/// A process the library joined.
+#[derive(Debug)]
+pub struct Joined {
+    pid: u32,
+    at: LoadedAt,
+    /// The allocator slots redirected to the library.
+    pub slots: u64,
+}
+
+/// System calls a thread waits in without holding an allocator, loader or stdio lock
+/// (x86-64 numbers). `futex` only as a condition variable's or semaphore's wait
+/// (`FUTEX_WAIT_BITSET`): a lock's waiter (`FUTEX_WAIT`) may hold another lock.
+#[cfg(target_arch = "x86_64")]
+const WAITING_SYSCALLS: [i64; 24] = [
+    0,   // read
+    7,   // poll
+    23,  // select
+    34,  // pause
+    35,  // nanosleep
+    43,  // accept
+    45,  // recvfrom
+    47,  // recvmsg
+    61,  // wait4
+    70,  // msgrcv
+    128, // rt_sigtimedwait
+    130, // rt_sigsuspend
+    202, // futex (see above)
+    208, // io_getevents
+    230, // clock_nanosleep
+    232, // epoll_wait
+    247, // waitid
+    270, // pselect6
+    271, // ppoll
+    281, // epoll_pwait
+    288, // accept4
+    299, // recvmmsg
+    426, // io_uring_enter
+    441, // epoll_pwait2
+];
+
+#[cfg(target_arch = "x86_64")]
+fn is_waiting(number: i64, args: [u64; 2]) -> bool {
+    const FUTEX: i64 = 202;
+    const FUTEX_WAIT_BITSET: u64 = 9;
+    WAITING_SYSCALLS.contains(&number) && (number != FUTEX || args[1] & 0x7f == FUTEX_WAIT_BITSET)
+}
+
+/// The threads of `pid` that `/proc` shows waiting in one of those calls, first.
+#[cfg(target_arch = "x86_64")]
+fn candidate_threads(pid: u32) -> Vec<i32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    let mut waiting = Vec::new();
+    for task in tasks.flatten() {
+        let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        let Ok(line) = std::fs::read_to_string(task.path().join("syscall")) else {
+            continue;
+        };
+        let mut fields = line.split_whitespace();
+        let number = fields.next().and_then(|n| n.parse::<i64>().ok());
+        let args: Vec<u64> = fields
+            .take(2)
+            .filter_map(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok())
+            .collect();
+        if let (Some(number), [a0, a1]) = (number, args.as_slice())
+            && is_waiting(number, [*a0, *a1])
+        {
+            waiting.push(tid);
+        }
+    }
+    waiting
+}
+
+impl Injection {
+    /// The process.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Holds a thread of `pid` at a safe point and finds the functions heapprofd will
+    /// call there.
+    pub fn start(pid: u32) -> Result<Self, NotJoined> {
+        let functions = find_functions(pid)?;
+        #[cfg(target_arch = "x86_64")]
+        {
+            let thread = hold_waiting_thread(pid)?;
+            Ok(Self {
+                pid,
+                thread,
+                functions,
+                loaded: None,
+            })
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = functions;
+            Err(not_joined(
+                "joining a running process in-process is implemented for x86-64 only so far",
+            ))
+        }
+    }
+
+    /// Loads `image` (the library, marked as injected) into the process, or finds the
+    /// copy an earlier session loaded; returns a descriptor of the loaded file, on
+    /// which the caller puts the probe.
+    #[cfg(target_arch = "x86_64")]
+    pub fn load(&mut self, image: &[u8], entries: Entries) -> Result<File, NotJoined> {
+        if let Some((file, base)) = loaded_copy(self.pid, image) {
+            self.loaded = Some(entries.at(base));
+            return Ok(file);
+        }
+        let scratch = self.thread.scratch();
+        let name = format!("{MEMFD_NAME}\0");
+        self.write(scratch, name.as_bytes())?;
+        const MFD_CLOEXEC: u64 = 1;
+        let fd = self.call(self.functions.memfd_create, &[scratch, MFD_CLOEXEC])? as i32;
+        if fd < 0 {
+            return Err(not_joined("memfd_create failed in the process"));
+        }
+        let written = self.write_library(fd, image);
+        let file = match written {
+            Ok(file) => file,
+            Err(err) => {
+                let _ = self.call(self.functions.close, &[fd as u64]);
+                return Err(err);
+            }
+        };
+        let path = format!("/proc/self/fd/{fd}\0");
+        self.write(scratch, path.as_bytes())?;
+        const RTLD_NOW: u64 = 2;
+        let handle = self.call(self.functions.dlopen, &[scratch, RTLD_NOW]);
+        let _ = self.call(self.functions.close, &[fd as u64]);
+        if handle? == 0 {
+            return Err(not_joined(format!(
+                "dlopen of heapprofd's library failed in the process: {}",
+                self.dlerror()
+            )));
+        }
+        let inode = file.metadata().map(|m| (m.dev(), m.ino())).ok();
+        let base = inode
+            .and_then(|id| mapped_base(self.pid, id))
+            .ok_or_else(|| not_joined("heapprofd's library is not in the process's mappings"))?;
+        self.loaded = Some(entries.at(base));
+        Ok(file)
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn load(&mut self, _image: &[u8], _entries: Entries) -> Result<File, NotJoined> {
+        Err(not_joined("not on this architecture"))
+    }
+
+    /// Starts the library: hands it `replies` (the answers' map) and heapprofd's
+    /// pidfd, and has it redirect the process's allocator slots.
+    #[cfg(target_arch = "x86_64")]
+    pub fn join(mut self, replies: BorrowedFd<'_>, sample_rate: u64) -> Result<Joined, NotJoined> {
+        let at = self
+            .loaded
+            .ok_or_else(|| not_joined("heapprofd's library was not loaded"))?;
+        let scratch = self.thread.scratch();
+        const AF_UNIX: u64 = 1;
+        const SOCK_DGRAM_CLOEXEC: u64 = 2 | 0o2_000_000;
+        let made = self.call(
+            self.functions.socketpair,
+            &[AF_UNIX, SOCK_DGRAM_CLOEXEC, 0, scratch],
+        )? as i32;
+        if made != 0 {
+            return Err(not_joined("socketpair failed in the process"));
+        }
+        let mut pair = [0u8; 8];
+        self.read(scratch, &mut pair)?;
+        let ours = i32::from_le_bytes([pair[0], pair[1], pair[2], pair[3]]);
+        let theirs = i32::from_le_bytes([pair[4], pair[5], pair[6], pair[7]]);
+        let sent = send_descriptors(self.pid, ours, replies);
+        let result = match sent {
+            Ok(()) => self.call(at.join, &[theirs as u64, sample_rate]),
+            Err(err) => Err(err),
+        };
+        let _ = self.call(self.functions.close, &[ours as u64]);
+        let _ = self.call(self.functions.close, &[theirs as u64]);
+        let result = result? as i64;
+        if result < 0 {
+            return Err(not_joined(match result {
+                -1 => "the library in the process was launched with it, not injected".to_owned(),
+                -2 => {
+                    "heapprofd's library in the process is joined to another heapprofd".to_owned()
+                }
+                -3 => "the library received no descriptors".to_owned(),
+                -4 => "the process binds no malloc and free".to_owned(),
+                -5 => "none of the process's allocator calls could be redirected (no GOT slot \
+                       names malloc or free, or their pages could not be made writable)"
+                    .to_owned(),
+                other => format!("the library refused to join ({other})"),
+            }));
+        }
+        Ok(Joined {
+            pid: self.pid,
+            at,
+            slots: result as u64,
+        })
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn join(self, _replies: BorrowedFd<'_>, _sample_rate: u64) -> Result<Joined, NotJoined> {
+        Err(not_joined("not on this architecture"))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn call(&mut self, function: u64, args: &[u64]) -> Result<u64, NotJoined> {
+        self.thread
+            .call(function, args, CALL_TIMEOUT)
+            .map_err(|err| not_joined(format!("a call in the process failed: {err}")))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn write(&self, address: u64, bytes: &[u8]) -> Result<(), NotJoined> {
+        self.thread
+            .write(address, bytes)
+            .map_err(|err| not_joined(err.to_string()))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn read(&self, address: u64, buffer: &mut [u8]) -> Result<(), NotJoined> {
+        self.thread
+            .read(address, buffer)
+            .map_err(|err| not_joined(err.to_string()))
+    }
+
+    /// Writes the library into the process's memfd `fd`; returns heapprofd's own
+    /// descriptor of it.
+    #[cfg(target_arch = "x86_64")]
+    fn write_library(&self, fd: i32, image: &[u8]) -> Result<File, NotJoined> {
+        use std::io::Write as _;
+        let path = format!("/proc/{}/fd/{fd}", self.pid);
+        let mut file = File::options()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|err| not_joined(format!("opening {path}: {err}")))?;
+        file.write_all(image)
+            .map_err(|err| not_joined(format!("writing heapprofd's library to {path}: {err}")))?;
+        Ok(file)
+    }
+
+    /// The loader's last error in the process.
+    #[cfg(target_arch = "x86_64")]
+    fn dlerror(&mut self) -> String {
+        if self.functions.dlerror == 0 {
+            return "no dlerror".to_owned();
+        }
+        let Ok(text) = self.call(self.functions.dlerror, &[]) else {
+            return "unknown".to_owned();
+        };
+        if text == 0 {
+            return "unknown".to_owned();
+        }
+        let mut buffer = vec![0u8; 256];
+        if self.read(text, &mut buffer).is_err() {
+            return "unknown".to_owned();
+        }
+        let end = buffer.iter().position(|b| *b == 0).unwrap_or(buffer.len());
+        String::from_utf8_lossy(&buffer[..end]).into_owned()
+    }
+}
+
+impl Entries {
+    fn at(self, base: u64) -> LoadedAt {
+        LoadedAt {
+            base,
+            join: base + self.join,
+            leave: base + self.leave,
+        }
+    }
+}
+
+impl Joined {
+    /// The joined process.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Has the library put the slots back; returns how many it restored.
+    pub fn leave(&self) -> Result<u64, NotJoined> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut injection = Injection::start(self.pid)?;
+            let restored = injection.call(self.at.leave, &[])?;
+            Ok(restored)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            Err(not_joined("not on this architecture"))
+        }
+    }
+}
+
+/// Holds a thread of `pid` that is waiting in a system call: tries each thread `/proc`
+/// shows waiting, a few rounds.
+#[cfg(target_arch = "x86_64")]
+fn hold_waiting_thread(pid: u32) -> Result<tracee::Tracee, NotJoined> {
+    let mut last_error = None;
+    for round in 0..20 {
+        if round > 0 {
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        for tid in candidate_threads(pid) {
+            match tracee::Tracee::seize(pid, tid) {
+                Ok(thread) => match thread.syscall() {
+                    Some((number, args)) if is_waiting(number, args) => return Ok(thread),
+                    // It woke up meanwhile: given back, another try.
+                    _ => drop(thread),
+                },
+                Err(err) => last_error = Some(err),
+            }
+        }
+    }
+    Err(not_joined(match last_error {
+        Some(err) => format!("cannot hold a thread of it with ptrace: {err}"),
+        None => "none of its threads waited in a system call (it computes without pause), \
+                 where heapprofd could call into it safely"
+            .to_owned(),
+    }))
+}
+
+/// Finds the functions heapprofd calls in the objects `pid` maps (the C library, or
+/// libdl for a glibc older than 2.34).
+fn find_functions(pid: u32) -> Result<Functions, NotJoined> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .map_err(|err| not_joined(format!("reading its maps: {err}")))?;
+    let lines: Vec<_> = maps
+        .lines()
+        .filter_map(|l| parse_maps_line(l).ok())
+        .collect();
+    if lines
+        .iter()
+        .any(|l| crate::preload::is_library(&l.path) && !l.path.starts_with(MEMFD_PATH_PREFIX))
+    {
+        return Err(not_joined(
+            "it already runs with heapprofd's preload library from a launch",
+        ));
+    }
+    let mut functions = Functions::default();
+    let mut seen = std::collections::HashSet::new();
+    for line in &lines {
+        let name = line.path.rsplit('/').next().unwrap_or("");
+        let wanted = name.starts_with("libc.so")
+            || name.starts_with("libc-")
+            || name.starts_with("ld-musl")
+            || name.starts_with("libdl.so");
+        if !wanted || line.offset != 0 || !seen.insert((line.dev, line.inode)) {
+            continue;
+        }
+        let path = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
+        let Ok(data) = std::fs::read(&path) else {
+            continue;
+        };
+        let Ok(file) = object::File::parse(&*data) else {
+            continue;
+        };
+        let base = line.start - lowest_load(&file);
+        for symbol in file.dynamic_symbols() {
+            let (Ok(name), true) = (symbol.name(), symbol.is_definition()) else {
+                continue;
+            };
+            let name = name.split('@').next().unwrap_or(name);
+            let address = base + symbol.address();
+            let slot = match name {
+                "dlopen" => &mut functions.dlopen,
+                "dlerror" => &mut functions.dlerror,
+                "memfd_create" => &mut functions.memfd_create,
+                "socketpair" => &mut functions.socketpair,
+                "close" => &mut functions.close,
+                _ => continue,
+            };
+            if *slot == 0 {
+                *slot = address;
+            }
+        }
+    }
+    if functions.close == 0 {
+        return Err(not_joined(
+            "it maps no C library heapprofd can call (a static program, or Go)",
+        ));
+    }
+    if functions.dlopen == 0 {
+        return Err(not_joined(
+            "its C library has no dlopen (glibc before 2.34 without libdl loaded, or a \
+             static program)",
+        ));
+    }
+    if functions.memfd_create == 0 || functions.socketpair == 0 {
+        return Err(not_joined(
+            "its C library lacks memfd_create or socketpair (glibc before 2.27)",
+        ));
+    }
+    Ok(functions)
+}
+
+/// The lowest address an ELF file's loadable segments ask for, page-aligned.
+fn lowest_load(file: &object::File<'_>) -> u64 {
+    file.segments().map(|s| s.address()).min().unwrap_or(0) & !0xfff
+}
+
+/// A copy of the library an earlier session loaded into `pid`, if it is this build's:
+/// a descriptor of it and where it starts.
+fn loaded_copy(pid: u32, image: &[u8]) -> Option<(File, u64)> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let prefix = MEMFD_PATH_PREFIX;
+    for line in maps.lines().filter_map(|l| parse_maps_line(l).ok()) {
+        if line.offset != 0 || !line.path.starts_with(prefix) {
+            continue;
+        }
+        let path = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
+        let Ok(file) = File::open(&path) else {
+            continue;
+        };
+        let same = std::fs::read(format!("/proc/self/fd/{}", file.as_raw_fd()))
+            .is_ok_and(|bytes| bytes == image);
+        if same {
+            return Some((file, line.start));
+        }
+    }
+    None
+}
+
+/// Where the object with (device, inode) `id` starts in `pid`.
+fn mapped_base(pid: u32, id: (u64, u64)) -> Option<u64> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    maps.lines()
+        .filter_map(|l| parse_maps_line(l).ok())
+        .find(|line| {
+            line.offset == 0 && line.inode == id.1 && {
+                let path = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
+                std::fs::metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == id)
+            }
+        })
+        .map(|line| line.start)
+}
+
+/// Sends the answers' map and heapprofd's own pidfd through the process's socket `fd`
+/// (heapprofd takes a copy of it with `pidfd_getfd`).
+fn send_descriptors(pid: u32, fd: i32, replies: BorrowedFd<'_>) -> Result<(), NotJoined> {
+    let open_pidfd = |pid: u32| -> Result<OwnedFd, NotJoined> {
+        // SAFETY: a plain system call; the result is checked.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(not_joined(format!(
+                "pidfd_open: {} (Linux 5.3+ needed)",
+                std::io::Error::last_os_error()
+            )));
+        }
+        // SAFETY: a new descriptor we own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    };
+    let target = open_pidfd(pid)?;
+    let ours = open_pidfd(std::process::id())?;
+    // SAFETY: a plain system call; the result is checked.
+    let socket = unsafe { libc::syscall(libc::SYS_pidfd_getfd, target.as_raw_fd(), fd, 0) };
+    if socket < 0 {
+        return Err(not_joined(format!(
+            "pidfd_getfd: {} (Linux 5.6+ needed)",
+            std::io::Error::last_os_error()
+        )));
+    }
+    // SAFETY: a new descriptor we own.
+    let socket = unsafe { OwnedFd::from_raw_fd(socket as i32) };
+    let fds = [replies.as_raw_fd(), ours.as_raw_fd()];
+    let mut byte = [0u8; 1];
+    let mut io = libc::iovec {
+        iov_base: byte.as_mut_ptr().cast(),
+        iov_len: 1,
+    };
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(&fds) as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: a zeroed msghdr is valid; the fields set below point at live buffers.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &raw mut io;
+    message.msg_iovlen = 1;
+    message.msg_control = control.as_mut_ptr().cast();
+    message.msg_controllen = space;
+    // SAFETY: the control buffer holds one header with room for `fds`.
+    unsafe {
+        let header = libc::CMSG_FIRSTHDR(&raw const message);
+        (*header).cmsg_level = libc::SOL_SOCKET;
+        (*header).cmsg_type = libc::SCM_RIGHTS;
+        (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(&fds) as u32) as usize;
+        std::ptr::copy_nonoverlapping(
+            fds.as_ptr().cast::<u8>(),
+            libc::CMSG_DATA(header),
+            std::mem::size_of_val(&fds),
+        );
+    }
+    // SAFETY: the message points at live buffers.
+    if unsafe { libc::sendmsg(socket.as_raw_fd(), &raw const message, 0) } < 0 {
+        return Err(not_joined(format!(
+            "sending descriptors to the process: {}",
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
+/// The library's entry points in `image`.
+pub fn entries(image: &[u8]) -> Option<Entries> {
+    let file = object::File::parse(image).ok()?;
+    let find = |wanted: &str| {
+        file.dynamic_symbols()
+            .find(|s| s.name() == Ok(wanted))
+            .map(|s| s.address() - lowest_load(&file))
+    };
+    Some(Entries {
+        join: find("heapprofd_join")?,
+        leave: find("heapprofd_leave")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn a_futex_wait_counts_only_as_a_condition_variables() {
+        assert!(is_waiting(232, [3, 0]), "epoll_wait");
+        assert!(
+            is_waiting(202, [0x1000, 9 | 128]),
+            "FUTEX_WAIT_BITSET_PRIVATE"
+        );
+        assert!(
+            !is_waiting(202, [0x1000, 128]),
+            "FUTEX_WAIT_PRIVATE: a lock's waiter"
+        );
+        assert!(!is_waiting(9, [0, 0]), "mmap: maybe inside malloc");
+    }
+
+    #[test]
+    fn the_embedded_library_has_its_entry_points() {
+        let image = crate::preload::injectable_image().expect("image");
+        let entries = entries(&image).expect("entries");
+        assert!(entries.join > 0 && entries.leave > 0 && entries.join != entries.leave);
+    }
+}
