@@ -609,8 +609,8 @@ static inline const struct known_stack *find_known(struct thread_state *t, uint6
  * the caller's registers: queued if its stack is known, else through the probe site. */
 static void injected_check(void);
 
-/* Calls of a thread between two injected_check()s. */
-#define CHECK_EVERY 4096
+/* Allocations of a thread between two injected_check()s. */
+#define CHECK_EVERY 512
 
 static inline void report(struct thread_state *t, unsigned function, void *p, uint64_t size,
                           uint64_t ra, uint64_t sp, uint64_t fp)
@@ -1354,8 +1354,11 @@ static void *lookup_default(const char *name) { return dlsym(RTLD_DEFAULT, name)
  * the descriptor readable. */
 static int daemon_pidfd = -1;
 
-/* Objects the loader has added, when the slots were last rewritten. */
+/* Objects the loader has added, when the slots were last rewritten, and how many
+ * checks will look at every object's slots again. */
 static uint64_t loads_seen;
+static uint32_t rescans_left;
+#define RESCANS 4
 
 struct phdr_info_adds {
     uint64_t addr;
@@ -1425,10 +1428,17 @@ static __attribute__((noinline)) void injected_check(void)
         heapprofd_leave_now();
         return;
     }
+    /* The loader counts an object when it maps it, before it relocates it: its slots
+     * are looked at again in the next few checks, once they hold their functions. */
     uint64_t adds = loader_adds();
-    if (adds == __atomic_load_n(&loads_seen, __ATOMIC_RELAXED))
+    if (adds != __atomic_load_n(&loads_seen, __ATOMIC_RELAXED)) {
+        __atomic_store_n(&loads_seen, adds, __ATOMIC_RELAXED);
+        __atomic_store_n(&rescans_left, RESCANS, __ATOMIC_RELAXED);
+    } else if (__atomic_load_n(&rescans_left, __ATOMIC_RELAXED) == 0) {
         return;
-    __atomic_store_n(&loads_seen, adds, __ATOMIC_RELAXED);
+    } else {
+        __atomic_sub_fetch(&rescans_left, 1, __ATOMIC_RELAXED);
+    }
     got_rewrite(redirected, redirected_count, __ehdr_start, 0, 0);
     /* heapprofd left during the pass: what it redirected goes back. */
     if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) != ACTIVE)

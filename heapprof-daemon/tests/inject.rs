@@ -1,0 +1,265 @@
+//! `--pid` joining a running process in-process (`--inject auto`): heapprofd's
+//! library loaded into it by ptrace, its allocator calls redirected there.
+//!
+//! The target is tests/programs/joined.c, which allocates through the PLT, inside the
+//! C library (strdup, fopen), through a dlopened plugin, and frees through a pointer to
+//! free saved before any heapprofd came. The counts of a joined session are checked
+//! against a session on the allocator's probes (`--inject off`) doing the same work.
+
+mod common;
+
+use std::{collections::BTreeMap, path::Path, process::Command, sync::Mutex};
+
+use common::*;
+
+/// One of these tests at a time: they attach to their own process, but the log
+/// checks and counts are simplest alone.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const ROUNDS: i64 = 300;
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// joined.c at -O2 and its plugin; the program is started with the plugin's path.
+fn start_joined(dir: &Path) -> Driven {
+    let plugin = dir.join("libjoined_plugin.so");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/joined_plugin.c");
+    let status = Command::new("gcc")
+        .args(["-O2", "-g", "-fno-builtin", "-shared", "-fPIC", "-o"])
+        .arg(&plugin)
+        .arg(&source)
+        .status()
+        .expect("running gcc");
+    assert!(status.success(), "building the plugin");
+    let binary = compile(dir, "joined", "joined", &["-O2", "-ldl"]);
+    Driven::start(&binary, &[plugin.to_str().expect("utf-8 path")])
+}
+
+/// Totals per (caller, allocator function) of process `pid`'s samples.
+fn by_site(samples: &[Sample], pid: u32) -> BTreeMap<(String, String), [i64; 4]> {
+    let pid = pid.to_string();
+    let mut sites: BTreeMap<(String, String), [i64; 4]> = BTreeMap::new();
+    for sample in samples
+        .iter()
+        .filter(|s| s.labels.get("pid").is_some_and(|p| *p == pid))
+    {
+        let caller = sample.stack.get(1).cloned().unwrap_or_default();
+        let entry = sites.entry((caller, sample.stack[0].clone())).or_default();
+        for (total, value) in entry.iter_mut().zip(sample.values) {
+            *total += value;
+        }
+    }
+    sites
+}
+
+/// Attaches with `args`, sends `commands` (each answered "done"), detaches; returns
+/// the final profile's sites of the process and heapprofd's log.
+fn session(
+    joined: &mut Driven,
+    out: &Path,
+    args: &[&str],
+    commands: &[&str],
+) -> (BTreeMap<(String, String), [i64; 4]>, Vec<String>) {
+    let pid = joined.child.id();
+    let mut heapprofd = heapprofd(out)
+        .args(["--interval", "1h", "--pid", &pid.to_string()])
+        .args(args)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting heapprofd");
+    let log = forward_lines(heapprofd.stderr.take().expect("stderr"));
+    let mut lines = Vec::new();
+    loop {
+        let line = log
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("heapprofd did not get ready: {e}\n{}", lines.join("\n")));
+        let ready = line.contains("probes on");
+        lines.push(line);
+        if ready {
+            break;
+        }
+    }
+    for command in commands {
+        joined.command(command, "done");
+    }
+    signal(&heapprofd, libc::SIGINT);
+    let status = heapprofd.wait().expect("waiting for heapprofd");
+    lines.extend(log.iter());
+    assert!(
+        status.success(),
+        "heapprofd {args:?}: {status}\n{}",
+        lines.join("\n")
+    );
+    (by_site(&samples(&last_profile(out)), pid), lines)
+}
+
+fn joined_line(log: &[String]) -> bool {
+    log.iter().any(|l| l.contains("joined in-process"))
+}
+
+#[test]
+fn a_joined_process_counts_every_path_as_the_probes_do() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let mut joined = start_joined(dir.path());
+    // The plugin is loaded before either session: both see the same objects.
+    joined.command("work 1", "done");
+    let work = format!("work {ROUNDS}");
+    let (injected, log) = session(&mut joined, &dir.path().join("injected"), &[], &[&work]);
+    assert!(
+        joined_line(&log),
+        "the process was not joined:\n{}",
+        log.join("\n")
+    );
+    assert!(
+        log.iter().any(|l| l.contains("left in-process")),
+        "the library did not leave:\n{}",
+        log.join("\n")
+    );
+    let (probed, log) = session(
+        &mut joined,
+        &dir.path().join("probed"),
+        &["--inject", "off"],
+        &[&work],
+    );
+    assert!(
+        !joined_line(&log),
+        "--inject off joined:\n{}",
+        log.join("\n")
+    );
+    assert_eq!(
+        injected, probed,
+        "per (caller, allocator) [allocated objects, bytes, in-use objects, bytes]: \
+         joined in-process (left) against the allocator's probes (right)"
+    );
+    // Every path was seen: the PLT's, the C library's own, the plugin's.
+    for (caller, function) in [
+        ("plt_paths", "malloc"),
+        ("plt_paths", "calloc"),
+        ("plt_paths", "realloc"),
+        ("plt_paths", "posix_memalign"),
+        ("strdup", "malloc"),
+        ("plugin_work", "malloc"),
+    ] {
+        // The C library's functions go by their internal names (__GI___strdup).
+        let values = injected
+            .iter()
+            .find(|((c, f), _)| c.ends_with(caller) && f == function)
+            .map(|(_, values)| values)
+            .unwrap_or_else(|| panic!("{caller} -> {function} not counted: {injected:?}"));
+        assert!(values[0] >= ROUNDS, "{caller} -> {function}: {values:?}");
+    }
+    assert!(
+        injected.keys().any(|(caller, _)| caller.contains("fopen")),
+        "fopen's FILE not counted: {injected:?}"
+    );
+    // Each round keeps one 40-byte block.
+    assert_eq!(
+        injected[&("plt_paths".to_owned(), "malloc".to_owned())][2..],
+        [ROUNDS, ROUNDS * 40]
+    );
+    joined.finish();
+}
+
+#[test]
+fn a_plugin_dlopened_after_the_join_is_redirected_too() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let mut joined = start_joined(dir.path());
+    // dlopen during the session: the library redirects the plugin's slots within a
+    // few hundred allocations of the thread; what came before is not counted.
+    let (sites, log) = session(
+        &mut joined,
+        &dir.path().join("profiles"),
+        &[],
+        &["work 1", &format!("work {ROUNDS}")],
+    );
+    assert!(
+        joined_line(&log),
+        "the process was not joined:\n{}",
+        log.join("\n")
+    );
+    let plugin = sites
+        .get(&("plugin_work".to_owned(), "malloc".to_owned()))
+        .unwrap_or_else(|| panic!("the plugin's allocations were not counted: {sites:?}"));
+    assert!(
+        plugin[0] >= ROUNDS - 150 && plugin[0] <= ROUNDS + 1,
+        "plugin allocations counted: {plugin:?} of {}",
+        ROUNDS + 1
+    );
+    assert_eq!(plugin[2], 0, "the plugin frees every block: {plugin:?}");
+    joined.finish();
+}
+
+#[test]
+fn frees_through_a_pointer_saved_before_the_join_are_closed_only_by_reuse() {
+    // The documented limit of GOT redirection: a pointer to free taken before the
+    // join calls the allocator directly, unseen. A block it freed is closed when the
+    // allocator hands its address out again; the last one stays counted in use.
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let mut joined = start_joined(dir.path());
+    let (sites, log) = session(&mut joined, &dir.path().join("p"), &[], &["saved 100"]);
+    assert!(
+        joined_line(&log),
+        "the process was not joined:\n{}",
+        log.join("\n")
+    );
+    assert_eq!(
+        sites[&("saved_pointer".to_owned(), "malloc".to_owned())],
+        [100, 5600, 1, 56]
+    );
+    joined.finish();
+}
+
+#[test]
+fn attaching_and_detaching_fifty_times_leaves_the_process_working_and_one_library() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let mut joined = start_joined(dir.path());
+    let pid = joined.child.id();
+    let fds_before = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fds")
+        .count();
+    for round in 0..50 {
+        let (sites, log) = session(
+            &mut joined,
+            &dir.path().join(format!("p{round}")),
+            &[],
+            &["work 20"],
+        );
+        assert!(
+            joined_line(&log),
+            "round {round}: not joined:\n{}",
+            log.join("\n")
+        );
+        assert_eq!(
+            sites[&("plt_paths".to_owned(), "calloc".to_owned())][..2],
+            [20, 20 * 48],
+            "round {round}"
+        );
+    }
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).expect("maps");
+    let copies: std::collections::HashSet<&str> = maps
+        .lines()
+        .filter(|l| l.contains("/memfd:heapprofd-preload"))
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .collect();
+    assert_eq!(
+        copies.len(),
+        1,
+        "copies of the library (inodes): {copies:?}"
+    );
+    let fds_after = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("fds")
+        .count();
+    assert_eq!(fds_before, fds_after, "descriptors left in the process");
+    joined.command("work 5", "done");
+    joined.finish();
+}

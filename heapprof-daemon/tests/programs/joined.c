@@ -1,0 +1,93 @@
+/*
+ * A process heapprofd joins while it runs (tests/inject.rs): it allocates through
+ * every path a program has, one step per line read ("ready" first, "done" after each):
+ *
+ * - "work N": N rounds of allocations kept and freed, through the PLT (malloc,
+ *   calloc, realloc, posix_memalign), inside the C library (strdup, fopen/fclose),
+ *   and through libjoined_plugin.so, which it dlopens on its first "work";
+ * - "saved N": N blocks allocated through the PLT and freed through a pointer to
+ *   free taken at start-up, before any heapprofd joined (`saved_free`).
+ *
+ * Each round keeps one 40-byte malloc block ("kept"), so in-use is checkable.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void (*volatile saved_free)(void *);
+
+__attribute__((noinline)) static void plt_paths(void **kept)
+{
+    void *volatile a = malloc(24);
+    void *volatile b = calloc(3, 16);
+    void *volatile c = realloc(NULL, 32);
+    c = realloc(c, 128);
+    void *d = NULL;
+    if (posix_memalign(&d, 64, 96) != 0)
+        abort();
+    *kept = malloc(40);
+    free(a);
+    free(b);
+    free(c);
+    free(d);
+}
+
+__attribute__((noinline)) static void libc_paths(void)
+{
+    char *volatile s = strdup("a string duplicated inside the C library");
+    free(s);
+    FILE *f = fopen("/proc/self/stat", "r");
+    if (!f)
+        abort();
+    char line[64];
+    if (!fgets(line, sizeof line, f))
+        abort();
+    fclose(f);
+}
+
+__attribute__((noinline)) static void saved_pointer(long n)
+{
+    for (long i = 0; i < n; i++) {
+        void *volatile p = malloc(56);
+        saved_free(p);
+    }
+}
+
+int main(int argc, char **argv)
+{
+    saved_free = free;
+    const char *plugin_path = argc > 1 ? argv[1] : NULL;
+    void (*plugin_work)(void) = NULL;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("ready\n");
+    char line[128];
+    static void *kept[1 << 16];
+    long kept_count = 0;
+    while (fgets(line, sizeof line, stdin)) {
+        long n = 0;
+        if (sscanf(line, "work %ld", &n) == 1) {
+            if (!plugin_work && plugin_path) {
+                void *plugin = dlopen(plugin_path, RTLD_NOW);
+                if (!plugin || !(plugin_work = (void (*)(void))dlsym(plugin, "plugin_work"))) {
+                    printf("dlopen failed: %s\n", dlerror());
+                    continue;
+                }
+            }
+            for (long i = 0; i < n && kept_count < (1 << 16); i++) {
+                plt_paths(&kept[kept_count++]);
+                libc_paths();
+                if (plugin_work)
+                    plugin_work();
+            }
+            printf("done\n");
+        } else if (sscanf(line, "saved %ld", &n) == 1) {
+            saved_pointer(n);
+            printf("done\n");
+        } else {
+            printf("unknown command\n");
+        }
+    }
+    return 0;
+}
