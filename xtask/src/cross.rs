@@ -26,6 +26,42 @@ impl Arch {
         }
     }
 
+    /// The architecture of the machine xtask runs on (the one it was built for).
+    pub fn host() -> Arch {
+        if cfg!(target_arch = "aarch64") {
+            Arch::Aarch64
+        } else {
+            Arch::X86_64
+        }
+    }
+
+    /// Debian's name of this architecture (`dpkg --print-architecture`).
+    pub fn debian_arch(self) -> &'static str {
+        match self {
+            Arch::Aarch64 => "arm64",
+            Arch::X86_64 => "amd64",
+        }
+    }
+
+    /// Debian's cross C compiler for this architecture and the C library headers it
+    /// compiles with (the preload library includes `<stdint.h>`). On a host of this
+    /// architecture the compiler's name is only provided by the native `gcc`.
+    pub fn cross_c_packages(self) -> [&'static str; 2] {
+        match self {
+            Arch::Aarch64 => ["gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross"],
+            Arch::X86_64 => ["gcc-x86-64-linux-gnu", "libc6-dev-amd64-cross"],
+        }
+    }
+
+    /// Debian's cross C++ compiler for this architecture (provided by the native `g++`
+    /// on a host of this architecture).
+    pub fn cross_cxx_package(self) -> &'static str {
+        match self {
+            Arch::Aarch64 => "g++-aarch64-linux-gnu",
+            Arch::X86_64 => "g++-x86-64-linux-gnu",
+        }
+    }
+
     /// ELF `e_machine` of this architecture.
     fn elf_machine(self) -> u16 {
         match self {
@@ -39,6 +75,8 @@ impl Arch {
 pub fn build_static(arch: Arch) -> Result<PathBuf> {
     let target = arch.musl_target();
     crate::setup::ensure_rust_target(target)?;
+    // The build script compiles the preload library with the target's C compiler.
+    crate::setup::ensure_cross_packages(Arch::host(), arch)?;
     step(&format!("building a static heapprofd for {target}"));
     let linker_var = format!(
         "CARGO_TARGET_{}_LINKER",
@@ -118,11 +156,7 @@ mod tests {
     fn dynamic_and_foreign_binaries_are_told_apart() {
         // This test binary is dynamically linked for the build machine.
         let own = std::env::current_exe().expect("own path");
-        let arch = if cfg!(target_arch = "aarch64") {
-            Arch::Aarch64
-        } else {
-            Arch::X86_64
-        };
+        let arch = Arch::host();
         let err = check_static(&own, arch).expect_err("a dynamic binary");
         assert!(format!("{err}").contains("dynamically linked"), "{err}");
         let other = if arch == Arch::Aarch64 {

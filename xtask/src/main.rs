@@ -124,7 +124,7 @@ fn main() {
 fn run(args: Args) -> Result<()> {
     match args.command {
         Cmd::Setup { list: true } => {
-            print!("{}", setup::list());
+            print!("{}", setup::list(cross::Arch::host()));
             Ok(())
         }
         Cmd::Setup { list: false } => setup::ensure(setup::Needs::Test),
