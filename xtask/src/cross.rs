@@ -1,5 +1,7 @@
 //! Static builds for boards: one heapprofd binary (BPF object inside) that needs
-//! nothing on the target, whatever its C library (musl, linked by rust-lld).
+//! nothing on the target, whatever its C library (musl, linked by rust-lld); and the
+//! glibc build for another architecture, the binary a native build there makes (the
+//! arm64 VM test runs it on Debian's arm64 C library).
 
 use std::path::{Path, PathBuf};
 
@@ -23,6 +25,14 @@ impl Arch {
         match self {
             Arch::Aarch64 => "aarch64-unknown-linux-musl",
             Arch::X86_64 => "x86_64-unknown-linux-musl",
+        }
+    }
+
+    /// The Rust target of a build against glibc (Debian's C library).
+    pub fn gnu_target(self) -> &'static str {
+        match self {
+            Arch::Aarch64 => "aarch64-unknown-linux-gnu",
+            Arch::X86_64 => "x86_64-unknown-linux-gnu",
         }
     }
 
@@ -50,6 +60,15 @@ impl Arch {
         match self {
             Arch::Aarch64 => ["gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross"],
             Arch::X86_64 => ["gcc-x86-64-linux-gnu", "libc6-dev-amd64-cross"],
+        }
+    }
+
+    /// The C compiler for this architecture by its multiarch name: Debian's cross gcc,
+    /// or on a host of this architecture the native one (which provides that name).
+    pub fn gcc(self) -> &'static str {
+        match self {
+            Arch::Aarch64 => "aarch64-linux-gnu-gcc",
+            Arch::X86_64 => "x86_64-linux-gnu-gcc",
         }
     }
 
@@ -101,9 +120,57 @@ pub fn build_static(arch: Arch) -> Result<PathBuf> {
     Ok(binary)
 }
 
+/// Builds the release binary for `arch` against glibc, linked by that architecture's
+/// gcc (Debian's cross compiler, or the native one); returns its path.
+pub fn build_glibc(arch: Arch) -> Result<PathBuf> {
+    let target = arch.gnu_target();
+    crate::setup::ensure_rust_target(target)?;
+    let host = Arch::host();
+    crate::setup::ensure_cross_packages(host, arch)?;
+    step(&format!("building heapprofd for {target} (glibc)"));
+    let mut cmd = cargo();
+    cmd.args([
+        "build",
+        "--release",
+        "-p",
+        "heapprof-daemon",
+        "--bin",
+        "heapprofd",
+    ])
+    .args(["--target", target]);
+    if arch != host {
+        // Rust's default linker `cc` links for the host only.
+        cmd.env(
+            format!(
+                "CARGO_TARGET_{}_LINKER",
+                target.to_uppercase().replace('-', "_")
+            ),
+            arch.gcc(),
+        );
+    }
+    cmd.run()?;
+    let binary = crate::target_dir().join(format!("{target}/release/heapprofd"));
+    if !program_interpreter(&binary, arch)? {
+        bail!("{} is not dynamically linked", binary.display());
+    }
+    Ok(binary)
+}
+
 /// Checks that `binary` is an ELF executable for `arch` with no program interpreter
 /// (statically linked: it starts on any Linux of that architecture).
 pub fn check_static(binary: &Path, arch: Arch) -> Result<()> {
+    if program_interpreter(binary, arch)? {
+        bail!(
+            "{} is dynamically linked (it names a program interpreter)",
+            binary.display()
+        );
+    }
+    Ok(())
+}
+
+/// Whether `binary`, checked to be a 64-bit little-endian ELF file for `arch`, names a
+/// program interpreter (is dynamically linked).
+fn program_interpreter(binary: &Path, arch: Arch) -> Result<bool> {
     let bytes = std::fs::read(binary).with_context(|| format!("reading {}", binary.display()))?;
     let u16_at = |at: usize| {
         bytes
@@ -139,13 +206,10 @@ pub fn check_static(binary: &Path, arch: Arch) -> Result<()> {
             .context("truncated program headers")?;
         const PT_INTERP: [u8; 4] = 3u32.to_le_bytes();
         if kind == PT_INTERP {
-            bail!(
-                "{} is dynamically linked (it names a program interpreter)",
-                binary.display()
-            );
+            return Ok(true);
         }
     }
-    Ok(())
+    Ok(false)
 }
 
 #[cfg(test)]

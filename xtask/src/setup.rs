@@ -8,7 +8,8 @@
 //!   another architecture adds that architecture's cross C compiler and headers
 //!   ([`cross_packages`]). Both lists follow the host's architecture: a name that only
 //!   the native compiler provides there is never asked for;
-//! - the musl Rust targets of the static builds, when a static build first needs them.
+//! - the musl Rust targets of the static builds, when a static build first needs them,
+//!   and `aarch64-unknown-linux-gnu` for the arm64 VM test's glibc build.
 //!
 //! `cargo xtask setup --list` prints all of it ([`list`]), from the same constants, so
 //! the documentation never carries a list of its own.
@@ -174,6 +175,12 @@ pub fn list(host: Arch) -> String {
     let arches = <Arch as clap::ValueEnum>::value_variants();
     for arch in arches {
         out.push_str(&format!("target {}\n", arch.musl_target()));
+    }
+    if host != Arch::Aarch64 {
+        out.push_str(&format!(
+            "# and the arm64 VM test's glibc build\ntarget {}\n",
+            Arch::Aarch64.gnu_target()
+        ));
     }
     out.push_str(&format!(
         "# Debian packages on this {} host (apt-get, through sudo when not root): deb NAME NEED\n",
@@ -627,6 +634,7 @@ mod tests {
             "{x86}"
         );
         assert!(x86.contains("deb g++-aarch64-linux-gnu test\n"), "{x86}");
+        assert!(x86.contains("target aarch64-unknown-linux-gnu\n"), "{x86}");
         assert!(!x86.contains("x86-64-linux-gnu"), "{x86}");
         let arm = list(Arch::Aarch64);
         assert!(arm.contains("deb g++-x86-64-linux-gnu test\n"), "{arm}");
@@ -641,6 +649,7 @@ mod tests {
         );
         assert!(!arm.contains("aarch64-linux-gnu"), "{arm}");
         assert!(!arm.contains("arm64-cross"), "{arm}");
+        assert!(!arm.contains("aarch64-unknown-linux-gnu"), "{arm}");
     }
 
     #[test]
