@@ -1,11 +1,11 @@
 //! Start-up checks on a kernel that lacks what heapprofd needs: a seccomp filter makes
 //! bpf() or perf_event_open() fail as such a kernel does, a private mount hides the
-//! uprobe PMU; heapprofd must then print one line naming the missing feature and the
-//! config option, and exit with status 2.
+//! uprobe PMU or the kmem tracepoints; heapprofd must then print one line naming the
+//! missing feature and the config option, and exit with status 2.
 
 mod common;
 
-use std::{io, os::unix::process::CommandExt as _, process::Command};
+use std::{ffi::CStr, io, os::unix::process::CommandExt as _, process::Command};
 
 use common::*;
 
@@ -75,10 +75,17 @@ fn refuse(cmd: &mut Command, refusal: Refusal) {
 
 /// Runs heapprofd on this test's own process; returns its status code and stderr.
 fn start_refused(setup: impl FnOnce(&mut Command)) -> (Option<i32>, String) {
+    start_refused_with(&[], setup)
+}
+
+/// [`start_refused`] with more arguments (`--kernel`).
+fn start_refused_with(args: &[&str], setup: impl FnOnce(&mut Command)) -> (Option<i32>, String) {
     require_root();
     let dir = scratch();
     let mut cmd = heapprofd(&dir.path().join("profiles"));
     cmd.args(["--pid", &std::process::id().to_string()]);
+    // A run that starts after all ends by itself.
+    cmd.args(["--duration", "1s"]).args(args);
     setup(&mut cmd);
     let output = cmd.output().expect("starting heapprofd");
     (
@@ -185,38 +192,61 @@ fn a_kernel_refusing_uprobes_is_named() {
     );
 }
 
+/// Runs heapprofd in a private mount namespace where `dir` is an empty tmpfs (holding
+/// `subdir` when given).
+fn hide(cmd: &mut Command, dir: &'static CStr, subdir: Option<&'static CStr>) {
+    // SAFETY: between fork and exec the closure makes only system calls, on
+    // NUL-terminated constants.
+    unsafe {
+        cmd.pre_exec(move || {
+            let none = std::ptr::null();
+            if libc::unshare(libc::CLONE_NEWNS) != 0
+                || libc::mount(
+                    none,
+                    c"/".as_ptr(),
+                    none,
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    none.cast(),
+                ) != 0
+                || libc::mount(
+                    c"tmpfs".as_ptr(),
+                    dir.as_ptr(),
+                    c"tmpfs".as_ptr(),
+                    0,
+                    none.cast(),
+                ) != 0
+                || subdir.is_some_and(|sub| libc::mkdir(sub.as_ptr(), 0o755) != 0)
+            {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[test]
+fn a_kernel_without_kmem_tracepoints_is_named() {
+    // Kernel mode on a tracefs without the kmem events: the tracing directory has an
+    // empty events/.
+    let (status, stderr) = start_refused_with(&["--kernel"], |cmd| {
+        hide(
+            cmd,
+            c"/sys/kernel/tracing",
+            Some(c"/sys/kernel/tracing/events"),
+        )
+    });
+    assert_one_line(
+        status,
+        &stderr,
+        &["no kmem tracepoints", "CONFIG_TRACEPOINTS"],
+    );
+}
+
 #[test]
 fn a_kernel_without_the_uprobe_pmu_is_named() {
     // A private mount namespace in which the PMU directory is empty, as on a kernel
     // built without CONFIG_UPROBE_EVENTS.
-    let (status, stderr) = start_refused(|cmd| {
-        // SAFETY: between fork and exec the closure makes only system calls, on
-        // NUL-terminated constants.
-        unsafe {
-            cmd.pre_exec(|| {
-                let none = std::ptr::null();
-                if libc::unshare(libc::CLONE_NEWNS) != 0
-                    || libc::mount(
-                        none,
-                        c"/".as_ptr(),
-                        none,
-                        libc::MS_REC | libc::MS_PRIVATE,
-                        none.cast(),
-                    ) != 0
-                    || libc::mount(
-                        c"tmpfs".as_ptr(),
-                        c"/sys/bus/event_source/devices".as_ptr(),
-                        c"tmpfs".as_ptr(),
-                        0,
-                        none.cast(),
-                    ) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-    });
+    let (status, stderr) = start_refused(|cmd| hide(cmd, c"/sys/bus/event_source/devices", None));
     assert_one_line(
         status,
         &stderr,
