@@ -113,7 +113,8 @@ pub fn kernel_problem(facility: Facility, errno: i32, caller: Caller) -> String 
         }
         (Facility::BpfSyscall, libc::EINVAL) => format!(
             "this kernel rejects a basic BPF array map (bpf() fails with {name}): its BPF \
-             support is too old or cut down; heapprofd needs CONFIG_BPF_SYSCALL=y on Linux 5.8 or later"
+             support is too old or cut down; heapprofd needs CONFIG_BPF_SYSCALL=y on a kernel such \
+             as the vendor 5.10 and 6.1 ones of boards"
         ),
         (Facility::BpfEvents, libc::EINVAL) => format!(
             "this kernel cannot run BPF programs on probes or tracepoints (loading one fails \
@@ -411,7 +412,7 @@ mod tests {
             Facility::BpfSyscall,
             libc::EINVAL,
             ROOT,
-            &["EINVAL", "CONFIG_BPF_SYSCALL", "5.8"],
+            &["EINVAL", "CONFIG_BPF_SYSCALL", "5.10"],
         );
         says(
             Facility::BpfSyscall,
