@@ -1,5 +1,7 @@
 //! Checks made before anything is loaded, each failing with what is missing and how to fix it.
 
+use std::os::fd::{FromRawFd as _, OwnedFd, RawFd};
+
 use anyhow::{Result, bail};
 
 const CAP_PERFMON: u32 = 38;
@@ -31,31 +33,309 @@ pub fn check_privileges() -> Result<()> {
         .filter(|(cap, _)| !has(*cap))
         .map(|(_, name)| name)
         .collect();
+    // The sysctl is why an unprivileged bpf() fails even for what it would allow.
+    let sysctl = match sysctl(UNPRIVILEGED_BPF_DISABLED) {
+        Some(value) if value != 0 => format!(
+            " (kernel.unprivileged_bpf_disabled is {value}: bpf() is refused to users without CAP_BPF)"
+        ),
+        _ => String::new(),
+    };
     bail!(
-        "insufficient privileges: missing {}; run heapprofd as root (sudo) or grant CAP_BPF and CAP_PERFMON",
+        "insufficient privileges: missing {}{sysctl}; run heapprofd as root (sudo) or grant CAP_BPF and CAP_PERFMON",
         missing.join(" and ")
     )
 }
 
-/// The kernel must have the bpf() system call (CONFIG_BPF_SYSCALL): its sysctl exists
-/// exactly when it does.
-pub fn check_bpf() -> Result<()> {
-    if std::path::Path::new("/proc/sys/kernel/unprivileged_bpf_disabled").exists() {
-        return Ok(());
-    }
-    bail!(
-        "this kernel has no BPF system call (CONFIG_BPF_SYSCALL); heapprofd needs a kernel built with BPF"
-    )
+const UNPRIVILEGED_BPF_DISABLED: &str = "/proc/sys/kernel/unprivileged_bpf_disabled";
+const PERF_EVENT_PARANOID: &str = "/proc/sys/kernel/perf_event_paranoid";
+/// The uprobe PMU; its `type` file holds the perf event type of uprobes.
+const UPROBE_PMU: &str = "/sys/bus/event_source/devices/uprobe";
+
+/// A sysctl's integer value, `None` when the kernel has no such sysctl.
+fn sysctl(path: &str) -> Option<i64> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
-/// The kernel must offer the uprobe perf event type.
-pub fn check_uprobes() -> Result<()> {
-    if std::path::Path::new("/sys/bus/event_source/devices/uprobe/type").exists() {
-        return Ok(());
+/// The kernel facility a start-up probe tried.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Facility {
+    /// The bpf() system call (creating a one-entry array map).
+    BpfSyscall,
+    /// BPF programs on probes and tracepoints (loading a two-instruction kprobe program).
+    BpfEvents,
+    /// A uprobe opened through perf_event_open and the uprobe PMU.
+    Uprobe,
+}
+
+/// Who heapprofd runs as, and the sysctls that decide what it may do.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Caller {
+    /// Effective user id 0.
+    pub root: bool,
+    /// `kernel.unprivileged_bpf_disabled`, when the kernel has it.
+    pub unprivileged_bpf_disabled: Option<i64>,
+    /// `kernel.perf_event_paranoid`, when the kernel has it.
+    pub perf_event_paranoid: Option<i64>,
+}
+
+impl Caller {
+    fn current() -> Caller {
+        Caller {
+            // SAFETY: geteuid cannot fail.
+            root: unsafe { libc::geteuid() } == 0,
+            unprivileged_bpf_disabled: sysctl(UNPRIVILEGED_BPF_DISABLED),
+            perf_event_paranoid: sysctl(PERF_EVENT_PARANOID),
+        }
     }
-    bail!(
-        "this kernel has no uprobe support (CONFIG_UPROBE_EVENTS); heapprofd needs a kernel built with uprobes"
-    )
+}
+
+/// The one line heapprofd prints when the probe of `facility` failed with `errno`: the
+/// missing kernel feature and the config option or sysctl to look at.
+pub fn kernel_problem(facility: Facility, errno: i32, caller: Caller) -> String {
+    let name = errno_name(errno);
+    let refused_as_root = "although heapprofd runs as root: a seccomp filter (a container's \
+                           default profile) or a security module forbids it; run heapprofd on \
+                           the host, or in a container allowed bpf() and perf_event_open()";
+    match (facility, errno) {
+        (Facility::BpfSyscall, libc::ENOSYS) => format!(
+            "this kernel has no BPF system call (bpf() fails with {name}): heapprofd needs a \
+             kernel built with CONFIG_BPF_SYSCALL=y (qemu-user and some seccomp filters hide it too)"
+        ),
+        (Facility::BpfSyscall, libc::EPERM | libc::EACCES) if !caller.root => format!(
+            "bpf() is refused ({name}): kernel.unprivileged_bpf_disabled is {}, and heapprofd \
+             lacks CAP_BPF; run it as root (sudo) or grant CAP_BPF and CAP_PERFMON",
+            caller
+                .unprivileged_bpf_disabled
+                .map_or_else(|| "unknown".to_owned(), |v| v.to_string())
+        ),
+        (Facility::BpfSyscall | Facility::BpfEvents, libc::EPERM | libc::EACCES) => {
+            format!("bpf() is refused ({name}) {refused_as_root}")
+        }
+        (Facility::BpfSyscall, libc::EINVAL) => format!(
+            "this kernel rejects a basic BPF array map (bpf() fails with {name}): its BPF \
+             support is too old or cut down; heapprofd needs CONFIG_BPF_SYSCALL=y on a kernel such \
+             as the vendor 5.10 and 6.1 ones of boards"
+        ),
+        (Facility::BpfEvents, libc::EINVAL) => format!(
+            "this kernel cannot run BPF programs on probes or tracepoints (loading one fails \
+             with {name}): heapprofd needs a kernel built with CONFIG_BPF_EVENTS=y"
+        ),
+        (Facility::Uprobe, libc::ENOSYS) => format!(
+            "this kernel has no perf events (perf_event_open() fails with {name}): heapprofd \
+             needs a kernel built with CONFIG_PERF_EVENTS=y, CONFIG_UPROBES=y and CONFIG_UPROBE_EVENTS=y"
+        ),
+        (Facility::Uprobe, libc::EPERM | libc::EACCES) if !caller.root => format!(
+            "opening a uprobe is refused ({name}): kernel.perf_event_paranoid is {}, and \
+             heapprofd lacks CAP_PERFMON; run it as root (sudo) or grant CAP_BPF and CAP_PERFMON",
+            caller
+                .perf_event_paranoid
+                .map_or_else(|| "unknown".to_owned(), |v| v.to_string())
+        ),
+        (Facility::Uprobe, libc::EPERM | libc::EACCES) => {
+            format!("opening a uprobe is refused ({name}) {refused_as_root}")
+        }
+        // ENOENT: no such PMU; EINVAL/EOPNOTSUPP/ENOTSUPP (524): the PMU takes no uprobe.
+        (Facility::Uprobe, _) => format!(
+            "this kernel refuses uprobes (perf_event_open() of the uprobe PMU fails with \
+             {name}): heapprofd needs a kernel built with CONFIG_UPROBES=y and CONFIG_UPROBE_EVENTS=y"
+        ),
+        (Facility::BpfSyscall, _) => format!(
+            "the kernel's bpf() fails with {name}: heapprofd needs a kernel built with \
+             CONFIG_BPF_SYSCALL=y"
+        ),
+        (Facility::BpfEvents, _) => format!(
+            "loading a BPF program for probes fails with {name}: heapprofd needs a kernel \
+             built with CONFIG_BPF_SYSCALL=y and CONFIG_BPF_EVENTS=y"
+        ),
+    }
+}
+
+/// `ENOSYS (Function not implemented)`: the symbol a kernel developer looks up, and
+/// its text.
+fn errno_name(errno: i32) -> String {
+    let symbol = match errno {
+        libc::ENOSYS => "ENOSYS",
+        libc::EPERM => "EPERM",
+        libc::EACCES => "EACCES",
+        libc::EINVAL => "EINVAL",
+        libc::ENOENT => "ENOENT",
+        libc::EOPNOTSUPP => "EOPNOTSUPP",
+        // The kernel's internal ENOTSUPP, which some probe paths leak to user space.
+        524 => "ENOTSUPP",
+        _ => "errno",
+    };
+    let text = if errno == 524 {
+        "Operation is not supported".to_owned()
+    } else {
+        std::io::Error::from_raw_os_error(errno).to_string()
+    };
+    // "Function not implemented (os error 38)" -> "Function not implemented"
+    let text = text.split(" (os error").next().unwrap_or(&text).to_owned();
+    if symbol == "errno" {
+        format!("errno {errno} ({text})")
+    } else {
+        format!("{symbol} ({text})")
+    }
+}
+
+/// The last OS error's number.
+fn last_errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// `union bpf_attr` for BPF_MAP_CREATE, the fields heapprofd's probe sets.
+#[repr(C)]
+#[derive(Default)]
+struct MapCreateAttr {
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+}
+
+/// `union bpf_attr` for BPF_PROG_LOAD, up to `kern_version`.
+#[repr(C)]
+#[derive(Default)]
+struct ProgLoadAttr {
+    prog_type: u32,
+    insn_cnt: u32,
+    insns: u64,
+    license: u64,
+    log_level: u32,
+    log_size: u32,
+    log_buf: u64,
+    kern_version: u32,
+    prog_flags: u32,
+}
+
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_MAP_TYPE_ARRAY: u32 = 2;
+const BPF_PROG_TYPE_KPROBE: u32 = 2;
+
+/// bpf(cmd, attr): the new file descriptor, or the errno.
+fn bpf<T>(cmd: libc::c_long, attr: &T) -> std::result::Result<OwnedFd, i32> {
+    // SAFETY: attr is a valid bpf_attr prefix of size_of::<T>() bytes for `cmd`; the
+    // kernel reads it only during the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_ref(attr), size_of::<T>()) };
+    if fd < 0 {
+        return Err(last_errno());
+    }
+    // SAFETY: bpf() returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// The kernel must run BPF: the bpf() system call (CONFIG_BPF_SYSCALL) and programs on
+/// probes and tracepoints (CONFIG_BPF_EVENTS). Both are tried for real, with a one-entry
+/// map and a two-instruction program, so that a refusal names the missing feature
+/// instead of surfacing from the loader as a bare errno.
+pub fn check_bpf() -> Result<()> {
+    let map = MapCreateAttr {
+        map_type: BPF_MAP_TYPE_ARRAY,
+        key_size: 4,
+        value_size: 4,
+        max_entries: 1,
+        ..Default::default()
+    };
+    if let Err(errno) = bpf(BPF_MAP_CREATE, &map) {
+        bail!(kernel_problem(
+            Facility::BpfSyscall,
+            errno,
+            Caller::current()
+        ));
+    }
+    // r0 = 0; exit
+    let insns: [u64; 2] = [0x0000_0000_0000_00b7, 0x0000_0000_0000_0095];
+    let license = c"GPL";
+    let program = ProgLoadAttr {
+        prog_type: BPF_PROG_TYPE_KPROBE,
+        insn_cnt: insns.len() as u32,
+        insns: insns.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        ..Default::default()
+    };
+    if let Err(errno) = bpf(BPF_PROG_LOAD, &program) {
+        bail!(kernel_problem(
+            Facility::BpfEvents,
+            errno,
+            Caller::current()
+        ));
+    }
+    Ok(())
+}
+
+/// perf_event_open's flag for a close-on-exec descriptor (not in the libc crate).
+const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
+
+/// `struct perf_event_attr` up to `config2` (PERF_ATTR_SIZE_VER1).
+#[repr(C)]
+#[derive(Default)]
+struct PerfEventAttr {
+    kind: u32,
+    size: u32,
+    config: u64,
+    sample_period: u64,
+    sample_type: u64,
+    read_format: u64,
+    flags: u64,
+    wakeup_events: u32,
+    bp_type: u32,
+    /// `uprobe_path` for the uprobe PMU.
+    config1: u64,
+    /// `probe_offset` for the uprobe PMU.
+    config2: u64,
+}
+
+/// The kernel must offer uprobes through perf events (CONFIG_UPROBES and
+/// CONFIG_UPROBE_EVENTS): the uprobe PMU must exist, and a uprobe on heapprofd's own
+/// executable (at its ELF header, which no one executes; registered for this process
+/// only, disabled, and closed at once) must open.
+pub fn check_uprobes() -> Result<()> {
+    let missing_pmu = || {
+        format!(
+            "this kernel has no uprobe events ({UPROBE_PMU} is missing): heapprofd needs a \
+             kernel built with CONFIG_UPROBES=y and CONFIG_UPROBE_EVENTS=y"
+        )
+    };
+    let kind = std::fs::read_to_string(format!("{UPROBE_PMU}/type"))
+        .map_err(|_| anyhow::anyhow!(missing_pmu()))?;
+    let kind: u32 = kind
+        .trim()
+        .parse()
+        .map_err(|_| anyhow::anyhow!(missing_pmu()))?;
+    let path = c"/proc/self/exe";
+    let attr = PerfEventAttr {
+        kind,
+        size: size_of::<PerfEventAttr>() as u32,
+        // disabled
+        flags: 1,
+        config1: path.as_ptr() as u64,
+        config2: 0,
+        ..Default::default()
+    };
+    // SAFETY: attr and the path it points to outlive the call; pid 0 is this process,
+    // cpu -1 any CPU, no group.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_perf_event_open,
+            std::ptr::from_ref(&attr),
+            0,
+            -1,
+            -1,
+            PERF_FLAG_FD_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        bail!(kernel_problem(
+            Facility::Uprobe,
+            last_errno(),
+            Caller::current()
+        ));
+    }
+    // SAFETY: perf_event_open returned a new descriptor that nothing else owns.
+    drop(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
+    Ok(())
 }
 
 /// The pid must name a live process; a user-space one unless `kernel_threads_allowed`
@@ -75,4 +355,146 @@ pub fn check_pid(pid: u32, kernel_threads_allowed: bool) -> Result<()> {
         )
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const USER: Caller = Caller {
+        root: false,
+        unprivileged_bpf_disabled: Some(2),
+        perf_event_paranoid: Some(4),
+    };
+    const ROOT: Caller = Caller {
+        root: true,
+        unprivileged_bpf_disabled: Some(2),
+        perf_event_paranoid: Some(4),
+    };
+
+    /// The message for each case names each of `names`, on one line.
+    fn says(facility: Facility, errno: i32, caller: Caller, names: &[&str]) {
+        let message = kernel_problem(facility, errno, caller);
+        assert!(!message.contains('\n'), "{message}");
+        for name in names {
+            assert!(
+                message.contains(name),
+                "{facility:?} {errno}: {name} missing: {message}"
+            );
+        }
+    }
+
+    #[test]
+    fn bpf_syscall_errors_name_the_option_or_sysctl() {
+        says(
+            Facility::BpfSyscall,
+            libc::ENOSYS,
+            ROOT,
+            &[
+                "no BPF system call",
+                "ENOSYS (Function not implemented)",
+                "CONFIG_BPF_SYSCALL=y",
+            ],
+        );
+        says(
+            Facility::BpfSyscall,
+            libc::EPERM,
+            USER,
+            &["EPERM", "kernel.unprivileged_bpf_disabled is 2", "CAP_BPF"],
+        );
+        says(
+            Facility::BpfSyscall,
+            libc::EPERM,
+            ROOT,
+            &["EPERM", "seccomp"],
+        );
+        says(
+            Facility::BpfSyscall,
+            libc::EINVAL,
+            ROOT,
+            &["EINVAL", "CONFIG_BPF_SYSCALL", "5.10"],
+        );
+        says(
+            Facility::BpfSyscall,
+            libc::ENOMEM,
+            ROOT,
+            &["errno 12 (Cannot allocate memory)", "CONFIG_BPF_SYSCALL"],
+        );
+    }
+
+    #[test]
+    fn bpf_program_errors_name_bpf_events() {
+        says(
+            Facility::BpfEvents,
+            libc::EINVAL,
+            ROOT,
+            &["EINVAL", "CONFIG_BPF_EVENTS=y"],
+        );
+        says(
+            Facility::BpfEvents,
+            libc::EACCES,
+            ROOT,
+            &["EACCES", "seccomp"],
+        );
+        says(
+            Facility::BpfEvents,
+            libc::E2BIG,
+            ROOT,
+            &["CONFIG_BPF_EVENTS"],
+        );
+    }
+
+    #[test]
+    fn uprobe_errors_name_the_uprobe_options_or_sysctl() {
+        for errno in [libc::ENOENT, libc::EINVAL, libc::EOPNOTSUPP, 524] {
+            says(
+                Facility::Uprobe,
+                errno,
+                ROOT,
+                &[
+                    "refuses uprobes",
+                    "CONFIG_UPROBES=y",
+                    "CONFIG_UPROBE_EVENTS=y",
+                ],
+            );
+        }
+        says(
+            Facility::Uprobe,
+            524,
+            ROOT,
+            &["ENOTSUPP (Operation is not supported)"],
+        );
+        says(
+            Facility::Uprobe,
+            libc::ENOSYS,
+            ROOT,
+            &[
+                "no perf events",
+                "CONFIG_PERF_EVENTS=y",
+                "CONFIG_UPROBE_EVENTS=y",
+            ],
+        );
+        says(
+            Facility::Uprobe,
+            libc::EACCES,
+            USER,
+            &["EACCES", "kernel.perf_event_paranoid is 4", "CAP_PERFMON"],
+        );
+        says(Facility::Uprobe, libc::EPERM, ROOT, &["EPERM", "seccomp"]);
+    }
+
+    #[test]
+    fn an_unknown_sysctl_is_said_to_be_unknown() {
+        let caller = Caller {
+            root: false,
+            unprivileged_bpf_disabled: None,
+            perf_event_paranoid: None,
+        };
+        says(
+            Facility::BpfSyscall,
+            libc::EPERM,
+            caller,
+            &["kernel.unprivileged_bpf_disabled is unknown"],
+        );
+    }
 }

@@ -27,7 +27,10 @@ use std::{
 
 use common::{counted::*, *};
 
-const LIB_DIR: &str = "/usr/lib/x86_64-linux-gnu";
+/// The host's multiarch library directory, where Debian installs the allocators.
+fn lib_dir() -> PathBuf {
+    PathBuf::from(format!("/usr/lib/{}-linux-gnu", std::env::consts::ARCH))
+}
 const JEMALLOC: &str = "libjemalloc.so.2";
 const TCMALLOC: &str = "libtcmalloc_minimal.so.4";
 const MIMALLOC: &str = "libmimalloc.so.2";
@@ -71,7 +74,7 @@ fn launch(dir: &Path, heapprofd_args: &[&str], command: &[OsString]) -> Run {
 fn env_command(preload: Option<&str>, program: &Path, args: &[&str]) -> Vec<OsString> {
     let mut command = vec![OsString::from("env")];
     if let Some(lib) = preload {
-        command.push(format!("LD_PRELOAD={LIB_DIR}/{lib}").into());
+        command.push(format!("LD_PRELOAD={}", lib_dir().join(lib).display()).into());
     }
     command.push(program.into());
     command.extend(args.iter().map(OsString::from));
@@ -110,8 +113,9 @@ fn linked_with(dir: &Path, lib: &str) -> PathBuf {
         .expect("running gcc");
     assert!(status.success(), "linking alloc_abc.c with {lib}");
     assert!(
-        Path::new(LIB_DIR).join(lib).exists(),
-        "{LIB_DIR}/{lib} is missing: cargo xtask setup installs it"
+        lib_dir().join(lib).exists(),
+        "{} is missing: cargo xtask setup installs it",
+        lib_dir().join(lib).display()
     );
     binary
 }
@@ -119,7 +123,7 @@ fn linked_with(dir: &Path, lib: &str) -> PathBuf {
 fn preloaded(lib: &str) {
     require_root();
     let dir = scratch();
-    let library = Path::new(LIB_DIR).join(lib);
+    let library = lib_dir().join(lib);
     assert!(
         library.exists(),
         "{} is missing: cargo xtask setup installs it",

@@ -21,8 +21,13 @@
 //! for aarch64-unknown-linux-musl, whose C library Rust brings) print their own counts;
 //! the profiles' totals and main/a/b stacks must equal them.
 //!
-//! `cargo xtask test` and `cargo xtask vm-test` provide the static binary and the VM's
-//! kernel and libraries (HEAPPROFD_AARCH64_BINARY, HEAPPROFD_ARM64_VM_ASSETS).
+//! heapprofd's glibc build, the binary a native `cargo xtask build` on a board makes,
+//! runs there too, once, on Debian's arm64 C library: the exact totals of the
+//! malloc-family program and the main/a/b stacks.
+//!
+//! `cargo xtask test` and `cargo xtask vm-test` provide both binaries and the VM's
+//! kernel and libraries (HEAPPROFD_AARCH64_BINARY, HEAPPROFD_AARCH64_GLIBC_BINARY,
+//! HEAPPROFD_ARM64_VM_ASSETS).
 
 mod common;
 
@@ -121,6 +126,17 @@ scenarios() {
 }
 
 scenarios btf
+# The glibc build (dynamically linked, as a native build on a board makes it).
+mkdir -p /tmp/out/glibc
+/heapprofd-glibc -o /tmp/out/glibc/family -- /t/family 2 100 2>&1
+echo "==STATUS glibc family $?"
+/heapprofd-glibc -o /tmp/out/glibc/stacks-O2 -- /t/stacks-O2 2>&1
+echo "==STATUS glibc stacks-O2 $?"
+for f in $(find /tmp/out/glibc -name '*.pb.gz' | sort); do
+    echo "==FILE $f"
+    base64 $f
+    echo "==END"
+done
 if [ -e /sys/kernel/btf/vmlinux ]; then
     : > /tmp/empty
     mount --bind /tmp/empty /sys/kernel/btf/vmlinux
@@ -246,8 +262,9 @@ fn host_dhat_stacks(dir: &Path) -> BTreeMap<&'static str, (dhat::StackMap, dhat:
         .collect()
 }
 
-/// Builds the initramfs: busybox, the C library, heapprofd, the test programs, /init.
-fn initramfs(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
+/// Builds the initramfs: busybox, the C library, heapprofd (static, and the glibc
+/// build as `/heapprofd-glibc`), the test programs, /init.
+fn initramfs(dir: &Path, heapprofd: &Path, glibc: &Path, assets: &Path) -> PathBuf {
     let root = dir.join("root");
     for sub in ["bin", "t", "proc", "sys", "dev", "tmp", "modules"] {
         std::fs::create_dir_all(root.join(sub)).expect("mkdir");
@@ -268,6 +285,7 @@ fn initramfs(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
         .expect("cp");
     assert!(status.success(), "copying the C library");
     copy(heapprofd, &root.join("heapprofd"));
+    copy(glibc, &root.join("heapprofd-glibc"));
     let brd = assets.join("modules/brd.ko");
     assert!(
         brd.exists(),
@@ -550,16 +568,8 @@ fn check_cfi(
     }
 }
 
-fn check_round(
-    profiles: &BTreeMap<String, heapprof_daemon::pprof::proto::Profile>,
-    round: &str,
-    expected: &BTreeMap<&str, (dhat::StackMap, dhat::StackMap)>,
-    loader_entry: u64,
-    console: &str,
-) {
-    check_cfi(profiles, round, expected, loader_entry);
-
-    // Exact totals of every family function (tests/exact.rs has the derivation).
+/// Exact totals of every family function (tests/exact.rs has the derivation).
+fn check_family(profiles: &BTreeMap<String, heapprof_daemon::pprof::proto::Profile>, round: &str) {
     let family = samples(last(profiles, round, "family"));
     let (threads, iterations, page) = (2i64, 100i64, 4096i64);
     let calls = threads * iterations;
@@ -577,12 +587,30 @@ fn check_round(
         ],
         "{round}: family totals (allocated objects/bytes, in use objects/bytes)"
     );
+}
 
-    // The three stacks of main/a/b, the caller frame included.
-    for scenario in ["stacks-O0", "stacks-O2"] {
+/// The three stacks of main/a/b in each of `scenarios`, the caller frame included.
+fn check_abc(
+    profiles: &BTreeMap<String, heapprof_daemon::pprof::proto::Profile>,
+    round: &str,
+    scenarios: &[&str],
+) {
+    for scenario in scenarios {
         let (stacks, _) = abc_stacks(&samples(last(profiles, round, scenario)));
         assert_eq!(stacks, expected_abc_stacks(), "{round}: {scenario}");
     }
+}
+
+fn check_round(
+    profiles: &BTreeMap<String, heapprof_daemon::pprof::proto::Profile>,
+    round: &str,
+    expected: &BTreeMap<&str, (dhat::StackMap, dhat::StackMap)>,
+    loader_entry: u64,
+    console: &str,
+) {
+    check_cfi(profiles, round, expected, loader_entry);
+    check_family(profiles, round);
+    check_abc(profiles, round, &["stacks-O0", "stacks-O2"]);
 
     // --pid: work() made 1000 allocations of 48 bytes and freed every other one.
     let pid = samples(last(profiles, round, "pid"));
@@ -729,12 +757,13 @@ fn section(console: &str, start: &str) -> String {
 #[test]
 fn arm64_vm_with_and_without_btf() {
     let heapprofd = env_path("HEAPPROFD_AARCH64_BINARY");
+    let glibc = env_path("HEAPPROFD_AARCH64_GLIBC_BINARY");
     let assets = env_path("HEAPPROFD_ARM64_VM_ASSETS");
     let dir = scratch();
     // The expected chains come from DHAT on the host, while the VM runs.
     let (expected, console) = std::thread::scope(|scope| {
         let host = scope.spawn(|| host_dhat_stacks(dir.path()));
-        let image = initramfs(dir.path(), &heapprofd, &assets);
+        let image = initramfs(dir.path(), &heapprofd, &glibc, &assets);
         let console = boot(&assets.join("vmlinuz"), &image);
         (host.join().expect("the host's DHAT runs failed"), console)
     });
@@ -748,7 +777,7 @@ fn arm64_vm_with_and_without_btf() {
     );
     assert_eq!(
         statuses.len(),
-        22,
+        24,
         "scenario statuses: {statuses:?}\n{console}"
     );
     for status in &statuses {
@@ -765,6 +794,9 @@ fn arm64_vm_with_and_without_btf() {
     for round in ["btf", "nobtf"] {
         check_round(&profiles, round, &expected, loader_entry(&assets), &console);
     }
+    // The glibc build: launch mode on the same programs.
+    check_family(&profiles, "glibc");
+    check_abc(&profiles, "glibc", &["stacks-O2"]);
     eprintln!(
         "arm64 VM: {} profiles checked; {}",
         profiles.len(),

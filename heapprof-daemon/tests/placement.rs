@@ -4,13 +4,14 @@
 //! function's signature names.
 //!
 //! Root-free: the objects are scanned as files, as the daemon scans them. The objects
-//! are Debian's (glibc, jemalloc, tcmalloc, mimalloc, musl), a static glibc program and
+//! are Debian's builds for the host (glibc, jemalloc, tcmalloc, mimalloc, musl) and for
+//! arm64 (from the VM test's assets), a static glibc program and
 //! the Rust program on tikv-jemallocator (its `_rjem_` names), all installed by
 //! `cargo xtask setup`: a missing one fails the test.
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::{compile, counted, scratch};
 use heapprof_daemon::{
@@ -61,31 +62,35 @@ fn assert_none_single_stepped(path: &Path, executable: bool, at_least: usize) {
     );
 }
 
-const LIB: &str = "/usr/lib/x86_64-linux-gnu";
+/// The host's own build of `library`, in its multiarch directory (`/usr/lib/TRIPLET`,
+/// the triplet's C library part being `gnu` or `musl`).
+fn native(libc: &str, library: &str) -> PathBuf {
+    Path::new(&format!("/usr/lib/{}-linux-{libc}", std::env::consts::ARCH)).join(library)
+}
 
 #[test]
 fn glibc_probes_are_all_emulated() {
-    assert_none_single_stepped(Path::new("/lib/x86_64-linux-gnu/libc.so.6"), false, 9);
+    assert_none_single_stepped(&native("gnu", "libc.so.6"), false, 9);
 }
 
 #[test]
 fn jemalloc_probes_are_all_emulated() {
-    assert_none_single_stepped(&Path::new(LIB).join("libjemalloc.so.2"), false, 20);
+    assert_none_single_stepped(&native("gnu", "libjemalloc.so.2"), false, 20);
 }
 
 #[test]
 fn tcmalloc_probes_are_all_emulated() {
-    assert_none_single_stepped(&Path::new(LIB).join("libtcmalloc_minimal.so.4"), false, 15);
+    assert_none_single_stepped(&native("gnu", "libtcmalloc_minimal.so.4"), false, 15);
 }
 
 #[test]
 fn mimalloc_probes_are_all_emulated() {
-    assert_none_single_stepped(&Path::new(LIB).join("libmimalloc.so.2"), false, 20);
+    assert_none_single_stepped(&native("gnu", "libmimalloc.so.2"), false, 20);
 }
 
 #[test]
 fn musl_probes_are_all_emulated() {
-    assert_none_single_stepped(Path::new("/usr/lib/x86_64-linux-musl/libc.so"), false, 5);
+    assert_none_single_stepped(&native("musl", "libc.so"), false, 5);
 }
 
 #[test]

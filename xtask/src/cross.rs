@@ -1,5 +1,7 @@
 //! Static builds for boards: one heapprofd binary (BPF object inside) that needs
-//! nothing on the target, whatever its C library (musl, linked by rust-lld).
+//! nothing on the target, whatever its C library (musl, linked by rust-lld); and the
+//! glibc build for another architecture, the binary a native build there makes (the
+//! arm64 VM test runs it on Debian's arm64 C library).
 
 use std::path::{Path, PathBuf};
 
@@ -26,6 +28,59 @@ impl Arch {
         }
     }
 
+    /// The Rust target of a build against glibc (Debian's C library).
+    pub fn gnu_target(self) -> &'static str {
+        match self {
+            Arch::Aarch64 => "aarch64-unknown-linux-gnu",
+            Arch::X86_64 => "x86_64-unknown-linux-gnu",
+        }
+    }
+
+    /// The architecture of the machine xtask runs on (the one it was built for).
+    pub fn host() -> Arch {
+        if cfg!(target_arch = "aarch64") {
+            Arch::Aarch64
+        } else {
+            Arch::X86_64
+        }
+    }
+
+    /// Debian's name of this architecture (`dpkg --print-architecture`).
+    pub fn debian_arch(self) -> &'static str {
+        match self {
+            Arch::Aarch64 => "arm64",
+            Arch::X86_64 => "amd64",
+        }
+    }
+
+    /// Debian's cross C compiler for this architecture and the C library headers it
+    /// compiles with (the preload library includes `<stdint.h>`). On a host of this
+    /// architecture the compiler's name is only provided by the native `gcc`.
+    pub fn cross_c_packages(self) -> [&'static str; 2] {
+        match self {
+            Arch::Aarch64 => ["gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross"],
+            Arch::X86_64 => ["gcc-x86-64-linux-gnu", "libc6-dev-amd64-cross"],
+        }
+    }
+
+    /// The C compiler for this architecture by its multiarch name: Debian's cross gcc,
+    /// or on a host of this architecture the native one (which provides that name).
+    pub fn gcc(self) -> &'static str {
+        match self {
+            Arch::Aarch64 => "aarch64-linux-gnu-gcc",
+            Arch::X86_64 => "x86_64-linux-gnu-gcc",
+        }
+    }
+
+    /// Debian's cross C++ compiler for this architecture (provided by the native `g++`
+    /// on a host of this architecture).
+    pub fn cross_cxx_package(self) -> &'static str {
+        match self {
+            Arch::Aarch64 => "g++-aarch64-linux-gnu",
+            Arch::X86_64 => "g++-x86-64-linux-gnu",
+        }
+    }
+
     /// ELF `e_machine` of this architecture.
     fn elf_machine(self) -> u16 {
         match self {
@@ -39,6 +94,8 @@ impl Arch {
 pub fn build_static(arch: Arch) -> Result<PathBuf> {
     let target = arch.musl_target();
     crate::setup::ensure_rust_target(target)?;
+    // The build script compiles the preload library with the target's C compiler.
+    crate::setup::ensure_cross_packages(Arch::host(), arch)?;
     step(&format!("building a static heapprofd for {target}"));
     let linker_var = format!(
         "CARGO_TARGET_{}_LINKER",
@@ -63,9 +120,57 @@ pub fn build_static(arch: Arch) -> Result<PathBuf> {
     Ok(binary)
 }
 
+/// Builds the release binary for `arch` against glibc, linked by that architecture's
+/// gcc (Debian's cross compiler, or the native one); returns its path.
+pub fn build_glibc(arch: Arch) -> Result<PathBuf> {
+    let target = arch.gnu_target();
+    crate::setup::ensure_rust_target(target)?;
+    let host = Arch::host();
+    crate::setup::ensure_cross_packages(host, arch)?;
+    step(&format!("building heapprofd for {target} (glibc)"));
+    let mut cmd = cargo();
+    cmd.args([
+        "build",
+        "--release",
+        "-p",
+        "heapprof-daemon",
+        "--bin",
+        "heapprofd",
+    ])
+    .args(["--target", target]);
+    if arch != host {
+        // Rust's default linker `cc` links for the host only.
+        cmd.env(
+            format!(
+                "CARGO_TARGET_{}_LINKER",
+                target.to_uppercase().replace('-', "_")
+            ),
+            arch.gcc(),
+        );
+    }
+    cmd.run()?;
+    let binary = crate::target_dir().join(format!("{target}/release/heapprofd"));
+    if !program_interpreter(&binary, arch)? {
+        bail!("{} is not dynamically linked", binary.display());
+    }
+    Ok(binary)
+}
+
 /// Checks that `binary` is an ELF executable for `arch` with no program interpreter
 /// (statically linked: it starts on any Linux of that architecture).
 pub fn check_static(binary: &Path, arch: Arch) -> Result<()> {
+    if program_interpreter(binary, arch)? {
+        bail!(
+            "{} is dynamically linked (it names a program interpreter)",
+            binary.display()
+        );
+    }
+    Ok(())
+}
+
+/// Whether `binary`, checked to be a 64-bit little-endian ELF file for `arch`, names a
+/// program interpreter (is dynamically linked).
+fn program_interpreter(binary: &Path, arch: Arch) -> Result<bool> {
     let bytes = std::fs::read(binary).with_context(|| format!("reading {}", binary.display()))?;
     let u16_at = |at: usize| {
         bytes
@@ -101,13 +206,10 @@ pub fn check_static(binary: &Path, arch: Arch) -> Result<()> {
             .context("truncated program headers")?;
         const PT_INTERP: [u8; 4] = 3u32.to_le_bytes();
         if kind == PT_INTERP {
-            bail!(
-                "{} is dynamically linked (it names a program interpreter)",
-                binary.display()
-            );
+            return Ok(true);
         }
     }
-    Ok(())
+    Ok(false)
 }
 
 #[cfg(test)]
@@ -118,11 +220,7 @@ mod tests {
     fn dynamic_and_foreign_binaries_are_told_apart() {
         // This test binary is dynamically linked for the build machine.
         let own = std::env::current_exe().expect("own path");
-        let arch = if cfg!(target_arch = "aarch64") {
-            Arch::Aarch64
-        } else {
-            Arch::X86_64
-        };
+        let arch = Arch::host();
         let err = check_static(&own, arch).expect_err("a dynamic binary");
         assert!(format!("{err}").contains("dynamically linked"), "{err}");
         let other = if arch == Arch::Aarch64 {

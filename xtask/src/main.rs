@@ -124,7 +124,7 @@ fn main() {
 fn run(args: Args) -> Result<()> {
     match args.command {
         Cmd::Setup { list: true } => {
-            print!("{}", setup::list());
+            print!("{}", setup::list(cross::Arch::host()));
             Ok(())
         }
         Cmd::Setup { list: false } => setup::ensure(setup::Needs::Test),
@@ -430,12 +430,15 @@ fn bpf_clippy(arch: &str) -> Command {
 }
 
 /// What the arm64 VM test needs, as the environment it reads: the static aarch64
-/// binary and the VM's kernel, busybox and C library.
+/// binary, the glibc one (what a native build on a board makes), and the VM's kernel,
+/// busybox and C library.
 fn vm_test_env() -> Result<Vec<(&'static str, PathBuf)>> {
     let binary = cross::build_static(cross::Arch::Aarch64)?;
+    let glibc = cross::build_glibc(cross::Arch::Aarch64)?;
     let assets = vm::ensure_assets()?;
     Ok(vec![
         ("HEAPPROFD_AARCH64_BINARY", binary),
+        ("HEAPPROFD_AARCH64_GLIBC_BINARY", glibc),
         ("HEAPPROFD_ARM64_VM_ASSETS", assets),
     ])
 }

@@ -2,9 +2,11 @@
 //! machine's libraries, by hand on small objects compiled here (x86-64 and aarch64),
 //! the layout of overlapping FDEs, and damaged ELF files.
 //!
-//! The hand-checked objects are compiled with `gcc` and `aarch64-linux-gnu-gcc`; system
-//! libraries other than the C library are skipped when absent, except under `CI=true`
-//! where their absence fails the test.
+//! The hand-checked objects are compiled with `x86_64-linux-gnu-gcc` and
+//! `aarch64-linux-gnu-gcc` (the native gcc provides the host's own name, Debian's cross
+//! compiler the other); system libraries are found per architecture ([`system_lib`]),
+//! and other than the host's C library they are skipped when absent, except under
+//! `CI=true` where their absence fails the test.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -26,18 +28,58 @@ use super::{
     table::{Builder, FdeRow},
 };
 
-const LIBC: &str = "/usr/lib/x86_64-linux-gnu/libc.so.6";
-const LIBSTDCXX: &str = "/usr/lib/x86_64-linux-gnu/libstdc++.so.6";
 const PYTHON: &str = "/usr/bin/python3.11";
-const LIBLLVM: &str = "/usr/lib/x86_64-linux-gnu/libLLVM-15.so.1";
-/// Debian 12's libgcrypt 1.10.1, whose hand-written assembly has CFI gimli rejects.
-const LIBGCRYPT: &str = "/usr/lib/x86_64-linux-gnu/libgcrypt.so.20.4.1";
-/// The aarch64 C library and C++ runtime of the cross toolchain (Debian's
-/// libc6-arm64-cross and libstdc++6-arm64-cross, installed with aarch64-linux-gnu-gcc).
-const ARM64_LIBC: &str = "/usr/aarch64-linux-gnu/lib/libc.so.6";
-const ARM64_LIBSTDCXX: &str = "/usr/aarch64-linux-gnu/lib/libstdc++.so.6";
-const LOADER: &str = "/lib64/ld-linux-x86-64.so.2";
-const ARM64_LOADER: &str = "/usr/aarch64-linux-gnu/lib/ld-linux-aarch64.so.1";
+const LIBLLVM: &str = "libLLVM-15.so.1";
+/// Debian 12's x86-64 libgcrypt 1.10.1, whose hand-written assembly has CFI gimli rejects.
+const LIBGCRYPT: &str = "libgcrypt.so.20.4.1";
+const LIBC: &str = "libc.so.6";
+const LIBSTDCXX: &str = "libstdc++.so.6";
+const X86_LOADER: &str = "ld-linux-x86-64.so.2";
+const ARM64_LOADER: &str = "ld-linux-aarch64.so.1";
+/// The compilers of the hand-checked objects, by their multiarch names: on each host
+/// one is the native gcc, the other Debian's cross compiler.
+const X86_CC: &str = "x86_64-linux-gnu-gcc";
+const ARM64_CC: &str = "aarch64-linux-gnu-gcc";
+
+/// The architecture these tests run on.
+fn host_arch() -> Arch {
+    if cfg!(target_arch = "aarch64") {
+        Arch::Aarch64
+    } else {
+        Arch::X86_64
+    }
+}
+
+/// Debian's multiarch triplet of `arch`.
+fn triplet(arch: Arch) -> &'static str {
+    match arch {
+        Arch::X86_64 => "x86_64-linux-gnu",
+        Arch::Aarch64 => "aarch64-linux-gnu",
+    }
+}
+
+/// Where the library `name` of `arch` is on a Debian machine: the host's own in its
+/// multiarch directory (`/usr/lib/TRIPLET`), another architecture's in its cross
+/// toolchain (`/usr/TRIPLET/lib`: libc6-ARCH-cross, libstdc++6-ARCH-cross, installed with
+/// the cross gcc and g++ by `cargo xtask setup`).
+fn system_lib(arch: Arch, name: &str) -> PathBuf {
+    if arch == host_arch() {
+        Path::new("/usr/lib").join(triplet(arch)).join(name)
+    } else {
+        Path::new("/usr").join(triplet(arch)).join("lib").join(name)
+    }
+}
+
+/// The C library this test process runs with, from its own mappings: always present,
+/// whatever the architecture or the distribution's layout.
+fn own_libc() -> PathBuf {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("own mappings");
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .find(|path| path.rsplit('/').next() == Some(LIBC))
+        .map(PathBuf::from)
+        .expect("this test process maps a libc.so.6")
+}
 
 // ---------------------------------------------------------------------------------
 // Helpers
@@ -72,14 +114,14 @@ fn unsupported_rule() -> UnwindRule {
 
 /// A system object's bytes; `None` (with a note) when it is not installed, except under
 /// `CI=true`, where a missing object fails the test rather than skipping it.
-fn system_object(path: &str) -> Option<Vec<u8>> {
+fn system_object(path: &Path) -> Option<Vec<u8>> {
     match std::fs::read(path) {
         Ok(bytes) => Some(bytes),
         Err(e) if std::env::var("CI").is_ok_and(|v| v == "true") => {
-            panic!("{path}: {e} (required in CI)")
+            panic!("{}: {e} (required in CI)", path.display())
         }
         Err(e) => {
-            eprintln!("skipping {path}: {e}");
+            eprintln!("skipping {}: {e}", path.display());
             None
         }
     }
@@ -575,7 +617,7 @@ fn compare_with_gimli(elf: &[u8], table: &UnwindTable, strided: u64) -> usize {
 
 /// Builds `path`'s table, checks it and compares it with gimli; `bad_entries` FDEs
 /// are expected to fail evaluation.
-fn check_system_object(path: &str, arch: Arch, bad_entries: usize) {
+fn check_system_object(path: &Path, arch: Arch, bad_entries: usize) {
     let Some(elf) = system_object(path) else {
         return;
     };
@@ -586,7 +628,8 @@ fn check_system_object(path: &str, arch: Arch, bad_entries: usize) {
     assert!(!stats.truncated, "{stats:?}");
     let compared = compare_with_gimli(&elf, &table, 4000);
     eprintln!(
-        "{path}: {} rows, {} rules, {compared} addresses agree with gimli; {stats:?}",
+        "{}: {} rows, {} rules, {compared} addresses agree with gimli; {stats:?}",
+        path.display(),
         table.rows.len(),
         table.rules.len()
     );
@@ -596,28 +639,28 @@ fn check_system_object(path: &str, arch: Arch, bad_entries: usize) {
 // Real objects against gimli
 
 #[test]
-fn libc_matches_gimli() {
-    check_system_object(LIBC, Arch::X86_64, 0);
+fn x86_64_libc_matches_gimli() {
+    check_system_object(&system_lib(Arch::X86_64, LIBC), Arch::X86_64, 0);
 }
 
 #[test]
-fn libstdcxx_matches_gimli() {
-    check_system_object(LIBSTDCXX, Arch::X86_64, 0);
+fn x86_64_libstdcxx_matches_gimli() {
+    check_system_object(&system_lib(Arch::X86_64, LIBSTDCXX), Arch::X86_64, 0);
 }
 
 #[test]
 fn python_matches_gimli() {
-    check_system_object(PYTHON, Arch::X86_64, 0);
+    check_system_object(Path::new(PYTHON), host_arch(), 0);
 }
 
 #[test]
 fn aarch64_libc_matches_gimli() {
-    check_system_object(ARM64_LIBC, Arch::Aarch64, 0);
+    check_system_object(&system_lib(Arch::Aarch64, LIBC), Arch::Aarch64, 0);
 }
 
 #[test]
 fn aarch64_libstdcxx_matches_gimli() {
-    check_system_object(ARM64_LIBSTDCXX, Arch::Aarch64, 0);
+    check_system_object(&system_lib(Arch::Aarch64, LIBSTDCXX), Arch::Aarch64, 0);
 }
 
 /// glibc's x86-64 loader enters through `_start` and `_dl_start_user` (hand-written,
@@ -627,7 +670,8 @@ fn aarch64_libstdcxx_matches_gimli() {
 #[test]
 fn the_loaders_entry_code_ends_the_stack() {
     let entry_of = |elf: &[u8]| object::read::File::parse(elf).expect("parses").entry();
-    if let Some(elf) = system_object(LOADER) {
+    let x86_loader = system_lib(Arch::X86_64, X86_LOADER);
+    if let Some(elf) = system_object(&x86_loader) {
         let (table, stats) = build_with_stats(&elf).expect("builds");
         check_invariants(&table);
         let entry = entry_of(&elf);
@@ -637,7 +681,8 @@ fn the_loaders_entry_code_ends_the_stack() {
             assert_eq!(
                 rule.cfa,
                 CfaRule::End as u8,
-                "{LOADER} at {address:#x}: {rule:?}; {stats:?}"
+                "{} at {address:#x}: {rule:?}; {stats:?}",
+                x86_loader.display()
             );
         }
         assert!(stats.start_code, "{stats:?}");
@@ -650,7 +695,7 @@ fn the_loaders_entry_code_ends_the_stack() {
         let rule = &table.rules[next.rule as usize];
         assert_ne!(rule.cfa, CfaRule::End as u8, "{next:?}");
     }
-    if let Some(elf) = system_object(ARM64_LOADER) {
+    if let Some(elf) = system_object(&system_lib(Arch::Aarch64, ARM64_LOADER)) {
         let (table, stats) = build_with_stats(&elf).expect("builds");
         assert_eq!(table.arch, Arch::Aarch64);
         assert!(!stats.start_code, "{stats:?}");
@@ -665,12 +710,23 @@ fn the_loaders_entry_code_ends_the_stack() {
 /// finds them, and the rest is a gap (the comparison samples every FDE's last byte).
 #[test]
 fn libgcrypt_partly_evaluated_fdes_match_gimli() {
-    check_system_object(LIBGCRYPT, Arch::X86_64, 2);
+    // A property of Debian's x86-64 build, which only an x86-64 host has.
+    if host_arch() != Arch::X86_64 {
+        eprintln!("skipping: {LIBGCRYPT} is checked on x86-64 hosts");
+        return;
+    }
+    check_system_object(&system_lib(Arch::X86_64, LIBGCRYPT), Arch::X86_64, 2);
 }
 
+/// The x86-64 PLT rules, on the host's own C library (the cross toolchain's may be
+/// linked with other PLT options).
 #[test]
 fn libc_plt_and_gaps() {
-    let elf = std::fs::read(LIBC).expect("libc");
+    if host_arch() != Arch::X86_64 {
+        eprintln!("skipping: the x86-64 PLT is checked on x86-64 hosts");
+        return;
+    }
+    let elf = std::fs::read(own_libc()).expect("libc");
     let table = build(&elf).expect("builds");
     let plt = section_address(&elf, ".plt");
     // PLT0 pushes the link map (CFA rsp+16), then jumps (rsp+24); the entries use the
@@ -723,7 +779,7 @@ void fill(long *buf) { for (int i = 0; i < 6; i++) buf[i] = i; }
 fn x86_prologue_matches_a_hand_simulation() {
     use iced_x86::{Code, Decoder, DecoderOptions, FlowControl, OpKind, Register};
     let (_dir, elf) = compile(
-        "gcc",
+        X86_CC,
         &[("p.c", PUSHES_C)],
         &[
             "-O2",
@@ -803,7 +859,7 @@ fn x86_prologue_matches_a_hand_simulation() {
 #[test]
 fn x86_start_ends_the_stack() {
     let (_dir, elf) = compile(
-        "gcc",
+        X86_CC,
         &[("p.c", PUSHES_C), ("ext.c", EXT_C)],
         &["-O2", "-o", "p", "p.c", "ext.c"],
         "p",
@@ -965,7 +1021,7 @@ fn hand_x86(extra: &[&str]) -> (tempfile::TempDir, Vec<u8>) {
     let mut args = vec!["-shared", "-nostdlib", "-o", "hc.so", "hc.s", "dbg.s"];
     args.extend_from_slice(extra);
     compile(
-        "gcc",
+        X86_CC,
         &[("hc.s", HAND_X86_S), ("dbg.s", DEBUG_ONLY_X86_S)],
         &args,
         "hc.so",
@@ -1061,7 +1117,7 @@ fn ibt_lazy_plt_threshold_is_unsupported() {
     // Lazy PLT entries of IBT-enabled objects start with endbr64: their push ends at
     // byte 9, and ld describes them with threshold 9, which the BPF side does not know.
     let (_dir, elf) = compile(
-        "gcc",
+        X86_CC,
         &[("p.c", PUSHES_C)],
         &[
             "-O2",
@@ -1142,7 +1198,7 @@ fn check_arm64_frame_record(elf: &[u8], table: &UnwindTable) {
 #[test]
 fn aarch64_frame_records_by_hand() {
     let (_dir, elf) = compile(
-        "aarch64-linux-gnu-gcc",
+        ARM64_CC,
         &[("p.c", PUSHES_C)],
         &["-O2", "-shared", "-fPIC", "-o", "p.so", "p.c"],
         "p.so",
@@ -1155,7 +1211,7 @@ fn aarch64_frame_records_by_hand() {
 
     // With pointer authentication the CFI toggles RA_SIGN_STATE; the rules are the same.
     let (_dir, pac) = compile(
-        "aarch64-linux-gnu-gcc",
+        ARM64_CC,
         &[("p.c", PUSHES_C)],
         &[
             "-O2",
@@ -1185,7 +1241,7 @@ fn aarch64_frame_records_by_hand() {
 #[test]
 fn aarch64_without_frame_pointers_by_hand() {
     let (_dir, elf) = compile(
-        "aarch64-linux-gnu-gcc",
+        ARM64_CC,
         &[("p.c", PUSHES_C)],
         &[
             "-O2",
@@ -1252,7 +1308,7 @@ fn aarch64_without_frame_pointers_by_hand() {
 #[test]
 fn aarch64_start_ends_the_stack() {
     let (_dir, elf) = compile(
-        "aarch64-linux-gnu-gcc",
+        ARM64_CC,
         &[("p.c", PUSHES_C), ("ext.c", EXT_C)],
         &["-O2", "-o", "p", "p.c", "ext.c"],
         "p",
@@ -1359,7 +1415,7 @@ fn nothing_covered_is_an_error() {
     ));
     // An object without any CFI.
     let (_dir, elf) = compile(
-        "gcc",
+        X86_CC,
         &[("n.s", ".text\n.globl f\nf: ret\n")],
         &["-shared", "-nostdlib", "-o", "n.so", "n.s"],
         "n.so",
@@ -1378,7 +1434,7 @@ fn nothing_covered_is_an_error() {
 #[test]
 fn without_section_headers_eh_frame_is_found_through_eh_frame_hdr() {
     let (_dir, elf) = compile(
-        "gcc",
+        X86_CC,
         &[("p.c", PUSHES_C)],
         &[
             "-O2",
@@ -1410,7 +1466,7 @@ fn without_section_headers_eh_frame_is_found_through_eh_frame_hdr() {
 #[test]
 fn code_beyond_4_gib_is_an_error() {
     let (_dir, elf) = compile(
-        "gcc",
+        X86_CC,
         &[(
             "hi.s",
             ".text\n.globl _start\n_start:\n.cfi_startproc\n.cfi_undefined %rip\nhlt\n.cfi_endproc\n",
@@ -1519,7 +1575,7 @@ fn damaged_small_objects_never_panic() {
     let (_dir, x86) = hand_x86(&[]);
     damaged_objects_never_panic("hand-written x86 CFI", &x86, cases());
     let (_dir, arm) = compile(
-        "aarch64-linux-gnu-gcc",
+        ARM64_CC,
         &[("p.c", PUSHES_C)],
         &[
             "-O2",
@@ -1537,7 +1593,7 @@ fn damaged_small_objects_never_panic() {
 
 #[test]
 fn damaged_libc_never_panics() {
-    let libc = std::fs::read(LIBC).expect("libc");
+    let libc = std::fs::read(own_libc()).expect("libc");
     // Each case builds a whole library's table: fewer cases.
     damaged_objects_never_panic("libc", &libc, (cases() / 100).max(5));
 }
@@ -1548,15 +1604,17 @@ fn damaged_libc_never_panics() {
 #[test]
 #[ignore = "timings; run with --release --ignored --nocapture"]
 fn build_times() {
+    let host = host_arch();
     for path in [
-        LIBC,
-        LIBSTDCXX,
-        PYTHON,
-        LIBLLVM,
-        ARM64_LIBC,
-        ARM64_LIBSTDCXX,
+        own_libc(),
+        system_lib(host, LIBSTDCXX),
+        PathBuf::from(PYTHON),
+        system_lib(host, LIBLLVM),
+        system_lib(Arch::X86_64, LIBC),
+        system_lib(Arch::Aarch64, LIBC),
+        system_lib(Arch::Aarch64, LIBSTDCXX),
     ] {
-        let Some(elf) = system_object(path) else {
+        let Some(elf) = system_object(&path) else {
             continue;
         };
         let mut best = f64::MAX;
@@ -1569,14 +1627,15 @@ fn build_times() {
         }
         match result {
             Some(Ok((table, stats))) => println!(
-                "{path}: {:.1} ms, {} rows, {} rules, {} + {} FDEs; {stats:?}",
+                "{}: {:.1} ms, {} rows, {} rules, {} + {} FDEs; {stats:?}",
+                path.display(),
                 best * 1e3,
                 table.rows.len(),
                 table.rules.len(),
                 stats.eh_frame_fdes,
                 stats.debug_frame_fdes
             ),
-            Some(Err(e)) => println!("{path}: error {e}"),
+            Some(Err(e)) => println!("{}: error {e}", path.display()),
             None => {}
         }
     }
@@ -1611,15 +1670,16 @@ fn elf_files(dir: &Path, depth: usize, out: &mut Vec<PathBuf>) {
 #[ignore = "a survey of this machine's objects; run with --release --ignored --nocapture"]
 fn survey_system_objects() {
     let mut files = Vec::new();
-    for dir in [
-        "/usr/lib/x86_64-linux-gnu",
-        "/usr/bin",
-        "/usr/sbin",
-        "/usr/libexec",
-        "/usr/lib/aarch64-linux-gnu",
-        "/usr/aarch64-linux-gnu/lib",
-    ] {
-        elf_files(Path::new(dir), 2, &mut files);
+    let mut dirs: Vec<PathBuf> = ["/usr/bin", "/usr/sbin", "/usr/libexec"]
+        .into_iter()
+        .map(PathBuf::from)
+        .collect();
+    // Each architecture's libraries, where this host keeps them.
+    for arch in [Arch::X86_64, Arch::Aarch64] {
+        dirs.push(system_lib(arch, ""));
+    }
+    for dir in &dirs {
+        elf_files(dir, 2, &mut files);
     }
     let started = Instant::now();
     let mut errors: HashMap<String, usize> = HashMap::new();
