@@ -145,6 +145,17 @@ impl UserSession {
             for ret in stacks.frames(site.key.stack) {
                 // Return addresses point after the call; the call instruction is one byte back.
                 let addr = ret.wrapping_sub(1);
+                // Another session's interposer called the allocator on the program's
+                // behalf (a launched or joined process seen by --all): its wrapper's
+                // frame is not the program's, the stack starts at the wrapper's caller.
+                if frames.is_empty()
+                    && info
+                        .maps
+                        .find(addr)
+                        .is_some_and(|region| crate::preload::is_library(&region.object.path))
+                {
+                    continue;
+                }
                 let id = *frame_locations.entry((number, addr)).or_insert_with(|| {
                     match info.maps.find(addr) {
                         Some(region) => {
