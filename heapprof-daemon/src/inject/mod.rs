@@ -22,7 +22,9 @@
 //! Anything that stops this on the way is a [`NotJoined`] reason, said on one line,
 //! and the process gets the allocator's probes as before.
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod regs;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod tracee;
 
 use std::{
@@ -102,7 +104,6 @@ pub struct Entries {
 /// A process being joined: one of its threads held until this is dropped.
 pub struct Injection {
     pid: u32,
-    #[cfg(target_arch = "x86_64")]
     thread: tracee::Tracee,
     functions: Functions,
     loaded: Option<LoadedAt>,
@@ -117,11 +118,11 @@ pub struct Joined {
     pub slots: u64,
 }
 
-/// System calls a thread waits in without holding an allocator, loader or stdio lock
-/// (x86-64 numbers). `futex` only as a condition variable's or semaphore's wait
-/// (`FUTEX_WAIT_BITSET`): a lock's waiter (`FUTEX_WAIT`) may hold another lock.
+/// System calls a thread waits in without holding an allocator, loader or stdio lock.
+/// `futex` only as a condition variable's or semaphore's wait (`FUTEX_WAIT_BITSET`):
+/// a lock's waiter (`FUTEX_WAIT`) may hold another lock.
 #[cfg(target_arch = "x86_64")]
-const WAITING_SYSCALLS: [i64; 24] = [
+const WAITING_SYSCALLS: &[i64] = &[
     0,   // read
     7,   // poll
     23,  // select
@@ -147,17 +148,52 @@ const WAITING_SYSCALLS: [i64; 24] = [
     426, // io_uring_enter
     441, // epoll_pwait2
 ];
-
 #[cfg(target_arch = "x86_64")]
-fn is_waiting(number: i64, args: [u64; 2]) -> bool {
-    const FUTEX: i64 = 202;
+const FUTEX: i64 = 202;
+
+/// The same for arm64 (the generic numbers: no poll, select, pause or epoll_wait).
+#[cfg(target_arch = "aarch64")]
+const WAITING_SYSCALLS: &[i64] = &[
+    4,   // io_getevents
+    22,  // epoll_pwait
+    63,  // read
+    72,  // pselect6
+    73,  // ppoll
+    95,  // waitid
+    98,  // futex (see above)
+    101, // nanosleep
+    115, // clock_nanosleep
+    133, // rt_sigsuspend
+    137, // rt_sigtimedwait
+    188, // msgrcv
+    202, // accept
+    207, // recvfrom
+    212, // recvmsg
+    242, // accept4
+    243, // recvmmsg
+    260, // wait4
+    426, // io_uring_enter
+    441, // epoll_pwait2
+];
+#[cfg(target_arch = "aarch64")]
+const FUTEX: i64 = 98;
+
+fn is_waiting(number: i64, second_argument: u64) -> bool {
     const FUTEX_WAIT_BITSET: u64 = 9;
-    WAITING_SYSCALLS.contains(&number) && (number != FUTEX || args[1] & 0x7f == FUTEX_WAIT_BITSET)
+    WAITING_SYSCALLS.contains(&number)
+        && (number != FUTEX || second_argument & 0x7f == FUTEX_WAIT_BITSET)
 }
 
-/// The threads of `pid` that `/proc` shows waiting in one of those calls, first.
-#[cfg(target_arch = "x86_64")]
-fn candidate_threads(pid: u32) -> Vec<i32> {
+/// A thread `/proc` shows waiting: its id, the call and its first two arguments.
+struct Waiting {
+    tid: i32,
+    number: i64,
+    first: u64,
+    second: u64,
+}
+
+/// The threads of `pid` that `/proc` shows waiting in one of those calls.
+fn candidate_threads(pid: u32) -> Vec<Waiting> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
         return Vec::new();
     };
@@ -179,10 +215,15 @@ fn candidate_threads(pid: u32) -> Vec<i32> {
             .take(2)
             .filter_map(|a| u64::from_str_radix(a.trim_start_matches("0x"), 16).ok())
             .collect();
-        if let (Some(number), [a0, a1]) = (number, args.as_slice())
-            && is_waiting(number, [*a0, *a1])
+        if let (Some(number), [first, second]) = (number, args.as_slice())
+            && is_waiting(number, *second)
         {
-            waiting.push(tid);
+            waiting.push(Waiting {
+                tid,
+                number,
+                first: *first,
+                second: *second,
+            });
         }
     }
     waiting
@@ -198,29 +239,18 @@ impl Injection {
     /// call there.
     pub fn start(pid: u32) -> Result<Self, NotJoined> {
         let functions = find_functions(pid)?;
-        #[cfg(target_arch = "x86_64")]
-        {
-            let thread = hold_waiting_thread(pid)?;
-            Ok(Self {
-                pid,
-                thread,
-                functions,
-                loaded: None,
-            })
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = functions;
-            Err(not_joined(
-                "joining a running process in-process is implemented for x86-64 only so far",
-            ))
-        }
+        let thread = hold_waiting_thread(pid)?;
+        Ok(Self {
+            pid,
+            thread,
+            functions,
+            loaded: None,
+        })
     }
 
     /// Loads `image` (the library, marked as injected) into the process, or finds the
     /// copy an earlier session loaded; returns a descriptor of the loaded file, on
     /// which the caller puts the probe.
-    #[cfg(target_arch = "x86_64")]
     pub fn load(&mut self, image: &[u8], entries: Entries) -> Result<File, NotJoined> {
         if let Some((file, base)) = loaded_copy(self.pid, image) {
             self.loaded = Some(entries.at(base));
@@ -261,14 +291,8 @@ impl Injection {
         Ok(file)
     }
 
-    #[cfg(not(target_arch = "x86_64"))]
-    pub fn load(&mut self, _image: &[u8], _entries: Entries) -> Result<File, NotJoined> {
-        Err(not_joined("not on this architecture"))
-    }
-
     /// Starts the library: hands it `replies` (the answers' map) and heapprofd's
     /// pidfd, and has it redirect the process's allocator slots.
-    #[cfg(target_arch = "x86_64")]
     pub fn join(mut self, replies: BorrowedFd<'_>, sample_rate: u64) -> Result<Joined, NotJoined> {
         let at = self
             .loaded
@@ -316,26 +340,18 @@ impl Injection {
         })
     }
 
-    #[cfg(not(target_arch = "x86_64"))]
-    pub fn join(self, _replies: BorrowedFd<'_>, _sample_rate: u64) -> Result<Joined, NotJoined> {
-        Err(not_joined("not on this architecture"))
-    }
-
-    #[cfg(target_arch = "x86_64")]
     fn call(&mut self, function: u64, args: &[u64]) -> Result<u64, NotJoined> {
         self.thread
             .call(function, args, CALL_TIMEOUT)
             .map_err(|err| not_joined(format!("a call in the process failed: {err}")))
     }
 
-    #[cfg(target_arch = "x86_64")]
     fn write(&self, address: u64, bytes: &[u8]) -> Result<(), NotJoined> {
         self.thread
             .write(address, bytes)
             .map_err(|err| not_joined(err.to_string()))
     }
 
-    #[cfg(target_arch = "x86_64")]
     fn read(&self, address: u64, buffer: &mut [u8]) -> Result<(), NotJoined> {
         self.thread
             .read(address, buffer)
@@ -344,7 +360,6 @@ impl Injection {
 
     /// Writes the library into the process's memfd `fd`; returns heapprofd's own
     /// descriptor of it.
-    #[cfg(target_arch = "x86_64")]
     fn write_library(&self, fd: i32, image: &[u8]) -> Result<File, NotJoined> {
         use std::io::Write as _;
         let path = format!("/proc/{}/fd/{fd}", self.pid);
@@ -359,7 +374,6 @@ impl Injection {
     }
 
     /// The loader's last error in the process.
-    #[cfg(target_arch = "x86_64")]
     fn dlerror(&mut self) -> String {
         if self.functions.dlerror == 0 {
             return "no dlerror".to_owned();
@@ -397,35 +411,31 @@ impl Joined {
 
     /// Has the library put the slots back; returns how many it restored.
     pub fn leave(&self) -> Result<u64, NotJoined> {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let mut injection = Injection::start(self.pid)?;
-            let restored = injection.call(self.at.leave, &[])?;
-            Ok(restored)
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            Err(not_joined("not on this architecture"))
-        }
+        let mut injection = Injection::start(self.pid)?;
+        injection.call(self.at.leave, &[])
     }
 }
 
 /// Holds a thread of `pid` that is waiting in a system call: tries each thread `/proc`
 /// shows waiting, a few rounds.
-#[cfg(target_arch = "x86_64")]
 fn hold_waiting_thread(pid: u32) -> Result<tracee::Tracee, NotJoined> {
     let mut last_error = None;
     for round in 0..20 {
         if round > 0 {
             std::thread::sleep(Duration::from_millis(25));
         }
-        for tid in candidate_threads(pid) {
-            match tracee::Tracee::seize(pid, tid) {
-                Ok(thread) => match thread.syscall() {
-                    Some((number, args)) if is_waiting(number, args) => return Ok(thread),
-                    // It woke up meanwhile: given back, another try.
-                    _ => drop(thread),
-                },
+        for candidate in candidate_threads(pid) {
+            match tracee::Tracee::seize(pid, candidate.tid) {
+                // Still in the call /proc showed (or just back from it): its first
+                // argument is known for a restart.
+                Ok(mut thread)
+                    if thread.syscall() == Some((candidate.number, candidate.second)) =>
+                {
+                    thread.set_first_argument(candidate.first);
+                    return Ok(thread);
+                }
+                // It went on meanwhile: given back, another try.
+                Ok(thread) => drop(thread),
                 Err(err) => last_error = Some(err),
             }
         }
@@ -635,19 +645,18 @@ pub fn entries(image: &[u8]) -> Option<Entries> {
 mod tests {
     use super::*;
 
-    #[cfg(target_arch = "x86_64")]
     #[test]
     fn a_futex_wait_counts_only_as_a_condition_variables() {
-        assert!(is_waiting(232, [3, 0]), "epoll_wait");
+        assert!(is_waiting(WAITING_SYSCALLS[1], 0), "a waiting call");
+        assert!(is_waiting(FUTEX, 9 | 128), "FUTEX_WAIT_BITSET_PRIVATE");
         assert!(
-            is_waiting(202, [0x1000, 9 | 128]),
-            "FUTEX_WAIT_BITSET_PRIVATE"
-        );
-        assert!(
-            !is_waiting(202, [0x1000, 128]),
+            !is_waiting(FUTEX, 128),
             "FUTEX_WAIT_PRIVATE: a lock's waiter"
         );
-        assert!(!is_waiting(9, [0, 0]), "mmap: maybe inside malloc");
+        assert!(
+            !is_waiting(222, 0),
+            "mmap (arm64), or a call never waited in"
+        );
     }
 
     #[test]

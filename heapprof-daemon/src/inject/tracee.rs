@@ -19,6 +19,8 @@ use std::{
 
 use thiserror::Error;
 
+use super::regs::Registers;
+
 /// Why a remote call or holding a thread failed.
 #[derive(Debug, Error)]
 pub enum TraceError {
@@ -60,17 +62,10 @@ pub enum TraceError {
     },
 }
 
-/// The architecture's registers, as ptrace reads and writes them.
-#[cfg(target_arch = "x86_64")]
-type Registers = libc::user_regs_struct;
-
 /// Bytes below the thread's stack pointer left alone: the x86-64 red zone, and more.
 const RED_ZONE: u64 = 256;
 /// Scratch memory for strings and results, below the red zone.
 pub const SCRATCH_BYTES: u64 = 4096;
-
-/// Errors of the kernel for a system call a signal interrupted, to be restarted.
-const RESTART_ERRORS: [i64; 5] = [-512, -513, -514, -516, -4];
 
 /// A thread held with ptrace; given back when dropped.
 pub struct Tracee {
@@ -78,6 +73,8 @@ pub struct Tracee {
     tid: i32,
     saved: Registers,
     saved_mask: u64,
+    /// The interrupted system call's first argument (arm64 restarts it with it).
+    first_argument: Option<u64>,
     memory: File,
     /// Signals that arrived for the thread while it was held, given back with it.
     pending: Vec<i32>,
@@ -139,9 +136,9 @@ impl Tracee {
         let mut tracee = Self {
             pid: pid as i32,
             tid,
-            // SAFETY: a plain-integer C struct, all zeros is a valid value.
-            saved: unsafe { std::mem::zeroed() },
+            saved: Registers::empty(),
             saved_mask: 0,
+            first_argument: None,
             memory: File::options()
                 .read(true)
                 .write(true)
@@ -201,39 +198,39 @@ impl Tracee {
         Ok(tracee)
     }
 
-    /// The system call the thread was stopped in, with its first two arguments, if it
-    /// was interrupted in one (or had just returned from one).
-    pub fn syscall(&self) -> Option<(i64, [u64; 2])> {
-        let regs = &self.saved;
-        let number = regs.orig_rax as i64;
-        let result = regs.rax as i64;
-        (number >= 0 && (RESTART_ERRORS.contains(&result) || result >= -4095))
-            .then_some((number, [regs.rdi, regs.rsi]))
+    /// The system call the thread was stopped in (or had just returned from), with
+    /// its second argument.
+    pub fn syscall(&self) -> Option<(i64, u64)> {
+        self.saved.syscall()
+    }
+
+    /// The first argument of the system call the thread was interrupted in, as `/proc`
+    /// showed it before the thread was held: arm64 restarts the call with it.
+    pub fn set_first_argument(&mut self, value: u64) {
+        self.first_argument = Some(value);
     }
 
     fn registers(&self) -> Result<Registers, TraceError> {
-        // SAFETY: a plain-integer C struct, filled by the kernel.
-        let mut regs: Registers = unsafe { std::mem::zeroed() };
-        // SAFETY: PTRACE_GETREGS writes one user_regs_struct.
-        if unsafe { libc::ptrace(libc::PTRACE_GETREGS, self.tid, 0, &raw mut regs) } != 0 {
-            return Err(ptrace_error("GETREGS", self.tid));
-        }
-        Ok(regs)
+        Registers::read(self.tid).map_err(|(request, source)| TraceError::Ptrace {
+            request,
+            tid: self.tid,
+            source,
+        })
     }
 
     fn set_registers(&self, regs: &Registers) -> Result<(), TraceError> {
-        // SAFETY: PTRACE_SETREGS reads one user_regs_struct.
-        if unsafe { libc::ptrace(libc::PTRACE_SETREGS, self.tid, 0, std::ptr::from_ref(regs)) } != 0
-        {
-            return Err(ptrace_error("SETREGS", self.tid));
-        }
-        Ok(())
+        regs.write(self.tid)
+            .map_err(|(request, source)| TraceError::Ptrace {
+                request,
+                tid: self.tid,
+                source,
+            })
     }
 
     /// The scratch memory's first address: below the thread's stack pointer and red
     /// zone, untouched by the thread while it is held.
     pub fn scratch(&self) -> u64 {
-        (self.saved.rsp - RED_ZONE - SCRATCH_BYTES) & !0xf
+        (self.saved.stack_pointer() - RED_ZONE - SCRATCH_BYTES) & !0xf
     }
 
     /// Writes `bytes` at `address` of the process.
@@ -265,27 +262,12 @@ impl Tracee {
         args: &[u64],
         timeout: Duration,
     ) -> Result<u64, TraceError> {
-        let mut regs = self.saved;
         // The call's stack: below the scratch memory, 16-byte aligned at the call.
-        let mut sp = (self.scratch() - 64) & !0xf;
-        sp -= 8;
-        self.write(sp, &0u64.to_le_bytes())?;
-        regs.rsp = sp;
-        regs.rip = function;
-        let slots = [
-            &mut regs.rdi,
-            &mut regs.rsi,
-            &mut regs.rdx,
-            &mut regs.rcx,
-            &mut regs.r8,
-            &mut regs.r9,
-        ];
-        for (slot, value) in slots.into_iter().zip(args) {
-            *slot = *value;
+        let sp = (self.scratch() - 64) & !0xf;
+        let (regs, return_slot) = self.saved.call(function, args, sp);
+        if let Some(slot) = return_slot {
+            self.write(slot, &0u64.to_le_bytes())?;
         }
-        regs.rax = 0;
-        // Not in a system call any more: the kernel must not restart one on the way out.
-        regs.orig_rax = u64::MAX;
         self.set_registers(&regs)?;
         let deadline = Instant::now() + timeout;
         // SAFETY: plain ptrace request.
@@ -300,13 +282,13 @@ impl Tracee {
             match stop {
                 Stop::Signal(libc::SIGSEGV) => {
                     let now = self.registers()?;
-                    if now.rip == 0 {
-                        return Ok(now.rax);
+                    if now.pc() == 0 {
+                        return Ok(now.result());
                     }
                     return Err(TraceError::Faulted {
                         function,
                         signal: libc::SIGSEGV,
-                        at: now.rip,
+                        at: now.pc(),
                     });
                 }
                 Stop::Signal(
@@ -316,7 +298,7 @@ impl Tracee {
                     return Err(TraceError::Faulted {
                         function,
                         signal,
-                        at: now.rip,
+                        at: now.pc(),
                     });
                 }
                 Stop::Signal(signal) => {
@@ -339,7 +321,7 @@ impl Tracee {
             return Ok(());
         }
         self.released = true;
-        let restored = self.set_registers(&self.saved);
+        let restored = self.set_registers(&self.saved.to_give_back(self.first_argument));
         let mask = self.saved_mask;
         // SAFETY: PTRACE_SETSIGMASK reads 8 bytes from `mask`.
         unsafe {
