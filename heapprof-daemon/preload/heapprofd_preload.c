@@ -1409,6 +1409,20 @@ static long heapprofd_leave_now(void)
     return (long)result.rewritten;
 }
 
+/* A page of this library's code that heapprofd fills, in its process's copy only,
+ * with the return stub of its calls into the process (heapprof-daemon's
+ * src/inject/regs.rs): a call that heapprofd's death leaves running resumes the
+ * thread where heapprofd held it. Int3 until then. */
+#if defined(__x86_64__)
+__asm__(".text\n"
+        ".p2align 12\n"
+        ".globl heapprofd_resume_area\n"
+        ".type heapprofd_resume_area, @function\n"
+        "heapprofd_resume_area:\n"
+        "    .fill 4096, 1, 0xcc\n"
+        ".size heapprofd_resume_area, 4096\n");
+#endif
+
 /* Called by heapprofd through ptrace when it detaches. */
 EXPORT long heapprofd_leave(void) { return heapprofd_leave_now(); }
 

@@ -612,6 +612,16 @@ fn check_round(
     check_family(profiles, round);
     check_abc(profiles, round, &["stacks-O0", "stacks-O2"]);
 
+    // --pid joins the waiter in-process (the preload library injected by ptrace, the
+    // arm64 remote calls), and counts as the probes would.
+    let pid_log = console
+        .split_once(&format!("==STATUS {round} pid "))
+        .map(|(_, after)| after.split("==STATUS").next().unwrap_or(after))
+        .unwrap_or_default();
+    assert!(
+        pid_log.contains("joined in-process"),
+        "{round}: --pid did not join the waiter in-process:\n{pid_log}"
+    );
     // --pid: work() made 1000 allocations of 48 bytes and freed every other one.
     let pid = samples(last(profiles, round, "pid"));
     assert_eq!(

@@ -37,10 +37,13 @@ fn start_joined(dir: &Path) -> Driven {
     Driven::start(&binary, &[plugin.to_str().expect("utf-8 path")])
 }
 
-/// Totals per (caller, allocator function) of process `pid`'s samples.
-fn by_site(samples: &[Sample], pid: u32) -> BTreeMap<(String, String), [i64; 4]> {
+/// Totals per (caller, allocator function): allocated objects, bytes, in-use objects, bytes.
+type Sites = BTreeMap<(String, String), [i64; 4]>;
+
+/// [`Sites`] of process `pid`'s samples.
+fn by_site(samples: &[Sample], pid: u32) -> Sites {
     let pid = pid.to_string();
-    let mut sites: BTreeMap<(String, String), [i64; 4]> = BTreeMap::new();
+    let mut sites = Sites::new();
     for sample in samples
         .iter()
         .filter(|s| s.labels.get("pid").is_some_and(|p| *p == pid))
@@ -61,7 +64,7 @@ fn session(
     out: &Path,
     args: &[&str],
     commands: &[&str],
-) -> (BTreeMap<(String, String), [i64; 4]>, Vec<String>) {
+) -> (Sites, Vec<String>) {
     let pid = joined.child.id();
     let mut heapprofd = heapprofd(out)
         .args(["--interval", "1h", "--pid", &pid.to_string()])
@@ -261,5 +264,97 @@ fn attaching_and_detaching_fifty_times_leaves_the_process_working_and_one_librar
         .count();
     assert_eq!(fds_before, fds_after, "descriptors left in the process");
     joined.command("work 5", "done");
+    joined.finish();
+}
+
+/// Runs heapprofd on `pid` until it SIGKILLs itself in its `call`th call into the
+/// process (HEAPPROFD_TEST_KILL_IN_REMOTE_CALL); false if it made fewer calls (it is
+/// then ended with SIGINT).
+fn killed_in_call(out: &Path, pid: u32, call: u32) -> bool {
+    let mut heapprofd = heapprofd(out)
+        .args(["--interval", "1h", "--pid", &pid.to_string()])
+        .env("HEAPPROFD_TEST_KILL_IN_REMOTE_CALL", call.to_string())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting heapprofd");
+    let log = forward_lines(heapprofd.stderr.take().expect("stderr"));
+    // Ready (it made all its calls) or gone: whichever comes first.
+    while let Ok(line) = log.recv_timeout(std::time::Duration::from_secs(60)) {
+        if line.contains("probes on") {
+            signal(&heapprofd, libc::SIGINT);
+            break;
+        }
+    }
+    let status = heapprofd.wait().expect("waiting for heapprofd");
+    std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL)
+}
+
+/// After heapprofd died in a call: the process still runs, works, and has its signal
+/// mask back.
+fn check_survived(joined: &mut Driven, call: u32, what: &str) {
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let exited = joined.child.try_wait().expect("try_wait");
+    assert!(
+        exited.is_none(),
+        "{what}, call {call}: the process ended: {exited:?}"
+    );
+    joined.command("work 10", "done");
+    let pid = joined.child.id();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    assert!(
+        status.contains("SigBlk:\t0000000000000000"),
+        "{what}, call {call}: the thread's signal mask was not given back:\n{status}"
+    );
+}
+
+#[test]
+fn heapprofd_killed_in_the_middle_of_each_remote_call_leaves_the_process_working() {
+    // heapprofd SIGKILLs itself once its Nth call into the process is running: the
+    // thread returns into the return stub and resumes where it was held. The one call
+    // without it is the first into a process that has no heapprofd library yet (the
+    // mmap of the stub's page): from the 2nd on for a new process, from the 1st once
+    // the library is there.
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let mut calls = 0;
+    for call in 2.. {
+        let mut joined = start_joined(dir.path());
+        let out = dir.path().join(format!("new-{call}"));
+        if !killed_in_call(&out, joined.child.id(), call) {
+            break;
+        }
+        check_survived(&mut joined, call, "a new process");
+        calls = call;
+    }
+    assert!(
+        calls >= 4,
+        "heapprofd made only {calls} calls into a new process"
+    );
+    let mut joined = start_joined(dir.path());
+    let pid = joined.child.id();
+    // A session that joins and leaves: the library stays, inert.
+    let (_, log) = session(&mut joined, &dir.path().join("first"), &[], &["work 1"]);
+    assert!(joined_line(&log), "not joined:\n{}", log.join("\n"));
+    for call in 1.. {
+        let out = dir.path().join(format!("loaded-{call}"));
+        if !killed_in_call(&out, pid, call) {
+            break;
+        }
+        check_survived(&mut joined, call, "the library loaded");
+    }
+    // A session killed in the join may have left the library joined to a dead
+    // heapprofd: it sees the pidfd and leaves within a few hundred allocations.
+    joined.command("work 200", "done");
+    let (sites, log) = session(&mut joined, &dir.path().join("after"), &[], &["work 20"]);
+    assert!(
+        joined_line(&log),
+        "not joined after the kills:\n{}",
+        log.join("\n")
+    );
+    assert_eq!(
+        sites[&("plt_paths".to_owned(), "calloc".to_owned())][..2],
+        [20, 20 * 48]
+    );
     joined.finish();
 }

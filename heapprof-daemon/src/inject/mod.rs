@@ -64,10 +64,9 @@ fn not_joined(reason: impl Into<String>) -> NotJoined {
     NotJoined(reason.into())
 }
 
-/// The library's memfd name; it shows as `/memfd:NAME (deleted)` in the maps.
-const MEMFD_NAME: &str = "heapprofd-preload";
-/// How the maps name the library's memfd.
-pub const MEMFD_PATH_PREFIX: &str = "/memfd:heapprofd-preload";
+use crate::preload::{
+    INJECTED_MEMFD_NAME as MEMFD_NAME, INJECTED_PATH_PREFIX as MEMFD_PATH_PREFIX,
+};
 
 /// How long a remote call may take (`dlopen` runs the loader).
 const CALL_TIMEOUT: Duration = Duration::from_secs(20);
@@ -80,6 +79,8 @@ struct Functions {
     memfd_create: u64,
     socketpair: u64,
     close: u64,
+    mmap: u64,
+    munmap: u64,
 }
 
 /// The library as loaded in the process.
@@ -90,6 +91,8 @@ pub struct LoadedAt {
     /// `heapprofd_join`'s and `heapprofd_leave`'s addresses.
     join: u64,
     leave: u64,
+    /// Where the return stub's page is.
+    resume_area: Option<u64>,
 }
 
 /// The library's entry points, as offsets from its first byte.
@@ -99,6 +102,8 @@ pub struct Entries {
     pub join: u64,
     /// `heapprofd_leave`.
     pub leave: u64,
+    /// `heapprofd_resume_area`: the page for the return stub (x86-64), if any.
+    pub resume_area: Option<u64>,
 }
 
 /// A process being joined: one of its threads held until this is dropped.
@@ -248,14 +253,33 @@ impl Injection {
         })
     }
 
+    /// Calls into the process return into a stub from now on, so that heapprofd's
+    /// death in the middle of one leaves the thread to resume where it was: the stub
+    /// goes in the library's own page where the library is loaded, else in a page
+    /// mapped for it (the mmap itself is the one call without it).
+    fn protect_calls(&mut self) {
+        let result = match self.loaded.and_then(|at| at.resume_area) {
+            Some(area) => self.thread.stub_in(area),
+            None if self.functions.mmap != 0 && self.functions.munmap != 0 => self
+                .thread
+                .install_stub(self.functions.mmap, self.functions.munmap),
+            None => return,
+        };
+        if let Err(err) = result {
+            log::debug!("pid {}: no return stub: {err}", self.pid);
+        }
+    }
+
     /// Loads `image` (the library, marked as injected) into the process, or finds the
     /// copy an earlier session loaded; returns a descriptor of the loaded file, on
     /// which the caller puts the probe.
     pub fn load(&mut self, image: &[u8], entries: Entries) -> Result<File, NotJoined> {
         if let Some((file, base)) = loaded_copy(self.pid, image) {
             self.loaded = Some(entries.at(base));
+            self.protect_calls();
             return Ok(file);
         }
+        self.protect_calls();
         let scratch = self.thread.scratch();
         let name = format!("{MEMFD_NAME}\0");
         self.write(scratch, name.as_bytes())?;
@@ -288,6 +312,8 @@ impl Injection {
             .and_then(|id| mapped_base(self.pid, id))
             .ok_or_else(|| not_joined("heapprofd's library is not in the process's mappings"))?;
         self.loaded = Some(entries.at(base));
+        // The library's page takes over from the mapped one.
+        self.protect_calls();
         Ok(file)
     }
 
@@ -399,6 +425,7 @@ impl Entries {
             base,
             join: base + self.join,
             leave: base + self.leave,
+            resume_area: self.resume_area.map(|offset| base + offset),
         }
     }
 }
@@ -412,6 +439,8 @@ impl Joined {
     /// Has the library put the slots back; returns how many it restored.
     pub fn leave(&self) -> Result<u64, NotJoined> {
         let mut injection = Injection::start(self.pid)?;
+        injection.loaded = Some(self.at);
+        injection.protect_calls();
         injection.call(self.at.leave, &[])
     }
 }
@@ -496,6 +525,8 @@ fn find_functions(pid: u32) -> Result<Functions, NotJoined> {
                 "memfd_create" => &mut functions.memfd_create,
                 "socketpair" => &mut functions.socketpair,
                 "close" => &mut functions.close,
+                "mmap" => &mut functions.mmap,
+                "munmap" => &mut functions.munmap,
                 _ => continue,
             };
             if *slot == 0 {
@@ -604,13 +635,14 @@ fn send_descriptors(pid: u32, fd: i32, replies: BorrowedFd<'_>) -> Result<(), No
     message.msg_iov = &raw mut io;
     message.msg_iovlen = 1;
     message.msg_control = control.as_mut_ptr().cast();
-    message.msg_controllen = space;
+    // usize on glibc, u32 on musl.
+    message.msg_controllen = space as _;
     // SAFETY: the control buffer holds one header with room for `fds`.
     unsafe {
         let header = libc::CMSG_FIRSTHDR(&raw const message);
         (*header).cmsg_level = libc::SOL_SOCKET;
         (*header).cmsg_type = libc::SCM_RIGHTS;
-        (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(&fds) as u32) as usize;
+        (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(&fds) as u32) as _;
         std::ptr::copy_nonoverlapping(
             fds.as_ptr().cast::<u8>(),
             libc::CMSG_DATA(header),
@@ -638,6 +670,7 @@ pub fn entries(image: &[u8]) -> Option<Entries> {
     Some(Entries {
         join: find("heapprofd_join")?,
         leave: find("heapprofd_leave")?,
+        resume_area: find("heapprofd_resume_area"),
     })
 }
 

@@ -8,14 +8,28 @@
 //! remote calls' own system calls overwrite and ptrace cannot set: heapprofd restarts
 //! the call itself instead (the `svc` again, its first argument as `/proc` showed it).
 
+#![allow(
+    clippy::unnecessary_cast,
+    reason = "ptrace requests are c_uint on glibc, c_int (or either) on musl"
+)]
+
 use std::io;
 
 /// The kernel's errors for a system call a signal interrupted, to be restarted
 /// (ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND, ERESTART_RESTARTBLOCK).
-#[cfg(target_arch = "aarch64")]
 const RESTART_ERRORS: [i64; 4] = [-512, -513, -514, -516];
-#[cfg(target_arch = "aarch64")]
 const RESTART_BLOCK: i64 = -516;
+
+/// One ptrace request: `request` as the C library declares it (glibc and musl differ
+/// in its type, and musl even among its constants), `addr` and `data` as words.
+///
+/// # Safety
+/// `addr` and `data` must be what `request` expects (pointers to live buffers of
+/// the right size where it reads or writes memory).
+pub unsafe fn ptrace(request: u32, tid: i32, addr: usize, data: usize) -> libc::c_long {
+    // SAFETY: the caller's contract; the request number is passed as the C type.
+    unsafe { libc::ptrace(request as _, tid, addr, data) }
+}
 
 fn request_error(request: &'static str) -> (&'static str, io::Error) {
     (request, io::Error::last_os_error())
@@ -51,7 +65,7 @@ impl Registers {
         // SAFETY: a plain-integer C struct, filled by the kernel.
         let mut regs: libc::user_regs_struct = unsafe { std::mem::zeroed() };
         // SAFETY: PTRACE_GETREGS writes one user_regs_struct.
-        if unsafe { libc::ptrace(libc::PTRACE_GETREGS, tid, 0, &raw mut regs) } != 0 {
+        if unsafe { ptrace(libc::PTRACE_GETREGS as u32, tid, 0, &raw mut regs as usize) } != 0 {
             return Err(request_error("GETREGS"));
         }
         Ok(Self { regs })
@@ -60,7 +74,15 @@ impl Registers {
     /// Writes them back.
     pub fn write(&self, tid: i32) -> Result<(), (&'static str, io::Error)> {
         // SAFETY: PTRACE_SETREGS reads one user_regs_struct.
-        if unsafe { libc::ptrace(libc::PTRACE_SETREGS, tid, 0, &raw const self.regs) } != 0 {
+        if unsafe {
+            ptrace(
+                libc::PTRACE_SETREGS as u32,
+                tid,
+                0,
+                &raw const self.regs as usize,
+            )
+        } != 0
+        {
             return Err(request_error("SETREGS"));
         }
         Ok(())
@@ -114,8 +136,105 @@ impl Registers {
 
     /// What to put back: the registers as saved; the kernel restarts an interrupted
     /// call from `orig_rax` and the argument registers, which the saved set holds.
-    pub fn to_give_back(&self, _first_argument: Option<u64>) -> Self {
+    pub fn given_back(&self, _first_argument: Option<u64>) -> Self {
         *self
+    }
+    /// The registers that resume the thread as it was, the kernel's restart of an
+    /// interrupted call done by hand (the `syscall` instruction again, its number in
+    /// rax), with no system call for the kernel to restart: for a thread given back
+    /// from a system-call stop, and for the return stub's context.
+    pub fn resumed(&self) -> Self {
+        const NR_RESTART_SYSCALL: u64 = 219;
+        let mut regs = self.regs;
+        let result = regs.rax as i64;
+        if (regs.orig_rax as i64) >= 0 && RESTART_ERRORS.contains(&result) {
+            regs.rip -= 2;
+            regs.rax = if result == RESTART_BLOCK {
+                NR_RESTART_SYSCALL
+            } else {
+                regs.orig_rax
+            };
+        }
+        regs.orig_rax = u64::MAX;
+        Self { regs }
+    }
+
+    /// The result of a remote call, if these registers are the stub's marker stop.
+    pub fn stub_result(&self, stub: u64) -> Option<u64> {
+        const ENOSYS: i64 = -38;
+        const GETPID: u64 = 39;
+        (self.regs.rip == stub + stub::MARKER_END
+            && self.regs.orig_rax == GETPID
+            && self.regs.rax as i64 == ENOSYS)
+            .then_some(self.regs.rdi)
+    }
+
+    /// The stub's context: what its code restores, in its order.
+    pub fn stub_context(&self) -> [u64; stub::CONTEXT_WORDS] {
+        let r = self.resumed().regs;
+        [
+            r.r15, r.r14, r.r13, r.r12, r.r11, r.r10, r.r9, r.r8, r.rbp, r.rdi, r.rsi, r.rdx,
+            r.rcx, r.rbx, r.rax, r.eflags, r.rsp, r.rip,
+        ]
+    }
+}
+
+/// The return stub (x86-64): remote calls return into it instead of to address 0.
+/// With heapprofd there, its first system call (`getpid`, the marker) stops the
+/// thread and heapprofd takes over. If heapprofd has died meanwhile (SIGKILL), the
+/// thread goes on into the rest: it restores its signal mask and every register
+/// from the stub's context and resumes where it was held, instead of faulting.
+#[cfg(target_arch = "x86_64")]
+pub mod stub {
+    /// Where the marker's stop leaves the program counter.
+    pub const MARKER_END: u64 = 10;
+    /// Offset of the context in the stub's page.
+    pub const CONTEXT: u64 = 0x100;
+    /// Words of the context.
+    pub const CONTEXT_WORDS: usize = 18;
+    /// Offset of the saved signal mask.
+    pub const MASK: u64 = CONTEXT + CONTEXT_WORDS as u64 * 8;
+
+    fn rel32(target: u64, next: u64) -> [u8; 4] {
+        (target.wrapping_sub(next) as u32).to_le_bytes()
+    }
+
+    /// The stub's code, to be placed at the start of its page.
+    pub fn code() -> Vec<u8> {
+        let mut c = Vec::with_capacity(96);
+        c.extend([0x48, 0x89, 0xc7]); // mov %rax,%rdi: the result
+        c.extend([0xb8, 39, 0, 0, 0]); // mov $39,%eax (getpid)
+        c.extend([0x0f, 0x05]); // syscall: the marker
+        c.extend([0xb8, 14, 0, 0, 0]); // mov $14,%eax (rt_sigprocmask)
+        c.extend([0xbf, 2, 0, 0, 0]); // mov $2,%edi (SIG_SETMASK)
+        c.extend([0x48, 0x8d, 0x35]); // lea MASK(%rip),%rsi
+        c.extend(rel32(MASK, 27));
+        c.extend([0x31, 0xd2]); // xor %edx,%edx
+        c.extend([0x41, 0xba, 8, 0, 0, 0]); // mov $8,%r10d
+        c.extend([0x0f, 0x05]); // syscall
+        c.extend([0x48, 0x8d, 0x25]); // lea CONTEXT(%rip),%rsp
+        c.extend(rel32(CONTEXT, 44));
+        // pop r15..r8, rbp, rdi, rsi, rdx, rcx, rbx, rax; popfq
+        c.extend([
+            0x41, 0x5f, 0x41, 0x5e, 0x41, 0x5d, 0x41, 0x5c, 0x41, 0x5b, 0x41, 0x5a, 0x41, 0x59,
+            0x41, 0x58, 0x5d, 0x5f, 0x5e, 0x5a, 0x59, 0x5b, 0x58, 0x9d,
+        ]);
+        c.extend([0x48, 0x8b, 0x25]); // mov CONTEXT[16](%rip),%rsp
+        c.extend(rel32(CONTEXT + 16 * 8, 75));
+        c.extend([0xff, 0x25]); // jmp *CONTEXT[17](%rip)
+        c.extend(rel32(CONTEXT + 17 * 8, 81));
+        c
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn the_stubs_offsets_are_where_its_code_says() {
+            let code = super::code();
+            assert_eq!(code.len(), 81);
+            assert_eq!(&code[8..10], &[0x0f, 0x05], "the marker ends at MARKER_END");
+            assert_eq!(&code[35..37], &[0x0f, 0x05], "rt_sigprocmask");
+        }
     }
 }
 
@@ -128,7 +247,7 @@ const NR_RESTART_SYSCALL: u64 = 128;
 
 #[cfg(target_arch = "aarch64")]
 fn regset<T>(
-    request: libc::c_uint,
+    request: u32,
     tid: i32,
     kind: libc::c_int,
     value: *mut T,
@@ -138,8 +257,8 @@ fn regset<T>(
         iov_len: std::mem::size_of::<T>(),
     };
     // SAFETY: the iovec points at one T, the size the kernel fills or reads.
-    if unsafe { libc::ptrace(request, tid, kind as libc::c_long, &raw mut io) } != 0 {
-        return Err(request_error(if request == libc::PTRACE_GETREGSET {
+    if unsafe { ptrace(request, tid, kind as usize, &raw mut io as usize) } != 0 {
+        return Err(request_error(if request == libc::PTRACE_GETREGSET as u32 {
             "GETREGSET"
         } else {
             "SETREGSET"
@@ -154,10 +273,15 @@ impl Registers {
     pub fn read(tid: i32) -> Result<Self, (&'static str, io::Error)> {
         // SAFETY: a plain-integer C struct, filled by the kernel.
         let mut regs: libc::user_regs_struct = unsafe { std::mem::zeroed() };
-        regset(libc::PTRACE_GETREGSET, tid, NT_PRSTATUS, &raw mut regs)?;
+        regset(
+            libc::PTRACE_GETREGSET as u32,
+            tid,
+            NT_PRSTATUS,
+            &raw mut regs,
+        )?;
         let mut syscall: i32 = -1;
         regset(
-            libc::PTRACE_GETREGSET,
+            libc::PTRACE_GETREGSET as u32,
             tid,
             NT_ARM_SYSTEM_CALL,
             &raw mut syscall,
@@ -168,10 +292,15 @@ impl Registers {
     /// Writes them back.
     pub fn write(&self, tid: i32) -> Result<(), (&'static str, io::Error)> {
         let mut regs = self.regs;
-        regset(libc::PTRACE_SETREGSET, tid, NT_PRSTATUS, &raw mut regs)?;
+        regset(
+            libc::PTRACE_SETREGSET as u32,
+            tid,
+            NT_PRSTATUS,
+            &raw mut regs,
+        )?;
         let mut syscall = self.syscall;
         regset(
-            libc::PTRACE_SETREGSET,
+            libc::PTRACE_SETREGSET as u32,
             tid,
             NT_ARM_SYSTEM_CALL,
             &raw mut syscall,
@@ -221,10 +350,21 @@ impl Registers {
         )
     }
 
+    /// The registers that resume the thread as it was, with no system call for the
+    /// kernel to restart (see [`Registers::given_back`]).
+    pub fn resumed(&self) -> Self {
+        self.given_back(None)
+    }
+
+    /// No return stub on arm64 (remote calls return to address 0).
+    pub fn stub_result(&self, _stub: u64) -> Option<u64> {
+        None
+    }
+
     /// What to put back. A call the kernel would restart is restarted here: the
     /// `svc` again (x8 still holds its number) with `first_argument` in x0, or the
     /// kernel's restart_syscall for a call with a restart block.
-    pub fn to_give_back(&self, first_argument: Option<u64>) -> Self {
+    pub fn given_back(&self, first_argument: Option<u64>) -> Self {
         let result = self.regs.regs[0] as i64;
         if self.syscall < 0 || !RESTART_ERRORS.contains(&result) {
             return *self;

@@ -10,6 +10,11 @@
 //! Giving the thread back restores its registers and signal mask, so an interrupted
 //! system call restarts as if nothing had happened.
 
+#![allow(
+    clippy::unnecessary_cast,
+    reason = "ptrace requests are c_uint on glibc, c_int (or either) on musl"
+)]
+
 use std::{
     fs::File,
     io,
@@ -19,7 +24,7 @@ use std::{
 
 use thiserror::Error;
 
-use super::regs::Registers;
+use super::regs::{Registers, ptrace};
 
 /// Why a remote call or holding a thread failed.
 #[derive(Debug, Error)]
@@ -79,6 +84,12 @@ pub struct Tracee {
     /// Signals that arrived for the thread while it was held, given back with it.
     pending: Vec<i32>,
     released: bool,
+    /// The return stub's page (see [`super::regs::stub`]), and the process's munmap
+    /// that removes it, if heapprofd mapped it (0: the library's page).
+    stub: Option<u64>,
+    munmap: u64,
+    /// Stopped at the stub's marker: a system-call stop.
+    at_syscall_stop: bool,
 }
 
 fn ptrace_error(request: &'static str, tid: i32) -> TraceError {
@@ -89,16 +100,38 @@ fn ptrace_error(request: &'static str, tid: i32) -> TraceError {
     }
 }
 
+/// The test of heapprofd killed in the middle of a remote call
+/// (`tests/inject.rs`): with `HEAPPROFD_TEST_KILL_IN_REMOTE_CALL=N` heapprofd
+/// SIGKILLs itself once its Nth remote call is running, leaving the thread to
+/// finish it alone.
+fn die_here_if_tested() {
+    static CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let Some(wanted) = std::env::var_os("HEAPPROFD_TEST_KILL_IN_REMOTE_CALL")
+        .and_then(|v| v.to_str().and_then(|v| v.parse::<u32>().ok()))
+    else {
+        return;
+    };
+    if CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == wanted {
+        // SAFETY: kill(2) of this process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
+
 /// What stopped a held thread.
 enum Stop {
     /// The stop PTRACE_INTERRUPT asked for (or another ptrace event stop).
     Event,
+    /// A system call's entry or exit (PTRACE_SYSCALL).
+    Syscall,
     /// A signal is about to be delivered.
     Signal(i32),
 }
 
 /// Waits for `tid` to stop, at most until `deadline`.
 fn wait_stop(tid: i32, deadline: Instant, function: u64) -> Result<Stop, TraceError> {
+    // Spun on at first: a thread stopped at a call's return to address 0 crashes if
+    // heapprofd dies before it takes it back, so that moment is kept short.
+    let mut spins = 0u32;
     loop {
         let mut status = 0;
         // SAFETY: waitpid with a valid out pointer.
@@ -110,7 +143,12 @@ fn wait_stop(tid: i32, deadline: Instant, function: u64) -> Result<Stop, TraceEr
             if Instant::now() >= deadline {
                 return Err(TraceError::TimedOut(function, Duration::ZERO));
             }
-            std::thread::sleep(Duration::from_micros(200));
+            if spins < 20_000 {
+                spins += 1;
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200));
+            }
             continue;
         }
         if libc::WIFEXITED(status) || libc::WIFSIGNALED(status) {
@@ -119,6 +157,9 @@ fn wait_stop(tid: i32, deadline: Instant, function: u64) -> Result<Stop, TraceEr
         if libc::WIFSTOPPED(status) {
             if status >> 16 != 0 {
                 return Ok(Stop::Event);
+            }
+            if libc::WSTOPSIG(status) == libc::SIGTRAP | 0x80 {
+                return Ok(Stop::Syscall);
             }
             return Ok(Stop::Signal(libc::WSTOPSIG(status)));
         }
@@ -129,8 +170,10 @@ impl Tracee {
     /// Seizes thread `tid` of process `pid` and stops it. The caller checks with
     /// [`Tracee::syscall`] whether it stopped at a safe point.
     pub fn seize(pid: u32, tid: i32) -> Result<Self, TraceError> {
+        // System-call stops are told apart from signals (the return stub's marker).
+        let options = libc::PTRACE_O_TRACESYSGOOD as libc::c_long;
         // SAFETY: plain ptrace requests on a thread id; failures are returned.
-        if unsafe { libc::ptrace(libc::PTRACE_SEIZE, tid, 0, 0) } != 0 {
+        if unsafe { ptrace(libc::PTRACE_SEIZE as u32, tid, 0, options as usize) } != 0 {
             return Err(ptrace_error("SEIZE", tid));
         }
         let mut tracee = Self {
@@ -150,20 +193,27 @@ impl Tracee {
                 })?,
             pending: Vec::new(),
             released: false,
+            stub: None,
+            munmap: 0,
+            at_syscall_stop: false,
         };
         // SAFETY: as above.
-        if unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, tid, 0, 0) } != 0 {
+        if unsafe { ptrace(libc::PTRACE_INTERRUPT as u32, tid, 0, 0) } != 0 {
             return Err(ptrace_error("INTERRUPT", tid));
         }
         let deadline = Instant::now() + Duration::from_secs(2);
         loop {
             match wait_stop(tid, deadline, 0)? {
                 Stop::Event => break,
+                Stop::Syscall => {
+                    // SAFETY: as above.
+                    unsafe { ptrace(libc::PTRACE_CONT as u32, tid, 0, 0) };
+                }
                 // A signal arrived first: kept for later, the interrupt still comes.
                 Stop::Signal(signal) => {
                     tracee.pending.push(signal);
                     // SAFETY: as above.
-                    unsafe { libc::ptrace(libc::PTRACE_CONT, tid, 0, 0) };
+                    unsafe { ptrace(libc::PTRACE_CONT as u32, tid, 0, 0) };
                 }
             }
         }
@@ -171,11 +221,11 @@ impl Tracee {
         let mut mask = 0u64;
         // SAFETY: PTRACE_GETSIGMASK writes 8 bytes to `mask`.
         if unsafe {
-            libc::ptrace(
-                libc::PTRACE_GETSIGMASK,
+            ptrace(
+                libc::PTRACE_GETSIGMASK as u32,
                 tid,
                 std::mem::size_of::<u64>(),
-                &raw mut mask,
+                &raw mut mask as usize,
             )
         } != 0
         {
@@ -185,11 +235,11 @@ impl Tracee {
         let all = !0u64;
         // SAFETY: PTRACE_SETSIGMASK reads 8 bytes from `all`.
         if unsafe {
-            libc::ptrace(
-                libc::PTRACE_SETSIGMASK,
+            ptrace(
+                libc::PTRACE_SETSIGMASK as u32,
                 tid,
                 std::mem::size_of::<u64>(),
-                &raw const all,
+                &raw const all as usize,
             )
         } != 0
         {
@@ -265,21 +315,39 @@ impl Tracee {
         // The call's stack: below the scratch memory, 16-byte aligned at the call.
         let sp = (self.scratch() - 64) & !0xf;
         let (regs, return_slot) = self.saved.call(function, args, sp);
+        let stub = self.stub;
         if let Some(slot) = return_slot {
-            self.write(slot, &0u64.to_le_bytes())?;
+            self.write(slot, &stub.unwrap_or(0).to_le_bytes())?;
         }
         self.set_registers(&regs)?;
+        self.at_syscall_stop = false;
+        // Through the stub, its marker is a system call: stop at those.
+        let resume = if stub.is_some() {
+            libc::PTRACE_SYSCALL as u32
+        } else {
+            libc::PTRACE_CONT as u32
+        };
         let deadline = Instant::now() + timeout;
         // SAFETY: plain ptrace request.
-        if unsafe { libc::ptrace(libc::PTRACE_CONT, self.tid, 0, 0) } != 0 {
+        if unsafe { ptrace(resume, self.tid, 0, 0) } != 0 {
             return Err(ptrace_error("CONT", self.tid));
         }
+        die_here_if_tested();
         loop {
             let stop = wait_stop(self.tid, deadline, function).map_err(|err| match err {
                 TraceError::TimedOut(function, _) => TraceError::TimedOut(function, timeout),
                 other => other,
             })?;
             match stop {
+                Stop::Syscall => {
+                    if let Some(stub) = stub {
+                        let now = self.registers()?;
+                        if let Some(result) = now.stub_result(stub) {
+                            self.at_syscall_stop = true;
+                            return Ok(result);
+                        }
+                    }
+                }
                 Stop::Signal(libc::SIGSEGV) => {
                     let now = self.registers()?;
                     if now.pc() == 0 {
@@ -301,17 +369,101 @@ impl Tracee {
                         at: now.pc(),
                     });
                 }
-                Stop::Signal(signal) => {
-                    // Blocked signals still stop a traced thread only when forced;
-                    // keep any for the thread's return and go on.
-                    self.pending.push(signal);
-                    // SAFETY: plain ptrace request.
-                    unsafe { libc::ptrace(libc::PTRACE_CONT, self.tid, 0, 0) };
-                }
-                Stop::Event => {
-                    // SAFETY: plain ptrace request.
-                    unsafe { libc::ptrace(libc::PTRACE_CONT, self.tid, 0, 0) };
-                }
+                // Blocked signals stop a traced thread only when forced; any that
+                // came is kept for the thread's return.
+                Stop::Signal(signal) => self.pending.push(signal),
+                Stop::Event => {}
+            }
+            // SAFETY: plain ptrace request.
+            unsafe { ptrace(resume, self.tid, 0, 0) };
+        }
+    }
+
+    /// From now on remote calls return into a stub in a page of the process (see
+    /// [`super::regs::stub`]): if heapprofd dies while the thread runs one, the
+    /// thread resumes where it was instead of faulting. `mmap`/`munmap`: the
+    /// process's functions; the page goes when the thread is given back.
+    #[cfg(target_arch = "x86_64")]
+    pub fn install_stub(&mut self, mmap: u64, munmap: u64) -> Result<(), TraceError> {
+        const PAGE: u64 = 4096;
+        const PROT_READ_EXEC: u64 = 5;
+        const MAP_PRIVATE_ANONYMOUS: u64 = 0x22;
+        let page = self.call(
+            mmap,
+            &[0, PAGE, PROT_READ_EXEC, MAP_PRIVATE_ANONYMOUS, u64::MAX, 0],
+            Duration::from_secs(5),
+        )?;
+        if page == 0 || page as i64 == -1 || page % PAGE != 0 {
+            return Err(TraceError::Memory {
+                tid: self.tid,
+                address: page,
+                source: io::Error::other("mmap of the return stub's page failed"),
+            });
+        }
+        self.munmap = munmap;
+        self.stub = Some(page);
+        let written = self.fill_stub(page);
+        if written.is_err() {
+            self.remove_stub();
+        }
+        written
+    }
+
+    /// Moves the return stub into the library's page at `area`, removing a page
+    /// heapprofd mapped for it (that call returns into the new stub).
+    #[cfg(target_arch = "x86_64")]
+    pub fn stub_in(&mut self, area: u64) -> Result<(), TraceError> {
+        self.fill_stub(area)?;
+        let old = self.stub.replace(area);
+        let munmap = std::mem::take(&mut self.munmap);
+        if let Some(page) = old.filter(|_| munmap != 0)
+            && let Err(err) = self.call(munmap, &[page, 4096], Duration::from_secs(5))
+        {
+            log::debug!(
+                "thread {}: removing the mapped return stub: {err}",
+                self.tid
+            );
+        }
+        Ok(())
+    }
+
+    /// No stub on arm64 yet.
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn stub_in(&mut self, _area: u64) -> Result<(), TraceError> {
+        Ok(())
+    }
+
+    /// Writes the stub's code, the thread's context and its signal mask at `page`.
+    #[cfg(target_arch = "x86_64")]
+    fn fill_stub(&self, page: u64) -> Result<(), TraceError> {
+        use super::regs::stub;
+        let context: Vec<u8> = self
+            .saved
+            .stub_context()
+            .iter()
+            .flat_map(|word| word.to_le_bytes())
+            .collect();
+        self.write(page, &stub::code())
+            .and_then(|()| self.write(page + stub::CONTEXT, &context))
+            .and_then(|()| self.write(page + stub::MASK, &self.saved_mask.to_le_bytes()))
+    }
+
+    /// No stub on arm64 yet: remote calls return to address 0.
+    #[cfg(not(target_arch = "x86_64"))]
+    pub fn install_stub(&mut self, _mmap: u64, _munmap: u64) -> Result<(), TraceError> {
+        Ok(())
+    }
+
+    /// Unmaps the stub's page if heapprofd mapped it (that call returns to address 0).
+    fn remove_stub(&mut self) {
+        if self.munmap == 0 {
+            self.stub = None;
+            return;
+        }
+        if let Some(page) = self.stub.take() {
+            let munmap = self.munmap;
+            if let Err(err) = self.call(munmap, &[page, 4096], Duration::from_secs(5)) {
+                log::debug!("thread {}: removing the return stub: {err}", self.tid);
             }
         }
     }
@@ -320,22 +472,27 @@ impl Tracee {
         if self.released {
             return Ok(());
         }
+        self.remove_stub();
         self.released = true;
-        let restored = self.set_registers(&self.saved.to_give_back(self.first_argument));
+        let registers = if self.at_syscall_stop {
+            self.saved.resumed()
+        } else {
+            self.saved.given_back(self.first_argument)
+        };
+        let restored = self.set_registers(&registers);
         let mask = self.saved_mask;
         // SAFETY: PTRACE_SETSIGMASK reads 8 bytes from `mask`.
         unsafe {
-            libc::ptrace(
-                libc::PTRACE_SETSIGMASK,
+            ptrace(
+                libc::PTRACE_SETSIGMASK as u32,
                 self.tid,
                 std::mem::size_of::<u64>(),
-                &raw const mask,
+                &raw const mask as usize,
             )
         };
         let first = self.pending.first().copied().unwrap_or(0);
         // SAFETY: plain ptrace request; the first pending signal is delivered with it.
-        let detached =
-            unsafe { libc::ptrace(libc::PTRACE_DETACH, self.tid, 0, first as libc::c_long) };
+        let detached = unsafe { ptrace(libc::PTRACE_DETACH as u32, self.tid, 0, first as usize) };
         for signal in self.pending.iter().skip(1) {
             // SAFETY: sends a signal to the thread it was meant for.
             unsafe { libc::syscall(libc::SYS_tgkill, self.pid, self.tid, *signal) };

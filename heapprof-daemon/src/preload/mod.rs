@@ -29,6 +29,12 @@ static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libheapprofd_p
 /// The library's file name.
 const FILE_NAME: &str = "libheapprofd_preload.so";
 
+/// The name of the memfd heapprofd writes the library into when it joins a running
+/// process (`crate::inject`).
+pub const INJECTED_MEMFD_NAME: &str = "heapprofd-preload";
+/// How the process's maps name that copy: `/memfd:NAME (deleted)`.
+pub const INJECTED_PATH_PREFIX: &str = "/memfd:heapprofd-preload";
+
 /// Whether `path` is a copy of the library, this session's or another's: a process
 /// another heapprofd launched maps it ahead of its allocator, one it joined maps it
 /// from a memfd ([`crate::inject`]).
@@ -36,7 +42,7 @@ pub fn is_library(path: &str) -> bool {
     std::path::Path::new(path)
         .file_name()
         .is_some_and(|name| name == FILE_NAME)
-        || path.starts_with(crate::inject::MEMFD_PATH_PREFIX)
+        || path.starts_with(INJECTED_PATH_PREFIX)
 }
 
 /// `--preload`: whether launched commands get the interposer.
