@@ -23,7 +23,11 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{Bench, GoalFigure, counted_allocations, json_number, json_string, spread};
+use super::{
+    Bench,
+    figures::counted_allocations,
+    summary::{GoalFigure, json_number, json_string, spread},
+};
 use crate::step;
 
 /// Batches of the STL program (about 4,650 allocations each).

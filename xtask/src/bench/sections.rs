@@ -6,7 +6,10 @@ use std::{fmt::Write as _, path::Path};
 
 use anyhow::Result;
 
-use super::{Bench, json_number, json_string, spread};
+use super::{
+    Bench,
+    summary::{json_number, json_string, spread},
+};
 use crate::step;
 
 /// The unwind tables of the machine's largest library: `dlopen()` timed under

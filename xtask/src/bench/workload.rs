@@ -7,8 +7,10 @@ use std::{collections::BTreeMap, fmt::Write as _};
 use anyhow::{Context as _, Result};
 
 use super::{
-    Bench, Goal, GoalFigure, Mode, Options, Run, Summary, Tables, Workload, bpf_total_ns,
-    foreign_tracers, frames_per_allocation, json_number, json_string, spread,
+    Bench, Goal, Mode, Options, Run, Workload,
+    figures::{Tables, bpf_total_ns, frames_per_allocation},
+    process::foreign_tracers,
+    summary::{GoalFigure, Summary, json_number, json_string, spread},
 };
 use crate::step;
 

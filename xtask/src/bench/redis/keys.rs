@@ -8,7 +8,12 @@ use std::{fmt::Write as _, process::Command};
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{Bench, json_number, json_string};
+use super::server::{PORT, Redis};
+use crate::bench::{
+    Bench,
+    process::interrupt,
+    summary::{json_number, json_string},
+};
 
 /// What one filling of redis gave.
 struct Filled {
@@ -46,10 +51,10 @@ fn dropped(log: &[String]) -> u64 {
 
 /// Fills a fresh redis with `keys` random keys under `heapprofd --pid` (default flags).
 fn fill(bench: &Bench, keys: u32) -> Result<Filled> {
-    let redis = super::redis::Redis::start()?;
+    let redis = Redis::start()?;
     let mut daemon = bench.start_heapprofd(&["--interval", "1h"], redis.pid())?;
     let status = Command::new("taskset")
-        .args(["-c", "1", "redis-benchmark", "-p", super::redis::PORT])
+        .args(["-c", "1", "redis-benchmark", "-p", PORT])
         .args(["-t", "set", "-P", "32", "-q"])
         .args(["-r", &keys.to_string(), "-n", &(keys * 5).to_string()])
         .stdout(std::process::Stdio::null())
@@ -60,14 +65,14 @@ fn fill(bench: &Bench, keys: u32) -> Result<Filled> {
         bail!("redis-benchmark failed: {status}");
     }
     let dbsize = Command::new("redis-cli")
-        .args(["-p", super::redis::PORT, "dbsize"])
+        .args(["-p", PORT, "dbsize"])
         .output()
         .context("running redis-cli dbsize")?;
     let keys = String::from_utf8_lossy(&dbsize.stdout)
         .trim()
         .parse()
         .context("redis-cli dbsize gave no number")?;
-    super::interrupt(&daemon.child);
+    interrupt(&daemon.child);
     daemon.child.wait()?;
     daemon.log.extend(daemon.lines.try_iter());
     let kernel_memory = daemon

@@ -11,22 +11,29 @@
 //! then times one `redis-benchmark` pass. Figures per mode: requests per second over the
 //! whole pass, redis's own CPU per request, and ratios to bare of the medians.
 
+mod keys;
+mod server;
+
 use std::{
     fmt::Write as _,
-    io::Read as _,
     path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Stdio},
-    thread::JoinHandle,
-    time::{Duration, Instant},
+    process::{Command, Stdio},
+    time::Instant,
 };
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{Bench, json_number, json_string, spread, written_profile};
-use crate::step;
+use self::server::{PORT, Redis};
+use crate::{
+    bench::{
+        Bench,
+        figures::{single_stepped, written_profile},
+        process::interrupt,
+        summary::{json_number, json_string, spread},
+    },
+    step,
+};
 
-/// Loopback port of the benchmark's redis (outside redis's default 6379).
-pub(super) const PORT: &str = "16399";
 /// The commands timed, as the issue measured them.
 const TESTS: &str = "set,get,lpush,lpop,sadd,hset";
 /// The goal of the sampled launch: at least this fraction of bare redis's requests/s.
@@ -122,13 +129,6 @@ struct Pass {
     through_zmalloc: Option<bool>,
 }
 
-/// Lines of heapprofd's log that report a single-stepped probe.
-pub fn single_stepped(log: &[String]) -> usize {
-    log.iter()
-        .filter(|line| line.contains("is single-stepped by the kernel"))
-        .count()
-}
-
 /// CPU seconds (user + system) of process `pid` so far.
 fn cpu_seconds(pid: u32) -> Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
@@ -142,149 +142,6 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     Ok((ticks(11)? + ticks(12)?) / hz)
-}
-
-/// redis-server's arguments after `redis-server`: loopback [`PORT`], no persistence.
-const SERVER_ARGS: [&str; 10] = [
-    "--port",
-    PORT,
-    "--bind",
-    "127.0.0.1",
-    "--save",
-    "",
-    "--appendonly",
-    "no",
-    "--loglevel",
-    "warning",
-];
-
-/// A redis-server on [`PORT`], pinned to CPU 0, without persistence; bare or launched by
-/// heapprofd.
-pub(super) struct Redis {
-    /// `taskset` (which becomes redis-server), or heapprofd in launch mode.
-    child: Child,
-    /// redis-server's pid.
-    pid: u32,
-    /// Launch mode: heapprofd's log, read to its end by a thread.
-    log: Option<JoinHandle<String>>,
-}
-
-impl Redis {
-    /// Starts a bare redis-server.
-    pub(super) fn start() -> Result<Redis> {
-        let child = Command::new("taskset")
-            .args(["-c", "0", "redis-server"])
-            .args(SERVER_ARGS)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting redis-server")?;
-        // taskset execs redis-server: the same pid.
-        let pid = child.id();
-        let redis = Redis {
-            child,
-            pid,
-            log: None,
-        };
-        wait_for_pong()?;
-        Ok(redis)
-    }
-
-    /// Starts redis-server under `heapprofd FLAGS -o DIR -- taskset -c 0 redis-server`
-    /// (heapprofd itself not pinned, as in the attach modes).
-    fn launch(bench: &Bench, flags: &[&str]) -> Result<Redis> {
-        let mut child = Command::new(&bench.heapprofd)
-            .args(flags)
-            .arg("-o")
-            .arg(bench.dir.join("profiles"))
-            .args(["--", "taskset", "-c", "0", "redis-server"])
-            .args(SERVER_ARGS)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("starting heapprofd -- redis-server")?;
-        let mut stderr = child.stderr.take().context("heapprofd stderr")?;
-        let log = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = stderr.read_to_string(&mut text);
-            text
-        });
-        let pid = child.id();
-        let mut redis = Redis {
-            child,
-            pid,
-            log: Some(log),
-        };
-        if let Err(err) = wait_for_pong() {
-            let log = redis.stop().map(|(_, log)| log).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(6).collect();
-            bail!(
-                "{err:#}; heapprofd's last lines (newest first): {}",
-                tail.join(" | ")
-            );
-        }
-        redis.pid = server_pid().context("redis-cli info server gave no process_id")?;
-        Ok(redis)
-    }
-
-    pub(super) fn pid(&self) -> u32 {
-        self.pid
-    }
-
-    /// Launch mode: SIGINT to heapprofd (which passes it to redis and writes its final
-    /// profile); its exit status (redis's: 0 on SIGINT) and its log. `None` and an empty
-    /// log for a bare redis.
-    fn stop(&mut self) -> Result<(Option<ExitStatus>, String)> {
-        let Some(log) = self.log.take() else {
-            return Ok((None, String::new()));
-        };
-        super::interrupt(&self.child);
-        let status = self.child.wait()?;
-        Ok((Some(status), log.join().unwrap_or_default()))
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        if self.log.is_some() && self.pid != self.child.id() {
-            // A launched redis whose heapprofd did not stop it: end it too.
-            // SAFETY: plain kill(2) of a process of ours.
-            unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) };
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Waits until redis answers PING on [`PORT`].
-fn wait_for_pong() -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        let pong = Command::new("redis-cli")
-            .args(["-p", PORT, "ping"])
-            .output()
-            .is_ok_and(|o| o.stdout.starts_with(b"PONG"));
-        if pong {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    bail!("redis-server did not answer on port {PORT} within 10 s (is the port taken?)")
-}
-
-/// The pid redis-server reports (`INFO server`).
-fn server_pid() -> Option<u32> {
-    let output = Command::new("redis-cli")
-        .args(["-p", PORT, "info", "server"])
-        .output()
-        .ok()?;
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("process_id:"))?
-        .trim()
-        .parse()
-        .ok()
 }
 
 /// Whether a profile's stacks go through redis's `zmalloc` (any frame naming it), from
@@ -349,7 +206,7 @@ fn pass(bench: &Bench, mode: RedisMode, requests: u32) -> Result<Pass> {
     let cpu = cpu_seconds(redis.pid())? - cpu_before;
     let (single_stepped, through_zmalloc) = match daemon {
         Some(mut daemon) => {
-            super::interrupt(&daemon.child);
+            interrupt(&daemon.child);
             daemon.child.wait()?;
             daemon.log.extend(daemon.lines.try_iter());
             (Some(single_stepped(&daemon.log)), None)
@@ -484,7 +341,7 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         zmalloc(RedisMode::LaunchSampled),
         zmalloc(RedisMode::LaunchExact)
     );
-    let million_keys = match super::redis_keys::section(bench, quick, text) {
+    let million_keys = match keys::section(bench, quick, text) {
         Ok(json) => json,
         Err(err) => {
             let _ = writeln!(text, "redis filled with keys: failed: {err:#}");
