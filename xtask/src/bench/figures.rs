@@ -2,6 +2,7 @@
 //! (allocations, the final profile, unwind tables, BPF run time, single-stepped
 //! probes), and what its profile holds (frames per allocation).
 
+use serde_json::{Value, json};
 use std::{
     path::{Path, PathBuf},
     process::{Command, Stdio},
@@ -65,11 +66,16 @@ impl Tables {
         })
     }
 
-    pub(super) fn json(&self) -> String {
-        format!(
-            "{{\"objects\": {}, \"rows\": {}, \"rules\": {}, \"bpf_map_kib\": {}, \"build_ms\": {}, \"not_fitting\": {}}}",
-            self.objects, self.rows, self.rules, self.kib, self.build_ms, self.not_fitting
-        )
+    /// Its object in summary.json.
+    pub(super) fn json(&self) -> Value {
+        json!({
+            "objects": self.objects,
+            "rows": self.rows,
+            "rules": self.rules,
+            "bpf_map_kib": self.kib,
+            "build_ms": self.build_ms,
+            "not_fitting": self.not_fitting,
+        })
     }
 }
 

@@ -22,11 +22,12 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use serde_json::{Map, Value, json};
 
 use super::{
     Bench,
     figures::counted_allocations,
-    summary::{GoalFigure, json_number, json_string, spread},
+    summary::{GoalFigure, number, spread},
 };
 use crate::step;
 
@@ -299,13 +300,13 @@ fn start_costs(startup: &[ModeRuns]) -> Vec<f64> {
 }
 
 /// Appends the start-up table to `text`; returns its JSON object.
-fn report_startup(startup: &[ModeRuns], runs: usize, text: &mut String) -> String {
+fn report_startup(startup: &[ModeRuns], runs: usize, text: &mut String) -> Value {
     let costs = start_costs(startup);
     let _ = writeln!(
         text,
         "\n## Launch mode: fixed start-up and exit cost, on `true` ({runs} runs; median, min-max, and over bare `true`)\n"
     );
-    let mut json = Vec::new();
+    let mut json = Map::new();
     for (index, mode) in LaunchMode::ALL.iter().enumerate() {
         let s = spread(&startup[index].walls);
         match &startup[index].failure {
@@ -324,18 +325,16 @@ fn report_startup(startup: &[ModeRuns], runs: usize, text: &mut String) -> Strin
                 );
             }
         }
-        json.push(format!(
-            "{}: {{\"median_s\": {}, \"added_s\": {}, \"failed\": {}}}",
-            json_string(mode.key()),
-            json_number(s.median),
-            json_number(costs[index]),
-            startup[index]
-                .failure
-                .as_deref()
-                .map_or("null".into(), json_string)
-        ));
+        json.insert(
+            mode.key().to_owned(),
+            json!({
+                "median_s": number(s.median),
+                "added_s": number(costs[index]),
+                "failed": startup[index].failure,
+            }),
+        );
     }
-    format!("{{{}}}", json.join(", "))
+    Value::Object(json)
 }
 
 /// The figures of one mode of a workload.
@@ -393,7 +392,7 @@ fn report_workload(
     allocations: (Option<u64>, Option<u64>),
     costs: &[f64],
     text: &mut String,
-) -> (String, GoalFigure) {
+) -> (Value, GoalFigure) {
     let (counted, by_heaptrack) = allocations;
     let count = counted.or(by_heaptrack).unwrap_or(0);
     let show_count = |n: Option<u64>| n.map_or("-".into(), |n| n.to_string());
@@ -422,7 +421,7 @@ fn report_workload(
         "w/o start x ht"
     );
     let figures = figures(results, count, costs);
-    let mut json = Vec::new();
+    let mut json = Map::new();
     for (index, mode) in LaunchMode::ALL.iter().enumerate() {
         let (runs, f) = (&results[index], &figures[index]);
         let s = spread(&runs.walls);
@@ -444,7 +443,7 @@ fn report_workload(
                 shown(f.to_heaptrack_without_start, 2, "x")
             );
         }
-        json.push(mode_json(*mode, runs, f));
+        json.insert(mode.key().to_owned(), mode_json(runs, f));
     }
     let exact = LaunchMode::ALL
         .iter()
@@ -463,41 +462,38 @@ fn report_workload(
         "without the fixed start-up costs (the `true` table): exact / heaptrack {}",
         shown(figures[exact].to_heaptrack_without_start, 2, "x")
     );
-    let object = format!(
-        "{{\"name\": {}, \"key\": {}, \"allocations\": {}, \"allocations_heaptrack\": {}, \"modes\": {{{}}}, \"goal\": {}}}",
-        json_string(&workload.name),
-        json_string(workload.key),
-        counted.map_or("null".into(), |n| n.to_string()),
-        by_heaptrack.map_or("null".into(), |n| n.to_string()),
-        json.join(", "),
-        goal.json(workload.key)
-    );
+    let object = json!({
+        "name": workload.name,
+        "key": workload.key,
+        "allocations": counted,
+        "allocations_heaptrack": by_heaptrack,
+        "modes": json,
+        "goal": goal.json(workload.key),
+    });
     (object, goal)
 }
 
-/// One mode's JSON member.
-fn mode_json(mode: LaunchMode, runs: &ModeRuns, f: &Figures) -> String {
+/// One mode's object in summary.json.
+fn mode_json(runs: &ModeRuns, f: &Figures) -> Value {
     let s = spread(&runs.walls);
-    format!(
-        "{}: {{\"runs\": {}, \"median_s\": {}, \"min_s\": {}, \"max_s\": {}, \"added_s\": {}, \"added_us_per_alloc\": {}, \"ratio_to_heaptrack\": {}, \"added_us_per_alloc_without_start\": {}, \"ratio_to_heaptrack_without_start\": {}, \"failed\": {}}}",
-        json_string(mode.key()),
-        runs.walls.len(),
-        json_number(s.median),
-        json_number(s.min),
-        json_number(s.max),
-        json_number(f.added_s),
-        json_number(f.per_alloc),
-        json_number(f.to_heaptrack),
-        json_number(f.per_alloc_without_start),
-        json_number(f.to_heaptrack_without_start),
-        runs.failure.as_deref().map_or("null".into(), json_string)
-    )
+    json!({
+        "runs": runs.walls.len(),
+        "median_s": number(s.median),
+        "min_s": number(s.min),
+        "max_s": number(s.max),
+        "added_s": number(f.added_s),
+        "added_us_per_alloc": number(f.per_alloc),
+        "ratio_to_heaptrack": number(f.to_heaptrack),
+        "added_us_per_alloc_without_start": number(f.per_alloc_without_start),
+        "ratio_to_heaptrack_without_start": number(f.to_heaptrack_without_start),
+        "failed": runs.failure,
+    })
 }
 
 /// What the section gives the summary.
 pub struct LaunchReport {
     /// Its JSON object.
-    pub json: String,
+    pub json: Value,
     /// Its goals, with the workloads' keys.
     pub goals: Vec<(&'static str, GoalFigure)>,
 }
@@ -547,10 +543,7 @@ pub fn section(
         goals.push((workload.key, goal));
     }
     Ok(LaunchReport {
-        json: format!(
-            "{{\"start_up\": {startup_json}, \"workloads\": [{}]}}",
-            json.join(", ")
-        ),
+        json: json!({"start_up": startup_json, "workloads": json}),
         goals,
     })
 }

@@ -8,11 +8,12 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use serde_json::{Value, json};
 
 use super::{
     Bench,
     figures::{Tables, unwind_tables_line},
-    summary::{json_number, json_string, spread},
+    summary::{number, spread},
 };
 
 impl Bench {
@@ -119,7 +120,7 @@ pub(super) struct LibraryBuild {
 
 impl LibraryBuild {
     /// The summary's section and the JSON object.
-    pub(super) fn report(&self, runs: usize) -> (String, String) {
+    pub(super) fn report(&self, runs: usize) -> (String, Value) {
         let median = |tables: &[Tables], field: fn(&Tables) -> u64| {
             spread(&tables.iter().map(|t| field(t) as f64).collect::<Vec<_>>())
         };
@@ -185,32 +186,21 @@ impl LibraryBuild {
             build_without.min,
             build_without.max
         );
-        let list = |tables: &[Tables]| {
-            tables
-                .iter()
-                .map(Tables::json)
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
-        let json = format!(
-            "{{\"library\": {}, \"size_bytes\": {}, \"dependencies\": {}, \"rows\": {}, \"rules\": {}, \"bpf_map_kib\": {}, \"build_ms\": {}, \"build_ms_with\": {}, \"build_ms_without\": {}, \"with\": [{}], \"without\": [{}], \"skipped\": [{}]}}",
-            json_string(&self.library),
-            self.size,
-            self.dependencies,
-            json_number(rows),
-            json_number(rules),
-            json_number(kib),
-            json_number(build),
-            json_number(build_with.median),
-            json_number(build_without.median),
-            list(&self.with),
-            list(&self.without),
-            self.skipped
-                .iter()
-                .map(|s| json_string(s))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        let list = |tables: &[Tables]| tables.iter().map(Tables::json).collect::<Vec<_>>();
+        let json = json!({
+            "library": self.library,
+            "size_bytes": self.size,
+            "dependencies": self.dependencies,
+            "rows": number(rows),
+            "rules": number(rules),
+            "bpf_map_kib": number(kib),
+            "build_ms": number(build),
+            "build_ms_with": number(build_with.median),
+            "build_ms_without": number(build_without.median),
+            "with": list(&self.with),
+            "without": list(&self.without),
+            "skipped": self.skipped,
+        });
         (text, json)
     }
 }

@@ -3,7 +3,8 @@
 
 use std::{fmt::Write as _, path::Path};
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
+use serde_json::{Map, Value, json};
 
 use super::{Options, process::load_average};
 
@@ -38,18 +39,15 @@ impl GoalFigure {
         )
     }
 
-    pub(super) fn json(&self, workload: &str) -> String {
-        format!(
-            "{{\"workload\": {}, \"goal\": {}, \"value\": {}, \"limit\": {}, \"met\": {}}}",
-            json_string(workload),
-            json_string(&format!(
-                "{} {} {}{}",
-                self.text, self.relation, self.limit, self.unit
-            )),
-            json_number(self.value),
-            json_number(self.limit),
-            self.met().map_or("null".into(), |m| m.to_string())
-        )
+    /// Its entry of summary.json's `goals`.
+    pub(super) fn json(&self, workload: &str) -> Value {
+        json!({
+            "workload": workload,
+            "goal": format!("{} {} {}{}", self.text, self.relation, self.limit, self.unit),
+            "value": number(self.value),
+            "limit": number(self.limit),
+            "met": self.met(),
+        })
     }
 }
 
@@ -78,28 +76,14 @@ pub(super) fn spread(values: &[f64]) -> Spread {
     }
 }
 
-pub(super) fn json_number(value: f64) -> String {
+/// A figure for summary.json: rounded to 6 decimals (as the tables print fewer), `null`
+/// when it is not a number (a mode without runs, a ratio to zero).
+pub(super) fn number(value: f64) -> Value {
     if value.is_finite() {
-        format!("{value:.6}")
+        json!((value * 1e6).round() / 1e6)
     } else {
-        "null".into()
+        Value::Null
     }
-}
-
-pub(super) fn json_string(text: &str) -> String {
-    let mut out = String::from("\"");
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// What the workloads and sections write to summary.txt and summary.json, gathered as
@@ -114,17 +98,20 @@ pub(super) struct Summary {
     pub(super) tables_text: String,
     /// Warnings of other tracers, also in the heading.
     pub(super) warnings: Vec<String>,
-    pub(super) json_workloads: Vec<String>,
-    pub(super) json_goals: Vec<String>,
+    /// summary.json's `workloads`.
+    pub(super) json_workloads: Vec<Value>,
+    /// summary.json's `goals`.
+    pub(super) json_goals: Vec<Value>,
 }
 
 /// The sections' parts of summary.json: `null` (or empty) for a section not run.
 pub(super) struct SectionsJson {
-    pub(super) launch: String,
-    pub(super) library: String,
-    pub(super) dumps: Vec<String>,
-    pub(super) shutdown: Vec<String>,
-    pub(super) redis: String,
+    pub(super) launch: Value,
+    pub(super) library: Value,
+    pub(super) dumps: Vec<Value>,
+    /// By attach method.
+    pub(super) shutdown: Map<String, Value>,
+    pub(super) redis: Value,
     /// The daemon-load section's CPU s, wall s and peak RSS (KiB).
     pub(super) load: (f64, f64, u64),
 }
@@ -132,11 +119,11 @@ pub(super) struct SectionsJson {
 impl Default for SectionsJson {
     fn default() -> Self {
         SectionsJson {
-            launch: "null".to_owned(),
-            library: "null".to_owned(),
+            launch: Value::Null,
+            library: Value::Null,
             dumps: Vec::new(),
-            shutdown: Vec::new(),
-            redis: "null".to_owned(),
+            shutdown: Map::new(),
+            redis: Value::Null,
             load: (f64::NAN, f64::NAN, 0),
         }
     }
@@ -151,27 +138,24 @@ pub(super) fn write_summary(
     sections: &SectionsJson,
 ) -> Result<()> {
     let (cpu, wall, rss) = sections.load;
-    let json = format!(
-        "{{\n  \"load_average\": {{\"start\": {}, \"end\": {}}},\n  \"warnings\": [{}],\n  \"workloads\": [\n    {}\n  ],\n  \"goals\": [\n    {}\n  ],\n  \"largest_library\": {},\n  \"dumps\": [{}],\n  \"shutdown\": {{{}}},\n  \"redis\": {},\n  \"launch\": {},\n  \"daemon_load\": {{\"seconds\": {}, \"cpu_s\": {}, \"cpu_percent_of_core\": {}, \"peak_rss_kib\": {rss}}}\n}}\n",
-        json_string(load_before),
-        json_string(&load_average()),
-        summary
-            .warnings
-            .iter()
-            .map(|w| json_string(w))
-            .collect::<Vec<_>>()
-            .join(", "),
-        summary.json_workloads.join(",\n    "),
-        summary.json_goals.join(",\n    "),
-        sections.library,
-        sections.dumps.join(", "),
-        sections.shutdown.join(", "),
-        sections.redis,
-        sections.launch,
-        json_number(wall),
-        json_number(cpu),
-        json_number(cpu / wall * 100.0),
-    );
+    let json = json!({
+        "load_average": {"start": load_before, "end": load_average()},
+        "warnings": summary.warnings,
+        "workloads": summary.json_workloads,
+        "goals": summary.json_goals,
+        "largest_library": sections.library,
+        "dumps": sections.dumps,
+        "shutdown": sections.shutdown,
+        "redis": sections.redis,
+        "launch": sections.launch,
+        "daemon_load": {
+            "seconds": number(wall),
+            "cpu_s": number(cpu),
+            "cpu_percent_of_core": number(cpu / wall * 100.0),
+            "peak_rss_kib": rss,
+        },
+    });
+    let json = serde_json::to_string_pretty(&json).context("writing summary.json")? + "\n";
     let mut heading = format!(
         "# heapprofd benchmark ({} runs per mode{}; load average {load_before} at the start, {} at the end)\n# added us/alloc = (median - bare median) / allocations counted by heapprofd exact\n# x floor = added / added of the trap floor (heapprofd --empty-programs: same probes, programs that do nothing)\n",
         options.runs,
@@ -191,4 +175,28 @@ pub(super) fn write_summary(
         dir.join("summary.json").display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn figures_are_rounded_and_non_numbers_are_null() {
+        assert_eq!(number(1.234_567_89), json!(1.234_568));
+        assert_eq!(number(f64::NAN), Value::Null);
+        assert_eq!(number(f64::INFINITY), Value::Null);
+        let goal = GoalFigure {
+            text: "exact / floor".into(),
+            value: f64::NAN,
+            limit: 1.25,
+            relation: "at most",
+            unit: "x",
+        };
+        assert_eq!(
+            goal.json("pairs"),
+            json!({"workload": "pairs", "goal": "exact / floor at most 1.25x",
+                   "value": null, "limit": 1.25, "met": null})
+        );
+    }
 }

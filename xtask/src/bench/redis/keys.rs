@@ -7,13 +7,10 @@
 use std::{fmt::Write as _, process::Command};
 
 use anyhow::{Context as _, Result, bail};
+use serde_json::{Value, json};
 
 use super::server::{PORT, Redis};
-use crate::bench::{
-    Bench,
-    process::interrupt,
-    summary::{json_number, json_string},
-};
+use crate::bench::{Bench, process::interrupt, summary::number};
 
 /// What one filling of redis gave.
 struct Filled {
@@ -90,7 +87,7 @@ fn fill(bench: &Bench, keys: u32) -> Result<Filled> {
 }
 
 /// Runs the case; appends its lines to `text` and returns its JSON object.
-pub fn section(bench: &Bench, quick: bool, text: &mut String) -> Result<String> {
+pub fn section(bench: &Bench, quick: bool, text: &mut String) -> Result<Value> {
     let keys = if quick { 100_000 } else { 1_000_000 };
     crate::step(&format!(
         "redis: {keys} random keys under heapprofd --pid with default flags"
@@ -102,13 +99,12 @@ pub fn section(bench: &Bench, quick: bool, text: &mut String) -> Result<String> 
          {} keys, {} blocks in use in heapprofd's live-block table, {} dropped (goal: 0)\n{}",
         filled.keys, filled.live_blocks, filled.dropped, filled.kernel_memory
     );
-    Ok(format!(
-        "{{\"keys\": {}, \"live_blocks\": {}, \"dropped\": {}, \"kernel_memory\": {}}}",
-        json_number(filled.keys as f64),
-        json_number(filled.live_blocks as f64),
-        json_number(filled.dropped as f64),
-        json_string(&filled.kernel_memory)
-    ))
+    Ok(json!({
+        "keys": number(filled.keys as f64),
+        "live_blocks": number(filled.live_blocks as f64),
+        "dropped": number(filled.dropped as f64),
+        "kernel_memory": filled.kernel_memory,
+    }))
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use serde_json::{Map, Value, json};
 
 use self::server::{PORT, Redis};
 use crate::{
@@ -29,7 +30,7 @@ use crate::{
         Bench,
         figures::{single_stepped, written_profile},
         process::interrupt,
-        summary::{json_number, json_string, spread},
+        summary::{number, spread},
     },
     step,
 };
@@ -292,7 +293,7 @@ fn check_tools() -> Result<()> {
 }
 
 /// Runs the section; appends its table to `text` and returns its JSON object.
-pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Result<String> {
+pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Result<Value> {
     check_tools()?;
     let requests = if quick { 20_000 } else { 100_000 };
     step(&format!(
@@ -314,11 +315,12 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         "{:<32} {:>12} {:>12} {:>14} {:>10} {:>15}",
         "mode", "requests/s", "min-max", "x bare", "cpu us/req", "single-stepped"
     );
-    let mut json_modes = Vec::new();
+    let mut json = Map::new();
     for (index, mode) in RedisMode::ALL.iter().enumerate() {
-        let (line, json) = mode_row(*mode, &passes[index], failures[index].as_deref(), bare_rps);
+        let (line, mode_json) =
+            mode_row(*mode, &passes[index], failures[index].as_deref(), bare_rps);
         let _ = writeln!(text, "{line}");
-        json_modes.push(json);
+        json.insert(mode.key().to_owned(), mode_json);
     }
     let added = |mode: RedisMode| median(mode, |p| p.cpu_us_per_request) - bare_cpu;
     let (floor_added, exact_added) = (added(RedisMode::Floor), added(RedisMode::Exact));
@@ -345,15 +347,19 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         Ok(json) => json,
         Err(err) => {
             let _ = writeln!(text, "redis filled with keys: failed: {err:#}");
-            "null".to_owned()
+            Value::Null
         }
     };
-    Ok(format!(
-        "{{{}, \"launch_sampled_goal\": {goal_json}, \"stacks_through_zmalloc\": {{\"heapprofd_launch_sampled\": {}, \"heapprofd_launch_exact\": {}}}, \"million_keys\": {million_keys}}}",
-        json_modes.join(", "),
-        json_string(zmalloc(RedisMode::LaunchSampled)),
-        json_string(zmalloc(RedisMode::LaunchExact))
-    ))
+    json.insert("launch_sampled_goal".to_owned(), goal_json);
+    json.insert(
+        "stacks_through_zmalloc".to_owned(),
+        json!({
+            "heapprofd_launch_sampled": zmalloc(RedisMode::LaunchSampled),
+            "heapprofd_launch_exact": zmalloc(RedisMode::LaunchExact),
+        }),
+    );
+    json.insert("million_keys".to_owned(), million_keys);
+    Ok(Value::Object(json))
 }
 
 /// The table row and JSON member of `mode`.
@@ -362,7 +368,7 @@ fn mode_row(
     passes: &[Pass],
     failure: Option<&str>,
     bare_rps: f64,
-) -> (String, String) {
+) -> (String, Value) {
     let rates = spread(
         &passes
             .iter()
@@ -390,22 +396,20 @@ fn mode_row(
             stepped.map_or("-".into(), |n| n.to_string())
         ),
     };
-    let json = format!(
-        "{}: {{\"runs\": {}, \"requests_per_second\": {}, \"to_bare\": {}, \"cpu_us_per_request\": {}, \"single_stepped\": {}, \"failed\": {}}}",
-        json_string(mode.key()),
-        passes.len(),
-        json_number(rates.median),
-        json_number(rates.median / bare_rps),
-        json_number(cpu),
-        stepped.map_or("null".into(), |n| n.to_string()),
-        failure.map_or("null".into(), json_string)
-    );
+    let json = json!({
+        "runs": passes.len(),
+        "requests_per_second": number(rates.median),
+        "to_bare": number(rates.median / bare_rps),
+        "cpu_us_per_request": number(cpu),
+        "single_stepped": stepped,
+        "failed": failure,
+    });
     (line, json)
 }
 
 /// The goal of the sampled launch (at least [`LAUNCH_SAMPLED_GOAL`] of bare's
 /// requests/s), as a line and a JSON object; a figure, never pass/fail.
-fn launch_goal(to_bare: f64) -> (String, String) {
+fn launch_goal(to_bare: f64) -> (String, Value) {
     let met = to_bare
         .is_finite()
         .then_some(to_bare >= LAUNCH_SAMPLED_GOAL);
@@ -422,11 +426,11 @@ fn launch_goal(to_bare: f64) -> (String, String) {
             None => "no figure",
         }
     );
-    let json = format!(
-        "{{\"value\": {}, \"limit\": {LAUNCH_SAMPLED_GOAL}, \"met\": {}}}",
-        json_number(to_bare),
-        met.map_or("null".into(), |m| m.to_string())
-    );
+    let json = json!({
+        "value": number(to_bare),
+        "limit": LAUNCH_SAMPLED_GOAL,
+        "met": met,
+    });
     (line, json)
 }
 
