@@ -26,7 +26,7 @@ use serde_json::{Map, Value, json};
 
 use super::{
     Bench,
-    figures::counted_allocations,
+    figures::DaemonStats,
     summary::{GoalFigure, number, spread},
 };
 use crate::step;
@@ -163,8 +163,9 @@ fn sql_script(rows: u32) -> String {
     sql
 }
 
-/// The command line of `argv` in `mode`, its tool writing into `out`.
-fn command(bench: &Bench, mode: LaunchMode, argv: &[String], out: &Path) -> Command {
+/// The command line of `argv` in `mode`, its tool writing into `out` (heapprofd its
+/// figures into `stats`).
+fn command(bench: &Bench, mode: LaunchMode, argv: &[String], out: &Path, stats: &Path) -> Command {
     let mut command = match (mode, mode.heapprofd_flags()) {
         (LaunchMode::Heaptrack, _) => {
             let mut c = Command::new("heaptrack");
@@ -173,7 +174,8 @@ fn command(bench: &Bench, mode: LaunchMode, argv: &[String], out: &Path) -> Comm
         }
         (_, Some(flags)) => {
             let mut c = Command::new(&bench.heapprofd);
-            c.args(flags).arg("-o").arg(out).arg("--");
+            c.args(flags).arg("-o").arg(out);
+            c.arg("--stats-json").arg(stats).arg("--");
             c.env("RUST_LOG", "info");
             c
         }
@@ -196,8 +198,9 @@ fn run_once(
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let stdin = File::open(&workload.stdin)
         .with_context(|| format!("opening {}", workload.stdin.display()))?;
+    let stats = bench.stats_path();
     let started = Instant::now();
-    let mut child = command(bench, mode, &workload.argv, &out)
+    let mut child = command(bench, mode, &workload.argv, &out, &stats)
         .stdin(stdin)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -224,7 +227,11 @@ fn run_once(
     if mode == LaunchMode::Heaptrack && heaptrack_output(&out).is_none() {
         bail!("heaptrack wrote no output file in {}", out.display());
     }
-    Ok((wall, counted_allocations(&log)))
+    let allocations = match mode.heapprofd_flags() {
+        Some(_) => Some(DaemonStats::read(&stats)?.final_profile.allocated_blocks),
+        None => None,
+    };
+    Ok((wall, allocations))
 }
 
 /// The file heaptrack wrote in `out` (`x.zst` or `x.gz`).

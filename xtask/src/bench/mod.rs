@@ -21,6 +21,7 @@
 //! heaptrack, whose added time is the baseline there).
 
 use std::{
+    cell::Cell,
     fmt::Write as _,
     io::Write as _,
     path::{Path, PathBuf},
@@ -32,7 +33,7 @@ use anyhow::{Context as _, Result, bail};
 
 use self::{
     baselines::{empty_probes_script, memleak_script},
-    figures::{counted_allocations, single_stepped, unwind_tables_line, written_profile},
+    figures::{BpfRunTime, DaemonStats, unwind_tables_line},
     process::{
         Daemon, interrupt, libc_of, lines_of, load_average, note_foreign_tracers, send_go,
         start_workload, wait_for_line, wait_with_usage,
@@ -197,14 +198,27 @@ const PYTHON: &str = "/usr/bin/python3";
 struct Bench {
     heapprofd: PathBuf,
     dir: PathBuf,
+    /// The `--stats-json` files handed out so far.
+    stats_files: Cell<u32>,
 }
 
 impl Bench {
-    fn heapprofd_command(&self, extra: &[&str], pid: u32) -> Command {
+    /// A new path for a heapprofd run's `--stats-json` (none is reused, so a run that
+    /// writes none is never read as an earlier run's).
+    fn stats_path(&self) -> PathBuf {
+        let n = self.stats_files.get() + 1;
+        self.stats_files.set(n);
+        self.dir.join("stats").join(format!("{n}.json"))
+    }
+
+    /// `heapprofd --pid PID` with `extra` flags, writing its figures to `stats`.
+    fn heapprofd_command(&self, extra: &[&str], pid: u32, stats: &Path) -> Command {
         let mut command = Command::new(&self.heapprofd);
         command
             .args(["-o"])
             .arg(self.dir.join("profiles"))
+            .arg("--stats-json")
+            .arg(stats)
             .args(extra)
             .args(["--pid", &pid.to_string()])
             .env("RUST_LOG", "info")
@@ -215,14 +229,20 @@ impl Bench {
 
     /// Starts heapprofd on `pid` and waits until its probes are attached.
     fn start_heapprofd(&self, extra: &[&str], pid: u32) -> Result<Daemon> {
+        let stats = self.stats_path();
         let mut child = self
-            .heapprofd_command(extra, pid)
+            .heapprofd_command(extra, pid, &stats)
             .spawn()
             .context("starting heapprofd")?;
         let lines = lines_of(child.stderr.take().context("heapprofd stderr")?);
         let mut log = Vec::new();
         wait_for_line(&lines, "probes on", &mut log)?;
-        Ok(Daemon { child, lines, log })
+        Ok(Daemon {
+            child,
+            lines,
+            log,
+            stats,
+        })
     }
 
     /// Runs `workload` once under `mode`.
@@ -231,6 +251,7 @@ impl Bench {
             .with_context(|| format!("starting {}", workload.name))?;
         let pid = target.id();
         let tool_started = Instant::now();
+        let stats = self.stats_path();
         let mut tool = match mode.heapprofd_flags() {
             None if mode == Mode::Bare => None,
             None => {
@@ -251,7 +272,7 @@ impl Bench {
             }
             Some(flags) => {
                 let child = self
-                    .heapprofd_command(flags, pid)
+                    .heapprofd_command(flags, pid, &stats)
                     .spawn()
                     .context("starting heapprofd")?;
                 Some(child)
@@ -302,41 +323,34 @@ impl Bench {
                 log.extend(lines.try_iter());
             }
             if !mode.is_bpftrace() {
+                let figures = DaemonStats::read(&stats)?;
                 run.daemon_cpu = Some(cpu);
                 run.daemon_rss_kib = Some(rss);
-                run.allocations = counted_allocations(&log);
-                run.profile = written_profile(&log);
+                run.allocations = Some(figures.final_profile.allocated_blocks);
+                run.profile = Some(figures.final_profile.path);
                 run.unwind_tables = unwind_tables_line(&log);
-                run.single_stepped = Some(single_stepped(&log));
+                run.single_stepped = Some(figures.single_stepped_probes);
             }
         }
         Ok(run)
     }
 
-    /// heapprofd in `mode` with --bpf-stats on one run of `workload`: its log line of run
+    /// heapprofd in `mode` with --bpf-stats on one run of `workload`: its programs' run
     /// times.
-    fn bpf_stats(&self, workload: &Workload, mode: Mode) -> Result<String> {
+    fn bpf_stats(&self, workload: &Workload, mode: Mode) -> Result<BpfRunTime> {
         let mut flags = mode
             .heapprofd_flags()
             .context("--bpf-stats is heapprofd's")?
             .to_vec();
         flags.push("--bpf-stats");
         let mut target = start_workload(&mut workload.command())?;
-        let Daemon {
-            mut child,
-            lines,
-            mut log,
-        } = self.start_heapprofd(&flags, target.id())?;
+        let mut daemon = self.start_heapprofd(&flags, target.id())?;
         send_go(&mut target)?;
         target.wait()?;
-        child.wait()?;
-        log.extend(lines.try_iter());
-        Ok(log
-            .iter()
-            .rev()
-            .find_map(|l| l.split("BPF run time ").nth(1))
-            .map(|s| format!("BPF run time {s}"))
-            .unwrap_or_else(|| "no BPF statistics logged".into()))
+        daemon.child.wait()?;
+        DaemonStats::read(&daemon.stats)?
+            .bpf_run_time
+            .context("heapprofd --bpf-stats wrote no BPF run time")
     }
 
     /// Profile dumps with `stacks` distinct stacks: the first (cold symbolization) and
@@ -352,6 +366,7 @@ impl Bench {
             child,
             lines,
             mut log,
+            ..
         } = self.start_heapprofd(
             &[
                 "--interval",
@@ -420,6 +435,7 @@ impl Bench {
             child,
             lines,
             mut log,
+            ..
         } = self.start_heapprofd(&["--interval", "1h", "--attach", method], target.id())?;
         interrupt(&child);
         wait_for_line(&lines, " wrote ", &mut log)?;
@@ -468,9 +484,13 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
     }
     let programs = Programs::compile(&dir)?;
     let workloads = workloads(&programs, options.quick);
+    // Each heapprofd run's figures (--stats-json), numbered afresh.
+    let _ = std::fs::remove_dir_all(dir.join("stats"));
+    std::fs::create_dir_all(dir.join("stats")).context("creating target/bench/stats")?;
     let bench = Bench {
         heapprofd: heapprofd.to_owned(),
         dir: dir.clone(),
+        stats_files: Cell::new(0),
     };
     let load_before = load_average();
     let named_sections = named_sections(options, &workloads)?;

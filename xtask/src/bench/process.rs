@@ -4,6 +4,7 @@
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
+    path::PathBuf,
     process::{Child, Command, Stdio},
     sync::mpsc,
     time::{Duration, Instant},
@@ -199,4 +200,6 @@ pub(super) struct Daemon {
     pub(super) child: Child,
     pub(super) lines: mpsc::Receiver<String>,
     pub(super) log: Vec<String>,
+    /// Where it writes its figures at exit (`--stats-json`).
+    pub(super) stats: PathBuf,
 }

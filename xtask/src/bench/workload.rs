@@ -9,7 +9,7 @@ use serde_json::{Map, Value, json};
 
 use super::{
     Bench, Goal, Mode, Options, Run, Workload,
-    figures::{Tables, bpf_total_ns, frames_per_allocation},
+    figures::{Tables, frames_per_allocation},
     process::foreign_tracers,
     summary::{GoalFigure, Summary, number, spread},
 };
@@ -403,10 +403,11 @@ fn write_where_time_goes(
     let mut json_stats = Map::new();
     let mut bpf_ns = BTreeMap::new();
     for mode in stats_modes {
-        let stats = bench
+        let run_time = bench
             .bpf_stats(workload, mode)
             .with_context(|| format!("{} under {} --bpf-stats", workload.name, mode.name()))?;
-        let ns = bpf_total_ns(&stats).map_or(f64::NAN, |ns| ns / timings.allocations as f64);
+        let ns = run_time.total_ns as f64 / timings.allocations as f64;
+        let stats = run_time.describe();
         bpf_ns.insert(mode, ns);
         let _ = writeln!(text, "--bpf-stats, {}: {stats}", mode.name());
         json_stats.insert(

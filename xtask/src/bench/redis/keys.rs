@@ -2,7 +2,7 @@
 //! a fresh redis-server that `redis-benchmark -t set -r 1000000` then fills with about
 //! a million keys. It reports the keys, the blocks heapprofd holds in its live-block
 //! table, the blocks it dropped (the goal: none) and the kernel memory of its tables,
-//! as its start-up log states it.
+//! as its `--stats-json` states them.
 
 use std::{fmt::Write as _, process::Command};
 
@@ -10,7 +10,7 @@ use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
 
 use super::server::{PORT, Redis};
-use crate::bench::{Bench, process::interrupt, summary::number};
+use crate::bench::{Bench, figures::DaemonStats, process::interrupt, summary::number};
 
 /// What one filling of redis gave.
 struct Filled {
@@ -18,32 +18,6 @@ struct Filled {
     live_blocks: u64,
     dropped: u64,
     kernel_memory: String,
-}
-
-/// `N blocks / M bytes in use` of heapprofd's last `wrote` log line: N.
-fn live_blocks(log: &[String]) -> Option<u64> {
-    let line = log.iter().rev().find(|l| l.contains(" wrote "))?;
-    line.split(", ")
-        .find(|part| part.contains("bytes in use"))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
-}
-
-/// The live-block table drops heapprofd's log warned about, summed.
-fn dropped(log: &[String]) -> u64 {
-    log.iter()
-        .filter(|l| l.contains("events: live-block table full"))
-        .filter_map(|l| {
-            l.split("warn: ")
-                .nth(1)?
-                .split_whitespace()
-                .next()?
-                .parse::<u64>()
-                .ok()
-        })
-        .sum()
 }
 
 /// Fills a fresh redis with `keys` random keys under `heapprofd --pid` (default flags).
@@ -71,18 +45,12 @@ fn fill(bench: &Bench, keys: u32) -> Result<Filled> {
         .context("redis-cli dbsize gave no number")?;
     interrupt(&daemon.child);
     daemon.child.wait()?;
-    daemon.log.extend(daemon.lines.try_iter());
-    let kernel_memory = daemon
-        .log
-        .iter()
-        .find_map(|l| l.split_once("BPF maps hold "))
-        .map(|(_, rest)| format!("BPF maps hold {rest}"))
-        .unwrap_or_else(|| "(not logged)".to_owned());
+    let stats = DaemonStats::read(&daemon.stats)?;
     Ok(Filled {
         keys,
-        live_blocks: live_blocks(&daemon.log).context("heapprofd wrote no profile")?,
-        dropped: dropped(&daemon.log),
-        kernel_memory,
+        live_blocks: stats.final_profile.inuse_blocks,
+        dropped: stats.dropped("live_table_full"),
+        kernel_memory: stats.kernel_memory.describe(),
     })
 }
 
@@ -105,22 +73,4 @@ pub fn section(bench: &Bench, quick: bool, text: &mut String) -> Result<Value> {
         "dropped": number(filled.dropped as f64),
         "kernel_memory": filled.kernel_memory,
     }))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn figures_come_from_the_log() {
-        let log: Vec<String> = [
-            "heapprofd: warn: 23 events: live-block table full (counted as allocated, not as in use) (raise --max-live-blocks)",
-            "heapprofd: wrote /tmp/p/heap-1.pb.gz: 87 sites, 22144066 blocks / 594233862 bytes allocated, 2979936 blocks / 73053015 bytes in use; 159.1 ms (read+symbolize 8.0)",
-            "heapprofd: warn: 5 events: live-block table full (counted as allocated, not as in use) (raise --max-live-blocks)",
-        ]
-        .map(str::to_owned)
-        .to_vec();
-        assert_eq!(live_blocks(&log), Some(2_979_936));
-        assert_eq!(dropped(&log), 28);
-    }
 }

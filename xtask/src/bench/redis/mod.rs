@@ -1,9 +1,12 @@
 //! The real-service section: Debian's redis-server (linked with jemalloc) under
-//! `redis-benchmark`, bare against `heapprofd --pid` attached to it (exact, sampled, the
-//! trap floor with `--empty-programs` and the least cost with `--stacks-only`), and against redis-server launched by heapprofd
-//! (`heapprofd -- taskset -c 0 redis-server ...`, exact and sampled; launch mode uses the
-//! LD_PRELOAD interposer by default). The sampled launch's profile is read back to check
-//! that its stacks go through redis's `zmalloc`.
+//! `redis-benchmark`, bare against `heapprofd --pid` attached to it with the allocator's
+//! probes (`--inject off`: exact, sampled, the trap floor with `--empty-programs` and the
+//! least cost with `--stacks-only`), against `heapprofd --pid` joined in-process (the
+//! default `--inject auto`: exact and sampled), and against redis-server launched by
+//! heapprofd (`heapprofd -- taskset -c 0 redis-server ...`, exact and sampled; launch mode
+//! uses the LD_PRELOAD interposer by default). How heapprofd joined each `--pid` run
+//! (`injected` or `probes`) is read from its `--stats-json`. The sampled launch's
+//! profile is read back to check that its stacks go through redis's `zmalloc`.
 //!
 //! redis runs on CPU 0 and the client on CPU 1, so that redis, not the client, is what
 //! limits the throughput; heapprofd runs beside the client. Each run starts a fresh
@@ -16,7 +19,7 @@ mod server;
 
 use std::{
     fmt::Write as _,
-    path::{Path, PathBuf},
+    path::Path,
     process::{Command, Stdio},
     time::Instant,
 };
@@ -28,7 +31,7 @@ use self::server::{PORT, Redis};
 use crate::{
     bench::{
         Bench,
-        figures::{single_stepped, written_profile},
+        figures::DaemonStats,
         process::interrupt,
         summary::{number, spread},
     },
@@ -48,6 +51,10 @@ enum RedisMode {
     StacksOnly,
     Exact,
     Sampled,
+    /// `--pid` joined in-process (`--inject auto`), exact.
+    JoinedExact,
+    /// `--pid` joined in-process, `--sample-rate 524288`.
+    JoinedSampled,
     /// redis-server launched by heapprofd, exact.
     LaunchExact,
     /// redis-server launched by heapprofd, `--sample-rate 524288`.
@@ -55,12 +62,14 @@ enum RedisMode {
 }
 
 impl RedisMode {
-    const ALL: [RedisMode; 7] = [
+    const ALL: [RedisMode; 9] = [
         RedisMode::Bare,
         RedisMode::Floor,
         RedisMode::StacksOnly,
         RedisMode::Exact,
         RedisMode::Sampled,
+        RedisMode::JoinedExact,
+        RedisMode::JoinedSampled,
         RedisMode::LaunchExact,
         RedisMode::LaunchSampled,
     ];
@@ -72,6 +81,8 @@ impl RedisMode {
             RedisMode::StacksOnly => "stacks only (--stacks-only)",
             RedisMode::Exact => "heapprofd --pid exact",
             RedisMode::Sampled => "heapprofd --pid sampled 512KiB",
+            RedisMode::JoinedExact => "heapprofd --pid joined exact",
+            RedisMode::JoinedSampled => "heapprofd --pid joined 512KiB",
             RedisMode::LaunchExact => "heapprofd launch exact",
             RedisMode::LaunchSampled => "heapprofd launch sampled 512KiB",
         }
@@ -84,19 +95,34 @@ impl RedisMode {
             RedisMode::StacksOnly => "heapprofd_stacks_only",
             RedisMode::Exact => "heapprofd_exact",
             RedisMode::Sampled => "heapprofd_sampled",
+            RedisMode::JoinedExact => "heapprofd_joined_exact",
+            RedisMode::JoinedSampled => "heapprofd_joined_sampled",
             RedisMode::LaunchExact => "heapprofd_launch_exact",
             RedisMode::LaunchSampled => "heapprofd_launch_sampled",
         }
     }
 
     /// heapprofd's flags for `--pid` on a running redis; `None` for the other modes.
+    /// The probe modes say `--inject off`, so that their figures keep meaning the
+    /// allocator's probes whatever `--pid` does by default.
     fn flags(self) -> Option<&'static [&'static str]> {
         match self {
             RedisMode::Bare | RedisMode::LaunchExact | RedisMode::LaunchSampled => None,
-            RedisMode::Floor => Some(&["--interval", "1h", "--empty-programs"]),
-            RedisMode::StacksOnly => Some(&["--interval", "1h", "--stacks-only"]),
-            RedisMode::Exact => Some(&["--interval", "1h"]),
-            RedisMode::Sampled => Some(&["--interval", "1h", "--sample-rate", "512KiB"]),
+            RedisMode::Floor => Some(&["--interval", "1h", "--inject", "off", "--empty-programs"]),
+            RedisMode::StacksOnly => {
+                Some(&["--interval", "1h", "--inject", "off", "--stacks-only"])
+            }
+            RedisMode::Exact => Some(&["--interval", "1h", "--inject", "off"]),
+            RedisMode::Sampled => Some(&[
+                "--interval",
+                "1h",
+                "--inject",
+                "off",
+                "--sample-rate",
+                "512KiB",
+            ]),
+            RedisMode::JoinedExact => Some(&["--interval", "1h"]),
+            RedisMode::JoinedSampled => Some(&["--interval", "1h", "--sample-rate", "524288"]),
         }
     }
 
@@ -123,8 +149,11 @@ struct Pass {
     requests_per_second: f64,
     /// redis-server's CPU time (user + system) per request, microseconds.
     cpu_us_per_request: f64,
-    /// heapprofd's warnings about single-stepped probes.
+    /// Probes heapprofd placed where the kernel single-steps them.
     single_stepped: Option<usize>,
+    /// `--pid` modes: how heapprofd joined redis (`injected` or `probes`, with why not
+    /// injected).
+    joined: Option<(String, Option<String>)>,
     /// Launch modes: whether the profile's stacks go through `zmalloc` (`None`: no
     /// profile read).
     through_zmalloc: Option<bool>,
@@ -205,26 +234,30 @@ fn pass(bench: &Bench, mode: RedisMode, requests: u32) -> Result<Pass> {
     client(TESTS, requests)?;
     let wall = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds(redis.pid())? - cpu_before;
-    let (single_stepped, through_zmalloc) = match daemon {
-        Some(mut daemon) => {
+    let (single_stepped, through_zmalloc, joined) = match daemon {
+        Some(daemon) => {
             interrupt(&daemon.child);
-            daemon.child.wait()?;
-            daemon.log.extend(daemon.lines.try_iter());
-            (Some(single_stepped(&daemon.log)), None)
+            let mut child = daemon.child;
+            child.wait()?;
+            let stats = DaemonStats::read(&daemon.stats)?;
+            let joined = stats.joined.map(|j| (j.how, j.reason));
+            (Some(stats.single_stepped_probes), None, joined)
         }
-        None if mode.launch_flags().is_some() => {
-            let (status, log) = redis.stop()?;
-            let log: Vec<String> = log.lines().map(str::to_owned).collect();
-            if let Some(status) = status.filter(|s| !s.success()) {
-                bail!("heapprofd -- redis-server ended with {status}");
+        None => match (redis.stop()?, redis.stats()) {
+            ((Some(status), _), _) if !status.success() => {
+                bail!("heapprofd -- redis-server ended with {status}")
             }
-            let profile: Option<PathBuf> = written_profile(&log);
-            (
-                Some(single_stepped(&log)),
-                profile.as_deref().and_then(through_zmalloc),
-            )
-        }
-        None => (None, None),
+            ((Some(_), _), Some(stats)) => {
+                let stats = DaemonStats::read(stats)?;
+                let profile = stats.final_profile.path;
+                (
+                    Some(stats.single_stepped_probes),
+                    through_zmalloc(&profile),
+                    None,
+                )
+            }
+            _ => (None, None, None),
+        },
     };
     let total = f64::from(requests) * TESTS.split(',').count() as f64;
     Ok(Pass {
@@ -232,6 +265,7 @@ fn pass(bench: &Bench, mode: RedisMode, requests: u32) -> Result<Pass> {
         cpu_us_per_request: cpu / total * 1e6,
         single_stepped,
         through_zmalloc,
+        joined,
     })
 }
 
@@ -333,6 +367,18 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         added(RedisMode::LaunchExact),
         added(RedisMode::LaunchSampled)
     );
+    let _ = writeln!(
+        text,
+        "joined in-process (--inject auto), redis CPU added per request: exact {:.2} us, sampled {:.2} us",
+        added(RedisMode::JoinedExact),
+        added(RedisMode::JoinedSampled)
+    );
+    let joined: Vec<String> = RedisMode::ALL
+        .iter()
+        .filter(|mode| mode.flags().is_some())
+        .map(|mode| format!("{} {}", mode.name(), joined_answer(&passes[mode.index()]).0))
+        .collect();
+    let _ = writeln!(text, "how --pid joined redis: {}", joined.join("; "));
     let sampled = median(RedisMode::LaunchSampled, |p| p.requests_per_second) / bare_rps;
     let (goal_line, goal_json) = launch_goal(sampled);
     let _ = writeln!(text, "goal: {goal_line}");
@@ -404,6 +450,15 @@ fn mode_row(
         "single_stepped": stepped,
         "failed": failure,
     });
+    let json = match (json, mode.flags()) {
+        (Value::Object(mut object), Some(_)) => {
+            let (how, reason) = joined_answer(passes);
+            object.insert("joined".to_owned(), json!(how));
+            object.insert("not_injected_because".to_owned(), json!(reason));
+            Value::Object(object)
+        }
+        (json, _) => json,
+    };
     (line, json)
 }
 
@@ -443,4 +498,25 @@ fn zmalloc_answer(passes: &[Pass]) -> &'static str {
         a if a.iter().all(|&b| b) => "yes",
         _ => "no",
     }
+}
+
+/// How the passes of a `--pid` mode joined redis: `injected` or `probes` when all
+/// passes agree, `mixed` when not, `unknown` without a pass; and the first reason a
+/// pass gave for not injecting.
+fn joined_answer(passes: &[Pass]) -> (&'static str, Option<String>) {
+    let hows: Vec<&str> = passes
+        .iter()
+        .filter_map(|p| p.joined.as_ref().map(|(how, _)| how.as_str()))
+        .collect();
+    let how = match hows.as_slice() {
+        [] => "unknown",
+        [first, ..] if hows.iter().any(|h| h != first) => "mixed",
+        ["injected", ..] => "injected",
+        ["probes", ..] => "probes",
+        _ => "unknown",
+    };
+    let reason = passes
+        .iter()
+        .find_map(|p| p.joined.as_ref().and_then(|(_, reason)| reason.clone()));
+    (how, reason)
 }

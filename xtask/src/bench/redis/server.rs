@@ -3,6 +3,7 @@
 
 use std::{
     io::Read as _,
+    path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -38,6 +39,8 @@ pub(super) struct Redis {
     pid: u32,
     /// Launch mode: heapprofd's log, read to its end by a thread.
     log: Option<JoinHandle<String>>,
+    /// Launch mode: where heapprofd writes its figures at exit (`--stats-json`).
+    stats: Option<PathBuf>,
 }
 
 impl Redis {
@@ -56,6 +59,7 @@ impl Redis {
             child,
             pid,
             log: None,
+            stats: None,
         };
         wait_for_pong()?;
         Ok(redis)
@@ -64,10 +68,13 @@ impl Redis {
     /// Starts redis-server under `heapprofd FLAGS -o DIR -- taskset -c 0 redis-server`
     /// (heapprofd itself not pinned, as in the attach modes).
     pub(super) fn launch(bench: &Bench, flags: &[&str]) -> Result<Redis> {
+        let stats = bench.stats_path();
         let mut child = Command::new(&bench.heapprofd)
             .args(flags)
             .arg("-o")
             .arg(bench.dir.join("profiles"))
+            .arg("--stats-json")
+            .arg(&stats)
             .args(["--", "taskset", "-c", "0", "redis-server"])
             .args(SERVER_ARGS)
             .env("RUST_LOG", "info")
@@ -86,6 +93,7 @@ impl Redis {
             child,
             pid,
             log: Some(log),
+            stats: Some(stats),
         };
         if let Err(err) = wait_for_pong() {
             let log = redis.stop().map(|(_, log)| log).unwrap_or_default();
@@ -101,6 +109,11 @@ impl Redis {
 
     pub(super) fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// Launch mode: where heapprofd writes its figures at exit.
+    pub(super) fn stats(&self) -> Option<&Path> {
+        self.stats.as_deref()
     }
 
     /// Launch mode: SIGINT to heapprofd (which passes it to redis and writes its final
