@@ -3,7 +3,10 @@
 //! tests). The log keeps saying the same things to people; this file is the
 //! interface, and its keys are what must not change.
 
-use std::{collections::BTreeMap, path::Path};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::Path,
+};
 
 use anyhow::{Context as _, Result};
 use heapprof_common::DropReason;
@@ -36,8 +39,9 @@ pub enum JoinedBy {
 /// What start-up learns that the stats file reports at exit.
 #[derive(Debug, Default)]
 pub struct StartFigures {
-    /// The loaded BPF programs: kernel id and name.
-    pub programs: Vec<(u32, String)>,
+    /// The names of the BPF object's programs (some are loaded only when their first
+    /// probe is attached, after start).
+    pub programs: Vec<String>,
     /// The kernel memory of the BPF maps, as measured once everything was loaded.
     pub kernel_memory: Vec<TableMemory>,
     /// `--pid`: how the target was joined.
@@ -45,12 +49,9 @@ pub struct StartFigures {
 }
 
 impl StartFigures {
-    /// The ids and names of `ebpf`'s loaded programs (a program whose information the
-    /// kernel does not give is left out).
-    pub fn programs_of(ebpf: &aya::Ebpf) -> Vec<(u32, String)> {
-        ebpf.programs()
-            .filter_map(|(name, program)| Some((program.info().ok()?.id(), name.to_owned())))
-            .collect()
+    /// The names of `ebpf`'s programs.
+    pub fn programs_of(ebpf: &aya::Ebpf) -> Vec<String> {
+        ebpf.programs().map(|(name, _)| name.to_owned()).collect()
     }
 }
 
@@ -119,22 +120,27 @@ pub struct ProgramRunTime {
 }
 
 impl BpfRunTime {
-    /// The kernel's statistics of the programs `programs` names (by id), read now. The
-    /// kernel counts only while statistics are enabled (`--bpf-stats`).
-    pub fn read(programs: &[(u32, String)]) -> Self {
-        let names: BTreeMap<u32, &str> = programs
-            .iter()
-            .map(|(id, name)| (*id, name.as_str()))
-            .collect();
+    /// The kernel's statistics of the BPF programs this process holds, read now, named
+    /// as in `names` (the object's; the kernel keeps 15 characters of a name). The
+    /// kernel counts only while statistics are enabled (`--bpf-stats`). Found through
+    /// the process's descriptors, not through the session that loaded them: programs
+    /// are loaded as their first probes are attached, some after start.
+    pub fn read(names: &[String]) -> Self {
+        let ours = program_ids_of_this_process();
+        let full_name = |kernel: &str| {
+            names
+                .iter()
+                .find(|name| name.get(..kernel.len()) == Some(kernel))
+                .cloned()
+                .unwrap_or_else(|| kernel.to_owned())
+        };
         let mut found: Vec<ProgramRunTime> = aya::programs::loaded_programs()
             .filter_map(Result::ok)
-            .filter_map(|info| {
-                let name = names.get(&info.id())?;
-                Some(ProgramRunTime {
-                    name: (*name).to_owned(),
-                    runs: info.run_count(),
-                    run_time_ns: u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX),
-                })
+            .filter(|info| ours.contains(&info.id()))
+            .map(|info| ProgramRunTime {
+                name: full_name(info.name_as_str().unwrap_or("?")),
+                runs: info.run_count(),
+                run_time_ns: u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX),
             })
             .filter(|program| program.runs > 0)
             .collect();
@@ -144,6 +150,22 @@ impl BpfRunTime {
             programs: found,
         }
     }
+}
+
+/// The ids of the BPF programs this process holds a descriptor of (a program's, or a
+/// link's to it), from `/proc/self/fdinfo`.
+fn program_ids_of_this_process() -> BTreeSet<u32> {
+    std::fs::read_dir("/proc/self/fdinfo")
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|entry| std::fs::read_to_string(entry.path()).ok())
+        .filter_map(|info| {
+            info.lines()
+                .find_map(|line| line.strip_prefix("prog_id:"))
+                .and_then(|id| id.trim().parse().ok())
+        })
+        .collect()
 }
 
 impl KernelMemory {
