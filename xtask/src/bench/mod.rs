@@ -125,16 +125,33 @@ impl Mode {
     }
 
     /// heapprofd's flags in this mode; `None` for the modes that do not run heapprofd.
+    /// Every mode says `--inject off`: they measure the allocator's probes against the
+    /// trap floor (the same probes), whatever `--pid` does by default (it joins a
+    /// process in-process since `--inject auto`).
     fn heapprofd_flags(self) -> Option<&'static [&'static str]> {
         match self {
             Mode::Bare | Mode::EmptyProbes | Mode::Bpftrace => None,
-            Mode::Floor => Some(&["--interval", "1h", "--empty-programs"]),
-            Mode::StacksOnly => Some(&["--interval", "1h", "--stacks-only"]),
-            Mode::HeapprofdEntry => Some(&["--interval", "1h", "--probe-placement", "entry"]),
-            Mode::Heapprofd => Some(&["--interval", "1h"]),
-            Mode::HeapprofdNoPeak => Some(&["--interval", "1h", "--no-peak"]),
-            Mode::HeapprofdFp => Some(&["--interval", "1h", "--unwind", "fp"]),
-            Mode::HeapprofdSampled => Some(&["--interval", "1h", "--sample-rate", "512KiB"]),
+            Mode::Floor => Some(&["--interval", "1h", "--inject", "off", "--empty-programs"]),
+            Mode::StacksOnly => Some(&["--interval", "1h", "--inject", "off", "--stacks-only"]),
+            Mode::HeapprofdEntry => Some(&[
+                "--interval",
+                "1h",
+                "--inject",
+                "off",
+                "--probe-placement",
+                "entry",
+            ]),
+            Mode::Heapprofd => Some(&["--interval", "1h", "--inject", "off"]),
+            Mode::HeapprofdNoPeak => Some(&["--interval", "1h", "--inject", "off", "--no-peak"]),
+            Mode::HeapprofdFp => Some(&["--interval", "1h", "--inject", "off", "--unwind", "fp"]),
+            Mode::HeapprofdSampled => Some(&[
+                "--interval",
+                "1h",
+                "--inject",
+                "off",
+                "--sample-rate",
+                "512KiB",
+            ]),
         }
     }
 
@@ -371,6 +388,8 @@ impl Bench {
             &[
                 "--interval",
                 "2s",
+                "--inject",
+                "off",
                 "--max-sites",
                 &capacity,
                 "--max-stacks",
@@ -436,7 +455,10 @@ impl Bench {
             lines,
             mut log,
             ..
-        } = self.start_heapprofd(&["--interval", "1h", "--attach", method], target.id())?;
+        } = self.start_heapprofd(
+            &["--interval", "1h", "--inject", "off", "--attach", method],
+            target.id(),
+        )?;
         interrupt(&child);
         wait_for_line(&lines, " wrote ", &mut log)?;
         let written = Instant::now();
@@ -454,7 +476,8 @@ impl Bench {
                 .args(["2", "0", &seconds.to_string()])
                 .stdout(Stdio::null()),
         )?;
-        let Daemon { child, .. } = self.start_heapprofd(&["--interval", "10s"], target.id())?;
+        let Daemon { child, .. } =
+            self.start_heapprofd(&["--interval", "10s", "--inject", "off"], target.id())?;
         let started = Instant::now();
         send_go(&mut target)?;
         target.wait()?;
