@@ -256,3 +256,22 @@ pub fn vm_test_env() -> Result<Vec<(&'static str, PathBuf)>> {
         ("HEAPPROFD_ARM64_VM_ASSETS", assets),
     ])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// bpf-linker is built against xtask's nightly and aya-build compiles the BPF crate
+    /// with heapprof-daemon/build.rs's: the two must name the same toolchain.
+    #[test]
+    fn the_bpf_build_uses_the_nightly_xtask_installs() {
+        let build = std::fs::read_to_string(workspace_root().join("heapprof-daemon/build.rs"))
+            .expect("heapprof-daemon/build.rs");
+        let pinned = build
+            .lines()
+            .find_map(|line| line.strip_prefix("const BPF_TOOLCHAIN: &str = \""))
+            .and_then(|rest| rest.strip_suffix("\";"))
+            .expect("a BPF_TOOLCHAIN constant in heapprof-daemon/build.rs");
+        assert_eq!(pinned, NIGHTLY);
+    }
+}
