@@ -406,6 +406,24 @@ impl DropReason {
         }
     }
 
+    /// Its stable name: profile comments and `--stats-json` key drops by it, so that
+    /// rewording [`DropReason::describe`] changes no reader.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DropReason::LiveTableFull => "live_table_full",
+            DropReason::SiteTableFull => "site_table_full",
+            DropReason::StackTableFull => "stack_table_full",
+            DropReason::StackTruncated => "stack_truncated",
+            DropReason::InFlightFull => "in_flight_full",
+            DropReason::OutPtrUnreadable => "out_ptr_unreadable",
+            DropReason::StackUnavailable => "stack_unavailable",
+            DropReason::ExecTableFull => "exec_table_full",
+            DropReason::StackIncomplete => "stack_incomplete",
+            DropReason::UsageTableFull => "usage_table_full",
+            DropReason::FreeQueueUnreadable => "free_queue_unreadable",
+        }
+    }
+
     /// A short description for logs and profile comments.
     pub const fn describe(self) -> &'static str {
         match self {
@@ -732,6 +750,23 @@ mod tests {
     use std::vec;
 
     use super::*;
+
+    /// Every drop reason has a name of its own, an identifier (no spaces).
+    #[test]
+    fn drop_reasons_have_distinct_names() {
+        for reason in DropReason::ALL {
+            let same = DropReason::ALL.iter().filter(|r| r.name() == reason.name());
+            assert_eq!(same.count(), 1, "{}", reason.name());
+            assert!(
+                reason
+                    .name()
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{}",
+                reason.name()
+            );
+        }
+    }
 
     /// The class is the bit length, for every power of two, its neighbours and the
     /// extremes.

@@ -22,6 +22,7 @@ pub mod procmaps;
 mod proptests;
 pub mod report;
 pub mod session;
+pub mod stats_file;
 pub mod symbolize;
 mod sys;
 #[cfg(test)]

@@ -21,7 +21,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{CmdExt as _, NIGHTLY, STABLE, cargo_home, cross::Arch, step};
+use crate::{CmdExt as _, NIGHTLY, STABLE, arch::Arch, cargo_home, step};
 
 const BPF_LINKER_VERSION: &str = "0.13.0";
 

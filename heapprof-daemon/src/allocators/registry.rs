@@ -8,7 +8,10 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -32,6 +35,15 @@ use crate::{
     probes::{AttachMethod, placement::PlacementMode, uprobe},
     procmaps::ObjectFile,
 };
+
+/// Probes this process placed where the kernel single-steps them, each said in a
+/// warning. Counted here, not in a session, as `--stats-json` reports it at exit.
+static SINGLE_STEPPED: AtomicUsize = AtomicUsize::new(0);
+
+/// How many probes were placed where the kernel single-steps them, so far.
+pub fn single_stepped_probes() -> usize {
+    SINGLE_STEPPED.load(Ordering::Relaxed)
+}
 
 /// Whether `object` is the preload library of another heapprofd session (one that
 /// launched this process), not this session's (`own`). It is not probed: its functions
@@ -332,6 +344,7 @@ impl AllocatorProbes {
                 function.placement
             );
             if !function.placement.emulated {
+                SINGLE_STEPPED.fetch_add(1, Ordering::Relaxed);
                 log::warn!(
                     "{} in {}: the probe at +{} is single-stepped by the kernel on every call \
                      (about 10x an emulated probe's cost): {}",

@@ -12,6 +12,7 @@ use crate::{
     cli::{Cli, Target},
     launch::{ChildEvent, PausedChild, Relayed, SignalRelay},
     pprof::retention::Pruner,
+    stats_file::{self, StartFigures},
 };
 
 /// Prints the `limit` sites holding the most in the final profile at `path`, read back
@@ -62,6 +63,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         mut sigint,
         mut sigterm,
         mut bpf_log,
+        figures,
     } = started;
     let child_pid = child.as_ref().map(|c| c.pid);
     let mut child_events = child.map(PausedChild::release);
@@ -167,7 +169,34 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     {
         log::warn!("cannot summarize the sites: {err:#}");
     }
+    // Read while the session keeps the kernel's statistics on.
+    let bpf_run_time = cli
+        .bpf_stats
+        .then(|| stats_file::BpfRunTime::read(&figures.programs));
     drop(session); // detaches every probe
-    written.context("writing the final profile")?;
+    let written = written.context("writing the final profile")?;
+    if let Some(stats_path) = &cli.stats_json {
+        write_stats(stats_path, &written, figures, bpf_run_time)
+            .with_context(|| format!("--stats-json {}", stats_path.display()))?;
+    }
     Ok(exit_code)
+}
+
+/// Writes `--stats-json`: the final profile at `profile`, read back, and the rest.
+fn write_stats(
+    path: &std::path::Path,
+    profile: &std::path::Path,
+    figures: StartFigures,
+    bpf_run_time: Option<stats_file::BpfRunTime>,
+) -> Result<()> {
+    let (totals, comments) = stats_file::ProfileTotals::read(profile)?;
+    let stats = stats_file::RunStats {
+        final_profile: totals,
+        dropped: stats_file::dropped(&comments),
+        joined: figures.joining,
+        kernel_memory: stats_file::KernelMemory::of(&figures.kernel_memory),
+        single_stepped_probes: crate::allocators::registry::single_stepped_probes(),
+        bpf_run_time,
+    };
+    stats_file::write(path, &stats)
 }

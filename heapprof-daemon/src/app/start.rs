@@ -26,6 +26,7 @@ use crate::{
         UserSession, UserSessionConfig,
         kernel::{KernelSession, KernelSessionConfig},
     },
+    stats_file::{JoinedBy, Joining, StartFigures},
     tracefs,
     unwind::table_upload::TableCapacities,
 };
@@ -42,6 +43,8 @@ pub struct Started {
     pub(super) sigterm: Signal,
     /// The BPF programs' log lines, when the object has them.
     pub(super) bpf_log: Option<BpfLog>,
+    /// What `--stats-json` reports of the start.
+    pub(super) figures: StartFigures,
 }
 
 /// Everything that can fail on bad input or a missing requirement: checks, libc, load, attach.
@@ -57,17 +60,28 @@ pub fn start(
     preflight::check_bpf()?;
     // Before anything is attached: an address in use ends the run before it starts.
     let endpoint = cli.metrics.map(Endpoint::bind).transpose()?;
-    let (session, target_exit, bpf_log) = if cli.kernel {
+    let (session, target_exit, bpf_log, figures) = if cli.kernel {
         let target_exit = watch_target(target, true)?;
-        let (session, bpf_log) = start_kernel(cli, target, child.as_ref(), endpoint)?;
-        (AnySession::Kernel(Box::new(session)), target_exit, bpf_log)
+        let (session, bpf_log, figures) = start_kernel(cli, target, child.as_ref(), endpoint)?;
+        (
+            AnySession::Kernel(Box::new(session)),
+            target_exit,
+            bpf_log,
+            figures,
+        )
     } else {
         preflight::check_uprobes()?;
         // Opened before anything is attached: a target that exits at any later moment is
         // then seen as an exit (final profile, status 0), never as a failure to find it.
         let target_exit = watch_target(target, false)?;
-        let (session, bpf_log) = start_user(cli, target, child.as_mut(), preload, endpoint)?;
-        (AnySession::User(Box::new(session)), target_exit, bpf_log)
+        let (session, bpf_log, figures) =
+            start_user(cli, target, child.as_mut(), preload, endpoint)?;
+        (
+            AnySession::User(Box::new(session)),
+            target_exit,
+            bpf_log,
+            figures,
+        )
     };
     Ok(Started {
         session,
@@ -76,6 +90,7 @@ pub fn start(
         sigint,
         sigterm,
         bpf_log,
+        figures,
     })
 }
 
@@ -87,7 +102,7 @@ fn start_user(
     mut child: Option<&mut PausedChild>,
     preload: Option<PreloadLibrary>,
     endpoint: Option<Endpoint>,
-) -> Result<(UserSession, Option<BpfLog>)> {
+) -> Result<(UserSession, Option<BpfLog>, StartFigures)> {
     pprof::writer::prepare_output_dir(&cli.output)?;
     let sample_rate = cli.sample_rate.unwrap_or(0);
     let pid = match (target, &child) {
@@ -137,8 +152,19 @@ fn start_user(
     }
     // The library is loaded and probed now, but joins once the programs are armed:
     // its first report registers its thread's queue.
+    let mut joining = None;
     let loaded = match (target, injecting) {
-        (Target::Pid(pid), true) => load_in_process(*pid, &mut ebpf, &mut allocators)?,
+        (Target::Pid(pid), true) => {
+            load_in_process(*pid, &mut ebpf, &mut allocators, &mut joining)?
+        }
+        (Target::Pid(pid), false) => {
+            joining = Some(Joining {
+                pid: *pid,
+                how: JoinedBy::Probes,
+                reason: Some(probes_chosen(cli).to_owned()),
+            });
+            None
+        }
         _ => None,
     };
     preloading |= loaded.is_some();
@@ -164,12 +190,18 @@ fn start_user(
         unwind_tables: (cli.unwind.mode() != UnwindMode::FramePointers).then_some(tables),
         retain_exited: cli.retain_exited,
     };
+    let programs = StartFigures::programs_of(&ebpf);
     let mut session = UserSession::new(config, ebpf, allocators)?;
     session.prime_processes();
     // Joined once the process's mappings and unwind tables are in place, so that its
     // first reports are unwound whole.
     if let (Some(injection), Some(replies)) = (loaded, replies) {
-        join_in_process(injection, &replies, &mut session, sample_rate);
+        joining = Some(join_in_process(
+            injection,
+            &replies,
+            &mut session,
+            sample_rate,
+        ));
     }
     require_allocator_probed(&session, target)?;
     let map_memory = probes::map_memory::tables();
@@ -190,7 +222,23 @@ fn start_user(
         cli.interval,
         cli.output.display()
     );
-    Ok((session, bpf_log))
+    let figures = StartFigures {
+        programs,
+        kernel_memory: map_memory,
+        joining,
+    };
+    Ok((session, bpf_log, figures))
+}
+
+/// The reason `--pid` uses the allocator's probes when it does not try to inject.
+fn probes_chosen(cli: &Cli) -> &'static str {
+    if cli.stacks_only {
+        "--stacks-only (a benchmark baseline)"
+    } else if cli.empty_programs {
+        "--empty-programs (a benchmark baseline)"
+    } else {
+        "--inject off"
+    }
 }
 
 /// `--pid --inject auto`: loads the preload library into the running process and
@@ -200,6 +248,7 @@ fn load_in_process(
     pid: u32,
     ebpf: &mut aya::Ebpf,
     allocators: &mut AllocatorProbes,
+    joining: &mut Option<Joining>,
 ) -> Result<Option<inject::Injection>> {
     let image = crate::preload::injectable_image()?;
     let entries = inject::entries(&image).context("the preload library has no entry points")?;
@@ -216,20 +265,21 @@ fn load_in_process(
     match attempt {
         Ok(injection) => Ok(Some(injection)),
         Err(reason) => {
-            cannot_join(pid, &reason);
+            *joining = Some(cannot_join(pid, &reason));
             Ok(None)
         }
     }
 }
 
 /// Has the loaded library join: it redirects the process's allocator calls to itself.
-/// Where it refuses, the library is forgotten and the process gets the probes.
+/// Where it refuses, the library is forgotten and the process gets the probes. Returns
+/// how the process was joined.
 fn join_in_process(
     injection: inject::Injection,
     replies: &OwnedFd,
     session: &mut UserSession,
     sample_rate: u64,
-) {
+) -> Joining {
     use std::os::fd::AsFd as _;
     let pid = injection.pid();
     match injection.join(replies.as_fd(), sample_rate) {
@@ -240,19 +290,30 @@ fn join_in_process(
                 joined.slots
             );
             session.set_joined(Some(joined));
+            Joining {
+                pid,
+                how: JoinedBy::Injected,
+                reason: None,
+            }
         }
         Err(reason) => {
-            cannot_join(pid, &reason);
             session.probe_instead_of_preload(pid);
+            cannot_join(pid, &reason)
         }
     }
 }
 
-fn cannot_join(pid: u32, reason: &inject::NotJoined) {
+/// Says why `pid` is not joined in-process; returns how it is joined instead.
+fn cannot_join(pid: u32, reason: &inject::NotJoined) -> Joining {
     log::warn!(
         "pid {pid}: cannot join it in-process ({reason}); using the allocator's probes, \
          which trap into the kernel at every call"
     );
+    Joining {
+        pid,
+        how: JoinedBy::Probes,
+        reason: Some(reason.to_string()),
+    }
 }
 
 /// `--pid`: a process with no allocator heapprofd can probe is an error, with the last
@@ -453,7 +514,7 @@ fn start_kernel(
     target: &Target,
     child: Option<&PausedChild>,
     endpoint: Option<Endpoint>,
-) -> Result<(KernelSession, Option<BpfLog>)> {
+) -> Result<(KernelSession, Option<BpfLog>, StartFigures)> {
     let tracing = tracefs::root()?;
     let selection = probes::kernel::EventSelection {
         pages: cli.pages,
@@ -483,6 +544,7 @@ fn start_kernel(
     if let Some(undercounted) = deferred_frees.undercounted() {
         log::warn!("{undercounted}");
     }
+    let programs = StartFigures::programs_of(&ebpf);
     let mut session = KernelSession::new(config, ebpf, deferred_frees)?;
     let pid = match (target, child) {
         (Target::Pid(pid), _) => Some(*pid),
@@ -515,7 +577,12 @@ fn start_kernel(
         cli.interval,
         cli.output.display()
     );
-    Ok((session, bpf_log))
+    let figures = StartFigures {
+        programs,
+        kernel_memory: map_memory,
+        joining: None,
+    };
+    Ok((session, bpf_log, figures))
 }
 
 /// A pidfd that becomes readable when `pid` exits.

@@ -1,9 +1,12 @@
 //! What a profile lost, from its comments: every report format states it, so that a
 //! table that overflowed never reads as a complete one.
 //!
-//! The daemon writes one `dropped: <reason> = <count>` comment per drop reason
-//! (`heapprof_common::DropReason`), and kernel sessions that cannot see deferred
-//! frees an `undercounted: ...` comment.
+//! The daemon writes one comment per drop reason (`heapprof_common::DropReason`),
+//! `dropped: <description> [<name>] = <count>` ([`drop_comment`]): the stable name
+//! is what a reader keys by, the description is for people. Profiles written before
+//! the name was added (`dropped: <description> = <count>`) are still read, by their
+//! description. Kernel sessions that cannot see deferred frees add an
+//! `undercounted: ...` comment.
 
 use heapprof_common::DropReason;
 
@@ -12,6 +15,8 @@ use heapprof_common::DropReason;
 pub struct Loss {
     /// What was lost, as the daemon describes it.
     pub what: String,
+    /// The drop reason, when the comment names one heapprofd knows.
+    pub reason: Option<DropReason>,
     /// How many events (`None`: a statement without a count).
     pub count: Option<u64>,
     /// What the user can do about it.
@@ -34,6 +39,15 @@ impl Loss {
     }
 }
 
+/// The profile comment of `count` drops for `reason`.
+pub fn drop_comment(reason: DropReason, count: u64) -> String {
+    format!(
+        "dropped: {} [{}] = {count}",
+        reason.describe(),
+        reason.name()
+    )
+}
+
 /// The losses `comments` record, in the order written.
 pub fn losses(comments: &[String]) -> Vec<Loss> {
     comments.iter().filter_map(|c| parse(c)).collect()
@@ -44,6 +58,7 @@ fn parse(comment: &str) -> Option<Loss> {
     if let Some(statement) = comment.strip_prefix("undercounted: ") {
         return Some(Loss {
             what: statement.to_owned(),
+            reason: None,
             count: None,
             remedy: None,
             untracked_blocks: false,
@@ -54,9 +69,20 @@ fn parse(comment: &str) -> Option<Loss> {
     if count == 0 {
         return None;
     }
-    let reason = DropReason::ALL.into_iter().find(|r| r.describe() == what);
+    let (what, reason) = match what.rsplit_once(" [") {
+        Some((text, name)) if name.ends_with(']') => {
+            let name = name.trim_end_matches(']');
+            (text, DropReason::ALL.into_iter().find(|r| r.name() == name))
+        }
+        // Written before drops carried their name.
+        _ => (
+            what,
+            DropReason::ALL.into_iter().find(|r| r.describe() == what),
+        ),
+    };
     Some(Loss {
         what: what.to_owned(),
+        reason,
         count: Some(count),
         remedy: reason.map(DropReason::remedy),
         untracked_blocks: reason.is_some_and(|r| {
@@ -96,5 +122,29 @@ mod tests {
             "lost: objects released with kfree_rcu() ..."
         );
         assert!(!found[1].untracked_blocks);
+    }
+
+    #[test]
+    fn drops_are_keyed_by_name_whatever_their_wording() {
+        let written = drop_comment(DropReason::SiteTableFull, 12);
+        let found = losses(&comments(&[&written]));
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].reason, Some(DropReason::SiteTableFull));
+        assert_eq!(found[0].what, DropReason::SiteTableFull.describe());
+        assert_eq!(found[0].count, Some(12));
+        assert!(found[0].untracked_blocks);
+        // Reworded: the name still finds the reason and its remedy.
+        let reworded = losses(&comments(&[
+            "dropped: sites overflowed [site_table_full] = 3",
+        ]));
+        assert_eq!(reworded[0].reason, Some(DropReason::SiteTableFull));
+        assert_eq!(reworded[0].remedy, Some("raise --max-sites"));
+        assert_eq!(reworded[0].what, "sites overflowed");
+        // The old form, by its description.
+        let old = losses(&comments(&[&format!(
+            "dropped: {} = 4",
+            DropReason::InFlightFull.describe()
+        )]));
+        assert_eq!(old[0].reason, Some(DropReason::InFlightFull));
     }
 }

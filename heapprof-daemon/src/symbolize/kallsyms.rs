@@ -4,6 +4,16 @@
 //! an address belongs to the nearest symbol at or below it. `/proc/modules` gives
 //! each module's extent, so that an address past a module's last function is not
 //! credited to it.
+//!
+//! Not blazesym's kallsyms resolver, though the user side symbolizes with blazesym:
+//! kernel profiles group frames by module (`[kernel.kallsyms]`, `[ext4]`), and in
+//! blazesym 0.2.7 that resolver leaves module names empty. Its `KsymResolver` keeps
+//! only each line's address, type and name, dropping the `[module]` column, and its
+//! `Kfunc::resolve` answers `module: None` (`src/kernel/ksym.rs`, with a TODO to add
+//! it). Only with a vmlinux file does its kernel resolver place an address in a
+//! module, and then it symbolizes from the module's `.ko` found through depmod
+//! (`src/kernel/resolver.rs`), which a machine without its modules' files on disk
+//! cannot do.
 
 use std::sync::Arc;
 

@@ -22,8 +22,13 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
+use serde_json::{Map, Value, json};
 
-use super::{Bench, GoalFigure, counted_allocations, json_number, json_string, spread};
+use super::{
+    Bench,
+    figures::DaemonStats,
+    summary::{GoalFigure, number, spread},
+};
 use crate::step;
 
 /// Batches of the STL program (about 4,650 allocations each).
@@ -158,8 +163,9 @@ fn sql_script(rows: u32) -> String {
     sql
 }
 
-/// The command line of `argv` in `mode`, its tool writing into `out`.
-fn command(bench: &Bench, mode: LaunchMode, argv: &[String], out: &Path) -> Command {
+/// The command line of `argv` in `mode`, its tool writing into `out` (heapprofd its
+/// figures into `stats`).
+fn command(bench: &Bench, mode: LaunchMode, argv: &[String], out: &Path, stats: &Path) -> Command {
     let mut command = match (mode, mode.heapprofd_flags()) {
         (LaunchMode::Heaptrack, _) => {
             let mut c = Command::new("heaptrack");
@@ -168,7 +174,8 @@ fn command(bench: &Bench, mode: LaunchMode, argv: &[String], out: &Path) -> Comm
         }
         (_, Some(flags)) => {
             let mut c = Command::new(&bench.heapprofd);
-            c.args(flags).arg("-o").arg(out).arg("--");
+            c.args(flags).arg("-o").arg(out);
+            c.arg("--stats-json").arg(stats).arg("--");
             c.env("RUST_LOG", "info");
             c
         }
@@ -191,8 +198,9 @@ fn run_once(
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let stdin = File::open(&workload.stdin)
         .with_context(|| format!("opening {}", workload.stdin.display()))?;
+    let stats = bench.stats_path();
     let started = Instant::now();
-    let mut child = command(bench, mode, &workload.argv, &out)
+    let mut child = command(bench, mode, &workload.argv, &out, &stats)
         .stdin(stdin)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -219,7 +227,11 @@ fn run_once(
     if mode == LaunchMode::Heaptrack && heaptrack_output(&out).is_none() {
         bail!("heaptrack wrote no output file in {}", out.display());
     }
-    Ok((wall, counted_allocations(&log)))
+    let allocations = match mode.heapprofd_flags() {
+        Some(_) => Some(DaemonStats::read(&stats)?.final_profile.allocated_blocks),
+        None => None,
+    };
+    Ok((wall, allocations))
 }
 
 /// The file heaptrack wrote in `out` (`x.zst` or `x.gz`).
@@ -295,13 +307,13 @@ fn start_costs(startup: &[ModeRuns]) -> Vec<f64> {
 }
 
 /// Appends the start-up table to `text`; returns its JSON object.
-fn report_startup(startup: &[ModeRuns], runs: usize, text: &mut String) -> String {
+fn report_startup(startup: &[ModeRuns], runs: usize, text: &mut String) -> Value {
     let costs = start_costs(startup);
     let _ = writeln!(
         text,
         "\n## Launch mode: fixed start-up and exit cost, on `true` ({runs} runs; median, min-max, and over bare `true`)\n"
     );
-    let mut json = Vec::new();
+    let mut json = Map::new();
     for (index, mode) in LaunchMode::ALL.iter().enumerate() {
         let s = spread(&startup[index].walls);
         match &startup[index].failure {
@@ -320,18 +332,16 @@ fn report_startup(startup: &[ModeRuns], runs: usize, text: &mut String) -> Strin
                 );
             }
         }
-        json.push(format!(
-            "{}: {{\"median_s\": {}, \"added_s\": {}, \"failed\": {}}}",
-            json_string(mode.key()),
-            json_number(s.median),
-            json_number(costs[index]),
-            startup[index]
-                .failure
-                .as_deref()
-                .map_or("null".into(), json_string)
-        ));
+        json.insert(
+            mode.key().to_owned(),
+            json!({
+                "median_s": number(s.median),
+                "added_s": number(costs[index]),
+                "failed": startup[index].failure,
+            }),
+        );
     }
-    format!("{{{}}}", json.join(", "))
+    Value::Object(json)
 }
 
 /// The figures of one mode of a workload.
@@ -389,7 +399,7 @@ fn report_workload(
     allocations: (Option<u64>, Option<u64>),
     costs: &[f64],
     text: &mut String,
-) -> (String, GoalFigure) {
+) -> (Value, GoalFigure) {
     let (counted, by_heaptrack) = allocations;
     let count = counted.or(by_heaptrack).unwrap_or(0);
     let show_count = |n: Option<u64>| n.map_or("-".into(), |n| n.to_string());
@@ -418,7 +428,7 @@ fn report_workload(
         "w/o start x ht"
     );
     let figures = figures(results, count, costs);
-    let mut json = Vec::new();
+    let mut json = Map::new();
     for (index, mode) in LaunchMode::ALL.iter().enumerate() {
         let (runs, f) = (&results[index], &figures[index]);
         let s = spread(&runs.walls);
@@ -440,7 +450,7 @@ fn report_workload(
                 shown(f.to_heaptrack_without_start, 2, "x")
             );
         }
-        json.push(mode_json(*mode, runs, f));
+        json.insert(mode.key().to_owned(), mode_json(runs, f));
     }
     let exact = LaunchMode::ALL
         .iter()
@@ -459,41 +469,38 @@ fn report_workload(
         "without the fixed start-up costs (the `true` table): exact / heaptrack {}",
         shown(figures[exact].to_heaptrack_without_start, 2, "x")
     );
-    let object = format!(
-        "{{\"name\": {}, \"key\": {}, \"allocations\": {}, \"allocations_heaptrack\": {}, \"modes\": {{{}}}, \"goal\": {}}}",
-        json_string(&workload.name),
-        json_string(workload.key),
-        counted.map_or("null".into(), |n| n.to_string()),
-        by_heaptrack.map_or("null".into(), |n| n.to_string()),
-        json.join(", "),
-        goal.json(workload.key)
-    );
+    let object = json!({
+        "name": workload.name,
+        "key": workload.key,
+        "allocations": counted,
+        "allocations_heaptrack": by_heaptrack,
+        "modes": json,
+        "goal": goal.json(workload.key),
+    });
     (object, goal)
 }
 
-/// One mode's JSON member.
-fn mode_json(mode: LaunchMode, runs: &ModeRuns, f: &Figures) -> String {
+/// One mode's object in summary.json.
+fn mode_json(runs: &ModeRuns, f: &Figures) -> Value {
     let s = spread(&runs.walls);
-    format!(
-        "{}: {{\"runs\": {}, \"median_s\": {}, \"min_s\": {}, \"max_s\": {}, \"added_s\": {}, \"added_us_per_alloc\": {}, \"ratio_to_heaptrack\": {}, \"added_us_per_alloc_without_start\": {}, \"ratio_to_heaptrack_without_start\": {}, \"failed\": {}}}",
-        json_string(mode.key()),
-        runs.walls.len(),
-        json_number(s.median),
-        json_number(s.min),
-        json_number(s.max),
-        json_number(f.added_s),
-        json_number(f.per_alloc),
-        json_number(f.to_heaptrack),
-        json_number(f.per_alloc_without_start),
-        json_number(f.to_heaptrack_without_start),
-        runs.failure.as_deref().map_or("null".into(), json_string)
-    )
+    json!({
+        "runs": runs.walls.len(),
+        "median_s": number(s.median),
+        "min_s": number(s.min),
+        "max_s": number(s.max),
+        "added_s": number(f.added_s),
+        "added_us_per_alloc": number(f.per_alloc),
+        "ratio_to_heaptrack": number(f.to_heaptrack),
+        "added_us_per_alloc_without_start": number(f.per_alloc_without_start),
+        "ratio_to_heaptrack_without_start": number(f.to_heaptrack_without_start),
+        "failed": runs.failure,
+    })
 }
 
 /// What the section gives the summary.
 pub struct LaunchReport {
     /// Its JSON object.
-    pub json: String,
+    pub json: Value,
     /// Its goals, with the workloads' keys.
     pub goals: Vec<(&'static str, GoalFigure)>,
 }
@@ -543,10 +550,7 @@ pub fn section(
         goals.push((workload.key, goal));
     }
     Ok(LaunchReport {
-        json: format!(
-            "{{\"start_up\": {startup_json}, \"workloads\": [{}]}}",
-            json.join(", ")
-        ),
+        json: json!({"start_up": startup_json, "workloads": json}),
         goals,
     })
 }

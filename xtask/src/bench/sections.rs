@@ -5,8 +5,12 @@
 use std::{fmt::Write as _, path::Path};
 
 use anyhow::Result;
+use serde_json::{Map, Value, json};
 
-use super::{Bench, json_number, json_string, spread};
+use super::{
+    Bench,
+    summary::{number, spread},
+};
 use crate::step;
 
 /// The unwind tables of the machine's largest library: `dlopen()` timed under
@@ -16,7 +20,7 @@ pub(super) fn largest_library(
     dlopen: &Path,
     runs: usize,
     text: &mut String,
-) -> Result<String> {
+) -> Result<Value> {
     step(
         "unwind tables of the machine's largest library: dlopen() under heapprofd, with and without it",
     );
@@ -33,7 +37,7 @@ pub(super) fn dumps(
     stacks: &Path,
     runs: usize,
     text: &mut String,
-) -> Result<Vec<String>> {
+) -> Result<Vec<Value>> {
     let mut json_dumps = Vec::new();
     let _ = writeln!(
         text,
@@ -80,14 +84,14 @@ pub(super) fn dumps(
             rss.max,
             median_run.0
         );
-        json_dumps.push(format!(
-            "{{\"stacks\": {count}, \"runs\": {}, \"first_dump_ms\": {}, \"cached_dump_ms\": {}, \"daemon_peak_rss_mib\": {}, \"median_first_dump\": {}}}",
-            runs,
-            json_number(first.median),
-            json_number(cached.median),
-            json_number(rss.median),
-            json_string(&median_run.0)
-        ));
+        json_dumps.push(json!({
+            "stacks": count,
+            "runs": runs,
+            "first_dump_ms": number(first.median),
+            "cached_dump_ms": number(cached.median),
+            "daemon_peak_rss_mib": number(rss.median),
+            "median_first_dump": median_run.0,
+        }));
     }
     Ok(json_dumps)
 }
@@ -99,14 +103,14 @@ pub(super) fn shutdown(
     pairs: &Path,
     runs: usize,
     text: &mut String,
-) -> Result<Vec<String>> {
+) -> Result<Map<String, Value>> {
     step("shutdown: heapprofd -- true, and final profile to exit after SIGINT");
     let _ = writeln!(
         text,
         "\n## Shutdown ({} runs each; median, min-max)\n",
         runs
     );
-    let mut json_shutdown = Vec::new();
+    let mut json_shutdown = Map::new();
     for method in ["auto", "perf-events"] {
         let mut end_to_end = Vec::new();
         let mut after_write = Vec::new();
@@ -121,12 +125,13 @@ pub(super) fn shutdown(
             "--attach {method:<12} heapprofd -- true: {:.3} s ({:.3}-{:.3}); final profile written to exit: {:.3} s ({:.3}-{:.3})",
             total.median, total.min, total.max, tail.median, tail.min, tail.max
         );
-        json_shutdown.push(format!(
-            "{}: {{\"end_to_end_true_s\": {}, \"write_to_exit_s\": {}}}",
-            json_string(method),
-            json_number(total.median),
-            json_number(tail.median)
-        ));
+        json_shutdown.insert(
+            method.to_owned(),
+            json!({
+                "end_to_end_true_s": number(total.median),
+                "write_to_exit_s": number(tail.median),
+            }),
+        );
     }
     Ok(json_shutdown)
 }

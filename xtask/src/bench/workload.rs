@@ -5,10 +5,13 @@
 use std::{collections::BTreeMap, fmt::Write as _};
 
 use anyhow::{Context as _, Result};
+use serde_json::{Map, Value, json};
 
 use super::{
-    Bench, Goal, GoalFigure, Mode, Options, Run, Summary, Tables, Workload, bpf_total_ns,
-    foreign_tracers, frames_per_allocation, json_number, json_string, spread,
+    Bench, Goal, Mode, Options, Run, Workload,
+    figures::{Tables, frames_per_allocation},
+    process::foreign_tracers,
+    summary::{GoalFigure, Summary, number, spread},
 };
 use crate::step;
 
@@ -105,34 +108,27 @@ pub(super) fn measure(
     );
     let profiles = write_profile_figures(workload, &rounds.runs, summary);
     let json_stats = write_where_time_goes(bench, workload, &timings, &mut summary.text)?;
-    summary.json_workloads.push(format!(
-        "{{\"name\": {}, \"key\": {}, \"allocations\": {}, \"runs\": {}, \"modes\": {{{}}}, \"ratio_exact_to_bpftrace\": {}, \"ratio_exact_to_empty_probes\": {}, \"ratio_sampled_to_empty_probes\": {}, \"ratio_stacks_only_to_floor\": {}, \"runs_with_other_tracers\": {}, \"single_stepped\": {}, \"goals\": [{}], \"frames_per_alloc\": {{\"heapprofd_exact\": {}, \"heapprofd_exact_fp\": {}}}, \"unwind_tables\": {}, \"unwind_tables_line\": {}, \"bpf_stats\": {{{}}}}}",
-        json_string(workload.name),
-        json_string(workload.key),
-        timings.allocations,
-        options.runs,
-        json_modes.join(", "),
-        json_number(ratio_bpftrace),
-        json_number(ratio_empty),
-        json_number(ratio_sampled_empty),
-        json_number(stacks_only),
-        rounds.disturbed,
-        profiles.single_stepped,
-        goals
-            .iter()
-            .map(|g| g.json(workload.key))
-            .collect::<Vec<_>>()
-            .join(", "),
-        json_number(profiles.frames_cfi.unwrap_or(f64::NAN)),
-        json_number(profiles.frames_fp.unwrap_or(f64::NAN)),
-        profiles
-            .tables_line
-            .as_deref()
-            .and_then(Tables::parse)
-            .map_or("null".into(), |t| t.json()),
-        profiles.tables_line.as_deref().map_or("null".into(), json_string),
-        json_stats.join(", ")
-    ));
+    summary.json_workloads.push(json!({
+        "name": workload.name,
+        "key": workload.key,
+        "allocations": timings.allocations,
+        "runs": options.runs,
+        "modes": json_modes,
+        "ratio_exact_to_bpftrace": number(ratio_bpftrace),
+        "ratio_exact_to_empty_probes": number(ratio_empty),
+        "ratio_sampled_to_empty_probes": number(ratio_sampled_empty),
+        "ratio_stacks_only_to_floor": number(stacks_only),
+        "runs_with_other_tracers": rounds.disturbed,
+        "single_stepped": profiles.single_stepped,
+        "goals": goals.iter().map(|g| g.json(workload.key)).collect::<Vec<_>>(),
+        "frames_per_alloc": {
+            "heapprofd_exact": number(profiles.frames_cfi.unwrap_or(f64::NAN)),
+            "heapprofd_exact_fp": number(profiles.frames_fp.unwrap_or(f64::NAN)),
+        },
+        "unwind_tables": profiles.tables_line.as_deref().and_then(Tables::parse).map(|t| t.json()),
+        "unwind_tables_line": profiles.tables_line,
+        "bpf_stats": json_stats,
+    }));
     Ok(())
 }
 
@@ -181,7 +177,7 @@ fn write_mode_table(
     rounds: &Rounds,
     timings: &Timings,
     summary: &mut Summary,
-) -> Vec<String> {
+) -> Map<String, Value> {
     let text = &mut summary.text;
     let _ = writeln!(
         text,
@@ -213,7 +209,7 @@ fn write_mode_table(
             .warnings
             .push(format!("{}: {warning}", workload.key));
     }
-    let mut json_modes = Vec::new();
+    let mut json_modes = Map::new();
     for mode in Mode::ALL {
         let mode_runs = &rounds.runs[&mode];
         let s = spread(&timings.walls(mode));
@@ -252,18 +248,19 @@ fn write_mode_table(
             },
             rss.map_or("-".into(), |r| format!("{} MiB", r / 1024)),
         );
-        json_modes.push(format!(
-            "{}: {{\"median_s\": {}, \"min_s\": {}, \"max_s\": {}, \"added_us_per_alloc\": {}, \"ratio_to_floor\": {}, \"start_s\": {}, \"daemon_cpu_s\": {}, \"daemon_peak_rss_kib\": {}}}",
-            json_string(mode.key()),
-            json_number(s.median),
-            json_number(s.min),
-            json_number(s.max),
-            json_number(timings.added(mode)),
-            json_number(ratio),
-            json_number(start_median),
-            json_number(cpu_median),
-            rss.map_or("null".into(), |r| r.to_string())
-        ));
+        json_modes.insert(
+            mode.key().to_owned(),
+            json!({
+                "median_s": number(s.median),
+                "min_s": number(s.min),
+                "max_s": number(s.max),
+                "added_us_per_alloc": number(timings.added(mode)),
+                "ratio_to_floor": number(ratio),
+                "start_s": number(start_median),
+                "daemon_cpu_s": number(cpu_median),
+                "daemon_peak_rss_kib": rss,
+            }),
+        );
     }
     json_modes
 }
@@ -401,23 +398,22 @@ fn write_where_time_goes(
     workload: &Workload,
     timings: &Timings,
     text: &mut String,
-) -> Result<Vec<String>> {
+) -> Result<Map<String, Value>> {
     let stats_modes = [Mode::Floor, Mode::Heapprofd, Mode::HeapprofdFp];
-    let mut json_stats = Vec::new();
+    let mut json_stats = Map::new();
     let mut bpf_ns = BTreeMap::new();
     for mode in stats_modes {
-        let stats = bench
+        let run_time = bench
             .bpf_stats(workload, mode)
             .with_context(|| format!("{} under {} --bpf-stats", workload.name, mode.name()))?;
-        let ns = bpf_total_ns(&stats).map_or(f64::NAN, |ns| ns / timings.allocations as f64);
+        let ns = run_time.total_ns as f64 / timings.allocations as f64;
+        let stats = run_time.describe();
         bpf_ns.insert(mode, ns);
         let _ = writeln!(text, "--bpf-stats, {}: {stats}", mode.name());
-        json_stats.push(format!(
-            "{}: {{\"line\": {}, \"bpf_ns_per_alloc\": {}}}",
-            json_string(mode.key()),
-            json_string(&stats),
-            json_number(ns)
-        ));
+        json_stats.insert(
+            mode.key().to_owned(),
+            json!({"line": stats, "bpf_ns_per_alloc": number(ns)}),
+        );
     }
     let wall_ns = |mode: Mode| timings.added(mode) * 1e3;
     let over_floor = |mode: Mode| {

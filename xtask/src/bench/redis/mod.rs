@@ -1,9 +1,12 @@
 //! The real-service section: Debian's redis-server (linked with jemalloc) under
-//! `redis-benchmark`, bare against `heapprofd --pid` attached to it (exact, sampled, the
-//! trap floor with `--empty-programs` and the least cost with `--stacks-only`), and against redis-server launched by heapprofd
-//! (`heapprofd -- taskset -c 0 redis-server ...`, exact and sampled; launch mode uses the
-//! LD_PRELOAD interposer by default). The sampled launch's profile is read back to check
-//! that its stacks go through redis's `zmalloc`.
+//! `redis-benchmark`, bare against `heapprofd --pid` attached to it with the allocator's
+//! probes (`--inject off`: exact, sampled, the trap floor with `--empty-programs` and the
+//! least cost with `--stacks-only`), against `heapprofd --pid` joined in-process (the
+//! default `--inject auto`: exact and sampled), and against redis-server launched by
+//! heapprofd (`heapprofd -- taskset -c 0 redis-server ...`, exact and sampled; launch mode
+//! uses the LD_PRELOAD interposer by default). How heapprofd joined each `--pid` run
+//! (`injected` or `probes`) is read from its `--stats-json`. The sampled launch's
+//! profile is read back to check that its stacks go through redis's `zmalloc`.
 //!
 //! redis runs on CPU 0 and the client on CPU 1, so that redis, not the client, is what
 //! limits the throughput; heapprofd runs beside the client. Each run starts a fresh
@@ -11,22 +14,30 @@
 //! then times one `redis-benchmark` pass. Figures per mode: requests per second over the
 //! whole pass, redis's own CPU per request, and ratios to bare of the medians.
 
+mod keys;
+mod server;
+
 use std::{
     fmt::Write as _,
-    io::Read as _,
-    path::{Path, PathBuf},
-    process::{Child, Command, ExitStatus, Stdio},
-    thread::JoinHandle,
-    time::{Duration, Instant},
+    path::Path,
+    process::{Command, Stdio},
+    time::Instant,
 };
 
 use anyhow::{Context as _, Result, bail};
+use serde_json::{Map, Value, json};
 
-use super::{Bench, json_number, json_string, spread, written_profile};
-use crate::step;
+use self::server::{PORT, Redis};
+use crate::{
+    bench::{
+        Bench,
+        figures::DaemonStats,
+        process::interrupt,
+        summary::{number, spread},
+    },
+    step,
+};
 
-/// Loopback port of the benchmark's redis (outside redis's default 6379).
-pub(super) const PORT: &str = "16399";
 /// The commands timed, as the issue measured them.
 const TESTS: &str = "set,get,lpush,lpop,sadd,hset";
 /// The goal of the sampled launch: at least this fraction of bare redis's requests/s.
@@ -40,6 +51,10 @@ enum RedisMode {
     StacksOnly,
     Exact,
     Sampled,
+    /// `--pid` joined in-process (`--inject auto`), exact.
+    JoinedExact,
+    /// `--pid` joined in-process, `--sample-rate 524288`.
+    JoinedSampled,
     /// redis-server launched by heapprofd, exact.
     LaunchExact,
     /// redis-server launched by heapprofd, `--sample-rate 524288`.
@@ -47,12 +62,14 @@ enum RedisMode {
 }
 
 impl RedisMode {
-    const ALL: [RedisMode; 7] = [
+    const ALL: [RedisMode; 9] = [
         RedisMode::Bare,
         RedisMode::Floor,
         RedisMode::StacksOnly,
         RedisMode::Exact,
         RedisMode::Sampled,
+        RedisMode::JoinedExact,
+        RedisMode::JoinedSampled,
         RedisMode::LaunchExact,
         RedisMode::LaunchSampled,
     ];
@@ -64,6 +81,8 @@ impl RedisMode {
             RedisMode::StacksOnly => "stacks only (--stacks-only)",
             RedisMode::Exact => "heapprofd --pid exact",
             RedisMode::Sampled => "heapprofd --pid sampled 512KiB",
+            RedisMode::JoinedExact => "heapprofd --pid joined exact",
+            RedisMode::JoinedSampled => "heapprofd --pid joined 512KiB",
             RedisMode::LaunchExact => "heapprofd launch exact",
             RedisMode::LaunchSampled => "heapprofd launch sampled 512KiB",
         }
@@ -76,19 +95,34 @@ impl RedisMode {
             RedisMode::StacksOnly => "heapprofd_stacks_only",
             RedisMode::Exact => "heapprofd_exact",
             RedisMode::Sampled => "heapprofd_sampled",
+            RedisMode::JoinedExact => "heapprofd_joined_exact",
+            RedisMode::JoinedSampled => "heapprofd_joined_sampled",
             RedisMode::LaunchExact => "heapprofd_launch_exact",
             RedisMode::LaunchSampled => "heapprofd_launch_sampled",
         }
     }
 
     /// heapprofd's flags for `--pid` on a running redis; `None` for the other modes.
+    /// The probe modes say `--inject off`, so that their figures keep meaning the
+    /// allocator's probes whatever `--pid` does by default.
     fn flags(self) -> Option<&'static [&'static str]> {
         match self {
             RedisMode::Bare | RedisMode::LaunchExact | RedisMode::LaunchSampled => None,
-            RedisMode::Floor => Some(&["--interval", "1h", "--empty-programs"]),
-            RedisMode::StacksOnly => Some(&["--interval", "1h", "--stacks-only"]),
-            RedisMode::Exact => Some(&["--interval", "1h"]),
-            RedisMode::Sampled => Some(&["--interval", "1h", "--sample-rate", "512KiB"]),
+            RedisMode::Floor => Some(&["--interval", "1h", "--inject", "off", "--empty-programs"]),
+            RedisMode::StacksOnly => {
+                Some(&["--interval", "1h", "--inject", "off", "--stacks-only"])
+            }
+            RedisMode::Exact => Some(&["--interval", "1h", "--inject", "off"]),
+            RedisMode::Sampled => Some(&[
+                "--interval",
+                "1h",
+                "--inject",
+                "off",
+                "--sample-rate",
+                "512KiB",
+            ]),
+            RedisMode::JoinedExact => Some(&["--interval", "1h"]),
+            RedisMode::JoinedSampled => Some(&["--interval", "1h", "--sample-rate", "524288"]),
         }
     }
 
@@ -115,18 +149,14 @@ struct Pass {
     requests_per_second: f64,
     /// redis-server's CPU time (user + system) per request, microseconds.
     cpu_us_per_request: f64,
-    /// heapprofd's warnings about single-stepped probes.
+    /// Probes heapprofd placed where the kernel single-steps them.
     single_stepped: Option<usize>,
+    /// `--pid` modes: how heapprofd joined redis (`injected` or `probes`, with why not
+    /// injected).
+    joined: Option<(String, Option<String>)>,
     /// Launch modes: whether the profile's stacks go through `zmalloc` (`None`: no
     /// profile read).
     through_zmalloc: Option<bool>,
-}
-
-/// Lines of heapprofd's log that report a single-stepped probe.
-pub fn single_stepped(log: &[String]) -> usize {
-    log.iter()
-        .filter(|line| line.contains("is single-stepped by the kernel"))
-        .count()
 }
 
 /// CPU seconds (user + system) of process `pid` so far.
@@ -142,149 +172,6 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     Ok((ticks(11)? + ticks(12)?) / hz)
-}
-
-/// redis-server's arguments after `redis-server`: loopback [`PORT`], no persistence.
-const SERVER_ARGS: [&str; 10] = [
-    "--port",
-    PORT,
-    "--bind",
-    "127.0.0.1",
-    "--save",
-    "",
-    "--appendonly",
-    "no",
-    "--loglevel",
-    "warning",
-];
-
-/// A redis-server on [`PORT`], pinned to CPU 0, without persistence; bare or launched by
-/// heapprofd.
-pub(super) struct Redis {
-    /// `taskset` (which becomes redis-server), or heapprofd in launch mode.
-    child: Child,
-    /// redis-server's pid.
-    pid: u32,
-    /// Launch mode: heapprofd's log, read to its end by a thread.
-    log: Option<JoinHandle<String>>,
-}
-
-impl Redis {
-    /// Starts a bare redis-server.
-    pub(super) fn start() -> Result<Redis> {
-        let child = Command::new("taskset")
-            .args(["-c", "0", "redis-server"])
-            .args(SERVER_ARGS)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting redis-server")?;
-        // taskset execs redis-server: the same pid.
-        let pid = child.id();
-        let redis = Redis {
-            child,
-            pid,
-            log: None,
-        };
-        wait_for_pong()?;
-        Ok(redis)
-    }
-
-    /// Starts redis-server under `heapprofd FLAGS -o DIR -- taskset -c 0 redis-server`
-    /// (heapprofd itself not pinned, as in the attach modes).
-    fn launch(bench: &Bench, flags: &[&str]) -> Result<Redis> {
-        let mut child = Command::new(&bench.heapprofd)
-            .args(flags)
-            .arg("-o")
-            .arg(bench.dir.join("profiles"))
-            .args(["--", "taskset", "-c", "0", "redis-server"])
-            .args(SERVER_ARGS)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .context("starting heapprofd -- redis-server")?;
-        let mut stderr = child.stderr.take().context("heapprofd stderr")?;
-        let log = std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = stderr.read_to_string(&mut text);
-            text
-        });
-        let pid = child.id();
-        let mut redis = Redis {
-            child,
-            pid,
-            log: Some(log),
-        };
-        if let Err(err) = wait_for_pong() {
-            let log = redis.stop().map(|(_, log)| log).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(6).collect();
-            bail!(
-                "{err:#}; heapprofd's last lines (newest first): {}",
-                tail.join(" | ")
-            );
-        }
-        redis.pid = server_pid().context("redis-cli info server gave no process_id")?;
-        Ok(redis)
-    }
-
-    pub(super) fn pid(&self) -> u32 {
-        self.pid
-    }
-
-    /// Launch mode: SIGINT to heapprofd (which passes it to redis and writes its final
-    /// profile); its exit status (redis's: 0 on SIGINT) and its log. `None` and an empty
-    /// log for a bare redis.
-    fn stop(&mut self) -> Result<(Option<ExitStatus>, String)> {
-        let Some(log) = self.log.take() else {
-            return Ok((None, String::new()));
-        };
-        super::interrupt(&self.child);
-        let status = self.child.wait()?;
-        Ok((Some(status), log.join().unwrap_or_default()))
-    }
-}
-
-impl Drop for Redis {
-    fn drop(&mut self) {
-        if self.log.is_some() && self.pid != self.child.id() {
-            // A launched redis whose heapprofd did not stop it: end it too.
-            // SAFETY: plain kill(2) of a process of ours.
-            unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGKILL) };
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Waits until redis answers PING on [`PORT`].
-fn wait_for_pong() -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        let pong = Command::new("redis-cli")
-            .args(["-p", PORT, "ping"])
-            .output()
-            .is_ok_and(|o| o.stdout.starts_with(b"PONG"));
-        if pong {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    bail!("redis-server did not answer on port {PORT} within 10 s (is the port taken?)")
-}
-
-/// The pid redis-server reports (`INFO server`).
-fn server_pid() -> Option<u32> {
-    let output = Command::new("redis-cli")
-        .args(["-p", PORT, "info", "server"])
-        .output()
-        .ok()?;
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("process_id:"))?
-        .trim()
-        .parse()
-        .ok()
 }
 
 /// Whether a profile's stacks go through redis's `zmalloc` (any frame naming it), from
@@ -347,26 +234,30 @@ fn pass(bench: &Bench, mode: RedisMode, requests: u32) -> Result<Pass> {
     client(TESTS, requests)?;
     let wall = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds(redis.pid())? - cpu_before;
-    let (single_stepped, through_zmalloc) = match daemon {
-        Some(mut daemon) => {
-            super::interrupt(&daemon.child);
-            daemon.child.wait()?;
-            daemon.log.extend(daemon.lines.try_iter());
-            (Some(single_stepped(&daemon.log)), None)
+    let (single_stepped, through_zmalloc, joined) = match daemon {
+        Some(daemon) => {
+            interrupt(&daemon.child);
+            let mut child = daemon.child;
+            child.wait()?;
+            let stats = DaemonStats::read(&daemon.stats)?;
+            let joined = stats.joined.map(|j| (j.how, j.reason));
+            (Some(stats.single_stepped_probes), None, joined)
         }
-        None if mode.launch_flags().is_some() => {
-            let (status, log) = redis.stop()?;
-            let log: Vec<String> = log.lines().map(str::to_owned).collect();
-            if let Some(status) = status.filter(|s| !s.success()) {
-                bail!("heapprofd -- redis-server ended with {status}");
+        None => match (redis.stop()?, redis.stats()) {
+            ((Some(status), _), _) if !status.success() => {
+                bail!("heapprofd -- redis-server ended with {status}")
             }
-            let profile: Option<PathBuf> = written_profile(&log);
-            (
-                Some(single_stepped(&log)),
-                profile.as_deref().and_then(through_zmalloc),
-            )
-        }
-        None => (None, None),
+            ((Some(_), _), Some(stats)) => {
+                let stats = DaemonStats::read(stats)?;
+                let profile = stats.final_profile.path;
+                (
+                    Some(stats.single_stepped_probes),
+                    through_zmalloc(&profile),
+                    None,
+                )
+            }
+            _ => (None, None, None),
+        },
     };
     let total = f64::from(requests) * TESTS.split(',').count() as f64;
     Ok(Pass {
@@ -374,6 +265,7 @@ fn pass(bench: &Bench, mode: RedisMode, requests: u32) -> Result<Pass> {
         cpu_us_per_request: cpu / total * 1e6,
         single_stepped,
         through_zmalloc,
+        joined,
     })
 }
 
@@ -435,7 +327,7 @@ fn check_tools() -> Result<()> {
 }
 
 /// Runs the section; appends its table to `text` and returns its JSON object.
-pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Result<String> {
+pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Result<Value> {
     check_tools()?;
     let requests = if quick { 20_000 } else { 100_000 };
     step(&format!(
@@ -457,11 +349,12 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         "{:<32} {:>12} {:>12} {:>14} {:>10} {:>15}",
         "mode", "requests/s", "min-max", "x bare", "cpu us/req", "single-stepped"
     );
-    let mut json_modes = Vec::new();
+    let mut json = Map::new();
     for (index, mode) in RedisMode::ALL.iter().enumerate() {
-        let (line, json) = mode_row(*mode, &passes[index], failures[index].as_deref(), bare_rps);
+        let (line, mode_json) =
+            mode_row(*mode, &passes[index], failures[index].as_deref(), bare_rps);
         let _ = writeln!(text, "{line}");
-        json_modes.push(json);
+        json.insert(mode.key().to_owned(), mode_json);
     }
     let added = |mode: RedisMode| median(mode, |p| p.cpu_us_per_request) - bare_cpu;
     let (floor_added, exact_added) = (added(RedisMode::Floor), added(RedisMode::Exact));
@@ -474,6 +367,18 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         added(RedisMode::LaunchExact),
         added(RedisMode::LaunchSampled)
     );
+    let _ = writeln!(
+        text,
+        "joined in-process (--inject auto), redis CPU added per request: exact {:.2} us, sampled {:.2} us",
+        added(RedisMode::JoinedExact),
+        added(RedisMode::JoinedSampled)
+    );
+    let joined: Vec<String> = RedisMode::ALL
+        .iter()
+        .filter(|mode| mode.flags().is_some())
+        .map(|mode| format!("{} {}", mode.name(), joined_answer(&passes[mode.index()]).0))
+        .collect();
+    let _ = writeln!(text, "how --pid joined redis: {}", joined.join("; "));
     let sampled = median(RedisMode::LaunchSampled, |p| p.requests_per_second) / bare_rps;
     let (goal_line, goal_json) = launch_goal(sampled);
     let _ = writeln!(text, "goal: {goal_line}");
@@ -484,19 +389,23 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         zmalloc(RedisMode::LaunchSampled),
         zmalloc(RedisMode::LaunchExact)
     );
-    let million_keys = match super::redis_keys::section(bench, quick, text) {
+    let million_keys = match keys::section(bench, quick, text) {
         Ok(json) => json,
         Err(err) => {
             let _ = writeln!(text, "redis filled with keys: failed: {err:#}");
-            "null".to_owned()
+            Value::Null
         }
     };
-    Ok(format!(
-        "{{{}, \"launch_sampled_goal\": {goal_json}, \"stacks_through_zmalloc\": {{\"heapprofd_launch_sampled\": {}, \"heapprofd_launch_exact\": {}}}, \"million_keys\": {million_keys}}}",
-        json_modes.join(", "),
-        json_string(zmalloc(RedisMode::LaunchSampled)),
-        json_string(zmalloc(RedisMode::LaunchExact))
-    ))
+    json.insert("launch_sampled_goal".to_owned(), goal_json);
+    json.insert(
+        "stacks_through_zmalloc".to_owned(),
+        json!({
+            "heapprofd_launch_sampled": zmalloc(RedisMode::LaunchSampled),
+            "heapprofd_launch_exact": zmalloc(RedisMode::LaunchExact),
+        }),
+    );
+    json.insert("million_keys".to_owned(), million_keys);
+    Ok(Value::Object(json))
 }
 
 /// The table row and JSON member of `mode`.
@@ -505,7 +414,7 @@ fn mode_row(
     passes: &[Pass],
     failure: Option<&str>,
     bare_rps: f64,
-) -> (String, String) {
+) -> (String, Value) {
     let rates = spread(
         &passes
             .iter()
@@ -533,22 +442,29 @@ fn mode_row(
             stepped.map_or("-".into(), |n| n.to_string())
         ),
     };
-    let json = format!(
-        "{}: {{\"runs\": {}, \"requests_per_second\": {}, \"to_bare\": {}, \"cpu_us_per_request\": {}, \"single_stepped\": {}, \"failed\": {}}}",
-        json_string(mode.key()),
-        passes.len(),
-        json_number(rates.median),
-        json_number(rates.median / bare_rps),
-        json_number(cpu),
-        stepped.map_or("null".into(), |n| n.to_string()),
-        failure.map_or("null".into(), json_string)
-    );
+    let json = json!({
+        "runs": passes.len(),
+        "requests_per_second": number(rates.median),
+        "to_bare": number(rates.median / bare_rps),
+        "cpu_us_per_request": number(cpu),
+        "single_stepped": stepped,
+        "failed": failure,
+    });
+    let json = match (json, mode.flags()) {
+        (Value::Object(mut object), Some(_)) => {
+            let (how, reason) = joined_answer(passes);
+            object.insert("joined".to_owned(), json!(how));
+            object.insert("not_injected_because".to_owned(), json!(reason));
+            Value::Object(object)
+        }
+        (json, _) => json,
+    };
     (line, json)
 }
 
 /// The goal of the sampled launch (at least [`LAUNCH_SAMPLED_GOAL`] of bare's
 /// requests/s), as a line and a JSON object; a figure, never pass/fail.
-fn launch_goal(to_bare: f64) -> (String, String) {
+fn launch_goal(to_bare: f64) -> (String, Value) {
     let met = to_bare
         .is_finite()
         .then_some(to_bare >= LAUNCH_SAMPLED_GOAL);
@@ -565,11 +481,11 @@ fn launch_goal(to_bare: f64) -> (String, String) {
             None => "no figure",
         }
     );
-    let json = format!(
-        "{{\"value\": {}, \"limit\": {LAUNCH_SAMPLED_GOAL}, \"met\": {}}}",
-        json_number(to_bare),
-        met.map_or("null".into(), |m| m.to_string())
-    );
+    let json = json!({
+        "value": number(to_bare),
+        "limit": LAUNCH_SAMPLED_GOAL,
+        "met": met,
+    });
     (line, json)
 }
 
@@ -582,4 +498,25 @@ fn zmalloc_answer(passes: &[Pass]) -> &'static str {
         a if a.iter().all(|&b| b) => "yes",
         _ => "no",
     }
+}
+
+/// How the passes of a `--pid` mode joined redis: `injected` or `probes` when all
+/// passes agree, `mixed` when not, `unknown` without a pass; and the first reason a
+/// pass gave for not injecting.
+fn joined_answer(passes: &[Pass]) -> (&'static str, Option<String>) {
+    let hows: Vec<&str> = passes
+        .iter()
+        .filter_map(|p| p.joined.as_ref().map(|(how, _)| how.as_str()))
+        .collect();
+    let how = match hows.as_slice() {
+        [] => "unknown",
+        [first, ..] if hows.iter().any(|h| h != first) => "mixed",
+        ["injected", ..] => "injected",
+        ["probes", ..] => "probes",
+        _ => "unknown",
+    };
+    let reason = passes
+        .iter()
+        .find_map(|p| p.joined.as_ref().and_then(|(_, reason)| reason.clone()));
+    (how, reason)
 }

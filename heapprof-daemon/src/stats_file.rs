@@ -1,0 +1,295 @@
+//! `--stats-json FILE`: the figures of a run, written once at exit as JSON, for the
+//! programs that would otherwise read them out of the log's wording (the benchmark,
+//! tests). The log keeps saying the same things to people; this file is the
+//! interface, and its keys are what must not change.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::Path,
+};
+
+use anyhow::{Context as _, Result};
+use heapprof_common::DropReason;
+use serde::Serialize;
+
+use crate::{probes::map_memory::TableMemory, report};
+
+/// How a `--pid` target was joined.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Joining {
+    /// The target.
+    pub pid: u32,
+    /// `injected` (heapprofd's library serves its allocator calls) or `probes` (the
+    /// allocator's probes).
+    pub how: JoinedBy,
+    /// Why it was not joined in-process (`--inject off`, or what stood in the way).
+    pub reason: Option<String>,
+}
+
+/// The two ways a running process is profiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JoinedBy {
+    /// The preload library, loaded into the process.
+    Injected,
+    /// Uprobes on its allocator.
+    Probes,
+}
+
+/// What start-up learns that the stats file reports at exit.
+#[derive(Debug, Default)]
+pub struct StartFigures {
+    /// The names of the BPF object's programs (some are loaded only when their first
+    /// probe is attached, after start).
+    pub programs: Vec<String>,
+    /// The kernel memory of the BPF maps, as measured once everything was loaded.
+    pub kernel_memory: Vec<TableMemory>,
+    /// `--pid`: how the target was joined.
+    pub joining: Option<Joining>,
+}
+
+impl StartFigures {
+    /// The names of `ebpf`'s programs.
+    pub fn programs_of(ebpf: &aya::Ebpf) -> Vec<String> {
+        ebpf.programs().map(|(name, _)| name.to_owned()).collect()
+    }
+}
+
+/// The file's contents.
+#[derive(Debug, Serialize)]
+pub struct RunStats {
+    /// The final profile, as read back from the file written.
+    pub final_profile: ProfileTotals,
+    /// Events dropped over the run, by the reason's stable name
+    /// (`heapprof_common::DropReason::name`), from the final profile's comments.
+    pub dropped: BTreeMap<&'static str, u64>,
+    /// `--pid`: how the target was joined.
+    pub joined: Option<Joining>,
+    /// The BPF maps' kernel memory at start: bytes by table, and their total.
+    pub kernel_memory: KernelMemory,
+    /// Probes placed where the kernel single-steps them (each logged as a warning).
+    pub single_stepped_probes: usize,
+    /// `--bpf-stats`: the programs' run time since they were loaded; `None` without it.
+    pub bpf_run_time: Option<BpfRunTime>,
+}
+
+/// The sums of a profile's first four values (allocated and in-use blocks and bytes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProfileTotals {
+    /// Where it was written.
+    pub path: String,
+    /// Its samples (allocation sites with their labels).
+    pub samples: usize,
+    /// Blocks allocated (estimates when sampled).
+    pub allocated_blocks: u64,
+    /// Bytes allocated.
+    pub allocated_bytes: u64,
+    /// Blocks in use at the end.
+    pub inuse_blocks: u64,
+    /// Bytes in use at the end.
+    pub inuse_bytes: u64,
+}
+
+/// The BPF maps' kernel memory.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct KernelMemory {
+    /// All of it, in bytes.
+    pub total_bytes: u64,
+    /// By table (`live_blocks`, `sites`, ..., `other`), in bytes.
+    pub tables: BTreeMap<&'static str, u64>,
+}
+
+/// The BPF programs' run time.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct BpfRunTime {
+    /// Every program's, in nanoseconds.
+    pub total_ns: u64,
+    /// Each program that ran, busiest first.
+    pub programs: Vec<ProgramRunTime>,
+}
+
+/// One program's runs and run time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ProgramRunTime {
+    /// Its name in heapprofd's BPF object.
+    pub name: String,
+    /// Times it ran.
+    pub runs: u64,
+    /// Nanoseconds spent in it.
+    pub run_time_ns: u64,
+}
+
+impl BpfRunTime {
+    /// The kernel's statistics of the BPF programs this process holds, read now, named
+    /// as in `names` (the object's; the kernel keeps 15 characters of a name). The
+    /// kernel counts only while statistics are enabled (`--bpf-stats`). Found through
+    /// the process's descriptors, not through the session that loaded them: programs
+    /// are loaded as their first probes are attached, some after start.
+    pub fn read(names: &[String]) -> Self {
+        let ours = program_ids_of_this_process();
+        let full_name = |kernel: &str| {
+            names
+                .iter()
+                .find(|name| name.get(..kernel.len()) == Some(kernel))
+                .cloned()
+                .unwrap_or_else(|| kernel.to_owned())
+        };
+        let mut found: Vec<ProgramRunTime> = aya::programs::loaded_programs()
+            .filter_map(Result::ok)
+            .filter(|info| ours.contains(&info.id()))
+            .map(|info| ProgramRunTime {
+                name: full_name(info.name_as_str().unwrap_or("?")),
+                runs: info.run_count(),
+                run_time_ns: u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX),
+            })
+            .filter(|program| program.runs > 0)
+            .collect();
+        found.sort_by_key(|program| std::cmp::Reverse(program.run_time_ns));
+        BpfRunTime {
+            total_ns: found.iter().map(|program| program.run_time_ns).sum(),
+            programs: found,
+        }
+    }
+}
+
+/// The ids of the BPF programs this process holds a descriptor of (a program's, or a
+/// link's to it), from `/proc/self/fdinfo`.
+fn program_ids_of_this_process() -> BTreeSet<u32> {
+    std::fs::read_dir("/proc/self/fdinfo")
+        .into_iter()
+        .flatten()
+        .filter_map(Result::ok)
+        .filter_map(|entry| std::fs::read_to_string(entry.path()).ok())
+        .filter_map(|info| {
+            info.lines()
+                .find_map(|line| line.strip_prefix("prog_id:"))
+                .and_then(|id| id.trim().parse().ok())
+        })
+        .collect()
+}
+
+impl KernelMemory {
+    /// The figures of the start-up measurement.
+    pub fn of(tables: &[TableMemory]) -> Self {
+        let mut by_table = BTreeMap::new();
+        for table in tables {
+            *by_table.entry(table.table).or_default() += table.bytes;
+        }
+        KernelMemory {
+            total_bytes: tables.iter().map(|table| table.bytes).sum(),
+            tables: by_table,
+        }
+    }
+}
+
+impl ProfileTotals {
+    /// Reads the profile at `path` back and sums its values.
+    pub fn read(path: &Path) -> Result<(Self, Vec<String>)> {
+        let profile = report::model::Profile::load(path)?;
+        let mut totals = [0u64; 4];
+        for sample in &profile.samples {
+            for (total, value) in totals.iter_mut().zip(&sample.values) {
+                *total += u64::try_from(*value).unwrap_or(0);
+            }
+        }
+        let [allocated_blocks, allocated_bytes, inuse_blocks, inuse_bytes] = totals;
+        Ok((
+            ProfileTotals {
+                path: path.display().to_string(),
+                samples: profile.samples.len(),
+                allocated_blocks,
+                allocated_bytes,
+                inuse_blocks,
+                inuse_bytes,
+            },
+            profile.comments,
+        ))
+    }
+}
+
+/// The drops `comments` record, by reason name (every reason, zeros included, when
+/// the comments hold any).
+pub fn dropped(comments: &[String]) -> BTreeMap<&'static str, u64> {
+    let mut dropped = BTreeMap::new();
+    for loss in report::losses::losses(comments) {
+        if let (Some(reason), Some(count)) = (loss.reason, loss.count) {
+            *dropped.entry(reason.name()).or_default() += count;
+        }
+    }
+    if !dropped.is_empty() || comments.iter().any(|c| c.starts_with("dropped: ")) {
+        for reason in DropReason::ALL {
+            dropped.entry(reason.name()).or_default();
+        }
+    }
+    dropped
+}
+
+/// Writes `stats` to `path` (replaced whole: written beside it, then renamed).
+pub fn write(path: &Path, stats: &RunStats) -> Result<()> {
+    let text = serde_json::to_string_pretty(stats).context("encoding the stats")?;
+    let partial = path.with_extension("partial");
+    std::fs::write(&partial, text + "\n")
+        .with_context(|| format!("writing {}", partial.display()))?;
+    std::fs::rename(&partial, path).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drops_are_keyed_by_the_reasons_names() {
+        let comments: Vec<String> = vec![
+            "heapprofd 0.1.0".into(),
+            report::losses::drop_comment(DropReason::LiveTableFull, 23),
+            format!("dropped: {} = 5", DropReason::StackTableFull.describe()),
+            report::losses::drop_comment(DropReason::SiteTableFull, 0),
+        ];
+        let dropped = dropped(&comments);
+        assert_eq!(dropped["live_table_full"], 23);
+        assert_eq!(dropped["stack_table_full"], 5);
+        assert_eq!(dropped["site_table_full"], 0);
+        assert_eq!(dropped.len(), DropReason::ALL.len());
+        assert!(super::dropped(&["heapprofd 0.1.0".to_owned()]).is_empty());
+    }
+
+    #[test]
+    fn the_file_names_how_a_target_was_joined() {
+        let stats = RunStats {
+            final_profile: ProfileTotals {
+                path: "/tmp/heap.pb.gz".into(),
+                samples: 0,
+                allocated_blocks: 0,
+                allocated_bytes: 0,
+                inuse_blocks: 0,
+                inuse_bytes: 0,
+            },
+            dropped: BTreeMap::new(),
+            joined: Some(Joining {
+                pid: 42,
+                how: JoinedBy::Probes,
+                reason: Some("--inject off".into()),
+            }),
+            kernel_memory: KernelMemory::of(&[
+                TableMemory {
+                    table: "live_blocks",
+                    bytes: 4096,
+                    flag: "--max-live-blocks",
+                },
+                TableMemory {
+                    table: "other",
+                    bytes: 100,
+                    flag: "",
+                },
+            ]),
+            single_stepped_probes: 0,
+            bpf_run_time: None,
+        };
+        let value = serde_json::to_value(&stats).expect("serializable");
+        assert_eq!(value["joined"]["how"], "probes");
+        assert_eq!(value["joined"]["reason"], "--inject off");
+        assert_eq!(value["kernel_memory"]["total_bytes"], 4196);
+        assert_eq!(value["kernel_memory"]["tables"]["live_blocks"], 4096);
+        assert!(value["bpf_run_time"].is_null());
+    }
+}

@@ -1,0 +1,265 @@
+//! Reading the daemon's figures: what a run of heapprofd counted, wrote and built, from
+//! the file it writes at exit with `--stats-json` (allocations, the final profile,
+//! drops, how a `--pid` target was joined, BPF run time, single-stepped probes, map
+//! memory), its unwind tables (still from its log line), and what its profile holds
+//! (frames per allocation).
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use anyhow::{Context as _, Result};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+/// What a heapprofd run wrote with `--stats-json` at its exit (the daemon's
+/// `stats_file.rs`): only the figures the benchmark reads.
+#[derive(Debug, Deserialize)]
+pub(super) struct DaemonStats {
+    /// The final profile.
+    pub(super) final_profile: FinalProfile,
+    /// Events dropped, by the reason's stable name.
+    pub(super) dropped: BTreeMap<String, u64>,
+    /// `--pid`: how the target was joined.
+    pub(super) joined: Option<Joined>,
+    /// The BPF maps' kernel memory at start.
+    pub(super) kernel_memory: KernelMemory,
+    /// Probes the kernel single-steps.
+    pub(super) single_stepped_probes: usize,
+    /// `--bpf-stats`: the programs' run time.
+    pub(super) bpf_run_time: Option<BpfRunTime>,
+}
+
+/// The final profile's path and totals.
+#[derive(Debug, Deserialize)]
+pub(super) struct FinalProfile {
+    pub(super) path: PathBuf,
+    pub(super) allocated_blocks: u64,
+    pub(super) inuse_blocks: u64,
+}
+
+/// How a `--pid` target was joined: `how` is `injected` or `probes`.
+#[derive(Debug, Deserialize)]
+pub(super) struct Joined {
+    pub(super) how: String,
+    pub(super) reason: Option<String>,
+}
+
+/// The BPF maps' kernel memory, in bytes: all of it and by table.
+#[derive(Debug, Deserialize)]
+pub(super) struct KernelMemory {
+    pub(super) total_bytes: u64,
+    pub(super) tables: BTreeMap<String, u64>,
+}
+
+/// The BPF programs' run time (`--bpf-stats`).
+#[derive(Debug, Deserialize)]
+pub(super) struct BpfRunTime {
+    pub(super) total_ns: u64,
+    pub(super) programs: Vec<ProgramRunTime>,
+}
+
+/// One program's runs and run time.
+#[derive(Debug, Deserialize)]
+pub(super) struct ProgramRunTime {
+    pub(super) name: String,
+    pub(super) runs: u64,
+    pub(super) run_time_ns: u64,
+}
+
+impl DaemonStats {
+    /// Reads the file heapprofd wrote at `path` (it exists once heapprofd has exited).
+    pub(super) fn read(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("heapprofd wrote no --stats-json {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))
+    }
+
+    /// Events dropped for the reason named `name` (`live_table_full`, ...).
+    pub(super) fn dropped(&self, name: &str) -> u64 {
+        self.dropped.get(name).copied().unwrap_or(0)
+    }
+}
+
+impl KernelMemory {
+    /// One line, as the start-up log words it: the total, then each table.
+    pub(super) fn describe(&self) -> String {
+        let mib = |bytes: u64| bytes as f64 / f64::from(1 << 20);
+        let tables: Vec<String> = self
+            .tables
+            .iter()
+            .filter(|(_, bytes)| **bytes > 0)
+            .map(|(table, bytes)| format!("{table} {:.1} MiB", mib(*bytes)))
+            .collect();
+        format!(
+            "BPF maps hold {:.1} MiB of kernel memory: {}",
+            mib(self.total_bytes),
+            tables.join(", ")
+        )
+    }
+}
+
+impl BpfRunTime {
+    /// One line: the total, then each program's runs and nanoseconds per run.
+    pub(super) fn describe(&self) -> String {
+        let programs: Vec<String> = self
+            .programs
+            .iter()
+            .map(|p| {
+                format!(
+                    "{} {} runs {} ns/run",
+                    p.name,
+                    p.runs,
+                    p.run_time_ns / p.runs.max(1)
+                )
+            })
+            .collect();
+        format!(
+            "BPF run time {:.3} ms: {}",
+            self.total_ns as f64 / 1e6,
+            if programs.is_empty() {
+                "no runs yet".to_owned()
+            } else {
+                programs.join(", ")
+            }
+        )
+    }
+}
+
+/// heapprofd's last `unwind tables: ...` log line, from "unwind tables" on.
+pub(super) fn unwind_tables_line(log: &[String]) -> Option<String> {
+    log.iter()
+        .rev()
+        .find_map(|l| l.split_once("unwind tables: "))
+        .map(|(_, rest)| format!("unwind tables: {rest}"))
+}
+
+/// The figures of an `unwind tables:` line: `7 objects, 72345 rows, 812 rules, 600 KiB
+/// of BPF map memory in use, built in 30 ms; 0 objects without CFI, 0 that did not fit`.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Tables {
+    pub(super) objects: u64,
+    pub(super) rows: u64,
+    pub(super) rules: u64,
+    pub(super) kib: u64,
+    pub(super) build_ms: u64,
+    pub(super) not_fitting: u64,
+}
+
+impl Tables {
+    pub(super) fn parse(line: &str) -> Option<Tables> {
+        // The number just before `label`.
+        let before = |label: &str| -> Option<u64> {
+            let head = line.split(label).next().filter(|h| h.len() < line.len())?;
+            head.rsplit(' ').next()?.parse().ok()
+        };
+        let build_ms = line
+            .split("built in ")
+            .nth(1)?
+            .split(' ')
+            .next()?
+            .parse()
+            .ok()?;
+        Some(Tables {
+            objects: before(" objects,")?,
+            rows: before(" rows,")?,
+            rules: before(" rules,")?,
+            kib: before(" KiB of BPF map memory")?,
+            build_ms,
+            not_fitting: before(" that did not fit").unwrap_or(0),
+        })
+    }
+
+    /// Its object in summary.json.
+    pub(super) fn json(&self) -> Value {
+        json!({
+            "objects": self.objects,
+            "rows": self.rows,
+            "rules": self.rules,
+            "bpf_map_kib": self.kib,
+            "build_ms": self.build_ms,
+            "not_fitting": self.not_fitting,
+        })
+    }
+}
+
+/// The mean number of frames (locations, the allocator's own included) per allocation of
+/// a profile, weighted by `alloc_objects`; from `go tool pprof -raw`. `None` when go is
+/// missing or the profile has no allocations.
+pub(super) fn frames_per_allocation(profile: &Path) -> Option<f64> {
+    let output = Command::new("go")
+        .args(["tool", "pprof", "-raw"])
+        .arg(profile)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&output.stdout);
+    let (mut objects, mut frames) = (0u64, 0u64);
+    // Sample lines: `alloc_objects alloc_space inuse_objects inuse_space: LOC LOC ...`,
+    // each followed by label lines (`comm:[...]`), whose key is not a number.
+    let samples = text
+        .lines()
+        .skip_while(|l| !l.starts_with("Samples:"))
+        .take_while(|l| !l.starts_with("Locations"));
+    for line in samples {
+        let Some((values, locations)) = line.split_once(':') else {
+            continue;
+        };
+        let Some(Ok(count)) = values.split_whitespace().next().map(str::parse::<u64>) else {
+            continue;
+        };
+        objects += count;
+        frames += count * locations.split_whitespace().count() as u64;
+    }
+    (objects > 0).then(|| frames as f64 / objects as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file as heapprofd's `stats_file.rs` writes it (its own tests check its keys).
+    const WRITTEN: &str = r#"{
+  "final_profile": {"path": "/tmp/p/heap-1.pb.gz", "samples": 87,
+    "allocated_blocks": 22144066, "allocated_bytes": 594233862,
+    "inuse_blocks": 2979936, "inuse_bytes": 73053015},
+  "dropped": {"live_table_full": 28, "site_table_full": 0},
+  "joined": {"pid": 42, "how": "probes", "reason": "--inject off"},
+  "kernel_memory": {"total_bytes": 46137344,
+    "tables": {"live_blocks": 45088768, "other": 1048576, "sites": 0}},
+  "single_stepped_probes": 1,
+  "bpf_run_time": {"total_ns": 2500000, "programs": [
+    {"name": "alloc_entry", "runs": 1000, "run_time_ns": 2000000},
+    {"name": "alloc_return", "runs": 1000, "run_time_ns": 500000}]}
+}"#;
+
+    #[test]
+    fn figures_come_from_the_stats_file() {
+        let stats: DaemonStats = serde_json::from_str(WRITTEN).expect("the daemon's form");
+        assert_eq!(stats.final_profile.allocated_blocks, 22_144_066);
+        assert_eq!(stats.final_profile.inuse_blocks, 2_979_936);
+        assert_eq!(stats.dropped("live_table_full"), 28);
+        assert_eq!(stats.dropped("in_flight_full"), 0);
+        assert_eq!(stats.single_stepped_probes, 1);
+        let joined = stats.joined.as_ref().expect("joined");
+        assert_eq!(
+            (joined.how.as_str(), joined.reason.as_deref()),
+            ("probes", Some("--inject off"))
+        );
+        assert_eq!(
+            stats.kernel_memory.describe(),
+            "BPF maps hold 44.0 MiB of kernel memory: live_blocks 43.0 MiB, other 1.0 MiB"
+        );
+        let run_time = stats.bpf_run_time.expect("--bpf-stats");
+        assert_eq!(
+            run_time.describe(),
+            "BPF run time 2.500 ms: alloc_entry 1000 runs 2000 ns/run, alloc_return 1000 runs 500 ns/run"
+        );
+    }
+}
