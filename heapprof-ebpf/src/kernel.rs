@@ -11,7 +11,8 @@ use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_kernel,
-        bpf_probe_read_kernel_str_bytes, generated::bpf_get_stack,
+        bpf_probe_read_kernel_str_bytes,
+        generated::{bpf_get_func_arg, bpf_get_stack},
     },
     macros::{fentry, map, tracepoint},
     maps::{HashMap, PerCpuArray, PerCpuHashMap},
@@ -20,9 +21,9 @@ use aya_ebpf::{
 use heapprof_common::{
     DropReason,
     kernel::{
-        CACHE_NAME_LEN, EventLayout, FieldRef, KernelAllocKind, KernelConfig, KernelCounters,
-        KernelEvent, KernelLiveBlock, KernelLiveKey, KernelSiteKey, KernelSpace, KernelStack,
-        MAX_KERNEL_STACK_DEPTH,
+        CACHE_NAME_LEN, DeferredFreePath, EventLayout, FieldRef, FuncArgs, KernelAllocKind,
+        KernelConfig, KernelCounters, KernelEvent, KernelLiveBlock, KernelLiveKey, KernelSiteKey,
+        KernelSpace, KernelStack, MAX_KERNEL_STACK_DEPTH, rcu_freed_object,
     },
 };
 
@@ -48,6 +49,10 @@ static CACHE_NAMES: HashMap<u64, [u8; CACHE_NAME_LEN]> =
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
 #[map(name = "COMMS")]
 static COMMS: HashMap<u32, [u8; 16]> = HashMap::with_max_entries(65536, 0);
+/// Objects each fentry program freed for the profile, by [`DeferredFreePath`].
+#[map(name = "KERNEL_DEFERRED_FREES")]
+static KERNEL_DEFERRED_FREES: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(DeferredFreePath::COUNT as u32, 0);
 
 const NO_FIELD: FieldRef = FieldRef { offset: 0, size: 0 };
 const NO_LAYOUT: EventLayout = EventLayout {
@@ -68,7 +73,7 @@ static KERNEL_CONFIG: KernelConfig = KernelConfig {
     filter_processes: 0,
     cgroup_id: 0,
     cgroup_level: 0,
-    _pad: 0,
+    func_args: FuncArgs::Helper as u32,
 };
 
 const EEXIST: i32 = 17;
@@ -235,16 +240,17 @@ fn add_to_site(
 }
 
 /// Credits the free of a tracked object to the site that allocated it; untracked
-/// objects (allocated before tracing, or not counted) are ignored.
+/// objects (allocated before tracing, or not counted) are ignored. Returns whether
+/// the object was tracked.
 #[inline(always)]
-fn release(key: &KernelLiveKey) {
+fn release(key: &KernelLiveKey) -> bool {
     // SAFETY: the value is copied out before the entry is removed.
     let Some(block) = (unsafe { KERNEL_LIVE.get(key) }).copied() else {
-        return;
+        return false;
     };
     if KERNEL_LIVE.remove(key).is_err() {
         // Another CPU freed it first (a double free would be the kernel's bug): count once.
-        return;
+        return false;
     }
     let delta = KernelCounters {
         free_objects: 1,
@@ -253,6 +259,7 @@ fn release(key: &KernelLiveKey) {
         ..KernelCounters::default()
     };
     add_to_site(&block.site, None, None, &delta);
+    true
 }
 
 #[inline(always)]
@@ -337,7 +344,7 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
     if inserted == Err(-EEXIST) {
         // Still recorded at this address: it was freed on a path without a tracepoint
         // (bulk frees). Close it so its site's in-use stays right.
-        release(&key);
+        let _ = release(&key);
         inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
     if inserted.is_err() {
@@ -364,7 +371,7 @@ fn on_free(ctx: &TracePointContext, event: KernelEvent, space: KernelSpace) -> u
     if addr == 0 && matches!(space, KernelSpace::Slab) {
         return 0;
     }
-    release(&KernelLiveKey {
+    let _ = release(&KernelLiveKey {
         addr,
         space: space as u32,
         _pad: 0,
@@ -421,34 +428,64 @@ pub fn mm_page_free_batched(ctx: TracePointContext) -> u32 {
 /// own batches hold at most a page of pointers).
 const MAX_BULK_OBJECTS: u32 = 1 << 16;
 
-/// Releases the slab object at `addr` (0 is ignored).
+/// Releases the slab object at `addr` (0 is ignored) and counts it for `path` when
+/// it was tracked.
 #[inline(always)]
-fn release_slab(addr: u64) {
-    if addr != 0 {
-        release(&KernelLiveKey {
-            addr,
-            space: KernelSpace::Slab as u32,
-            _pad: 0,
-        });
+fn release_slab(addr: u64, path: DeferredFreePath) {
+    if addr == 0 {
+        return;
+    }
+    let released = release(&KernelLiveKey {
+        addr,
+        space: KernelSpace::Slab as u32,
+        _pad: 0,
+    });
+    if released && let Some(count) = KERNEL_DEFERRED_FREES.get_ptr_mut(path as u32) {
+        // SAFETY: this CPU's slot of a per-CPU array.
+        unsafe { *count += 1 };
     }
 }
 
-/// `kvfree_call_rcu(head, ptr)`, which `kfree_rcu()` and `kvfree_rcu()` call: the
+/// Argument `n` of the traced function, as a raw 64-bit value (0 if unreadable).
+///
+/// Not `FEntryContext::arg`: a direct read of the context is checked against the
+/// argument's BTF type, and the verifier refuses pointers to anything but a struct
+/// (`arg1 type FUNC_PROTO is not a struct`, `arg2 type PTR is not a struct`).
+#[inline(always)]
+fn raw_arg(ctx: &FEntryContext, n: u32) -> u64 {
+    let mut value = 0u64;
+    if config_u32(&KERNEL_CONFIG.func_args) == FuncArgs::SavedArray as u32 {
+        // The context is the array of the arguments the trampoline saved.
+        let slot = (ctx.as_ptr() as *const u64).wrapping_add(n as usize);
+        // SAFETY: bpf_probe_read_kernel checks the address.
+        return unsafe { bpf_probe_read_kernel(slot) }.unwrap_or(0);
+    }
+    // SAFETY: the helper writes one u64 into `value`, or fails on an index beyond the
+    // function's arguments.
+    if unsafe { bpf_get_func_arg(ctx.as_ptr(), n, &mut value) } != 0 {
+        return 0;
+    }
+    value
+}
+
+/// `kvfree_call_rcu(head, arg)`, which `kfree_rcu()` and `kvfree_rcu()` call: the
 /// owner releases the object, which the kernel frees after a grace period, often in a
 /// bulk free that fires no per-object tracepoint. It is freed for the profile now (its
-/// address cannot be handed out again before the real free).
+/// address cannot be handed out again before the real free). Which object `arg`
+/// names differs by kernel version: see [`rcu_freed_object`].
 #[fentry(function = "kvfree_call_rcu")]
 pub fn rcu_free(ctx: FEntryContext) -> u32 {
-    release_slab(ctx.arg::<u64>(1));
+    let object = rcu_freed_object(raw_arg(&ctx, 0), raw_arg(&ctx, 1));
+    release_slab(object, DeferredFreePath::Rcu);
     0
 }
 
-/// `kmem_cache_free_bulk(cache, count, pointers)` (also `kfree_bulk`): every object of
-/// the array is freed, with no per-object tracepoint.
+/// `kmem_cache_free_bulk(cache, count, pointers)` (also `kfree_bulk`, an inline call
+/// of it): every object of the array is freed, with no per-object tracepoint.
 #[fentry(function = "kmem_cache_free_bulk")]
 pub fn bulk_free(ctx: FEntryContext) -> u32 {
-    let count = ctx.arg::<u64>(1).min(u64::from(MAX_BULK_OBJECTS)) as u32;
-    let mut pointers = ctx.arg::<u64>(2);
+    let count = raw_arg(&ctx, 1).min(u64::from(MAX_BULK_OBJECTS)) as u32;
+    let mut pointers = raw_arg(&ctx, 2);
     if pointers == 0 || count == 0 {
         return 0;
     }
@@ -472,7 +509,7 @@ extern "C" fn release_bulk_entry(index: u64, context: *mut c_void) -> i64 {
     // SAFETY: bpf_probe_read_kernel checks the kernel address.
     match unsafe { bpf_probe_read_kernel(entry as *const u64) } {
         Ok(addr) => {
-            release_slab(addr);
+            release_slab(addr, DeferredFreePath::Bulk);
             0
         }
         Err(_) => 1,

@@ -10,8 +10,8 @@ use aya::{
 use heapprof_common::{
     DropReason,
     kernel::{
-        CACHE_NAME_LEN, KernelAllocKind, KernelCounters, KernelSiteKey, KernelStack,
-        kmalloc_cache_limit, names as kernel_names,
+        CACHE_NAME_LEN, DeferredFreePath, KernelAllocKind, KernelCounters, KernelSiteKey,
+        KernelStack, kmalloc_cache_limit, names as kernel_names,
     },
     names,
 };
@@ -56,6 +56,8 @@ pub struct KernelMaps {
     /// Cache names read so far, by hash (a cache keeps its name).
     cache_names_read: std::collections::HashMap<u64, String>,
     drops: PerCpuArray<MapData, u64>,
+    /// Objects the fentry programs freed, by [`DeferredFreePath`].
+    deferred_frees: PerCpuArray<MapData, u64>,
     /// The site and stack tables again, for batch reads.
     sites_fd: OwnedFd,
     stacks_fd: OwnedFd,
@@ -81,6 +83,7 @@ impl KernelMaps {
             cache_names: take(ebpf, kernel_names::CACHE_NAMES)?,
             cache_names_read: std::collections::HashMap::new(),
             drops: take(ebpf, names::DROPS)?,
+            deferred_frees: take(ebpf, kernel_names::KERNEL_DEFERRED_FREES)?,
             sites_fd,
             stacks_fd,
             cpus: possible_cpus()?,
@@ -180,6 +183,20 @@ impl KernelMaps {
             }
             _ => None,
         }
+    }
+
+    /// How many tracked objects each fentry program freed so far, summed over CPUs,
+    /// indexed by [`DeferredFreePath`].
+    pub fn read_deferred_frees(&self) -> Result<[u64; DeferredFreePath::COUNT]> {
+        let mut totals = [0u64; DeferredFreePath::COUNT];
+        for path in DeferredFreePath::ALL {
+            let per_cpu = self
+                .deferred_frees
+                .get(&(path as u32), 0)
+                .with_context(|| format!("reading the count of {}", path.function()))?;
+            totals[path as usize] = per_cpu.iter().sum();
+        }
+        Ok(totals)
     }
 
     /// Drop counters summed over CPUs, indexed by [`DropReason`].

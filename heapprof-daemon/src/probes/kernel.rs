@@ -8,7 +8,10 @@ use aya::{
     programs::{FEntry, ProgramError, TracePoint},
 };
 use heapprof_common::{
-    kernel::{EventLayout, FieldRef, KernelConfig, KernelEvent, names as kernel_names},
+    kernel::{
+        DeferredFreePath, EventLayout, FieldRef, FuncArgs, KernelConfig, KernelEvent,
+        names as kernel_names,
+    },
     names,
 };
 use thiserror::Error;
@@ -196,12 +199,18 @@ pub fn load_bpf_object(
     filter_processes: bool,
     cgroup: Option<crate::cgroup::CgroupFilter>,
 ) -> Result<Ebpf> {
+    let func_args = if running_kernel().is_some_and(|v| v >= FUNC_ARG_HELPERS) {
+        FuncArgs::Helper
+    } else {
+        FuncArgs::SavedArray
+    };
     let mut config = KernelConfig {
         page_size: page_size(),
         ignore_tgid: std::process::id(),
         filter_processes: u32::from(filter_processes),
         cgroup_id: cgroup.map_or(0, |c| c.id),
         cgroup_level: cgroup.map_or(0, |c| c.level),
+        func_args: func_args as u32,
         ..KernelConfig::default()
     };
     for (event, layout) in events {
@@ -229,12 +238,30 @@ pub fn load_bpf_object(
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
 }
 
+/// The first kernel with `bpf_get_func_arg()` and `bpf_loop()` (5.17).
+const FUNC_ARG_HELPERS: (u32, u32) = (5, 17);
+
+/// The running kernel's version (major, minor), from `/proc/sys/kernel/osrelease`.
+pub fn running_kernel() -> Option<(u32, u32)> {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
+    parse_kernel_release(&release)
+}
+
+/// (major, minor) of a kernel release string such as `6.12.95+deb12-amd64`.
+fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.trim().split(['.', '-', '+']);
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
 /// The frees no tracepoint shows, and whether this session sees them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeferredFrees {
     /// The kernel functions whose fentry programs are attached.
     pub seen: Vec<&'static str>,
-    /// Why the others are not, one line each (no BTF, a kernel without the function).
+    /// Why the others are not, one line each (no BTF, a kernel without the function,
+    /// the verifier's refusal).
     pub missing: Vec<String>,
 }
 
@@ -254,18 +281,23 @@ impl DeferredFrees {
     }
 }
 
+/// What the profile misses when the program of `path` is not attached.
+fn unseen(path: DeferredFreePath) -> &'static str {
+    match path {
+        DeferredFreePath::Rcu => {
+            "objects released with kfree_rcu()/kvfree_rcu() are not seen freed"
+        }
+        DeferredFreePath::Bulk => {
+            "objects freed with kmem_cache_free_bulk()/kfree_bulk() are not seen freed"
+        }
+    }
+}
+
 /// Attaches the fentry programs that see frees without a per-object tracepoint:
 /// `kvfree_call_rcu` (`kfree_rcu`) and `kmem_cache_free_bulk` (`kfree_bulk`). They need
-/// the kernel's BTF; without it (or where one fails to attach) the session goes on and
-/// says what it undercounts.
+/// the kernel's BTF; without it (or where one fails to load or attach) the session
+/// goes on and says what it undercounts.
 pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
-    let programs = [
-        (kernel_names::PROG_RCU_FREE, kernel_names::RCU_FREE_FUNCTION),
-        (
-            kernel_names::PROG_BULK_FREE,
-            kernel_names::BULK_FREE_FUNCTION,
-        ),
-    ];
     let mut frees = DeferredFrees::default();
     let btf = match Btf::from_sys_fs() {
         Ok(btf) => btf,
@@ -277,17 +309,97 @@ pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
             return frees;
         }
     };
-    for (program, function) in programs {
-        match attach_fentry(ebpf, program, function, &btf) {
+    let kernel = running_kernel();
+    for path in DeferredFreePath::ALL {
+        let function = path.function();
+        // The bulk program walks the array with bpf_loop(), which older kernels lack.
+        if path == DeferredFreePath::Bulk
+            && let Some((major, minor)) = kernel.filter(|&v| v < FUNC_ARG_HELPERS)
+        {
+            frees.missing.push(format!(
+                "{function}: its program needs bpf_loop() (Linux 5.17+), this kernel is \
+                 {major}.{minor}; {}",
+                unseen(path)
+            ));
+            continue;
+        }
+        match attach_fentry(ebpf, path.program(), function, &btf) {
             Ok(()) => frees.seen.push(function),
-            Err(reason) => frees.missing.push(format!("{function}: {reason}")),
+            Err(reason) => frees
+                .missing
+                .push(format!("{function}: {reason}; {}", unseen(path))),
         }
     }
     frees
 }
 
+/// The line of a verifier log that says why it refused a program: the first line
+/// after the last instruction it walked that is not a register state, a source line
+/// or the closing statistics. Lines before the walk (checks of the program's own
+/// BTF, `reg type unsupported for arg#0`) are often harmless and only count when the
+/// walk gave no reason. `None` when the log holds no such line.
+pub fn verifier_reason(log: &str) -> Option<&str> {
+    let lines: Vec<&str> = log.lines().map(str::trim).collect();
+    let walked = lines.iter().rposition(|line| is_instruction(line));
+    let after = walked.map_or(0, |last| last + 1);
+    lines[after..]
+        .iter()
+        .chain(&lines[..after])
+        .copied()
+        .find(|line| !is_trace(line))
+}
+
+/// `12: (79) r1 = *(u64 *)(r1 +8)`: an instruction the verifier walked.
+fn is_instruction(line: &str) -> bool {
+    line.split_once(": (")
+        .is_some_and(|(index, _)| !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Whether a verifier log line is its trace (instructions, states, source lines,
+/// statistics) rather than a message.
+fn is_trace(line: &str) -> bool {
+    const PREFIXES: [&str; 16] = [
+        ";",
+        "from ",
+        "func#",
+        "Func#",
+        "Validating ",
+        "last_idx ",
+        "regs=",
+        "parent ",
+        "mark_precise",
+        "caller:",
+        "callee:",
+        "returning from callee",
+        "to caller at",
+        "propagating",
+        "processed ",
+        "verification time",
+    ];
+    // `12: ...`: an instruction or the states at one.
+    let numbered = line
+        .split_once(':')
+        .is_some_and(|(head, _)| !head.is_empty() && head.bytes().all(|b| b.is_ascii_digit()));
+    // `R1_w=scalar()`, `frame1: R1=...`.
+    let state = line.starts_with('R')
+        && line.contains('=')
+        && line[1..]
+            .split(['=', '_'])
+            .next()
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    line.is_empty()
+        || numbered
+        || state
+        || line.starts_with("frame")
+        || line.starts_with("stack depth")
+        // `func 'f' arg0 has btf_id 102 type STRUCT 'callback_head'`: an access allowed.
+        || (line.starts_with("func '") && line.contains(" has btf_id "))
+        || PREFIXES.iter().any(|prefix| line.starts_with(prefix))
+}
+
 /// Loads and attaches fentry program `program` on kernel function `function`; the
-/// error is one short reason (the kernel's refusal, or what is missing).
+/// error is one short reason (the verifier's own words, or what is missing). A
+/// refusal's whole verifier log goes to the debug log.
 fn attach_fentry(ebpf: &mut Ebpf, program: &str, function: &str, btf: &Btf) -> Result<(), String> {
     let fentry: &mut FEntry = ebpf
         .program_mut(program)
@@ -295,11 +407,19 @@ fn attach_fentry(ebpf: &mut Ebpf, program: &str, function: &str, btf: &Btf) -> R
         .try_into()
         .map_err(|_| format!("BPF program {program} is not an fentry program"))?;
     fentry.load(function, btf).map_err(|err| match err {
-        ProgramError::LoadError { io_error, .. } => {
-            format!(
-                "the kernel refused its fentry program ({})",
-                io_error.kind()
-            )
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
+            let log = verifier_log.to_string();
+            log::debug!("the verifier's log of {program} on {function}:\n{log}");
+            match verifier_reason(&log) {
+                Some(reason) => format!("the verifier refused its fentry program: {reason}"),
+                None => format!(
+                    "the kernel refused its fentry program ({}, no verifier message)",
+                    io_error
+                ),
+            }
         }
         other => other.to_string(),
     })?;
@@ -564,6 +684,64 @@ mod tests {
                 && err.contains("line 3"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_verifiers_reason_is_found_in_its_log() {
+        // Linux 6.1 (Debian's 6.1.0-50-amd64) refusing a direct context read of
+        // kvfree_call_rcu's callback: the harmless check of the program's own BTF
+        // comes first, the reason after the instruction.
+        let log = "reg type unsupported for arg#0 function rcu_free#85\n\
+                   0: R1=ctx(off=0,imm=0) R10=fp0\n\
+                   ; T::from_register(unsafe { *ptr as u64 })\n\
+                   0: (79) r2 = *(u64 *)(r1 +8)\n\
+                   func 'kvfree_call_rcu' arg1 type FUNC_PROTO is not a struct\n\
+                   invalid bpf_context access off=8 size=8\n\
+                   verification time 377 usec\n\
+                   stack depth 0+0\n\
+                   processed 1 insns (limit 1000000) max_states_per_insn 0 total_states 0 \
+                   peak_states 0 mark_read 0\n";
+        assert_eq!(
+            verifier_reason(log),
+            Some("func 'kvfree_call_rcu' arg1 type FUNC_PROTO is not a struct")
+        );
+        // 6.12: an access the verifier allowed, then the refused one.
+        let log = "0: R1=ctx() R10=fp0\n\
+                   0: (79) r2 = *(u64 *)(r1 +8)          ; R1=ctx() R2_w=scalar()\n\
+                   1: (79) r3 = *(u64 *)(r1 +0)\n\
+                   func 'kvfree_call_rcu' arg0 has btf_id 102 type STRUCT 'callback_head'\n\
+                   2: R1=ctx() R3_w=ptr_callback_head()\n\
+                   3: (1f) r1 -= r2\n\
+                   math between ptr_ pointer and register with unbounded min value is not allowed\n\
+                   verification time 1492 usec\n";
+        assert_eq!(
+            verifier_reason(log),
+            Some("math between ptr_ pointer and register with unbounded min value is not allowed")
+        );
+        // A helper the kernel lacks, after branch states.
+        let log = "func#0 @0\nfunc#1 @40\n0: R1=ctx(id=0,off=0,imm=0) R10=fp0\n\
+                   from 3 to 5: R0_w=inv0 R10=fp0\n5: (85) call unknown#181\n\
+                   invalid func unknown#181\nprocessed 9 insns\n";
+        assert_eq!(verifier_reason(log), Some("invalid func unknown#181"));
+        // Refused before any instruction was walked.
+        assert_eq!(
+            verifier_reason("arg#0 type is not a struct\nR1 type=ctx expected=fp\n"),
+            Some("arg#0 type is not a struct")
+        );
+        assert_eq!(
+            verifier_reason("0: R1=ctx() R10=fp0\nprocessed 1 insns\n"),
+            None
+        );
+        assert_eq!(verifier_reason(""), None);
+    }
+
+    #[test]
+    fn kernel_releases_are_parsed() {
+        assert_eq!(parse_kernel_release("6.12.95+deb12-amd64\n"), Some((6, 12)));
+        assert_eq!(parse_kernel_release("5.10.0-32-amd64"), Some((5, 10)));
+        assert_eq!(parse_kernel_release("6.1.0-50-arm64"), Some((6, 1)));
+        assert_eq!(parse_kernel_release("6.18"), Some((6, 18)));
+        assert_eq!(parse_kernel_release("linux"), None);
     }
 
     #[test]

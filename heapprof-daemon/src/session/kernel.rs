@@ -8,7 +8,9 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use aya::Ebpf;
-use heapprof_common::kernel::{KernelAllocKind, KernelEvent, allocator_frames_regex};
+use heapprof_common::kernel::{
+    DeferredFreePath, KernelAllocKind, KernelEvent, allocator_frames_regex,
+};
 
 use super::{DropLog, Drops, comment_drops, program_figures};
 use crate::{
@@ -226,8 +228,9 @@ impl KernelSession {
         self.symbolize_sites(&sites);
         let drops = self.maps.read_drops()?;
         self.drop_log.report(&drops);
+        let deferred = self.maps.read_deferred_frees()?;
         let read = started.elapsed();
-        let profile = self.build_profile(&sites, &drops)?;
+        let profile = self.build_profile(&sites, &drops, &deferred)?;
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
@@ -265,12 +268,26 @@ impl KernelSession {
             ms(built - read),
             ms(written - built),
         );
+        if let Some(freed) = self.describe_deferred_frees(&deferred) {
+            log::info!("deferred and bulk frees seen: {freed}");
+        }
         if let Some(stats) = &self.run_time_stats
             && self.config.bpf_stats
         {
             log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
         }
         Ok(path)
+    }
+
+    /// The objects each attached fentry program freed: `kvfree_call_rcu 12 objects,
+    /// kmem_cache_free_bulk 3 objects`; `None` when none is attached.
+    fn describe_deferred_frees(&self, freed: &[u64; DeferredFreePath::COUNT]) -> Option<String> {
+        let parts: Vec<String> = DeferredFreePath::ALL
+            .iter()
+            .filter(|path| self.deferred_frees.seen.contains(&path.function()))
+            .map(|path| format!("{} {} objects", path.function(), freed[*path as usize]))
+            .collect();
+        (!parts.is_empty()).then(|| parts.join(", "))
     }
 
     fn add_mapping(&self, builder: &mut ProfileBuilder, address: u64) -> Option<MappingKey> {
@@ -291,7 +308,12 @@ impl KernelSession {
         builder.location(KERNEL_SPACE, address, tag, mapping, &frames)
     }
 
-    fn build_profile(&mut self, sites: &[KernelSite], drops: &Drops) -> Result<Vec<u8>> {
+    fn build_profile(
+        &mut self,
+        sites: &[KernelSite],
+        drops: &Drops,
+        deferred: &[u64; DeferredFreePath::COUNT],
+    ) -> Result<Vec<u8>> {
         let nanos = |t: SystemTime| {
             t.duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as i64)
@@ -330,6 +352,9 @@ impl KernelSession {
                 "deferred and bulk frees seen at: {}",
                 self.deferred_frees.seen.join(" ")
             ));
+        }
+        if let Some(freed) = self.describe_deferred_frees(deferred) {
+            builder.comment(&format!("deferred and bulk frees counted: {freed}"));
         }
         if let Some(undercounted) = self.deferred_frees.undercounted() {
             builder.comment(&format!("undercounted: {undercounted}"));
