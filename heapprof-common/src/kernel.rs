@@ -75,6 +75,21 @@ impl KernelEvent {
         }
     }
 
+    /// The raw-tracepoint program that handles the event in place of its tracepoint
+    /// program, if it has one: the slab frees, whose pointer is the second argument
+    /// of the tracepoint on every kernel (`kfree(call_site, ptr)`,
+    /// `kmem_cache_free(call_site, ptr, ...)`). The kernel skips a tracepoint program
+    /// while any other tracing program runs on the CPU (a free in an interrupt that
+    /// came during an allocation's program is lost and its object stays in use), a
+    /// raw-tracepoint program only while the same program runs.
+    pub const fn raw_program(self) -> Option<&'static str> {
+        match self {
+            KernelEvent::Kfree => Some(names::PROG_KFREE_RAW),
+            KernelEvent::KmemCacheFree => Some(names::PROG_KMEM_CACHE_FREE_RAW),
+            _ => None,
+        }
+    }
+
     /// The kind of memory an allocation event hands out, `None` for other events.
     pub const fn allocates(self) -> Option<KernelAllocKind> {
         match self {
@@ -418,6 +433,12 @@ pub mod names {
     pub const PROG_BULK_FREE: &str = "bulk_free";
     /// The kernel function behind `kmem_cache_free_bulk()` and `kfree_bulk()`.
     pub const BULK_FREE_FUNCTION: &str = "kmem_cache_free_bulk";
+    /// Raw-tracepoint program on `kmem:kfree`, used in place of the tracepoint
+    /// program `kfree` (see [`super::KernelEvent::raw_program`]).
+    pub const PROG_KFREE_RAW: &str = "kfree_raw";
+    /// Raw-tracepoint program on `kmem:kmem_cache_free`, in place of
+    /// `kmem_cache_free`.
+    pub const PROG_KMEM_CACHE_FREE_RAW: &str = "kmem_cache_free_raw";
     /// Objects each fentry program freed for the profile, per CPU
     /// (`PerCpuArray<u64>`, indexed by [`super::DeferredFreePath`]).
     pub const KERNEL_DEFERRED_FREES: &str = "KERNEL_DEFERRED_FREES";

@@ -14,9 +14,9 @@ use aya_ebpf::{
         bpf_probe_read_kernel_str_bytes,
         generated::{bpf_get_func_arg, bpf_get_stack},
     },
-    macros::{fentry, map, tracepoint},
+    macros::{fentry, map, raw_tracepoint, tracepoint},
     maps::{HashMap, PerCpuArray, PerCpuHashMap},
-    programs::{FEntryContext, TracePointContext},
+    programs::{FEntryContext, RawTracePointContext, TracePointContext},
 };
 use heapprof_common::{
     DropReason,
@@ -412,6 +412,32 @@ pub fn kfree(ctx: TracePointContext) -> u32 {
 #[tracepoint]
 pub fn kmem_cache_free(ctx: TracePointContext) -> u32 {
     on_free(&ctx, KernelEvent::KmemCacheFree, KernelSpace::Slab)
+}
+
+/// `kmem:kfree` as a raw tracepoint: `ptr` is its second argument.
+#[raw_tracepoint(tracepoint = "kfree")]
+pub fn kfree_raw(ctx: RawTracePointContext) -> i32 {
+    release_slab_ptr(ctx.arg::<u64>(1));
+    0
+}
+
+/// `kmem:kmem_cache_free` as a raw tracepoint: `ptr` is its second argument.
+#[raw_tracepoint(tracepoint = "kmem_cache_free")]
+pub fn kmem_cache_free_raw(ctx: RawTracePointContext) -> i32 {
+    release_slab_ptr(ctx.arg::<u64>(1));
+    0
+}
+
+/// Releases the slab object a free event names (0 is ignored).
+#[inline(always)]
+fn release_slab_ptr(addr: u64) {
+    if addr != 0 {
+        let _ = release(&KernelLiveKey {
+            addr,
+            space: KernelSpace::Slab as u32,
+            _pad: 0,
+        });
+    }
 }
 
 #[tracepoint]

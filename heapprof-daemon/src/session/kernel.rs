@@ -32,6 +32,26 @@ use crate::{
     },
 };
 
+/// What the kernel's skipped runs of the programs lose, one line; `None` when it
+/// skipped none.
+fn skipped_runs(ebpf: &Ebpf) -> Option<String> {
+    let misses = crate::probes::kernel::recursion_misses(ebpf);
+    if misses.is_empty() {
+        return None;
+    }
+    let runs: Vec<String> = misses
+        .iter()
+        .map(|(name, count)| format!("{name} {count}"))
+        .collect();
+    Some(format!(
+        "the kernel skipped runs of the BPF programs whose event came while a BPF \
+         program was running on that CPU (in an interrupt, or the programs' own map \
+         allocations), and those events are not counted (a skipped free leaves its \
+         object in use): {}",
+        runs.join(", ")
+    ))
+}
+
 /// Kernel addresses: one address space for every process.
 const KERNEL_SPACE: AddressSpace = 0;
 
@@ -229,8 +249,9 @@ impl KernelSession {
         let drops = self.maps.read_drops()?;
         self.drop_log.report(&drops);
         let deferred = self.maps.read_deferred_frees()?;
+        let skipped = skipped_runs(&self.ebpf);
         let read = started.elapsed();
-        let profile = self.build_profile(&sites, &drops, &deferred)?;
+        let profile = self.build_profile(&sites, &drops, &deferred, skipped.as_deref())?;
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
@@ -270,6 +291,9 @@ impl KernelSession {
         );
         if let Some(freed) = self.describe_deferred_frees(&deferred) {
             log::info!("deferred and bulk frees seen: {freed}");
+        }
+        if let Some(skipped) = &skipped {
+            log::warn!("{skipped}");
         }
         if let Some(stats) = &self.run_time_stats
             && self.config.bpf_stats
@@ -313,6 +337,7 @@ impl KernelSession {
         sites: &[KernelSite],
         drops: &Drops,
         deferred: &[u64; DeferredFreePath::COUNT],
+        skipped: Option<&str>,
     ) -> Result<Vec<u8>> {
         let nanos = |t: SystemTime| {
             t.duration_since(UNIX_EPOCH)
@@ -358,6 +383,9 @@ impl KernelSession {
         }
         if let Some(undercounted) = self.deferred_frees.undercounted() {
             builder.comment(&format!("undercounted: {undercounted}"));
+        }
+        if let Some(skipped) = skipped {
+            builder.comment(&format!("undercounted: {skipped}"));
         }
         builder.comment(
             "alloc_space/inuse_space: bytes handed out (slab-rounded, or whole pages); \
