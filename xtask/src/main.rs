@@ -13,6 +13,7 @@ mod remote;
 mod setup;
 mod soak;
 mod vm;
+mod vm_x86;
 
 use std::{
     path::{Path, PathBuf},
@@ -68,11 +69,12 @@ enum Cmd {
         args: Vec<String>,
     },
     /// Run the whole test suite: formatting, clippy (also on the BPF crate for the bpf
-    /// target), unit and BPF integration tests, the static aarch64 build, the arm64 VM
-    /// test, and the Debian package.
+    /// target), unit and BPF integration tests, the static aarch64 and x86-64 builds,
+    /// the arm64 and x86-64 VM tests, and the Debian package.
     Test,
-    /// Only the arm64 VM test: the static aarch64 heapprofd under Debian's arm64 6.1
-    /// kernel in qemu, with and without BTF.
+    /// Only the VM tests: the static aarch64 heapprofd under Debian's arm64 6.1
+    /// kernel in qemu, with and without BTF, and the static x86-64 heapprofd's kernel
+    /// mode under Debian's amd64 5.10, 6.1 and 6.12 kernels.
     VmTest,
     /// The load tests at full scale (8 threads x 1M allocations, 1M live blocks), with
     /// their figures. Needs root.
@@ -173,6 +175,7 @@ fn run(args: Args) -> Result<()> {
             setup::ensure(setup::Needs::Test)?;
             cargo()
                 .args(["test", "-p", "heapprof-daemon", "--test", "arm64_vm"])
+                .args(["--test", "x86_vm"])
                 .args(["--", "--nocapture"])
                 .envs(vm_test_env()?)
                 .run()
@@ -429,13 +432,17 @@ fn bpf_clippy(arch: &str) -> Command {
     cmd
 }
 
-/// What the arm64 VM test needs, as the environment it reads: the static aarch64
-/// binary and the VM's kernel, busybox and C library.
+/// What the VM tests need, as the environment they read: the static aarch64 and
+/// x86-64 binaries and the VMs' kernels, busybox and (arm64) C library.
 fn vm_test_env() -> Result<Vec<(&'static str, PathBuf)>> {
     let binary = cross::build_static(cross::Arch::Aarch64)?;
     let assets = vm::ensure_assets()?;
+    let x86_binary = cross::build_static(cross::Arch::X86_64)?;
+    let x86_assets = vm_x86::ensure_assets()?;
     Ok(vec![
         ("HEAPPROFD_AARCH64_BINARY", binary),
         ("HEAPPROFD_ARM64_VM_ASSETS", assets),
+        ("HEAPPROFD_X86_64_BINARY", x86_binary),
+        ("HEAPPROFD_X86_VM_ASSETS", x86_assets),
     ])
 }

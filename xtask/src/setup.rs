@@ -107,9 +107,11 @@ pub fn debian_packages(needs: Needs) -> Vec<&'static str> {
         // chromium renders the HTML page.
         packages.extend(["google-perftools", "chromium"]);
         // The arm64 VM test: the emulator, cross compilers (C and C++) for its test
-        // programs, cpio for its initramfs; ssh for `xtask run --host`.
+        // programs, cpio for its initramfs; ssh for `xtask run --host`. The x86-64
+        // VM test: its emulator.
         packages.extend([
             "qemu-system-arm",
+            "qemu-system-x86",
             "gcc-aarch64-linux-gnu",
             "g++-aarch64-linux-gnu",
             "libc6-dev-arm64-cross",
