@@ -240,6 +240,9 @@ pub struct KernelConfig {
     pub cgroup_level: u32,
     /// How the fentry programs read their function's arguments: a [`FuncArgs`].
     pub func_args: u32,
+    /// Nonzero: record a Poisson sample of the allocations, one per this many
+    /// handed-out bytes on average (`--sample-rate`); 0: every allocation.
+    pub sample_rate: u64,
 }
 
 /// How the fentry programs read the raw arguments of the function they are attached

@@ -46,6 +46,11 @@ const CHILDREN: i64 = 100;
 /// The first kernel whose fork copies the maple tree (`__mt_dup`).
 const TREE_COPIED_ON_FORK: (u32, u32) = (6, 8);
 
+/// `--kernel --sample-rate` of the sampled run of deferred_frees: about 2500 samples
+/// of its 10-12 MB, so its scaled total is within 10% of the exact run's (five
+/// standard deviations of the sampling error).
+const SAMPLE_RATE: i64 = 4096;
+
 /// The VM's script: the scenarios, each profile printed as base64, then power off.
 const INIT: &str = r#"#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -68,6 +73,8 @@ out=/tmp/out
 mkdir -p $out
 /heapprofd --kernel -o $out/deferred -- /t/deferred_frees TIMERFDS CHILDREN 2>&1
 echo "==STATUS deferred $?"
+/heapprofd --kernel --sample-rate SAMPLE_RATE -o $out/sampled -- /t/deferred_frees TIMERFDS CHILDREN 2>&1
+echo "==STATUS sampled $?"
 /heapprofd --kernel -o $out/release -- /t/release_all 500 3 2>&1
 echo "==STATUS release $?"
 /heapprofd --kernel --pages -o $out/brd -- dd if=/dev/urandom of=/dev/ram0 bs=64k count=32 conv=fsync 2>&1
@@ -142,7 +149,8 @@ fn root(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
     let init = root.join("init");
     let script = INIT
         .replace("TIMERFDS", &TIMERFDS.to_string())
-        .replace("CHILDREN", &CHILDREN.to_string());
+        .replace("CHILDREN", &CHILDREN.to_string())
+        .replace("SAMPLE_RATE", &SAMPLE_RATE.to_string());
     std::fs::write(&init, script).expect("/init");
     let status = Command::new("chmod")
         .arg("755")
@@ -283,6 +291,7 @@ struct Figures {
     timerfd: (i64, i64, i64),
     children: (i64, i64, i64),
     epoll: (i64, i64, i64),
+    sampled: (i64, i64),
     brd_samples: usize,
 }
 
@@ -378,6 +387,8 @@ fn check_kernel(release: &str, console: &str, profiles: &BTreeMap<String, Profil
         children.2,
         children.1
     );
+    let sampled = check_sampled(deferred, last(profiles, "sampled"), release);
+
     let brd_samples = check_module(last(profiles, "brd"), release);
     Figures {
         release: release.to_owned(),
@@ -386,8 +397,42 @@ fn check_kernel(release: &str, console: &str, profiles: &BTreeMap<String, Profil
         timerfd,
         children,
         epoll,
+        sampled,
         brd_samples,
     }
+}
+
+/// The sampled run of deferred_frees against the exact one: a scaled total within
+/// 10% of the exact total, sampled timerfd objects freed as the exact ones were, and
+/// the profile saying it is sampled. Returns the two totals.
+fn check_sampled(exact: &Profile, sampled: &Profile, release: &str) -> (i64, i64) {
+    let notes = comments(sampled);
+    assert!(
+        notes
+            .iter()
+            .any(|c| c.starts_with("sampled: one allocation per 4096 bytes")),
+        "{release}: the sampled profile does not say so: {notes:?}"
+    );
+    assert_eq!(
+        sampled.period, SAMPLE_RATE,
+        "{release}: the sampled profile's period"
+    );
+    let all = |_: &Sample| true;
+    let exact_total = in_use(exact, all).1;
+    let sampled_total = in_use(sampled, all).1;
+    assert!(
+        (sampled_total - exact_total).abs() * 10 <= exact_total,
+        "{release}: sampled at {SAMPLE_RATE} bytes, {sampled_total} bytes allocated \
+         against {exact_total} exact"
+    );
+    let (objects, bytes, inuse) = in_use(sampled, |s| {
+        s.stack.iter().any(|f| f.contains("timerfd_create"))
+    });
+    assert!(
+        objects > 0 && inuse * 20 <= bytes,
+        "{release}: sampled timerfd_create stacks hold {inuse} of {bytes} bytes"
+    );
+    (exact_total, sampled_total)
 }
 
 /// Writes to the RAM disk: page samples whose stacks pass through the brd module,
@@ -443,7 +488,7 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
             console.contains("==INSMOD brd 0"),
             "{release}: the RAM disk module did not load:\n{console}"
         );
-        for scenario in ["deferred", "release", "brd"] {
+        for scenario in ["deferred", "sampled", "release", "brd"] {
             assert!(
                 console.contains(&format!("==STATUS {scenario} 0")),
                 "{release}: scenario {scenario} failed; console:\n{console}"
@@ -457,6 +502,7 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
             "x86-64 VM {}: kvfree_call_rcu freed {} objects, kmem_cache_free_bulk {}; \
              timerfd_create stacks {} objects / {} bytes, {} bytes in use; the children \
              {} objects / {} bytes, {} in use; do_epoll_ctl {} objects / {} bytes, {} in use; \
+             sampled at {SAMPLE_RATE} bytes {} bytes allocated against {} exact; \
              {} [brd] samples",
             f.release,
             f.rcu_freed,
@@ -471,6 +517,8 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
             f.epoll.0,
             f.epoll.1,
             f.epoll.2,
+            f.sampled.1,
+            f.sampled.0,
             f.brd_samples,
         );
     }

@@ -27,7 +27,7 @@ use heapprof_common::{
     },
 };
 
-use crate::maps::count_kernel_drop;
+use crate::{maps::count_kernel_drop, sampling::sampled_at};
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 #[map(name = "KERNEL_SITES")]
@@ -74,6 +74,7 @@ static KERNEL_CONFIG: KernelConfig = KernelConfig {
     cgroup_id: 0,
     cgroup_level: 0,
     func_args: FuncArgs::Helper as u32,
+    sample_rate: 0,
 };
 
 const EEXIST: i32 = 17;
@@ -312,6 +313,11 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         }
         None => return 0,
     };
+    // Sampling is decided before the stack is taken: a skipped allocation costs the
+    // draw only, and its free finds nothing in KERNEL_LIVE.
+    if !sampled_at(bytes, config_u64(&KERNEL_CONFIG.sample_rate)) {
+        return 0;
+    }
     let (stack_hash, stack) = take_stack(ctx);
     let site = KernelSiteKey {
         tgid,

@@ -17,7 +17,8 @@ use heapprof_common::{
 };
 
 use super::{
-    possible_cpus, read_missing_stacks, read_per_cpu, stacks::StackStore, take, take_with_fd,
+    possible_cpus, read_missing_stacks, read_per_cpu, sampling::scale, stacks::StackStore, take,
+    take_with_fd,
 };
 
 /// Counts of one kernel site, summed over CPUs.
@@ -42,6 +43,42 @@ impl KernelSite {
             c.alloc_bytes.saturating_sub(c.free_bytes),
             c.alloc_requested,
             c.alloc_requested.saturating_sub(c.free_requested),
+        ]
+    }
+
+    /// [`KernelSite::values`] scaled to estimates of the real counts when the
+    /// allocations were sampled at `sample_rate` bytes (0: as they are), as user
+    /// mode scales them; requested bytes by the factor of the handed-out bytes they
+    /// go with (sampling is decided on those).
+    pub fn scaled_values(&self, sample_rate: u64) -> [u64; 6] {
+        let values = self.values();
+        if sample_rate == 0 {
+            return values;
+        }
+        let [
+            alloc_objects,
+            alloc_bytes,
+            inuse_objects,
+            inuse_bytes,
+            alloc_req,
+            inuse_req,
+        ] = values;
+        let (alloc_objects_s, alloc_bytes_s) = scale(alloc_objects, alloc_bytes, sample_rate);
+        let (inuse_objects_s, inuse_bytes_s) = scale(inuse_objects, inuse_bytes, sample_rate);
+        let like = |requested: u64, scaled: u64, bytes: u64| {
+            if bytes == 0 {
+                requested
+            } else {
+                (requested as f64 * scaled as f64 / bytes as f64).round() as u64
+            }
+        };
+        [
+            alloc_objects_s,
+            alloc_bytes_s,
+            inuse_objects_s,
+            inuse_bytes_s,
+            like(alloc_req, alloc_bytes_s, alloc_bytes),
+            like(inuse_req, inuse_bytes_s, inuse_bytes),
         ]
     }
 }
@@ -225,7 +262,40 @@ fn kernel_frames(stack: &KernelStack) -> &[u64] {
 
 #[cfg(test)]
 mod tests {
-    use super::kmalloc_cache_name;
+    use super::*;
+
+    #[test]
+    fn sampled_sites_scale_as_user_mode_sites() {
+        let site = KernelSite {
+            key: KernelSiteKey::default(),
+            counters: KernelCounters {
+                alloc_objects: 4,
+                alloc_bytes: 256,
+                alloc_requested: 200,
+                free_objects: 3,
+                free_bytes: 192,
+                free_requested: 150,
+            },
+        };
+        assert_eq!(site.scaled_values(0), site.values());
+        let rate = 512 * 1024;
+        let [
+            objects,
+            bytes,
+            inuse_objects,
+            inuse_bytes,
+            requested,
+            inuse_requested,
+        ] = site.scaled_values(rate);
+        assert_eq!((objects, bytes), scale(4, 256, rate));
+        assert_eq!((inuse_objects, inuse_bytes), scale(1, 64, rate));
+        // Requested bytes by the factor of the handed-out bytes.
+        assert!(requested.abs_diff(bytes * 200 / 256) <= 1, "{requested}");
+        assert!(
+            inuse_requested.abs_diff(inuse_bytes * 50 / 64) <= 1,
+            "{inuse_requested}"
+        );
+    }
 
     #[test]
     fn kmalloc_sizes_are_named_as_slabinfo_names_their_caches() {

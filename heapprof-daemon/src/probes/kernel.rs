@@ -193,11 +193,13 @@ pub fn resolve_events(
 }
 
 /// Loads the BPF object for kernel mode: the user-mode tables shrink to one entry.
+/// `sample_rate` (bytes, 0: every allocation) is `--sample-rate`.
 pub fn load_bpf_object(
     capacities: Capacities,
     events: &[(KernelEvent, EventLayout)],
     filter_processes: bool,
     cgroup: Option<crate::cgroup::CgroupFilter>,
+    sample_rate: u64,
 ) -> Result<Ebpf> {
     let func_args = if running_kernel().is_some_and(|v| v >= FUNC_ARG_HELPERS) {
         FuncArgs::Helper
@@ -211,6 +213,7 @@ pub fn load_bpf_object(
         cgroup_id: cgroup.map_or(0, |c| c.id),
         cgroup_level: cgroup.map_or(0, |c| c.level),
         func_args: func_args as u32,
+        sample_rate,
         ..KernelConfig::default()
     };
     for (event, layout) in events {

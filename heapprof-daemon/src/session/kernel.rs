@@ -69,6 +69,9 @@ pub struct KernelSessionConfig {
     pub events: Vec<KernelEvent>,
     /// Log the BPF programs' run time with every profile.
     pub bpf_stats: bool,
+    /// `--sample-rate` in bytes (0: every allocation): the profile's values are
+    /// scaled back to estimates.
+    pub sample_rate: u64,
 }
 
 /// A running kernel session. Dropping it detaches every program.
@@ -145,7 +148,8 @@ impl KernelSession {
             ..ProcessFigures::default()
         };
         for site in sites {
-            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes, _, _] = site.values();
+            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes, _, _] =
+                site.scaled_values(self.config.sample_rate);
             kernel.allocated_objects += alloc_objects;
             kernel.allocated_bytes += alloc_bytes;
             kernel.inuse_objects += inuse_objects;
@@ -267,7 +271,10 @@ impl KernelSession {
         let path = result?;
         let mut totals = [0u64; 6];
         for site in &sites {
-            for (total, value) in totals.iter_mut().zip(site.values()) {
+            for (total, value) in totals
+                .iter_mut()
+                .zip(site.scaled_values(self.config.sample_rate))
+            {
                 *total += value;
             }
         }
@@ -387,6 +394,15 @@ impl KernelSession {
         if let Some(skipped) = skipped {
             builder.comment(&format!("undercounted: {skipped}"));
         }
+        let rate = self.config.sample_rate;
+        if rate > 0 {
+            builder.period(rate);
+            builder.comment(&format!(
+                "sampled: one allocation per {rate} bytes on average (Poisson, decided \
+                 before the stack is taken); values are scaled estimates; frees are \
+                 matched for the sampled objects only"
+            ));
+        }
         builder.comment(
             "alloc_space/inuse_space: bytes handed out (slab-rounded, or whole pages); \
              alloc_requested_space/inuse_requested_space: bytes the callers asked for",
@@ -456,7 +472,11 @@ impl KernelSession {
             if kind == KernelAllocKind::Pages {
                 labels.push(("order", LabelValue::Num(site.key.class as i64)));
             }
-            builder.sample(&locations, &site.values(), &labels);
+            builder.sample(
+                &locations,
+                &site.scaled_values(self.config.sample_rate),
+                &labels,
+            );
         }
         builder.finish_compressed().context("building the profile")
     }
