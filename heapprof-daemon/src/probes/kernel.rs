@@ -426,9 +426,10 @@ fn attach_fentry(ebpf: &mut Ebpf, program: &str, function: &str, btf: &Btf) -> R
         }
         other => other.to_string(),
     })?;
-    fentry
-        .attach()
-        .map_err(|err| format!("attaching its fentry program: {err}"))?;
+    fentry.attach().map_err(|err| {
+        // aya's message names the call; the kernel's errno is its source.
+        format!("attaching its fentry program: {:#}", anyhow::Error::new(err))
+    })?;
     Ok(())
 }
 
