@@ -75,18 +75,23 @@ impl KernelEvent {
         }
     }
 
-    /// The raw-tracepoint program that handles the event in place of its tracepoint
-    /// program, if it has one: the slab frees, whose pointer is the second argument
-    /// of the tracepoint on every kernel (`kfree(call_site, ptr)`,
+    /// The raw-tracepoint programs that handle the event in place of its tracepoint
+    /// program, in attach order (empty: none): the slab frees, whose pointer is the
+    /// second argument of the tracepoint on every kernel (`kfree(call_site, ptr)`,
     /// `kmem_cache_free(call_site, ptr, ...)`). The kernel skips a tracepoint program
     /// while any other tracing program runs on the CPU (a free in an interrupt that
     /// came during an allocation's program is lost and its object stays in use), a
-    /// raw-tracepoint program only while the same program runs.
-    pub const fn raw_program(self) -> Option<&'static str> {
+    /// raw-tracepoint program only while the same program runs: of the two copies,
+    /// the second frees what the first was skipped for, and passes over what the
+    /// first has freed.
+    pub const fn raw_programs(self) -> &'static [&'static str] {
         match self {
-            KernelEvent::Kfree => Some(names::PROG_KFREE_RAW),
-            KernelEvent::KmemCacheFree => Some(names::PROG_KMEM_CACHE_FREE_RAW),
-            _ => None,
+            KernelEvent::Kfree => &[names::PROG_KFREE_RAW, names::PROG_KFREE_RAW_NESTED],
+            KernelEvent::KmemCacheFree => &[
+                names::PROG_KMEM_CACHE_FREE_RAW,
+                names::PROG_KMEM_CACHE_FREE_RAW_NESTED,
+            ],
+            _ => &[],
         }
     }
 
@@ -437,11 +442,16 @@ pub mod names {
     /// The kernel function behind `kmem_cache_free_bulk()` and `kfree_bulk()`.
     pub const BULK_FREE_FUNCTION: &str = "kmem_cache_free_bulk";
     /// Raw-tracepoint program on `kmem:kfree`, used in place of the tracepoint
-    /// program `kfree` (see [`super::KernelEvent::raw_program`]).
+    /// program `kfree` (see [`super::KernelEvent::raw_programs`]).
     pub const PROG_KFREE_RAW: &str = "kfree_raw";
+    /// Its second copy, attached after it: handles the frees that come while the
+    /// first runs on the CPU (an interrupt's), which the kernel skips for the first.
+    pub const PROG_KFREE_RAW_NESTED: &str = "kfree_raw_nested";
     /// Raw-tracepoint program on `kmem:kmem_cache_free`, in place of
     /// `kmem_cache_free`.
     pub const PROG_KMEM_CACHE_FREE_RAW: &str = "kmem_cache_free_raw";
+    /// Its second copy (see [`PROG_KFREE_RAW_NESTED`]).
+    pub const PROG_KMEM_CACHE_FREE_RAW_NESTED: &str = "kmem_cache_free_raw_nested";
     /// Objects each fentry program freed for the profile, per CPU
     /// (`PerCpuArray<u64>`, indexed by [`super::DeferredFreePath`]).
     pub const KERNEL_DEFERRED_FREES: &str = "KERNEL_DEFERRED_FREES";

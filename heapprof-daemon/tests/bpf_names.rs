@@ -70,7 +70,7 @@ const MAPS: [(&str, &str); 37] = constants![
 
 /// The constants that name programs (the kernel-mode tracepoint programs are named by
 /// [`KernelEvent::name`]).
-const PROGRAMS: [(&str, &str); 15] = constants![
+const PROGRAMS: [(&str, &str); 17] = constants![
     names::PROG_EXEC,
     names::PROG_LOADER_STATE_MULTI,
     names::PROG_LOADER_STATE,
@@ -85,7 +85,9 @@ const PROGRAMS: [(&str, &str); 15] = constants![
     kernel_names::PROG_RCU_FREE,
     kernel_names::PROG_BULK_FREE,
     kernel_names::PROG_KFREE_RAW,
+    kernel_names::PROG_KFREE_RAW_NESTED,
     kernel_names::PROG_KMEM_CACHE_FREE_RAW,
+    kernel_names::PROG_KMEM_CACHE_FREE_RAW_NESTED,
 ];
 
 /// The constants that name globals (set with `EbpfLoader::override_global`).
@@ -103,8 +105,9 @@ const ATTACH_POINTS: [(&str, &str); 6] = constants![
 
 /// Maps that only the programs use, which the daemon never names: per-CPU scratch
 /// space, the remembered walks, the log's rate limit, and aya-log's buffer.
-const PRIVATE_MAPS: [&str; 13] = [
+const PRIVATE_MAPS: [&str; 14] = [
     "AYA_LOGS",
+    "KERNEL_FREE_SEEN",
     "KERNEL_STACK_SCRATCH",
     "LOGGED",
     "LOG_CLAIMS",

@@ -420,18 +420,67 @@ pub fn kmem_cache_free(ctx: TracePointContext) -> u32 {
     on_free(&ctx, KernelEvent::KmemCacheFree, KernelSpace::Slab)
 }
 
+/// The object each first copy of a raw free program is freeing on this CPU, by
+/// [`RawFree`]: the second copy, which runs right after it on every event, passes
+/// over that one and frees the others (events the kernel skipped the first for).
+#[map(name = "KERNEL_FREE_SEEN")]
+static KERNEL_FREE_SEEN: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+
+/// The raw free programs' slots in [`KERNEL_FREE_SEEN`].
+#[derive(Clone, Copy)]
+enum RawFree {
+    Kfree = 0,
+    KmemCacheFree = 1,
+}
+
 /// `kmem:kfree` as a raw tracepoint: `ptr` is its second argument.
 #[raw_tracepoint(tracepoint = "kfree")]
 pub fn kfree_raw(ctx: RawTracePointContext) -> i32 {
-    release_slab_ptr(ctx.arg::<u64>(1));
+    first_free(ctx.arg::<u64>(1), RawFree::Kfree);
+    0
+}
+
+/// The second copy of [`kfree_raw`].
+#[raw_tracepoint(tracepoint = "kfree")]
+pub fn kfree_raw_nested(ctx: RawTracePointContext) -> i32 {
+    nested_free(ctx.arg::<u64>(1), RawFree::Kfree);
     0
 }
 
 /// `kmem:kmem_cache_free` as a raw tracepoint: `ptr` is its second argument.
 #[raw_tracepoint(tracepoint = "kmem_cache_free")]
 pub fn kmem_cache_free_raw(ctx: RawTracePointContext) -> i32 {
-    release_slab_ptr(ctx.arg::<u64>(1));
+    first_free(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
     0
+}
+
+/// The second copy of [`kmem_cache_free_raw`].
+#[raw_tracepoint(tracepoint = "kmem_cache_free")]
+pub fn kmem_cache_free_raw_nested(ctx: RawTracePointContext) -> i32 {
+    nested_free(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
+    0
+}
+
+/// The first copy: notes the object, then frees it.
+#[inline(always)]
+fn first_free(addr: u64, slot: RawFree) {
+    if let Some(seen) = KERNEL_FREE_SEEN.get_ptr_mut(slot as u32) {
+        // SAFETY: this CPU's slot; written before the free, so a nested event sees it.
+        unsafe { *seen = addr };
+    }
+    release_slab_ptr(addr);
+}
+
+/// The second copy: frees the object unless the first copy is freeing it.
+#[inline(always)]
+fn nested_free(addr: u64, slot: RawFree) {
+    if let Some(seen) = KERNEL_FREE_SEEN.get_ptr(slot as u32)
+        // SAFETY: this CPU's slot.
+        && unsafe { *seen } == addr
+    {
+        return;
+    }
+    release_slab_ptr(addr);
 }
 
 /// Releases the slab object a free event names (0 is ignored).

@@ -428,7 +428,10 @@ fn attach_fentry(ebpf: &mut Ebpf, program: &str, function: &str, btf: &Btf) -> R
     })?;
     fentry.attach().map_err(|err| {
         // aya's message names the call; the kernel's errno is its source.
-        format!("attaching its fentry program: {:#}", anyhow::Error::new(err))
+        format!(
+            "attaching its fentry program: {:#}",
+            anyhow::Error::new(err)
+        )
     })?;
     Ok(())
 }
@@ -483,18 +486,34 @@ pub fn recursion_misses(ebpf: &Ebpf) -> Vec<(String, u64)> {
 }
 
 /// Attaches the program of every event; returns how many. The slab frees use their
-/// raw-tracepoint programs (see [`KernelEvent::raw_program`]) where the kernel
+/// raw-tracepoint programs (see [`KernelEvent::raw_programs`]) where the kernel
 /// takes them, their tracepoint programs otherwise.
 pub fn attach(ebpf: &mut Ebpf, events: &[(KernelEvent, EventLayout)]) -> Result<usize> {
     for (event, _) in events {
-        if let Some(raw) = event.raw_program() {
-            match attach_raw(ebpf, raw, event.name()) {
+        let raw = event.raw_programs();
+        if !raw.is_empty() {
+            // In order: the second copy must run after the first.
+            match raw
+                .iter()
+                .try_for_each(|program| attach_raw(ebpf, program, event.name()))
+            {
                 Ok(()) => continue,
-                Err(err) => log::warn!(
-                    "the raw tracepoint {} cannot be used ({err:#}); its tracepoint program \
-                     is, which the kernel skips while another BPF program runs on the CPU",
-                    event.name()
-                ),
+                Err(err) => {
+                    log::warn!(
+                        "the raw tracepoint {} cannot be used ({err:#}); its tracepoint \
+                         program is, which the kernel skips while another BPF program runs \
+                         on the CPU",
+                        event.name()
+                    );
+                    for program in raw {
+                        if let Some(program) = ebpf.program_mut(program)
+                            && let Ok(program) = <&mut RawTracePoint>::try_from(program)
+                        {
+                            // Detaches a copy that was attached.
+                            let _ = program.unload();
+                        }
+                    }
+                }
             }
         }
         let name = event.name();

@@ -33,22 +33,46 @@ use crate::{
 };
 
 /// What the kernel's skipped runs of the programs lose, one line; `None` when it
-/// skipped none.
+/// skipped none that lose an event.
 fn skipped_runs(ebpf: &Ebpf) -> Option<String> {
-    let misses = crate::probes::kernel::recursion_misses(ebpf);
-    if misses.is_empty() {
+    describe_skipped(crate::probes::kernel::recursion_misses(ebpf))
+}
+
+/// [`skipped_runs`] from each program's skipped runs. The two copies of a raw free
+/// program see every event, and one loses it only when both skipped it: at most the
+/// smaller of their counts.
+fn describe_skipped(mut misses: Vec<(String, u64)>) -> Option<String> {
+    let mut lost: Vec<String> = Vec::new();
+    for event in KernelEvent::ALL {
+        let copies = event.raw_programs();
+        if copies.is_empty() {
+            continue;
+        }
+        let mut counts = Vec::new();
+        misses.retain(|(name, count)| {
+            let copy = copies.contains(&name.as_str());
+            if copy {
+                counts.push(*count);
+            }
+            !copy
+        });
+        // A copy without skipped runs is absent: then no event was lost.
+        if counts.len() == copies.len()
+            && let Some(&least) = counts.iter().min()
+        {
+            lost.push(format!("{} at most {least}", event.name()));
+        }
+    }
+    lost.extend(misses.iter().map(|(name, count)| format!("{name} {count}")));
+    if lost.is_empty() {
         return None;
     }
-    let runs: Vec<String> = misses
-        .iter()
-        .map(|(name, count)| format!("{name} {count}"))
-        .collect();
     Some(format!(
         "the kernel skipped runs of the BPF programs whose event came while a BPF \
          program was running on that CPU (in an interrupt, or the programs' own map \
          allocations), and those events are not counted (a skipped free leaves its \
          object in use): {}",
-        runs.join(", ")
+        lost.join(", ")
     ))
 }
 
@@ -487,5 +511,34 @@ impl KernelSession {
             .iter()
             .find(|r| &*r.name == KERNEL_MODULE)
             .map(|r| r.start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn misses(list: &[(&str, u64)]) -> Vec<(String, u64)> {
+        list.iter().map(|(n, c)| ((*n).to_owned(), *c)).collect()
+    }
+
+    #[test]
+    fn skipped_runs_of_both_free_copies_bound_the_lost_frees() {
+        assert_eq!(describe_skipped(Vec::new()), None);
+        // The first copy skipped, the second never: nothing lost.
+        assert_eq!(
+            describe_skipped(misses(&[("kmem_cache_free_raw", 900)])),
+            None
+        );
+        let text = describe_skipped(misses(&[
+            ("kmalloc", 336),
+            ("kmem_cache_free_raw", 900),
+            ("kmem_cache_free_raw_nested", 20),
+        ]))
+        .expect("a loss");
+        assert!(
+            text.ends_with(": kmem_cache_free at most 20, kmalloc 336"),
+            "{text}"
+        );
     }
 }
