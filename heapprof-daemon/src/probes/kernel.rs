@@ -428,13 +428,27 @@ fn attach_fentry(ebpf: &mut Ebpf, program: &str, function: &str, btf: &Btf) -> R
     })?;
     fentry.attach().map_err(|err| {
         // aya's message names the call; the kernel's errno is its source.
-        format!(
-            "attaching its fentry program: {:#}",
-            anyhow::Error::new(err)
-        )
+        let err = anyhow::Error::new(err);
+        let unsupported = err.chain().any(|cause| {
+            cause
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.raw_os_error() == Some(ENOTSUPP))
+        });
+        if unsupported {
+            format!(
+                "attaching its fentry program: {err:#} (ENOTSUPP: this kernel cannot attach \
+                 BPF trampolines to its functions; arm64 has the ftrace direct calls they \
+                 need from Linux 6.4)"
+            )
+        } else {
+            format!("attaching its fentry program: {err:#}")
+        }
     })?;
     Ok(())
 }
+
+/// The kernel's own "not supported" errno, which libc does not name.
+const ENOTSUPP: i32 = 524;
 
 /// How many times the kernel skipped each program that has skipped runs, by name:
 /// a tracepoint program is not run when another tracing BPF program already runs on
