@@ -299,6 +299,15 @@ impl DeferredFreePath {
             DeferredFreePath::Bulk => names::PROG_BULK_FREE,
         }
     }
+
+    /// The kprobe program doing the same, for kernels where the fentry program
+    /// cannot be used (no BTF, or no BPF trampolines: arm64 before 6.4).
+    pub const fn kprobe_program(self) -> &'static str {
+        match self {
+            DeferredFreePath::Rcu => names::PROG_RCU_FREE_KPROBE,
+            DeferredFreePath::Bulk => names::PROG_BULK_FREE_KPROBE,
+        }
+    }
 }
 
 /// `kfree_rcu(ptr, field)` on kernels before 6.3 passes `kvfree_call_rcu` the field's
@@ -441,6 +450,10 @@ pub mod names {
     pub const PROG_BULK_FREE: &str = "bulk_free";
     /// The kernel function behind `kmem_cache_free_bulk()` and `kfree_bulk()`.
     pub const BULK_FREE_FUNCTION: &str = "kmem_cache_free_bulk";
+    /// Kprobe program on [`RCU_FREE_FUNCTION`], where fentry cannot be used.
+    pub const PROG_RCU_FREE_KPROBE: &str = "rcu_free_kprobe";
+    /// Kprobe program on [`BULK_FREE_FUNCTION`], where fentry cannot be used.
+    pub const PROG_BULK_FREE_KPROBE: &str = "bulk_free_kprobe";
     /// Raw-tracepoint program on `kmem:kfree`, used in place of the tracepoint
     /// program `kfree` (see [`super::KernelEvent::raw_programs`]).
     pub const PROG_KFREE_RAW: &str = "kfree_raw";

@@ -70,7 +70,7 @@ const MAPS: [(&str, &str); 37] = constants![
 
 /// The constants that name programs (the kernel-mode tracepoint programs are named by
 /// [`KernelEvent::name`]).
-const PROGRAMS: [(&str, &str); 17] = constants![
+const PROGRAMS: [(&str, &str); 19] = constants![
     names::PROG_EXEC,
     names::PROG_LOADER_STATE_MULTI,
     names::PROG_LOADER_STATE,
@@ -84,6 +84,8 @@ const PROGRAMS: [(&str, &str); 17] = constants![
     names::PROG_ALLOC_RETURN_MULTI,
     kernel_names::PROG_RCU_FREE,
     kernel_names::PROG_BULK_FREE,
+    kernel_names::PROG_RCU_FREE_KPROBE,
+    kernel_names::PROG_BULK_FREE_KPROBE,
     kernel_names::PROG_KFREE_RAW,
     kernel_names::PROG_KFREE_RAW_NESTED,
     kernel_names::PROG_KMEM_CACHE_FREE_RAW,

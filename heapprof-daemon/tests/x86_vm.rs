@@ -15,7 +15,9 @@
 //! - tests/programs/release_all.c: epoll items and tmpfs files made and released
 //!   (on these kernels through call_rcu + kmem_cache_free, which the tracepoint
 //!   sees): do_epoll_ctl holds at most 5%;
-//! - a write to the RAM disk (`insmod brd.ko` from busybox), attributed to `[brd]`.
+//! - a write to the RAM disk (`insmod brd.ko` from busybox), attributed to `[brd]`;
+//! - deferred_frees again with `/sys/kernel/btf/vmlinux` hidden (an empty file
+//!   bind-mounted over it): the kprobe programs must free what fentry did.
 //!
 //! `cargo xtask test` and `cargo xtask vm-test` provide the static binary and the
 //! kernels (HEAPPROFD_X86_64_BINARY, HEAPPROFD_X86_VM_ASSETS). Without them, qemu
@@ -81,6 +83,12 @@ echo "==STATUS sampled $?"
 echo "==STATUS release $?"
 /heapprofd --kernel --pages -o $out/brd -- dd if=/dev/urandom of=/dev/ram0 bs=64k count=32 conv=fsync 2>&1
 echo "==STATUS brd $?"
+# Without BTF (an empty file over it): the deferred frees through kprobes.
+: > /tmp/empty
+mount --bind /tmp/empty /sys/kernel/btf/vmlinux
+echo "==BTF hidden: $(wc -c < /sys/kernel/btf/vmlinux) bytes"
+/heapprofd --kernel -o $out/nobtf -- /t/deferred_frees TIMERFDS CHILDREN 2>&1
+echo "==STATUS nobtf $?"
 for f in $(find $out -name '*.pb.gz' | sort); do
     echo "==FILE $f"
     base64 $f
@@ -294,6 +302,7 @@ struct Figures {
     children: (i64, i64, i64),
     epoll: (i64, i64, i64),
     sampled: (i64, i64),
+    kprobes: (i64, Option<i64>),
     brd_samples: usize,
 }
 
@@ -390,6 +399,7 @@ fn check_kernel(release: &str, console: &str, profiles: &BTreeMap<String, Profil
         children.1
     );
     let sampled = check_sampled(deferred, last(profiles, "sampled"), release);
+    let kprobes = check_kprobes(last(profiles, "nobtf"), release);
 
     let brd_samples = check_module(last(profiles, "brd"), release);
     Figures {
@@ -400,8 +410,51 @@ fn check_kernel(release: &str, console: &str, profiles: &BTreeMap<String, Profil
         children,
         epoll,
         sampled,
+        kprobes,
         brd_samples,
     }
+}
+
+/// The deferred_frees run with BTF hidden: the kprobe programs in place of fentry
+/// freed the timerfd contexts (and, on 6.8+, objects in bulk). Returns their counts.
+fn check_kprobes(profile: &Profile, release: &str) -> (i64, Option<i64>) {
+    let (major, minor) = version(release);
+    let notes = comments(profile);
+    let expected = if (major, minor) >= (5, 17) {
+        "kvfree_call_rcu kmem_cache_free_bulk"
+    } else {
+        "kvfree_call_rcu"
+    };
+    assert!(
+        notes.contains(
+            &format!(
+                "deferred and bulk frees seen through kprobes (fentry not usable): {expected}"
+            )
+            .as_str()
+        ),
+        "{release}, BTF hidden: {notes:?}"
+    );
+    let freed = freed_by(profile);
+    let rcu = freed.get("kvfree_call_rcu").copied().unwrap_or(0);
+    assert!(
+        rcu >= TIMERFDS,
+        "{release}, BTF hidden: the kvfree_call_rcu kprobe freed {rcu} objects: {notes:?}"
+    );
+    let bulk = freed.get("kmem_cache_free_bulk").copied();
+    if (major, minor) >= TREE_COPIED_ON_FORK {
+        assert!(
+            bulk.is_some_and(|n| n > 0),
+            "{release}, BTF hidden: the kmem_cache_free_bulk kprobe freed nothing: {notes:?}"
+        );
+    }
+    let (objects, bytes, inuse) = in_use(profile, |s| {
+        s.stack.iter().any(|f| f.contains("timerfd_create"))
+    });
+    assert!(
+        objects >= TIMERFDS && inuse * 20 <= bytes,
+        "{release}, BTF hidden: timerfd_create stacks hold {inuse} of {bytes} bytes"
+    );
+    (rcu, bulk)
 }
 
 /// The sampled run of deferred_frees against the exact one: a scaled total within
@@ -490,7 +543,11 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
             console.contains("==INSMOD brd 0"),
             "{release}: the RAM disk module did not load:\n{console}"
         );
-        for scenario in ["deferred", "sampled", "release", "brd"] {
+        assert!(
+            console.contains("==BTF hidden: 0 bytes"),
+            "{release}: BTF was not hidden:\n{console}"
+        );
+        for scenario in ["deferred", "sampled", "release", "brd", "nobtf"] {
             assert!(
                 console.contains(&format!("==STATUS {scenario} 0")),
                 "{release}: scenario {scenario} failed; console:\n{console}"
@@ -505,7 +562,7 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
              timerfd_create stacks {} objects / {} bytes, {} bytes in use; the children \
              {} objects / {} bytes, {} in use; do_epoll_ctl {} objects / {} bytes, {} in use; \
              sampled at {SAMPLE_RATE} bytes {} bytes allocated against {} exact; \
-             {} [brd] samples",
+             BTF hidden, the kprobes freed {} and {:?} objects; {} [brd] samples",
             f.release,
             f.rcu_freed,
             f.bulk_freed
@@ -521,6 +578,8 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
             f.epoll.2,
             f.sampled.1,
             f.sampled.0,
+            f.kprobes.0,
+            f.kprobes.1,
             f.brd_samples,
         );
     }

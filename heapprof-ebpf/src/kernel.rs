@@ -14,9 +14,9 @@ use aya_ebpf::{
         bpf_probe_read_kernel_str_bytes,
         generated::{bpf_get_func_arg, bpf_get_stack},
     },
-    macros::{fentry, map, raw_tracepoint, tracepoint},
+    macros::{fentry, kprobe, map, raw_tracepoint, tracepoint},
     maps::{HashMap, PerCpuArray, PerCpuHashMap},
-    programs::{FEntryContext, RawTracePointContext, TracePointContext},
+    programs::{FEntryContext, ProbeContext, RawTracePointContext, TracePointContext},
 };
 use heapprof_common::{
     DropReason,
@@ -565,10 +565,37 @@ pub fn rcu_free(ctx: FEntryContext) -> u32 {
 /// of it): every object of the array is freed, with no per-object tracepoint.
 #[fentry(function = "kmem_cache_free_bulk")]
 pub fn bulk_free(ctx: FEntryContext) -> u32 {
-    let count = raw_arg(&ctx, 1).min(u64::from(MAX_BULK_OBJECTS)) as u32;
-    let mut pointers = raw_arg(&ctx, 2);
+    free_bulk(raw_arg(&ctx, 1), raw_arg(&ctx, 2));
+    0
+}
+
+/// [`rcu_free`] as a kprobe, where fentry cannot be used (no BTF, or no BPF
+/// trampolines): the arguments come from the registers.
+#[kprobe(function = "kvfree_call_rcu")]
+pub fn rcu_free_kprobe(ctx: ProbeContext) -> u32 {
+    let head = ctx.arg::<u64>(0).unwrap_or(0);
+    let arg = ctx.arg::<u64>(1).unwrap_or(0);
+    release_slab(rcu_freed_object(head, arg), DeferredFreePath::Rcu);
+    0
+}
+
+/// [`bulk_free`] as a kprobe.
+#[kprobe(function = "kmem_cache_free_bulk")]
+pub fn bulk_free_kprobe(ctx: ProbeContext) -> u32 {
+    free_bulk(
+        ctx.arg::<u64>(1).unwrap_or(0),
+        ctx.arg::<u64>(2).unwrap_or(0),
+    );
+    0
+}
+
+/// Frees the `count` objects of the pointer array at `pointers`.
+#[inline(always)]
+fn free_bulk(count: u64, pointers: u64) {
+    let count = count.min(u64::from(MAX_BULK_OBJECTS)) as u32;
+    let mut pointers = pointers;
     if pointers == 0 || count == 0 {
-        return 0;
+        return;
     }
     // SAFETY: the callback takes the context pointer given here, valid for the call.
     unsafe {
@@ -579,7 +606,6 @@ pub fn bulk_free(ctx: FEntryContext) -> u32 {
             0,
         );
     }
-    0
 }
 
 /// `bpf_loop`'s callback: releases entry `index` of the pointer array at `*context`.

@@ -5,7 +5,7 @@ use std::path::Path;
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
-    programs::{FEntry, ProgramError, RawTracePoint, TracePoint},
+    programs::{FEntry, KProbe, ProgramError, RawTracePoint, TracePoint},
 };
 use heapprof_common::{
     kernel::{
@@ -261,8 +261,10 @@ fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
 /// The frees no tracepoint shows, and whether this session sees them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeferredFrees {
-    /// The kernel functions whose fentry programs are attached.
+    /// The kernel functions whose programs are attached (fentry, or kprobes).
     pub seen: Vec<&'static str>,
+    /// Those of them seen through kprobes (where fentry cannot be used).
+    pub kprobes: Vec<&'static str>,
     /// Why the others are not, one line each (no BTF, a kernel without the function,
     /// the verifier's refusal).
     pub missing: Vec<String>,
@@ -302,16 +304,9 @@ fn unseen(path: DeferredFreePath) -> &'static str {
 /// goes on and says what it undercounts.
 pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
     let mut frees = DeferredFrees::default();
-    let btf = match Btf::from_sys_fs() {
-        Ok(btf) => btf,
-        Err(err) => {
-            frees.missing.push(format!(
-                "this kernel has no BTF (/sys/kernel/btf/vmlinux: {err}), which the fentry \
-                 programs that see them need"
-            ));
-            return frees;
-        }
-    };
+    let btf = Btf::from_sys_fs().map_err(|err| {
+        format!("this kernel has no BTF (/sys/kernel/btf/vmlinux: {err}), which fentry needs")
+    });
     let kernel = running_kernel();
     for path in DeferredFreePath::ALL {
         let function = path.function();
@@ -326,14 +321,45 @@ pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
             ));
             continue;
         }
-        match attach_fentry(ebpf, path.program(), function, &btf) {
-            Ok(()) => frees.seen.push(function),
-            Err(reason) => frees
-                .missing
-                .push(format!("{function}: {reason}; {}", unseen(path))),
+        let fentry = match &btf {
+            Ok(btf) => attach_fentry(ebpf, path.program(), function, btf),
+            Err(no_btf) => Err(no_btf.clone()),
+        };
+        let Err(reason) = fentry else {
+            frees.seen.push(function);
+            continue;
+        };
+        // Kprobes need no BTF nor trampolines (but the kernel skips them, as
+        // tracepoint programs, while another tracing program runs on the CPU).
+        match attach_kprobe(ebpf, path.kprobe_program(), function) {
+            Ok(()) => {
+                log::info!("{function}: fentry not usable ({reason}); a kprobe sees its frees");
+                frees.seen.push(function);
+                frees.kprobes.push(function);
+            }
+            Err(kprobe) => frees.missing.push(format!(
+                "{function}: {reason}; its kprobe: {kprobe:#}; {}",
+                unseen(path)
+            )),
         }
     }
     frees
+}
+
+/// Loads kprobe program `program` and attaches it to the entry of `function`.
+fn attach_kprobe(ebpf: &mut Ebpf, program: &str, function: &str) -> Result<()> {
+    let kprobe: &mut KProbe = ebpf
+        .program_mut(program)
+        .with_context(|| format!("BPF program {program} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("BPF program {program} is not a kprobe program"))?;
+    kprobe
+        .load()
+        .with_context(|| format!("verifying BPF program {program}"))?;
+    kprobe
+        .attach(function, 0)
+        .with_context(|| format!("attaching a kprobe to {function}"))?;
+    Ok(())
 }
 
 /// The line of a verifier log that says why it refused a program: the first line

@@ -409,6 +409,12 @@ impl KernelSession {
                 self.deferred_frees.seen.join(" ")
             ));
         }
+        if !self.deferred_frees.kprobes.is_empty() {
+            builder.comment(&format!(
+                "deferred and bulk frees seen through kprobes (fentry not usable): {}",
+                self.deferred_frees.kprobes.join(" ")
+            ));
+        }
         if let Some(freed) = self.describe_deferred_frees(deferred) {
             builder.comment(&format!("deferred and bulk frees counted: {freed}"));
         }
