@@ -75,6 +75,26 @@ impl KernelEvent {
         }
     }
 
+    /// The raw-tracepoint programs that handle the event in place of its tracepoint
+    /// program, in attach order (empty: none): the slab frees, whose pointer is the
+    /// second argument of the tracepoint on every kernel (`kfree(call_site, ptr)`,
+    /// `kmem_cache_free(call_site, ptr, ...)`). The kernel skips a tracepoint program
+    /// while any other tracing program runs on the CPU (a free in an interrupt that
+    /// came during an allocation's program is lost and its object stays in use), a
+    /// raw-tracepoint program only while the same program runs: of the two copies,
+    /// the second frees what the first was skipped for, and passes over what the
+    /// first has freed.
+    pub const fn raw_programs(self) -> &'static [&'static str] {
+        match self {
+            KernelEvent::Kfree => &[names::PROG_KFREE_RAW, names::PROG_KFREE_RAW_NESTED],
+            KernelEvent::KmemCacheFree => &[
+                names::PROG_KMEM_CACHE_FREE_RAW,
+                names::PROG_KMEM_CACHE_FREE_RAW_NESTED,
+            ],
+            _ => &[],
+        }
+    }
+
     /// The kind of memory an allocation event hands out, `None` for other events.
     pub const fn allocates(self) -> Option<KernelAllocKind> {
         match self {
@@ -223,8 +243,90 @@ pub struct KernelConfig {
     pub cgroup_id: u64,
     /// The depth of that cgroup below the hierarchy's root.
     pub cgroup_level: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// How the fentry programs read their function's arguments: a [`FuncArgs`].
+    pub func_args: u32,
+    /// Nonzero: record a Poisson sample of the allocations, one per this many
+    /// handed-out bytes on average (`--sample-rate`); 0: every allocation.
+    pub sample_rate: u64,
+}
+
+/// How the fentry programs read the raw arguments of the function they are attached
+/// to. Reading them straight from the context is checked against the arguments' BTF
+/// types, which refuses pointers to anything but a struct (`rcu_callback_t`, `void **`).
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum FuncArgs {
+    /// `bpf_get_func_arg()` (Linux 5.17+).
+    #[default]
+    Helper = 0,
+    /// `bpf_probe_read_kernel()` of the argument array the trampoline saved, whose
+    /// address is the context (kernels before 5.17; needs CAP_PERFMON, which
+    /// lets a pointer be handed to a helper as a number).
+    SavedArray = 1,
+}
+
+/// The paths on which the fentry programs see objects freed without a per-object
+/// tracepoint; index of their per-CPU counter in `KERNEL_DEFERRED_FREES`.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeferredFreePath {
+    /// `kvfree_call_rcu` (`kfree_rcu()`, `kvfree_rcu()`).
+    Rcu = 0,
+    /// `kmem_cache_free_bulk` (`kfree_bulk()`).
+    Bulk = 1,
+}
+
+impl DeferredFreePath {
+    /// Number of paths.
+    pub const COUNT: usize = 2;
+
+    /// Every path, indexed by discriminant.
+    pub const ALL: [DeferredFreePath; Self::COUNT] =
+        [DeferredFreePath::Rcu, DeferredFreePath::Bulk];
+
+    /// The kernel function the path's fentry program is attached to.
+    pub const fn function(self) -> &'static str {
+        match self {
+            DeferredFreePath::Rcu => names::RCU_FREE_FUNCTION,
+            DeferredFreePath::Bulk => names::BULK_FREE_FUNCTION,
+        }
+    }
+
+    /// The fentry program's name.
+    pub const fn program(self) -> &'static str {
+        match self {
+            DeferredFreePath::Rcu => names::PROG_RCU_FREE,
+            DeferredFreePath::Bulk => names::PROG_BULK_FREE,
+        }
+    }
+
+    /// The kprobe program doing the same, for kernels where the fentry program
+    /// cannot be used (no BTF, or no BPF trampolines: arm64 before 6.4).
+    pub const fn kprobe_program(self) -> &'static str {
+        match self {
+            DeferredFreePath::Rcu => names::PROG_RCU_FREE_KPROBE,
+            DeferredFreePath::Bulk => names::PROG_BULK_FREE_KPROBE,
+        }
+    }
+}
+
+/// `kfree_rcu(ptr, field)` on kernels before 6.3 passes `kvfree_call_rcu` the field's
+/// offset in place of a callback; offsets are below this (the kernel's own
+/// `KVFREE_RCU_OFFSET`), code addresses never are.
+pub const KVFREE_RCU_OFFSET: u64 = 4096;
+
+/// The object `kvfree_call_rcu(head, arg)` releases. Before 6.3 its second argument
+/// is an `rcu_callback_t`: the `rcu_head`'s offset in the object (`kfree_rcu(ptr,
+/// field)`: the object is `head - offset`), or the object itself when `head` is NULL
+/// (the headless `kvfree_rcu(ptr)`). From 6.3 it is the object (`void *ptr`), which
+/// as a kernel address is never below [`KVFREE_RCU_OFFSET`]: one rule reads both.
+#[inline(always)]
+pub const fn rcu_freed_object(head: u64, arg: u64) -> u64 {
+    if head != 0 && arg < KVFREE_RCU_OFFSET {
+        head.wrapping_sub(arg)
+    } else {
+        arg
+    }
 }
 
 /// Identifies one kernel allocation site.
@@ -348,6 +450,24 @@ pub mod names {
     pub const PROG_BULK_FREE: &str = "bulk_free";
     /// The kernel function behind `kmem_cache_free_bulk()` and `kfree_bulk()`.
     pub const BULK_FREE_FUNCTION: &str = "kmem_cache_free_bulk";
+    /// Kprobe program on [`RCU_FREE_FUNCTION`], where fentry cannot be used.
+    pub const PROG_RCU_FREE_KPROBE: &str = "rcu_free_kprobe";
+    /// Kprobe program on [`BULK_FREE_FUNCTION`], where fentry cannot be used.
+    pub const PROG_BULK_FREE_KPROBE: &str = "bulk_free_kprobe";
+    /// Raw-tracepoint program on `kmem:kfree`, used in place of the tracepoint
+    /// program `kfree` (see [`super::KernelEvent::raw_programs`]).
+    pub const PROG_KFREE_RAW: &str = "kfree_raw";
+    /// Its second copy, attached after it: handles the frees that come while the
+    /// first runs on the CPU (an interrupt's), which the kernel skips for the first.
+    pub const PROG_KFREE_RAW_NESTED: &str = "kfree_raw_nested";
+    /// Raw-tracepoint program on `kmem:kmem_cache_free`, in place of
+    /// `kmem_cache_free`.
+    pub const PROG_KMEM_CACHE_FREE_RAW: &str = "kmem_cache_free_raw";
+    /// Its second copy (see [`PROG_KFREE_RAW_NESTED`]).
+    pub const PROG_KMEM_CACHE_FREE_RAW_NESTED: &str = "kmem_cache_free_raw_nested";
+    /// Objects each fentry program freed for the profile, per CPU
+    /// (`PerCpuArray<u64>`, indexed by [`super::DeferredFreePath`]).
+    pub const KERNEL_DEFERRED_FREES: &str = "KERNEL_DEFERRED_FREES";
 }
 
 #[cfg(feature = "user")]
@@ -394,5 +514,18 @@ mod tests {
         allocator_frames_regex(&mut regex).expect("writes");
         assert!(regex.starts_with("(kmalloc|__kmalloc|"), "{regex}");
         assert!(regex.ends_with(").*|.*_noprof(\\..*)?"), "{regex}");
+    }
+
+    #[test]
+    fn the_object_kvfree_call_rcu_releases() {
+        let object = 0xffff_8880_0123_4500;
+        // Before 6.3: kfree_rcu(ptr, rcu) with the rcu_head 0x40 into the object.
+        assert_eq!(rcu_freed_object(object + 0x40, 0x40), object);
+        assert_eq!(rcu_freed_object(object, 0), object);
+        // Before 6.3, headless: the object in place of the callback.
+        assert_eq!(rcu_freed_object(0, object), object);
+        // 6.3 and later: (head, ptr), with or without a head.
+        assert_eq!(rcu_freed_object(object + 0x40, object), object);
+        assert_eq!(rcu_freed_object(0, object), object);
     }
 }

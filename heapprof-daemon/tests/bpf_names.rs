@@ -28,7 +28,7 @@ macro_rules! constants {
 }
 
 /// The constants that name maps.
-const MAPS: [(&str, &str); 36] = constants![
+const MAPS: [(&str, &str); 37] = constants![
     names::IN_FLIGHT,
     names::IN_FLIGHT_SLOTS,
     names::PROBES,
@@ -65,11 +65,12 @@ const MAPS: [(&str, &str); 36] = constants![
     kernel_names::TRACED,
     kernel_names::COMMS,
     kernel_names::CACHE_NAMES,
+    kernel_names::KERNEL_DEFERRED_FREES,
 ];
 
 /// The constants that name programs (the kernel-mode tracepoint programs are named by
 /// [`KernelEvent::name`]).
-const PROGRAMS: [(&str, &str); 13] = constants![
+const PROGRAMS: [(&str, &str); 19] = constants![
     names::PROG_EXEC,
     names::PROG_LOADER_STATE_MULTI,
     names::PROG_LOADER_STATE,
@@ -83,6 +84,12 @@ const PROGRAMS: [(&str, &str); 13] = constants![
     names::PROG_ALLOC_RETURN_MULTI,
     kernel_names::PROG_RCU_FREE,
     kernel_names::PROG_BULK_FREE,
+    kernel_names::PROG_RCU_FREE_KPROBE,
+    kernel_names::PROG_BULK_FREE_KPROBE,
+    kernel_names::PROG_KFREE_RAW,
+    kernel_names::PROG_KFREE_RAW_NESTED,
+    kernel_names::PROG_KMEM_CACHE_FREE_RAW,
+    kernel_names::PROG_KMEM_CACHE_FREE_RAW_NESTED,
 ];
 
 /// The constants that name globals (set with `EbpfLoader::override_global`).
@@ -100,8 +107,9 @@ const ATTACH_POINTS: [(&str, &str); 6] = constants![
 
 /// Maps that only the programs use, which the daemon never names: per-CPU scratch
 /// space, the remembered walks, the log's rate limit, and aya-log's buffer.
-const PRIVATE_MAPS: [&str; 13] = [
+const PRIVATE_MAPS: [&str; 14] = [
     "AYA_LOGS",
+    "KERNEL_FREE_SEEN",
     "KERNEL_STACK_SCRATCH",
     "LOGGED",
     "LOG_CLAIMS",

@@ -11,22 +11,23 @@ use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_loop, bpf_probe_read_kernel,
-        bpf_probe_read_kernel_str_bytes, generated::bpf_get_stack,
+        bpf_probe_read_kernel_str_bytes,
+        generated::{bpf_get_func_arg, bpf_get_stack},
     },
-    macros::{fentry, map, tracepoint},
+    macros::{fentry, kprobe, map, raw_tracepoint, tracepoint},
     maps::{HashMap, PerCpuArray, PerCpuHashMap},
-    programs::{FEntryContext, TracePointContext},
+    programs::{FEntryContext, ProbeContext, RawTracePointContext, TracePointContext},
 };
 use heapprof_common::{
     DropReason,
     kernel::{
-        CACHE_NAME_LEN, EventLayout, FieldRef, KernelAllocKind, KernelConfig, KernelCounters,
-        KernelEvent, KernelLiveBlock, KernelLiveKey, KernelSiteKey, KernelSpace, KernelStack,
-        MAX_KERNEL_STACK_DEPTH,
+        CACHE_NAME_LEN, DeferredFreePath, EventLayout, FieldRef, FuncArgs, KernelAllocKind,
+        KernelConfig, KernelCounters, KernelEvent, KernelLiveBlock, KernelLiveKey, KernelSiteKey,
+        KernelSpace, KernelStack, MAX_KERNEL_STACK_DEPTH, rcu_freed_object,
     },
 };
 
-use crate::maps::count_kernel_drop;
+use crate::{maps::count_kernel_drop, sampling::sampled_at};
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 #[map(name = "KERNEL_SITES")]
@@ -48,6 +49,10 @@ static CACHE_NAMES: HashMap<u64, [u8; CACHE_NAME_LEN]> =
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
 #[map(name = "COMMS")]
 static COMMS: HashMap<u32, [u8; 16]> = HashMap::with_max_entries(65536, 0);
+/// Objects each fentry program freed for the profile, by [`DeferredFreePath`].
+#[map(name = "KERNEL_DEFERRED_FREES")]
+static KERNEL_DEFERRED_FREES: PerCpuArray<u64> =
+    PerCpuArray::with_max_entries(DeferredFreePath::COUNT as u32, 0);
 
 const NO_FIELD: FieldRef = FieldRef { offset: 0, size: 0 };
 const NO_LAYOUT: EventLayout = EventLayout {
@@ -68,7 +73,8 @@ static KERNEL_CONFIG: KernelConfig = KernelConfig {
     filter_processes: 0,
     cgroup_id: 0,
     cgroup_level: 0,
-    _pad: 0,
+    func_args: FuncArgs::Helper as u32,
+    sample_rate: 0,
 };
 
 const EEXIST: i32 = 17;
@@ -235,16 +241,17 @@ fn add_to_site(
 }
 
 /// Credits the free of a tracked object to the site that allocated it; untracked
-/// objects (allocated before tracing, or not counted) are ignored.
+/// objects (allocated before tracing, or not counted) are ignored. Returns whether
+/// the object was tracked.
 #[inline(always)]
-fn release(key: &KernelLiveKey) {
+fn release(key: &KernelLiveKey) -> bool {
     // SAFETY: the value is copied out before the entry is removed.
     let Some(block) = (unsafe { KERNEL_LIVE.get(key) }).copied() else {
-        return;
+        return false;
     };
     if KERNEL_LIVE.remove(key).is_err() {
         // Another CPU freed it first (a double free would be the kernel's bug): count once.
-        return;
+        return false;
     }
     let delta = KernelCounters {
         free_objects: 1,
@@ -253,6 +260,7 @@ fn release(key: &KernelLiveKey) {
         ..KernelCounters::default()
     };
     add_to_site(&block.site, None, None, &delta);
+    true
 }
 
 #[inline(always)]
@@ -305,6 +313,11 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         }
         None => return 0,
     };
+    // Sampling is decided before the stack is taken: a skipped allocation costs the
+    // draw only, and its free finds nothing in KERNEL_LIVE.
+    if !sampled_at(bytes, config_u64(&KERNEL_CONFIG.sample_rate)) {
+        return 0;
+    }
     let (stack_hash, stack) = take_stack(ctx);
     let site = KernelSiteKey {
         tgid,
@@ -337,7 +350,7 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
     if inserted == Err(-EEXIST) {
         // Still recorded at this address: it was freed on a path without a tracepoint
         // (bulk frees). Close it so its site's in-use stays right.
-        release(&key);
+        let _ = release(&key);
         inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
     if inserted.is_err() {
@@ -364,7 +377,7 @@ fn on_free(ctx: &TracePointContext, event: KernelEvent, space: KernelSpace) -> u
     if addr == 0 && matches!(space, KernelSpace::Slab) {
         return 0;
     }
-    release(&KernelLiveKey {
+    let _ = release(&KernelLiveKey {
         addr,
         space: space as u32,
         _pad: 0,
@@ -407,6 +420,81 @@ pub fn kmem_cache_free(ctx: TracePointContext) -> u32 {
     on_free(&ctx, KernelEvent::KmemCacheFree, KernelSpace::Slab)
 }
 
+/// The object each first copy of a raw free program is freeing on this CPU, by
+/// [`RawFree`]: the second copy, which runs right after it on every event, passes
+/// over that one and frees the others (events the kernel skipped the first for).
+#[map(name = "KERNEL_FREE_SEEN")]
+static KERNEL_FREE_SEEN: PerCpuArray<u64> = PerCpuArray::with_max_entries(2, 0);
+
+/// The raw free programs' slots in [`KERNEL_FREE_SEEN`].
+#[derive(Clone, Copy)]
+enum RawFree {
+    Kfree = 0,
+    KmemCacheFree = 1,
+}
+
+/// `kmem:kfree` as a raw tracepoint: `ptr` is its second argument.
+#[raw_tracepoint(tracepoint = "kfree")]
+pub fn kfree_raw(ctx: RawTracePointContext) -> i32 {
+    first_free(ctx.arg::<u64>(1), RawFree::Kfree);
+    0
+}
+
+/// The second copy of [`kfree_raw`].
+#[raw_tracepoint(tracepoint = "kfree")]
+pub fn kfree_raw_nested(ctx: RawTracePointContext) -> i32 {
+    nested_free(ctx.arg::<u64>(1), RawFree::Kfree);
+    0
+}
+
+/// `kmem:kmem_cache_free` as a raw tracepoint: `ptr` is its second argument.
+#[raw_tracepoint(tracepoint = "kmem_cache_free")]
+pub fn kmem_cache_free_raw(ctx: RawTracePointContext) -> i32 {
+    first_free(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
+    0
+}
+
+/// The second copy of [`kmem_cache_free_raw`].
+#[raw_tracepoint(tracepoint = "kmem_cache_free")]
+pub fn kmem_cache_free_raw_nested(ctx: RawTracePointContext) -> i32 {
+    nested_free(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
+    0
+}
+
+/// The first copy: notes the object, then frees it.
+#[inline(always)]
+fn first_free(addr: u64, slot: RawFree) {
+    if let Some(seen) = KERNEL_FREE_SEEN.get_ptr_mut(slot as u32) {
+        // SAFETY: this CPU's slot; written before the free, so a nested event sees it.
+        unsafe { *seen = addr };
+    }
+    release_slab_ptr(addr);
+}
+
+/// The second copy: frees the object unless the first copy is freeing it.
+#[inline(always)]
+fn nested_free(addr: u64, slot: RawFree) {
+    if let Some(seen) = KERNEL_FREE_SEEN.get_ptr(slot as u32)
+        // SAFETY: this CPU's slot.
+        && unsafe { *seen } == addr
+    {
+        return;
+    }
+    release_slab_ptr(addr);
+}
+
+/// Releases the slab object a free event names (0 is ignored).
+#[inline(always)]
+fn release_slab_ptr(addr: u64) {
+    if addr != 0 {
+        let _ = release(&KernelLiveKey {
+            addr,
+            space: KernelSpace::Slab as u32,
+            _pad: 0,
+        });
+    }
+}
+
 #[tracepoint]
 pub fn mm_page_free(ctx: TracePointContext) -> u32 {
     on_free(&ctx, KernelEvent::PageFree, KernelSpace::Pages)
@@ -421,36 +509,93 @@ pub fn mm_page_free_batched(ctx: TracePointContext) -> u32 {
 /// own batches hold at most a page of pointers).
 const MAX_BULK_OBJECTS: u32 = 1 << 16;
 
-/// Releases the slab object at `addr` (0 is ignored).
+/// Releases the slab object at `addr` (0 is ignored) and counts it for `path` when
+/// it was tracked.
 #[inline(always)]
-fn release_slab(addr: u64) {
-    if addr != 0 {
-        release(&KernelLiveKey {
-            addr,
-            space: KernelSpace::Slab as u32,
-            _pad: 0,
-        });
+fn release_slab(addr: u64, path: DeferredFreePath) {
+    if addr == 0 {
+        return;
+    }
+    let released = release(&KernelLiveKey {
+        addr,
+        space: KernelSpace::Slab as u32,
+        _pad: 0,
+    });
+    if released && let Some(count) = KERNEL_DEFERRED_FREES.get_ptr_mut(path as u32) {
+        // SAFETY: this CPU's slot of a per-CPU array.
+        unsafe { *count += 1 };
     }
 }
 
-/// `kvfree_call_rcu(head, ptr)`, which `kfree_rcu()` and `kvfree_rcu()` call: the
+/// Argument `n` of the traced function, as a raw 64-bit value (0 if unreadable).
+///
+/// Not `FEntryContext::arg`: a direct read of the context is checked against the
+/// argument's BTF type, and the verifier refuses pointers to anything but a struct
+/// (`arg1 type FUNC_PROTO is not a struct`, `arg2 type PTR is not a struct`).
+#[inline(always)]
+fn raw_arg(ctx: &FEntryContext, n: u32) -> u64 {
+    let mut value = 0u64;
+    if config_u32(&KERNEL_CONFIG.func_args) == FuncArgs::SavedArray as u32 {
+        // The context is the array of the arguments the trampoline saved.
+        let slot = (ctx.as_ptr() as *const u64).wrapping_add(n as usize);
+        // SAFETY: bpf_probe_read_kernel checks the address.
+        return unsafe { bpf_probe_read_kernel(slot) }.unwrap_or(0);
+    }
+    // SAFETY: the helper writes one u64 into `value`, or fails on an index beyond the
+    // function's arguments.
+    if unsafe { bpf_get_func_arg(ctx.as_ptr(), n, &mut value) } != 0 {
+        return 0;
+    }
+    value
+}
+
+/// `kvfree_call_rcu(head, arg)`, which `kfree_rcu()` and `kvfree_rcu()` call: the
 /// owner releases the object, which the kernel frees after a grace period, often in a
 /// bulk free that fires no per-object tracepoint. It is freed for the profile now (its
-/// address cannot be handed out again before the real free).
+/// address cannot be handed out again before the real free). Which object `arg`
+/// names differs by kernel version: see [`rcu_freed_object`].
 #[fentry(function = "kvfree_call_rcu")]
 pub fn rcu_free(ctx: FEntryContext) -> u32 {
-    release_slab(ctx.arg::<u64>(1));
+    let object = rcu_freed_object(raw_arg(&ctx, 0), raw_arg(&ctx, 1));
+    release_slab(object, DeferredFreePath::Rcu);
     0
 }
 
-/// `kmem_cache_free_bulk(cache, count, pointers)` (also `kfree_bulk`): every object of
-/// the array is freed, with no per-object tracepoint.
+/// `kmem_cache_free_bulk(cache, count, pointers)` (also `kfree_bulk`, an inline call
+/// of it): every object of the array is freed, with no per-object tracepoint.
 #[fentry(function = "kmem_cache_free_bulk")]
 pub fn bulk_free(ctx: FEntryContext) -> u32 {
-    let count = ctx.arg::<u64>(1).min(u64::from(MAX_BULK_OBJECTS)) as u32;
-    let mut pointers = ctx.arg::<u64>(2);
+    free_bulk(raw_arg(&ctx, 1), raw_arg(&ctx, 2));
+    0
+}
+
+/// [`rcu_free`] as a kprobe, where fentry cannot be used (no BTF, or no BPF
+/// trampolines): the arguments come from the registers.
+#[kprobe(function = "kvfree_call_rcu")]
+pub fn rcu_free_kprobe(ctx: ProbeContext) -> u32 {
+    let head = ctx.arg::<u64>(0).unwrap_or(0);
+    let arg = ctx.arg::<u64>(1).unwrap_or(0);
+    release_slab(rcu_freed_object(head, arg), DeferredFreePath::Rcu);
+    0
+}
+
+/// [`bulk_free`] as a kprobe.
+#[kprobe(function = "kmem_cache_free_bulk")]
+pub fn bulk_free_kprobe(ctx: ProbeContext) -> u32 {
+    free_bulk(
+        ctx.arg::<u64>(1).unwrap_or(0),
+        ctx.arg::<u64>(2).unwrap_or(0),
+    );
+    0
+}
+
+/// Frees the `count` objects of the pointer array at `pointers`.
+#[inline(always)]
+fn free_bulk(count: u64, pointers: u64) {
+    let count = count.min(u64::from(MAX_BULK_OBJECTS)) as u32;
+    let mut pointers = pointers;
     if pointers == 0 || count == 0 {
-        return 0;
+        return;
     }
     // SAFETY: the callback takes the context pointer given here, valid for the call.
     unsafe {
@@ -461,7 +606,6 @@ pub fn bulk_free(ctx: FEntryContext) -> u32 {
             0,
         );
     }
-    0
 }
 
 /// `bpf_loop`'s callback: releases entry `index` of the pointer array at `*context`.
@@ -472,7 +616,7 @@ extern "C" fn release_bulk_entry(index: u64, context: *mut c_void) -> i64 {
     // SAFETY: bpf_probe_read_kernel checks the kernel address.
     match unsafe { bpf_probe_read_kernel(entry as *const u64) } {
         Ok(addr) => {
-            release_slab(addr);
+            release_slab(addr, DeferredFreePath::Bulk);
             0
         }
         Err(_) => 1,

@@ -9,7 +9,12 @@ use crate::maps::{SAMPLER, sample_rate};
 /// mean one pick every `sample_rate` bytes), as in Go and tcmalloc.
 #[inline(always)]
 pub fn sampled(size: u64) -> bool {
-    let rate = sample_rate();
+    sampled_at(size, sample_rate())
+}
+
+/// [`sampled`] at mean rate `rate` bytes (0: every allocation is recorded).
+#[inline(always)]
+pub fn sampled_at(size: u64, rate: u64) -> bool {
     if rate == 0 {
         return true;
     }

@@ -51,11 +51,12 @@ enum Cmd {
         args: Vec<String>,
     },
     /// Run the whole test suite: formatting, clippy (also on the BPF crate for the bpf
-    /// target), unit and BPF integration tests, the static aarch64 build, the arm64 VM
-    /// test, and the Debian package.
+    /// target), unit and BPF integration tests, the static aarch64 and x86-64 builds,
+    /// the arm64 and x86-64 VM tests, and the Debian package.
     Test,
-    /// Only the arm64 VM test: the static aarch64 heapprofd under Debian's arm64 6.1
-    /// kernel in qemu, with and without BTF.
+    /// Only the VM tests: the static aarch64 heapprofd under Debian's arm64 6.1
+    /// kernel in qemu, with and without BTF, and the static x86-64 heapprofd's kernel
+    /// mode under Debian's amd64 5.10, 6.1 and 6.12 kernels.
     VmTest,
     /// The load tests at full scale (8 threads x 1M allocations, 1M live blocks), with
     /// their figures. Needs root.
@@ -156,6 +157,7 @@ fn run(args: Args) -> Result<()> {
             setup::ensure(setup::Needs::Test)?;
             cargo()
                 .args(["test", "-p", "heapprof-daemon", "--test", "arm64_vm"])
+                .args(["--test", "x86_vm"])
                 .args(["--", "--nocapture"])
                 .envs(vm_test_env()?)
                 .run()

@@ -128,8 +128,13 @@ pub fn debian_packages(needs: Needs, host: Arch) -> Vec<&'static str> {
         // chromium renders the HTML page.
         packages.extend(["google-perftools", "chromium"]);
         // The arm64 VM test: the emulator, cpio for its initramfs; ssh for `xtask run
-        // --host`.
-        packages.extend(["qemu-system-arm", "cpio", "openssh-client"]);
+        // --host`. The x86-64 VM test: its emulator.
+        packages.extend([
+            "qemu-system-arm",
+            "qemu-system-x86",
+            "cpio",
+            "openssh-client",
+        ]);
         // The suite's static aarch64 build, the VM test's programs (C and C++), and the
         // unwind tests' objects and libraries of both architectures: built by
         // TRIPLET-gcc and TRIPLET-g++, which the host's gcc and g++ (listed above)

@@ -64,7 +64,7 @@ pub fn ensure_assets() -> Result<PathBuf> {
         return Ok(assets);
     }
     step("fetching Debian's arm64 kernel, busybox and C and C++ libraries for the VM test");
-    let apt = PrivateApt::new(&base.join("apt"))?;
+    let apt = PrivateApt::new(&base.join("apt"), "arm64", &arm64_sources()?)?;
     apt.update()?;
     let kernel = apt.kernel_package()?;
     let debs = base.join("debs");
@@ -148,21 +148,24 @@ pub fn ensure_assets() -> Result<PathBuf> {
     Ok(assets)
 }
 
-/// apt with its own state, cache and sources, for arm64 only.
-struct PrivateApt {
+/// apt with its own state, cache and sources, for one architecture only: the
+/// machine's own apt configuration is neither read nor changed.
+pub(crate) struct PrivateApt {
     options: Vec<String>,
 }
 
 impl PrivateApt {
-    fn new(dir: &Path) -> Result<Self> {
+    /// An apt for `arch` under `dir`, reading the one-line `sources`.
+    pub(crate) fn new(dir: &Path, arch: &str, sources: &str) -> Result<Self> {
         for sub in ["state/lists/partial", "cache/archives/partial"] {
             std::fs::create_dir_all(dir.join(sub))?;
         }
-        let sources = dir.join("sources.list");
-        std::fs::write(&sources, arm64_sources()?)?;
+        let sources_list = dir.join("sources.list");
+        std::fs::write(&sources_list, sources)?;
+        let sources = sources_list;
         let options = [
-            "APT::Architecture=arm64".to_owned(),
-            "APT::Architectures=arm64".to_owned(),
+            format!("APT::Architecture={arch}"),
+            format!("APT::Architectures={arch}"),
             format!("Dir::State={}", dir.join("state").display()),
             format!("Dir::Cache={}", dir.join("cache").display()),
             format!("Dir::Etc::SourceList={}", sources.display()),
@@ -183,27 +186,33 @@ impl PrivateApt {
         cmd
     }
 
-    fn update(&self) -> Result<()> {
+    /// Reads the sources' package lists.
+    pub(crate) fn update(&self) -> Result<()> {
         self.command("apt-get").args(["update", "-qq"]).run()
     }
 
     /// The versioned kernel image package the metapackage points at.
     fn kernel_package(&self) -> Result<String> {
+        self.depends_on(KERNEL_METAPACKAGE)
+    }
+
+    /// The kernel image package `metapackage` (`linux-image-amd64/bookworm`: of
+    /// one suite) depends on.
+    pub(crate) fn depends_on(&self, metapackage: &str) -> Result<String> {
         let output = self
             .command("apt-cache")
-            .args(["depends", KERNEL_METAPACKAGE])
+            .args(["depends", metapackage])
             .output()?;
         String::from_utf8_lossy(&output.stdout)
             .lines()
             .find_map(|l| l.trim().strip_prefix("Depends: "))
             .filter(|p| p.starts_with("linux-image-"))
             .map(str::to_owned)
-            .with_context(|| {
-                format!("apt-cache depends {KERNEL_METAPACKAGE} names no kernel image")
-            })
+            .with_context(|| format!("apt-cache depends {metapackage} names no kernel image"))
     }
 
-    fn download(&self, into: &Path, packages: &[&str]) -> Result<()> {
+    /// Downloads the .debs of `packages` (`name` or `name/suite`) into `into`.
+    pub(crate) fn download(&self, into: &Path, packages: &[&str]) -> Result<()> {
         self.command("apt-get")
             .arg("download")
             .args(packages)
@@ -232,6 +241,31 @@ fn keep_modules(unpacked: &Path, assets: &Path) -> Result<()> {
             .with_context(|| format!("the kernel package has no {}", from.display()))?;
     }
     Ok(())
+}
+
+/// The machine's Debian archive (not its security archive): its URI and the
+/// `signed-by=...` option of its entry, if any.
+pub(crate) fn debian_archive() -> Result<(String, Option<String>)> {
+    for line in arm64_sources()?.lines() {
+        let Some(rest) = line.strip_prefix("deb [") else {
+            continue;
+        };
+        let Some((options, rest)) = rest.split_once("] ") else {
+            continue;
+        };
+        let Some(uri) = rest.split_whitespace().next() else {
+            continue;
+        };
+        if uri.contains("security") {
+            continue;
+        }
+        let signed = options
+            .split_whitespace()
+            .find(|o| o.starts_with("signed-by="))
+            .map(str::to_owned);
+        return Ok((uri.to_owned(), signed));
+    }
+    bail!("no Debian archive (other than its security updates) in /etc/apt's sources")
 }
 
 fn arm64_sources() -> Result<String> {

@@ -10,14 +10,15 @@ use aya::{
 use heapprof_common::{
     DropReason,
     kernel::{
-        CACHE_NAME_LEN, KernelAllocKind, KernelCounters, KernelSiteKey, KernelStack,
-        kmalloc_cache_limit, names as kernel_names,
+        CACHE_NAME_LEN, DeferredFreePath, KernelAllocKind, KernelCounters, KernelSiteKey,
+        KernelStack, kmalloc_cache_limit, names as kernel_names,
     },
     names,
 };
 
 use super::{
-    possible_cpus, read_missing_stacks, read_per_cpu, stacks::StackStore, take, take_with_fd,
+    possible_cpus, read_missing_stacks, read_per_cpu, sampling::scale, stacks::StackStore, take,
+    take_with_fd,
 };
 
 /// Counts of one kernel site, summed over CPUs.
@@ -44,6 +45,42 @@ impl KernelSite {
             c.alloc_requested.saturating_sub(c.free_requested),
         ]
     }
+
+    /// [`KernelSite::values`] scaled to estimates of the real counts when the
+    /// allocations were sampled at `sample_rate` bytes (0: as they are), as user
+    /// mode scales them; requested bytes by the factor of the handed-out bytes they
+    /// go with (sampling is decided on those).
+    pub fn scaled_values(&self, sample_rate: u64) -> [u64; 6] {
+        let values = self.values();
+        if sample_rate == 0 {
+            return values;
+        }
+        let [
+            alloc_objects,
+            alloc_bytes,
+            inuse_objects,
+            inuse_bytes,
+            alloc_req,
+            inuse_req,
+        ] = values;
+        let (alloc_objects_s, alloc_bytes_s) = scale(alloc_objects, alloc_bytes, sample_rate);
+        let (inuse_objects_s, inuse_bytes_s) = scale(inuse_objects, inuse_bytes, sample_rate);
+        let like = |requested: u64, scaled: u64, bytes: u64| {
+            if bytes == 0 {
+                requested
+            } else {
+                (requested as f64 * scaled as f64 / bytes as f64).round() as u64
+            }
+        };
+        [
+            alloc_objects_s,
+            alloc_bytes_s,
+            inuse_objects_s,
+            inuse_bytes_s,
+            like(alloc_req, alloc_bytes_s, alloc_bytes),
+            like(inuse_req, inuse_bytes_s, inuse_bytes),
+        ]
+    }
 }
 
 /// Owns the kernel-mode maps the daemon reads.
@@ -56,6 +93,8 @@ pub struct KernelMaps {
     /// Cache names read so far, by hash (a cache keeps its name).
     cache_names_read: std::collections::HashMap<u64, String>,
     drops: PerCpuArray<MapData, u64>,
+    /// Objects the fentry programs freed, by [`DeferredFreePath`].
+    deferred_frees: PerCpuArray<MapData, u64>,
     /// The site and stack tables again, for batch reads.
     sites_fd: OwnedFd,
     stacks_fd: OwnedFd,
@@ -81,6 +120,7 @@ impl KernelMaps {
             cache_names: take(ebpf, kernel_names::CACHE_NAMES)?,
             cache_names_read: std::collections::HashMap::new(),
             drops: take(ebpf, names::DROPS)?,
+            deferred_frees: take(ebpf, kernel_names::KERNEL_DEFERRED_FREES)?,
             sites_fd,
             stacks_fd,
             cpus: possible_cpus()?,
@@ -182,6 +222,20 @@ impl KernelMaps {
         }
     }
 
+    /// How many tracked objects each fentry program freed so far, summed over CPUs,
+    /// indexed by [`DeferredFreePath`].
+    pub fn read_deferred_frees(&self) -> Result<[u64; DeferredFreePath::COUNT]> {
+        let mut totals = [0u64; DeferredFreePath::COUNT];
+        for path in DeferredFreePath::ALL {
+            let per_cpu = self
+                .deferred_frees
+                .get(&(path as u32), 0)
+                .with_context(|| format!("reading the count of {}", path.function()))?;
+            totals[path as usize] = per_cpu.iter().sum();
+        }
+        Ok(totals)
+    }
+
     /// Drop counters summed over CPUs, indexed by [`DropReason`].
     pub fn read_drops(&self) -> Result<[u64; DropReason::COUNT as usize]> {
         super::read_drops(&self.drops)
@@ -208,7 +262,40 @@ fn kernel_frames(stack: &KernelStack) -> &[u64] {
 
 #[cfg(test)]
 mod tests {
-    use super::kmalloc_cache_name;
+    use super::*;
+
+    #[test]
+    fn sampled_sites_scale_as_user_mode_sites() {
+        let site = KernelSite {
+            key: KernelSiteKey::default(),
+            counters: KernelCounters {
+                alloc_objects: 4,
+                alloc_bytes: 256,
+                alloc_requested: 200,
+                free_objects: 3,
+                free_bytes: 192,
+                free_requested: 150,
+            },
+        };
+        assert_eq!(site.scaled_values(0), site.values());
+        let rate = 512 * 1024;
+        let [
+            objects,
+            bytes,
+            inuse_objects,
+            inuse_bytes,
+            requested,
+            inuse_requested,
+        ] = site.scaled_values(rate);
+        assert_eq!((objects, bytes), scale(4, 256, rate));
+        assert_eq!((inuse_objects, inuse_bytes), scale(1, 64, rate));
+        // Requested bytes by the factor of the handed-out bytes.
+        assert!(requested.abs_diff(bytes * 200 / 256) <= 1, "{requested}");
+        assert!(
+            inuse_requested.abs_diff(inuse_bytes * 50 / 64) <= 1,
+            "{inuse_requested}"
+        );
+    }
 
     #[test]
     fn kmalloc_sizes_are_named_as_slabinfo_names_their_caches() {

@@ -529,14 +529,26 @@ fn start_kernel(
         threads: cli.max_threads,
     };
     let filter = !matches!(target, Target::All);
-    let mut ebpf =
-        probes::kernel::load_bpf_object(capacities, &events, filter, cgroup_filter(cli)?)?;
+    let mut ebpf = probes::kernel::load_bpf_object(
+        capacities,
+        &events,
+        filter,
+        cgroup_filter(cli)?,
+        cli.sample_rate.unwrap_or(0),
+    )?;
+    if let Some(rate) = cli.sample_rate {
+        log::info!(
+            "sampling about one kernel allocation per {rate} bytes, decided in the \
+             tracepoint programs before the stack is taken; values are scaled estimates"
+        );
+    }
     let bpf_log = BpfLog::init(&mut ebpf);
     let config = KernelSessionConfig {
         target: target.clone(),
         output: cli.output.clone(),
         events: events.iter().map(|(event, _)| *event).collect(),
         bpf_stats: cli.bpf_stats,
+        sample_rate: cli.sample_rate.unwrap_or(0),
     };
     let mut attached = probes::kernel::attach(&mut ebpf, &events)?;
     let deferred_frees = probes::kernel::attach_deferred_frees(&mut ebpf);

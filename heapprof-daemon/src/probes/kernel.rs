@@ -5,10 +5,13 @@ use std::path::Path;
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
-    programs::{FEntry, ProgramError, TracePoint},
+    programs::{FEntry, KProbe, ProgramError, RawTracePoint, TracePoint},
 };
 use heapprof_common::{
-    kernel::{EventLayout, FieldRef, KernelConfig, KernelEvent, names as kernel_names},
+    kernel::{
+        DeferredFreePath, EventLayout, FieldRef, FuncArgs, KernelConfig, KernelEvent,
+        names as kernel_names,
+    },
     names,
 };
 use thiserror::Error;
@@ -190,18 +193,27 @@ pub fn resolve_events(
 }
 
 /// Loads the BPF object for kernel mode: the user-mode tables shrink to one entry.
+/// `sample_rate` (bytes, 0: every allocation) is `--sample-rate`.
 pub fn load_bpf_object(
     capacities: Capacities,
     events: &[(KernelEvent, EventLayout)],
     filter_processes: bool,
     cgroup: Option<crate::cgroup::CgroupFilter>,
+    sample_rate: u64,
 ) -> Result<Ebpf> {
+    let func_args = if running_kernel().is_some_and(|v| v >= FUNC_ARG_HELPERS) {
+        FuncArgs::Helper
+    } else {
+        FuncArgs::SavedArray
+    };
     let mut config = KernelConfig {
         page_size: page_size(),
         ignore_tgid: std::process::id(),
         filter_processes: u32::from(filter_processes),
         cgroup_id: cgroup.map_or(0, |c| c.id),
         cgroup_level: cgroup.map_or(0, |c| c.level),
+        func_args: func_args as u32,
+        sample_rate,
         ..KernelConfig::default()
     };
     for (event, layout) in events {
@@ -229,12 +241,32 @@ pub fn load_bpf_object(
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
 }
 
+/// The first kernel with `bpf_get_func_arg()` and `bpf_loop()` (5.17).
+const FUNC_ARG_HELPERS: (u32, u32) = (5, 17);
+
+/// The running kernel's version (major, minor), from `/proc/sys/kernel/osrelease`.
+pub fn running_kernel() -> Option<(u32, u32)> {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
+    parse_kernel_release(&release)
+}
+
+/// (major, minor) of a kernel release string such as `6.12.95+deb12-amd64`.
+fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.trim().split(['.', '-', '+']);
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
 /// The frees no tracepoint shows, and whether this session sees them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeferredFrees {
-    /// The kernel functions whose fentry programs are attached.
+    /// The kernel functions whose programs are attached (fentry, or kprobes).
     pub seen: Vec<&'static str>,
-    /// Why the others are not, one line each (no BTF, a kernel without the function).
+    /// Those of them seen through kprobes (where fentry cannot be used).
+    pub kprobes: Vec<&'static str>,
+    /// Why the others are not, one line each (no BTF, a kernel without the function,
+    /// the verifier's refusal).
     pub missing: Vec<String>,
 }
 
@@ -254,40 +286,149 @@ impl DeferredFrees {
     }
 }
 
+/// What the profile misses when the program of `path` is not attached.
+fn unseen(path: DeferredFreePath) -> &'static str {
+    match path {
+        DeferredFreePath::Rcu => {
+            "objects released with kfree_rcu()/kvfree_rcu() are not seen freed"
+        }
+        DeferredFreePath::Bulk => {
+            "objects freed with kmem_cache_free_bulk()/kfree_bulk() are not seen freed"
+        }
+    }
+}
+
 /// Attaches the fentry programs that see frees without a per-object tracepoint:
 /// `kvfree_call_rcu` (`kfree_rcu`) and `kmem_cache_free_bulk` (`kfree_bulk`). They need
-/// the kernel's BTF; without it (or where one fails to attach) the session goes on and
-/// says what it undercounts.
+/// the kernel's BTF; without it (or where one fails to load or attach) the session
+/// goes on and says what it undercounts.
 pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
-    let programs = [
-        (kernel_names::PROG_RCU_FREE, kernel_names::RCU_FREE_FUNCTION),
-        (
-            kernel_names::PROG_BULK_FREE,
-            kernel_names::BULK_FREE_FUNCTION,
-        ),
-    ];
     let mut frees = DeferredFrees::default();
-    let btf = match Btf::from_sys_fs() {
-        Ok(btf) => btf,
-        Err(err) => {
+    let btf = Btf::from_sys_fs().map_err(|err| {
+        format!("this kernel has no BTF (/sys/kernel/btf/vmlinux: {err}), which fentry needs")
+    });
+    let kernel = running_kernel();
+    for path in DeferredFreePath::ALL {
+        let function = path.function();
+        // The bulk program walks the array with bpf_loop(), which older kernels lack.
+        if path == DeferredFreePath::Bulk
+            && let Some((major, minor)) = kernel.filter(|&v| v < FUNC_ARG_HELPERS)
+        {
             frees.missing.push(format!(
-                "this kernel has no BTF (/sys/kernel/btf/vmlinux: {err}), which the fentry \
-                 programs that see them need"
+                "{function}: its program needs bpf_loop() (Linux 5.17+), this kernel is \
+                 {major}.{minor}; {}",
+                unseen(path)
             ));
-            return frees;
+            continue;
         }
-    };
-    for (program, function) in programs {
-        match attach_fentry(ebpf, program, function, &btf) {
-            Ok(()) => frees.seen.push(function),
-            Err(reason) => frees.missing.push(format!("{function}: {reason}")),
+        let fentry = match &btf {
+            Ok(btf) => attach_fentry(ebpf, path.program(), function, btf),
+            Err(no_btf) => Err(no_btf.clone()),
+        };
+        let Err(reason) = fentry else {
+            frees.seen.push(function);
+            continue;
+        };
+        // Kprobes need no BTF nor trampolines (but the kernel skips them, as
+        // tracepoint programs, while another tracing program runs on the CPU).
+        match attach_kprobe(ebpf, path.kprobe_program(), function) {
+            Ok(()) => {
+                log::info!("{function}: fentry not usable ({reason}); a kprobe sees its frees");
+                frees.seen.push(function);
+                frees.kprobes.push(function);
+            }
+            Err(kprobe) => frees.missing.push(format!(
+                "{function}: {reason}; its kprobe: {kprobe:#}; {}",
+                unseen(path)
+            )),
         }
     }
     frees
 }
 
+/// Loads kprobe program `program` and attaches it to the entry of `function`.
+fn attach_kprobe(ebpf: &mut Ebpf, program: &str, function: &str) -> Result<()> {
+    let kprobe: &mut KProbe = ebpf
+        .program_mut(program)
+        .with_context(|| format!("BPF program {program} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("BPF program {program} is not a kprobe program"))?;
+    kprobe
+        .load()
+        .with_context(|| format!("verifying BPF program {program}"))?;
+    kprobe
+        .attach(function, 0)
+        .with_context(|| format!("attaching a kprobe to {function}"))?;
+    Ok(())
+}
+
+/// The line of a verifier log that says why it refused a program: the first line
+/// after the last instruction it walked that is not a register state, a source line
+/// or the closing statistics. Lines before the walk (checks of the program's own
+/// BTF, `reg type unsupported for arg#0`) are often harmless and only count when the
+/// walk gave no reason. `None` when the log holds no such line.
+pub fn verifier_reason(log: &str) -> Option<&str> {
+    let lines: Vec<&str> = log.lines().map(str::trim).collect();
+    let walked = lines.iter().rposition(|line| is_instruction(line));
+    let after = walked.map_or(0, |last| last + 1);
+    lines[after..]
+        .iter()
+        .chain(&lines[..after])
+        .copied()
+        .find(|line| !is_trace(line))
+}
+
+/// `12: (79) r1 = *(u64 *)(r1 +8)`: an instruction the verifier walked.
+fn is_instruction(line: &str) -> bool {
+    line.split_once(": (")
+        .is_some_and(|(index, _)| !index.is_empty() && index.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// Whether a verifier log line is its trace (instructions, states, source lines,
+/// statistics) rather than a message.
+fn is_trace(line: &str) -> bool {
+    const PREFIXES: [&str; 16] = [
+        ";",
+        "from ",
+        "func#",
+        "Func#",
+        "Validating ",
+        "last_idx ",
+        "regs=",
+        "parent ",
+        "mark_precise",
+        "caller:",
+        "callee:",
+        "returning from callee",
+        "to caller at",
+        "propagating",
+        "processed ",
+        "verification time",
+    ];
+    // `12: ...`: an instruction or the states at one.
+    let numbered = line
+        .split_once(':')
+        .is_some_and(|(head, _)| !head.is_empty() && head.bytes().all(|b| b.is_ascii_digit()));
+    // `R1_w=scalar()`, `frame1: R1=...`.
+    let state = line.starts_with('R')
+        && line.contains('=')
+        && line[1..]
+            .split(['=', '_'])
+            .next()
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+    line.is_empty()
+        || numbered
+        || state
+        || line.starts_with("frame")
+        || line.starts_with("stack depth")
+        // `func 'f' arg0 has btf_id 102 type STRUCT 'callback_head'`: an access allowed.
+        || (line.starts_with("func '") && line.contains(" has btf_id "))
+        || PREFIXES.iter().any(|prefix| line.starts_with(prefix))
+}
+
 /// Loads and attaches fentry program `program` on kernel function `function`; the
-/// error is one short reason (the kernel's refusal, or what is missing).
+/// error is one short reason (the verifier's own words, or what is missing). A
+/// refusal's whole verifier log goes to the debug log.
 fn attach_fentry(ebpf: &mut Ebpf, program: &str, function: &str, btf: &Btf) -> Result<(), String> {
     let fentry: &mut FEntry = ebpf
         .program_mut(program)
@@ -295,23 +436,126 @@ fn attach_fentry(ebpf: &mut Ebpf, program: &str, function: &str, btf: &Btf) -> R
         .try_into()
         .map_err(|_| format!("BPF program {program} is not an fentry program"))?;
     fentry.load(function, btf).map_err(|err| match err {
-        ProgramError::LoadError { io_error, .. } => {
-            format!(
-                "the kernel refused its fentry program ({})",
-                io_error.kind()
-            )
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
+            let log = verifier_log.to_string();
+            log::debug!("the verifier's log of {program} on {function}:\n{log}");
+            match verifier_reason(&log) {
+                Some(reason) => format!("the verifier refused its fentry program: {reason}"),
+                None => format!(
+                    "the kernel refused its fentry program ({}, no verifier message)",
+                    io_error
+                ),
+            }
         }
         other => other.to_string(),
     })?;
-    fentry
-        .attach()
-        .map_err(|err| format!("attaching its fentry program: {err}"))?;
+    fentry.attach().map_err(|err| {
+        // aya's message names the call; the kernel's errno is its source.
+        let err = anyhow::Error::new(err);
+        let unsupported = err.chain().any(|cause| {
+            cause
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|io| io.raw_os_error() == Some(ENOTSUPP))
+        });
+        if unsupported {
+            format!(
+                "attaching its fentry program: {err:#} (ENOTSUPP: this kernel cannot attach \
+                 BPF trampolines to its functions; arm64 has the ftrace direct calls they \
+                 need from Linux 6.4)"
+            )
+        } else {
+            format!("attaching its fentry program: {err:#}")
+        }
+    })?;
     Ok(())
 }
 
-/// Attaches the program of every event; returns how many.
+/// The kernel's own "not supported" errno, which libc does not name.
+const ENOTSUPP: i32 = 524;
+
+/// How many times the kernel skipped each program that has skipped runs, by name:
+/// a tracepoint program is not run when another tracing BPF program already runs on
+/// that CPU (the kernel's `bpf_prog_active` guard; an interrupt's or softirq's free
+/// inside a program's run is lost that way). From `recursion_misses` of the
+/// program's `bpf_prog_info` (Linux 5.12+; older kernels count none).
+pub fn recursion_misses(ebpf: &Ebpf) -> Vec<(String, u64)> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+
+    /// `BPF_OBJ_GET_INFO_BY_FD`.
+    const OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    /// Offset of `recursion_misses` in `struct bpf_prog_info` (uapi, stable).
+    const RECURSION_MISSES: usize = 208;
+    #[repr(C)]
+    struct InfoAttr {
+        fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut misses = Vec::new();
+    for (name, program) in ebpf.programs() {
+        let Ok(fd) = program.fd() else {
+            continue; // not loaded
+        };
+        // Larger than any kernel's struct: the kernel fills what it has, zeroes stay.
+        let mut info = [0u64; 64];
+        let mut attr = InfoAttr {
+            fd: fd.as_fd().as_raw_fd() as u32,
+            info_len: std::mem::size_of_val(&info) as u32,
+            info: info.as_mut_ptr() as u64,
+        };
+        // SAFETY: the attribute and the buffer it points to outlive the call, and
+        // info_len is the buffer's size.
+        let result = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                OBJ_GET_INFO_BY_FD,
+                &raw mut attr,
+                std::mem::size_of::<InfoAttr>(),
+            )
+        };
+        let count = info[RECURSION_MISSES / 8];
+        if result == 0 && count > 0 {
+            misses.push((name.to_owned(), count));
+        }
+    }
+    misses.sort();
+    misses
+}
+
+/// Attaches the program of every event; returns how many. The slab frees use their
+/// raw-tracepoint programs (see [`KernelEvent::raw_programs`]) where the kernel
+/// takes them, their tracepoint programs otherwise.
 pub fn attach(ebpf: &mut Ebpf, events: &[(KernelEvent, EventLayout)]) -> Result<usize> {
     for (event, _) in events {
+        let raw = event.raw_programs();
+        if !raw.is_empty() {
+            // In order: the second copy must run after the first.
+            match raw
+                .iter()
+                .try_for_each(|program| attach_raw(ebpf, program, event.name()))
+            {
+                Ok(()) => continue,
+                Err(err) => {
+                    log::warn!(
+                        "the raw tracepoint {} cannot be used ({err:#}); its tracepoint \
+                         program is, which the kernel skips while another BPF program runs \
+                         on the CPU",
+                        event.name()
+                    );
+                    for program in raw {
+                        if let Some(program) = ebpf.program_mut(program)
+                            && let Ok(program) = <&mut RawTracePoint>::try_from(program)
+                        {
+                            // Detaches a copy that was attached.
+                            let _ = program.unload();
+                        }
+                    }
+                }
+            }
+        }
         let name = event.name();
         let program: &mut TracePoint = ebpf
             .program_mut(name)
@@ -332,6 +576,20 @@ pub fn attach(ebpf: &mut Ebpf, events: &[(KernelEvent, EventLayout)]) -> Result<
             })?;
     }
     Ok(events.len())
+}
+
+/// Loads raw-tracepoint program `program` and attaches it to tracepoint `tracepoint`.
+fn attach_raw(ebpf: &mut Ebpf, program: &str, tracepoint: &str) -> Result<()> {
+    let raw: &mut RawTracePoint = ebpf
+        .program_mut(program)
+        .with_context(|| format!("BPF program {program} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("BPF program {program} is not a raw tracepoint program"))?;
+    raw.load()
+        .with_context(|| format!("verifying BPF program {program}"))?;
+    raw.attach(tracepoint)
+        .with_context(|| format!("attaching to the raw tracepoint {tracepoint}"))?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -564,6 +822,64 @@ mod tests {
                 && err.contains("line 3"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn the_verifiers_reason_is_found_in_its_log() {
+        // Linux 6.1 (Debian's 6.1.0-50-amd64) refusing a direct context read of
+        // kvfree_call_rcu's callback: the harmless check of the program's own BTF
+        // comes first, the reason after the instruction.
+        let log = "reg type unsupported for arg#0 function rcu_free#85\n\
+                   0: R1=ctx(off=0,imm=0) R10=fp0\n\
+                   ; T::from_register(unsafe { *ptr as u64 })\n\
+                   0: (79) r2 = *(u64 *)(r1 +8)\n\
+                   func 'kvfree_call_rcu' arg1 type FUNC_PROTO is not a struct\n\
+                   invalid bpf_context access off=8 size=8\n\
+                   verification time 377 usec\n\
+                   stack depth 0+0\n\
+                   processed 1 insns (limit 1000000) max_states_per_insn 0 total_states 0 \
+                   peak_states 0 mark_read 0\n";
+        assert_eq!(
+            verifier_reason(log),
+            Some("func 'kvfree_call_rcu' arg1 type FUNC_PROTO is not a struct")
+        );
+        // 6.12: an access the verifier allowed, then the refused one.
+        let log = "0: R1=ctx() R10=fp0\n\
+                   0: (79) r2 = *(u64 *)(r1 +8)          ; R1=ctx() R2_w=scalar()\n\
+                   1: (79) r3 = *(u64 *)(r1 +0)\n\
+                   func 'kvfree_call_rcu' arg0 has btf_id 102 type STRUCT 'callback_head'\n\
+                   2: R1=ctx() R3_w=ptr_callback_head()\n\
+                   3: (1f) r1 -= r2\n\
+                   math between ptr_ pointer and register with unbounded min value is not allowed\n\
+                   verification time 1492 usec\n";
+        assert_eq!(
+            verifier_reason(log),
+            Some("math between ptr_ pointer and register with unbounded min value is not allowed")
+        );
+        // A helper the kernel lacks, after branch states.
+        let log = "func#0 @0\nfunc#1 @40\n0: R1=ctx(id=0,off=0,imm=0) R10=fp0\n\
+                   from 3 to 5: R0_w=inv0 R10=fp0\n5: (85) call unknown#181\n\
+                   invalid func unknown#181\nprocessed 9 insns\n";
+        assert_eq!(verifier_reason(log), Some("invalid func unknown#181"));
+        // Refused before any instruction was walked.
+        assert_eq!(
+            verifier_reason("arg#0 type is not a struct\nR1 type=ctx expected=fp\n"),
+            Some("arg#0 type is not a struct")
+        );
+        assert_eq!(
+            verifier_reason("0: R1=ctx() R10=fp0\nprocessed 1 insns\n"),
+            None
+        );
+        assert_eq!(verifier_reason(""), None);
+    }
+
+    #[test]
+    fn kernel_releases_are_parsed() {
+        assert_eq!(parse_kernel_release("6.12.95+deb12-amd64\n"), Some((6, 12)));
+        assert_eq!(parse_kernel_release("5.10.0-32-amd64"), Some((5, 10)));
+        assert_eq!(parse_kernel_release("6.1.0-50-arm64"), Some((6, 1)));
+        assert_eq!(parse_kernel_release("6.18"), Some((6, 18)));
+        assert_eq!(parse_kernel_release("linux"), None);
     }
 
     #[test]

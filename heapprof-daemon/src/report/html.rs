@@ -639,11 +639,20 @@ fn suspects_section(html: &mut String, session: &Session, top: usize) {
          <th>growth</th><th>slope</th><th>tau</th><th>site</th></tr>",
     );
     let tracked = &session.tracked;
+    let undercounted = super::losses::frees_undercounted(&session.last.comments);
     for (rank, s) in found.iter().enumerate() {
         let t = &s.trend;
+        let note = if undercounted {
+            format!(
+                " <span class=\"note\">({})</span>",
+                super::losses::FREES_UNDERCOUNTED
+            )
+        } else {
+            String::new()
+        };
         let _ = write!(
             html,
-            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}/s</td><td>{:.2}</td><td class=\"site\">{}</td></tr>",
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}/s</td><td>{:.2}</td><td class=\"site\">{}{note}</td></tr>",
             rank + 1,
             s.key.pid,
             escape_html(&suspects::amount(tracked, t.first)),

@@ -48,6 +48,16 @@ pub fn drop_comment(reason: DropReason, count: u64) -> String {
     )
 }
 
+/// What a suspect's row says when the profile undercounts frees (a kernel session
+/// that cannot see every deferred free, or whose programs the kernel skipped): its
+/// in-use may be objects freed unseen, not a leak.
+pub const FREES_UNDERCOUNTED: &str = "frees undercounted: in-use may be overstated";
+
+/// Whether `comments` say frees went uncounted (an `undercounted:` comment).
+pub fn frees_undercounted(comments: &[String]) -> bool {
+    comments.iter().any(|c| c.starts_with("undercounted: "))
+}
+
 /// The losses `comments` record, in the order written.
 pub fn losses(comments: &[String]) -> Vec<Loss> {
     comments.iter().filter_map(|c| parse(c)).collect()

@@ -244,6 +244,7 @@ pub fn write_table(session: &Session, limit: usize, out: &mut dyn Write) -> Resu
         text.push_str(&loss.line());
         text.push('\n');
     }
+    let undercounted = super::losses::frees_undercounted(&session.last.comments);
     if suspects.is_empty() {
         text.push_str(if profiles < MIN_PROFILES {
             "No suspects: a trend needs at least 3 profiles; profile longer or with a shorter --interval.\n"
@@ -271,7 +272,15 @@ pub fn write_table(session: &Session, limit: usize, out: &mut dyn Write) -> Resu
                     ),
                     format!("{}/s", amount(tracked, t.slope)),
                     format!("{:.2}", t.tau),
-                    session.site_name(s.key.site).to_owned(),
+                    if undercounted {
+                        format!(
+                            "{} ({})",
+                            session.site_name(s.key.site),
+                            super::losses::FREES_UNDERCOUNTED
+                        )
+                    } else {
+                        session.site_name(s.key.site).to_owned()
+                    },
                 ]
             })
             .collect();
@@ -546,5 +555,37 @@ mod tests {
             text.contains(&format!("lost: 7 events: {full} (raise --max-sites)")),
             "{text}"
         );
+        assert!(
+            !text.contains(crate::report::losses::FREES_UNDERCOUNTED),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn every_row_says_when_frees_are_undercounted() {
+        let mut s = session(
+            &[
+                "kmem_cache_alloc in do_epoll_ctl",
+                "kmalloc in alloc_pipe_info",
+            ],
+            &[vec![0, 4096, 8192, 12288], vec![100, 200, 300, 400]],
+        );
+        s.last.comments.push(
+            "undercounted: objects released with kfree_rcu() or freed in bulk ...".to_owned(),
+        );
+        let mut out = Vec::new();
+        write_table(&s, 20, &mut out).expect("written");
+        let text = String::from_utf8(out).expect("utf8");
+        let rows: Vec<&str> = text
+            .lines()
+            .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+            .collect();
+        assert_eq!(rows.len(), 2, "{text}");
+        for row in rows {
+            assert!(
+                row.ends_with(&format!("({})", crate::report::losses::FREES_UNDERCOUNTED)),
+                "{text}"
+            );
+        }
     }
 }

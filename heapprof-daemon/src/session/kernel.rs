@@ -8,7 +8,9 @@ use std::{
 
 use anyhow::{Context as _, Result};
 use aya::Ebpf;
-use heapprof_common::kernel::{KernelAllocKind, KernelEvent, allocator_frames_regex};
+use heapprof_common::kernel::{
+    DeferredFreePath, KernelAllocKind, KernelEvent, allocator_frames_regex,
+};
 
 use super::{DropLog, Drops, comment_drops, program_figures};
 use crate::{
@@ -30,6 +32,50 @@ use crate::{
     },
 };
 
+/// What the kernel's skipped runs of the programs lose, one line; `None` when it
+/// skipped none that lose an event.
+fn skipped_runs(ebpf: &Ebpf) -> Option<String> {
+    describe_skipped(crate::probes::kernel::recursion_misses(ebpf))
+}
+
+/// [`skipped_runs`] from each program's skipped runs. The two copies of a raw free
+/// program see every event, and one loses it only when both skipped it: at most the
+/// smaller of their counts.
+fn describe_skipped(mut misses: Vec<(String, u64)>) -> Option<String> {
+    let mut lost: Vec<String> = Vec::new();
+    for event in KernelEvent::ALL {
+        let copies = event.raw_programs();
+        if copies.is_empty() {
+            continue;
+        }
+        let mut counts = Vec::new();
+        misses.retain(|(name, count)| {
+            let copy = copies.contains(&name.as_str());
+            if copy {
+                counts.push(*count);
+            }
+            !copy
+        });
+        // A copy without skipped runs is absent: then no event was lost.
+        if counts.len() == copies.len()
+            && let Some(&least) = counts.iter().min()
+        {
+            lost.push(format!("{} at most {least}", event.name()));
+        }
+    }
+    lost.extend(misses.iter().map(|(name, count)| format!("{name} {count}")));
+    if lost.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "the kernel skipped runs of the BPF programs whose event came while a BPF \
+         program was running on that CPU (in an interrupt, or the programs' own map \
+         allocations), and those events are not counted (a skipped free leaves its \
+         object in use): {}",
+        lost.join(", ")
+    ))
+}
+
 /// Kernel addresses: one address space for every process.
 const KERNEL_SPACE: AddressSpace = 0;
 
@@ -47,6 +93,9 @@ pub struct KernelSessionConfig {
     pub events: Vec<KernelEvent>,
     /// Log the BPF programs' run time with every profile.
     pub bpf_stats: bool,
+    /// `--sample-rate` in bytes (0: every allocation): the profile's values are
+    /// scaled back to estimates.
+    pub sample_rate: u64,
 }
 
 /// A running kernel session. Dropping it detaches every program.
@@ -123,7 +172,8 @@ impl KernelSession {
             ..ProcessFigures::default()
         };
         for site in sites {
-            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes, _, _] = site.values();
+            let [alloc_objects, alloc_bytes, inuse_objects, inuse_bytes, _, _] =
+                site.scaled_values(self.config.sample_rate);
             kernel.allocated_objects += alloc_objects;
             kernel.allocated_bytes += alloc_bytes;
             kernel.inuse_objects += inuse_objects;
@@ -226,8 +276,10 @@ impl KernelSession {
         self.symbolize_sites(&sites);
         let drops = self.maps.read_drops()?;
         self.drop_log.report(&drops);
+        let deferred = self.maps.read_deferred_frees()?;
+        let skipped = skipped_runs(&self.ebpf);
         let read = started.elapsed();
-        let profile = self.build_profile(&sites, &drops)?;
+        let profile = self.build_profile(&sites, &drops, &deferred, skipped.as_deref())?;
         let built = started.elapsed();
         self.sequence += 1;
         let name = writer::profile_file_name(SystemTime::now(), self.sequence);
@@ -243,7 +295,10 @@ impl KernelSession {
         let path = result?;
         let mut totals = [0u64; 6];
         for site in &sites {
-            for (total, value) in totals.iter_mut().zip(site.values()) {
+            for (total, value) in totals
+                .iter_mut()
+                .zip(site.scaled_values(self.config.sample_rate))
+            {
                 *total += value;
             }
         }
@@ -265,12 +320,29 @@ impl KernelSession {
             ms(built - read),
             ms(written - built),
         );
+        if let Some(freed) = self.describe_deferred_frees(&deferred) {
+            log::info!("deferred and bulk frees seen: {freed}");
+        }
+        if let Some(skipped) = &skipped {
+            log::warn!("{skipped}");
+        }
         if let Some(stats) = &self.run_time_stats
             && self.config.bpf_stats
         {
             log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
         }
         Ok(path)
+    }
+
+    /// The objects each attached fentry program freed: `kvfree_call_rcu 12 objects,
+    /// kmem_cache_free_bulk 3 objects`; `None` when none is attached.
+    fn describe_deferred_frees(&self, freed: &[u64; DeferredFreePath::COUNT]) -> Option<String> {
+        let parts: Vec<String> = DeferredFreePath::ALL
+            .iter()
+            .filter(|path| self.deferred_frees.seen.contains(&path.function()))
+            .map(|path| format!("{} {} objects", path.function(), freed[*path as usize]))
+            .collect();
+        (!parts.is_empty()).then(|| parts.join(", "))
     }
 
     fn add_mapping(&self, builder: &mut ProfileBuilder, address: u64) -> Option<MappingKey> {
@@ -291,7 +363,13 @@ impl KernelSession {
         builder.location(KERNEL_SPACE, address, tag, mapping, &frames)
     }
 
-    fn build_profile(&mut self, sites: &[KernelSite], drops: &Drops) -> Result<Vec<u8>> {
+    fn build_profile(
+        &mut self,
+        sites: &[KernelSite],
+        drops: &Drops,
+        deferred: &[u64; DeferredFreePath::COUNT],
+        skipped: Option<&str>,
+    ) -> Result<Vec<u8>> {
         let nanos = |t: SystemTime| {
             t.duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as i64)
@@ -331,8 +409,29 @@ impl KernelSession {
                 self.deferred_frees.seen.join(" ")
             ));
         }
+        if !self.deferred_frees.kprobes.is_empty() {
+            builder.comment(&format!(
+                "deferred and bulk frees seen through kprobes (fentry not usable): {}",
+                self.deferred_frees.kprobes.join(" ")
+            ));
+        }
+        if let Some(freed) = self.describe_deferred_frees(deferred) {
+            builder.comment(&format!("deferred and bulk frees counted: {freed}"));
+        }
         if let Some(undercounted) = self.deferred_frees.undercounted() {
             builder.comment(&format!("undercounted: {undercounted}"));
+        }
+        if let Some(skipped) = skipped {
+            builder.comment(&format!("undercounted: {skipped}"));
+        }
+        let rate = self.config.sample_rate;
+        if rate > 0 {
+            builder.period(rate);
+            builder.comment(&format!(
+                "sampled: one allocation per {rate} bytes on average (Poisson, decided \
+                 before the stack is taken); values are scaled estimates; frees are \
+                 matched for the sampled objects only"
+            ));
         }
         builder.comment(
             "alloc_space/inuse_space: bytes handed out (slab-rounded, or whole pages); \
@@ -403,7 +502,11 @@ impl KernelSession {
             if kind == KernelAllocKind::Pages {
                 labels.push(("order", LabelValue::Num(site.key.class as i64)));
             }
-            builder.sample(&locations, &site.values(), &labels);
+            builder.sample(
+                &locations,
+                &site.scaled_values(self.config.sample_rate),
+                &labels,
+            );
         }
         builder.finish_compressed().context("building the profile")
     }
@@ -414,5 +517,34 @@ impl KernelSession {
             .iter()
             .find(|r| &*r.name == KERNEL_MODULE)
             .map(|r| r.start)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn misses(list: &[(&str, u64)]) -> Vec<(String, u64)> {
+        list.iter().map(|(n, c)| ((*n).to_owned(), *c)).collect()
+    }
+
+    #[test]
+    fn skipped_runs_of_both_free_copies_bound_the_lost_frees() {
+        assert_eq!(describe_skipped(Vec::new()), None);
+        // The first copy skipped, the second never: nothing lost.
+        assert_eq!(
+            describe_skipped(misses(&[("kmem_cache_free_raw", 900)])),
+            None
+        );
+        let text = describe_skipped(misses(&[
+            ("kmalloc", 336),
+            ("kmem_cache_free_raw", 900),
+            ("kmem_cache_free_raw_nested", 20),
+        ]))
+        .expect("a loss");
+        assert!(
+            text.ends_with(": kmem_cache_free at most 20, kmalloc 336"),
+            "{text}"
+        );
     }
 }
