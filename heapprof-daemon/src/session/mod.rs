@@ -63,10 +63,10 @@ fn enable_stats_for_metrics(stats: &mut Option<RunTimeStats>) {
 /// Records every drop counter in the profile's comments.
 fn comment_drops(builder: &mut ProfileBuilder, drops: &Drops) {
     for reason in DropReason::ALL {
-        builder.comment(&format!(
-            "dropped: {} = {}",
-            reason.describe(),
-            drops[reason as usize]
+        // With the reason's stable name, by which readers find it (report/losses.rs).
+        builder.comment(&crate::report::losses::drop_comment(
+            reason,
+            drops[reason as usize],
         ));
     }
 }
