@@ -59,6 +59,7 @@ extern long readlink(const char *path, char *buffer, size_t size);
 extern long recvmsg(int fd, void *message, int flags);
 extern int poll(void *fds, unsigned long count, int timeout);
 extern int close(int fd);
+extern int mprotect(void *address, size_t length, int prot);
 #define RTLD_NEXT ((void *)-1L)
 #define RTLD_DEFAULT ((void *)0)
 #define SC_PAGESIZE 30 /* the same on glibc and musl */
@@ -676,8 +677,38 @@ static void before_fork(void)
         flush(t);
 }
 
+/*
+ * Linux 6.18 optimizes the uprobe on the probe site into a call of a
+ * [uprobes-trampoline] page of the process, and a child created by fork inherits the
+ * call but not that page: its first report would jump into nothing (seen: every
+ * child of a process launched or joined with this library died of SIGSEGV). The
+ * child puts the breakpoint of an unoptimized uprobe there instead, which the kernel
+ * handles for it as before (and may optimize again, with a trampoline of its own).
+ */
+#if defined(__x86_64__)
+extern const unsigned char hp_probe_site_local[] __attribute__((visibility("hidden")));
+#endif
+
+static void unoptimize_probe_site(void)
+{
+#if defined(__x86_64__)
+    unsigned char *site = (unsigned char *)(uintptr_t)hp_probe_site_local;
+    if (__atomic_load_n(site, __ATOMIC_RELAXED) != 0xe8 /* call rel32 */)
+        return;
+    uint64_t first = (uint64_t)(uintptr_t)site & ~(page_size - 1);
+    uint64_t last = ((uint64_t)(uintptr_t)site + 4) & ~(page_size - 1);
+    size_t length = (size_t)(last - first + page_size);
+    const int read_exec = PROT_READ | 4, all = PROT_READ | PROT_WRITE | 4;
+    if (mprotect((void *)(uintptr_t)first, length, all) != 0)
+        return;
+    __atomic_store_n(site, 0xcc, __ATOMIC_RELEASE);
+    mprotect((void *)(uintptr_t)first, length, read_exec);
+#endif
+}
+
 static void in_child(void)
 {
+    unoptimize_probe_site();
     /* A new process with a new thread id: it says hello and registers its queue; its
      * stacks' hashes are the parent's (they are seeded with the process). Spare states
      * are the parent's threads': they stay, as the parent's reply slots do. */

@@ -4,9 +4,9 @@
 //! x86-64: `PTRACE_GETREGS`; the system call number is `orig_rax`, which the kernel
 //! also uses to restart an interrupted call when the registers are put back.
 //! arm64: the `NT_PRSTATUS` and `NT_ARM_SYSTEM_CALL` register sets. The kernel
-//! restarts a call with the first argument it saved at entry (`orig_x0`), which the
-//! remote calls' own system calls overwrite and ptrace cannot set: heapprofd restarts
-//! the call itself instead (the `svc` again, its first argument as `/proc` showed it).
+//! prepares the restart of an interrupted call before the ptrace stop (pc back on the
+//! `svc`, x0 its first argument again, no system call pending), so the registers as
+//! saved restart it when they are put back.
 
 #![allow(
     clippy::unnecessary_cast,
@@ -17,7 +17,9 @@ use std::io;
 
 /// The kernel's errors for a system call a signal interrupted, to be restarted
 /// (ERESTARTSYS, ERESTARTNOINTR, ERESTARTNOHAND, ERESTART_RESTARTBLOCK).
+#[cfg(target_arch = "x86_64")]
 const RESTART_ERRORS: [i64; 4] = [-512, -513, -514, -516];
+#[cfg(target_arch = "x86_64")]
 const RESTART_BLOCK: i64 = -516;
 
 /// One ptrace request: `request` as the C library declares it (glibc and musl differ
@@ -242,8 +244,6 @@ pub mod stub {
 const NT_PRSTATUS: libc::c_int = 1;
 #[cfg(target_arch = "aarch64")]
 const NT_ARM_SYSTEM_CALL: libc::c_int = 0x404;
-#[cfg(target_arch = "aarch64")]
-const NR_RESTART_SYSCALL: u64 = 128;
 
 #[cfg(target_arch = "aarch64")]
 fn regset<T>(
@@ -322,12 +322,10 @@ impl Registers {
         self.regs.regs[0]
     }
 
-    /// The system call the thread was stopped in (or had just returned from), with
-    /// its second argument (the first is the result by now).
+    /// The system call the thread was stopped in (its number is still in x8: the
+    /// kernel has put pc back on the `svc` for the restart), with its second argument.
     pub fn syscall(&self) -> Option<(i64, u64)> {
-        let result = self.regs.regs[0] as i64;
-        (self.syscall >= 0 && result >= -4095)
-            .then_some((i64::from(self.syscall), self.regs.regs[1]))
+        Some((self.regs.regs[8] as i64, self.regs.regs[1]))
     }
 
     /// Registers that call `function(args)` with the stack at `sp` (16-byte aligned)
@@ -350,10 +348,9 @@ impl Registers {
         )
     }
 
-    /// The registers that resume the thread as it was, with no system call for the
-    /// kernel to restart (see [`Registers::given_back`]).
+    /// The registers that resume the thread as it was.
     pub fn resumed(&self) -> Self {
-        self.given_back(None)
+        *self
     }
 
     /// No return stub on arm64 (remote calls return to address 0).
@@ -361,23 +358,8 @@ impl Registers {
         None
     }
 
-    /// What to put back. A call the kernel would restart is restarted here: the
-    /// `svc` again (x8 still holds its number) with `first_argument` in x0, or the
-    /// kernel's restart_syscall for a call with a restart block.
-    pub fn given_back(&self, first_argument: Option<u64>) -> Self {
-        let result = self.regs.regs[0] as i64;
-        if self.syscall < 0 || !RESTART_ERRORS.contains(&result) {
-            return *self;
-        }
-        let mut regs = self.regs;
-        regs.pc -= 4;
-        if result == RESTART_BLOCK {
-            regs.regs[8] = NR_RESTART_SYSCALL;
-        } else if let Some(first) = first_argument {
-            regs.regs[0] = first;
-        } else {
-            return *self;
-        }
-        Self { regs, syscall: -1 }
+    /// What to put back: the registers as saved (the restart is prepared in them).
+    pub fn given_back(&self, _first_argument: Option<u64>) -> Self {
+        *self
     }
 }
