@@ -40,7 +40,16 @@ fn program_names() -> Vec<&'static str> {
         names::PROG_FUTEX,
         names::PROG_PRELOAD,
     ];
-    let kernel = [kernel_names::PROG_RCU_FREE, kernel_names::PROG_BULK_FREE];
+    let kernel = [
+        kernel_names::PROG_RCU_FREE,
+        kernel_names::PROG_BULK_FREE,
+        kernel_names::PROG_RCU_FREE_KPROBE,
+        kernel_names::PROG_BULK_FREE_KPROBE,
+        kernel_names::PROG_KFREE_RAW,
+        kernel_names::PROG_KFREE_RAW_NESTED,
+        kernel_names::PROG_KMEM_CACHE_FREE_RAW,
+        kernel_names::PROG_KMEM_CACHE_FREE_RAW_NESTED,
+    ];
     let tracepoints = KernelEvent::ALL.map(KernelEvent::name);
     user.iter()
         .chain(&kernel)
