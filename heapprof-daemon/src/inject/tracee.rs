@@ -72,6 +72,19 @@ const RED_ZONE: u64 = 256;
 /// Scratch memory for strings and results, below the red zone.
 pub const SCRATCH_BYTES: u64 = 4096;
 
+/// The signal mask while the thread is held: every signal but those of a fault. The
+/// kernel delivers a fault's signal even when it is blocked, but then resets the
+/// process's handler of it to the default first (`force_sig_info_to_task`), and a
+/// call's return to address 0 *is* a fault: a JVM lost the SIGSEGV handler its
+/// safepoints need and died (found by the injection stress test). Unblocked, the
+/// signal still stops the thread for ptrace before any handler runs, and is dropped
+/// there.
+const HELD_MASK: u64 = !((1u64 << (libc::SIGSEGV - 1))
+    | (1u64 << (libc::SIGBUS - 1))
+    | (1u64 << (libc::SIGILL - 1))
+    | (1u64 << (libc::SIGFPE - 1))
+    | (1u64 << (libc::SIGTRAP - 1)));
+
 /// A thread held with ptrace; given back when dropped.
 pub struct Tracee {
     pid: i32,
@@ -232,7 +245,7 @@ impl Tracee {
             return Err(ptrace_error("GETSIGMASK", tid));
         }
         tracee.saved_mask = mask;
-        let all = !0u64;
+        let all = HELD_MASK;
         // SAFETY: PTRACE_SETSIGMASK reads 8 bytes from `all`.
         if unsafe {
             ptrace(
