@@ -2,13 +2,14 @@
 //! the process on it ("remote calls"), then given back exactly as it was.
 //!
 //! The thread is chosen waiting in a system call ([`super::threads`]), so it holds
-//! no allocator, loader or stdio lock; the other threads keep running. While it is
-//! held every signal is blocked for it (a signal for the process goes to another
-//! thread, and one sent to it stays pending until it is given back). A remote call
-//! starts the function with a return address of 0: its return is a fault at address
-//! 0, which ptrace reports before any handler runs, and which is then dropped.
-//! Giving the thread back restores its registers and signal mask, so an interrupted
-//! system call restarts as if nothing had happened.
+//! no allocator, loader or stdio lock; the other threads keep running. While it runs
+//! a function for heapprofd every signal is blocked for it (a signal for the process
+//! goes to another thread, and one sent to it stays pending until it is given back). A
+//! remote call starts the function with a return address of 0: its return is a fault
+//! at address 0, which ptrace reports before any handler runs, and which is then
+//! dropped. Between calls, and when it is given back, the thread has its own
+//! registers and signal mask again, so an interrupted system call restarts as if
+//! nothing had happened, also when heapprofd is killed while it holds the thread.
 
 use std::{
     fs::File,
@@ -185,19 +186,6 @@ impl Tracee {
             return Err(ptrace_error("GETSIGMASK", tid));
         }
         tracee.saved_mask = mask;
-        let all = !0u64;
-        // SAFETY: PTRACE_SETSIGMASK reads 8 bytes from `all`.
-        if unsafe {
-            libc::ptrace(
-                libc::PTRACE_SETSIGMASK,
-                tid,
-                std::mem::size_of::<u64>(),
-                &raw const all,
-            )
-        } != 0
-        {
-            return Err(ptrace_error("SETSIGMASK", tid));
-        }
         Ok(tracee)
     }
 
@@ -258,13 +246,74 @@ impl Tracee {
             })
     }
 
-    /// Calls `function(args...)` on the thread and returns what it returned.
+    /// Calls `function(args...)` on the thread and returns what it returned; between
+    /// calls the thread is parked as it was (see [`Tracee::park`]).
     pub fn call(
         &mut self,
         function: u64,
         args: &[u64],
         timeout: Duration,
     ) -> Result<u64, TraceError> {
+        let result = self.run(function, args, timeout);
+        match result {
+            // The thread is stopped at the function's return or fault: parked again.
+            Ok(_) | Err(TraceError::Faulted { .. }) => self.park().and(result),
+            // It runs the function still, or it is gone.
+            Err(_) => result,
+        }
+    }
+
+    /// Puts the thread back in the state it was seized in, registers and signal mask,
+    /// stopped in a ptrace event stop instead of the stop at the function's return.
+    ///
+    /// heapprofd may die at any moment (SIGKILL), and the kernel then lets its held
+    /// thread go from the stop it is in. From the return's stop that would deliver its
+    /// SIGSEGV (the stop's signal) and resume at address 0, with every signal blocked:
+    /// the process dies. From this stop the thread resumes its system call as if
+    /// nothing had happened. PTRACE_INTERRUPT before PTRACE_CONT: the kernel traps the
+    /// thread into the event stop before it returns to user space, so it runs none of
+    /// its code and drops the return's signal.
+    fn park(&mut self) -> Result<(), TraceError> {
+        self.set_registers(&self.saved)?;
+        self.set_mask(self.saved_mask)?;
+        // SAFETY: plain ptrace requests.
+        if unsafe { libc::ptrace(libc::PTRACE_INTERRUPT, self.tid, 0, 0) } != 0 {
+            return Err(ptrace_error("INTERRUPT", self.tid));
+        }
+        // SAFETY: as above.
+        if unsafe { libc::ptrace(libc::PTRACE_CONT, self.tid, 0, 0) } != 0 {
+            return Err(ptrace_error("CONT", self.tid));
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            match wait_stop(self.tid, deadline, 0)? {
+                Stop::Event => return Ok(()),
+                Stop::Signal(signal) => {
+                    self.pending.push(signal);
+                    // SAFETY: as above.
+                    unsafe { libc::ptrace(libc::PTRACE_CONT, self.tid, 0, 0) };
+                }
+            }
+        }
+    }
+
+    fn set_mask(&self, mask: u64) -> Result<(), TraceError> {
+        // SAFETY: PTRACE_SETSIGMASK reads 8 bytes from `mask`.
+        if unsafe {
+            libc::ptrace(
+                libc::PTRACE_SETSIGMASK,
+                self.tid,
+                std::mem::size_of::<u64>(),
+                &raw const mask,
+            )
+        } != 0
+        {
+            return Err(ptrace_error("SETSIGMASK", self.tid));
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, function: u64, args: &[u64], timeout: Duration) -> Result<u64, TraceError> {
         let mut regs = self.saved;
         // The call's stack: below the scratch memory, 16-byte aligned at the call.
         let mut sp = (self.scratch() - 64) & !0xf;
@@ -286,6 +335,7 @@ impl Tracee {
         regs.rax = 0;
         // Not in a system call any more: the kernel must not restart one on the way out.
         regs.orig_rax = u64::MAX;
+        self.set_mask(!0u64)?;
         self.set_registers(&regs)?;
         let deadline = Instant::now() + timeout;
         // SAFETY: plain ptrace request.
