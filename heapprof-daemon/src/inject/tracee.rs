@@ -3,8 +3,9 @@
 //!
 //! The thread is chosen waiting in a system call ([`super::threads`]), so it holds
 //! no allocator, loader or stdio lock; the other threads keep running. While it runs
-//! a function for heapprofd every signal is blocked for it (a signal for the process
-//! goes to another thread, and one sent to it stays pending until it is given back). A
+//! a function for heapprofd every signal but a fault's is blocked for it (a signal
+//! for the process goes to another thread, and one sent to it stays pending until it
+//! is given back; see [`CALL_MASK`] for the faults'). A
 //! remote call starts the function with a return address of 0: its return is a fault
 //! at address 0, which ptrace reports before any handler runs, and which is then
 //! dropped. Between calls, and when it is given back, the thread has its own
@@ -69,6 +70,20 @@ type Registers = libc::user_regs_struct;
 const RED_ZONE: u64 = 256;
 /// Scratch memory for strings and results, below the red zone.
 pub const SCRATCH_BYTES: u64 = 4096;
+
+/// The signal mask while the thread runs a function for heapprofd: every signal but
+/// those of a fault. The kernel delivers a fault's signal even when it is blocked,
+/// but then resets the process's handler of it to the default first (for every
+/// thread: `force_sig_info_to_task`), and a remote call's return *is* a fault. With
+/// SIGSEGV blocked at its return, a JVM lost the SIGSEGV handler its safepoints
+/// need and died at its next one, and redis its crash report's handler.
+/// Unblocked, the signal still stops the thread for ptrace before any handler runs,
+/// and is dropped there.
+const CALL_MASK: u64 = !((1u64 << (libc::SIGSEGV - 1))
+    | (1u64 << (libc::SIGBUS - 1))
+    | (1u64 << (libc::SIGILL - 1))
+    | (1u64 << (libc::SIGFPE - 1))
+    | (1u64 << (libc::SIGTRAP - 1)));
 
 /// Errors of the kernel for a system call a signal interrupted, to be restarted.
 const RESTART_ERRORS: [i64; 5] = [-512, -513, -514, -516, -4];
@@ -335,7 +350,7 @@ impl Tracee {
         regs.rax = 0;
         // Not in a system call any more: the kernel must not restart one on the way out.
         regs.orig_rax = u64::MAX;
-        self.set_mask(!0u64)?;
+        self.set_mask(CALL_MASK)?;
         self.set_registers(&regs)?;
         let deadline = Instant::now() + timeout;
         // SAFETY: plain ptrace request.
