@@ -233,6 +233,11 @@ impl Tracee {
         Ok(())
     }
 
+    /// The thread's stack pointer where it was seized.
+    pub fn stack_pointer(&self) -> u64 {
+        self.saved.rsp
+    }
+
     /// The scratch memory's first address: below the thread's stack pointer and red
     /// zone, untouched by the thread while it is held.
     pub fn scratch(&self) -> u64 {
