@@ -792,6 +792,34 @@ fn children(pid: u32) -> Vec<u32> {
         .collect()
 }
 
+/// Stops nginx when dropped: SIGTERM to the master, which ends its workers; any
+/// worker still there after a bounded wait is killed.
+struct NginxStop {
+    master: u32,
+    workers: Vec<u32>,
+}
+
+impl Drop for NginxStop {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on processes this test started.
+        unsafe { libc::kill(self.master as libc::pid_t, libc::SIGTERM) };
+        let running = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.starts_with("nginx"))
+        };
+        for _ in 0..100 {
+            if !self.workers.iter().any(|&w| running(w)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        for &worker in self.workers.iter().filter(|&&w| running(w)) {
+            // SAFETY: as above.
+            unsafe { libc::kill(worker as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+}
+
 #[test]
 fn nginx_under_ab_stays_right_over_attach_detach_cycles() {
     require_root();
@@ -836,6 +864,11 @@ fn nginx_under_ab_stays_right_over_attach_detach_cycles() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(workers.len(), 2, "nginx's workers: {workers:?}");
+    // Dropped before `master`: its workers end with it, none is left orphaned.
+    let _stop = NginxStop {
+        master: master.pid(),
+        workers: workers.clone(),
+    };
     let mut targets = workers.clone();
     targets.push(master.pid());
     let fds_at_start: Vec<_> = targets.iter().map(|&p| descriptors(p)).collect();
