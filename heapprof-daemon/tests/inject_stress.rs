@@ -1082,6 +1082,8 @@ struct Target {
     lines: mpsc::Receiver<String>,
     rounds: u64,
     forks: u64,
+    /// Children gone wrong so far.
+    fork_errors: i64,
 }
 
 fn build_target(dir: &Path) -> PathBuf {
@@ -1108,6 +1110,7 @@ impl Target {
             lines,
             rounds: 0,
             forks: 0,
+            fork_errors: 0,
         }
     }
 
@@ -1149,10 +1152,13 @@ impl Target {
                 return Err(format!("check: {answer:?} (wrong reply)"));
             };
             let (rounds, forks) = (rounds as u64, forks as u64);
-            if errors != 0 || fork_errors != 0 {
+            // Each check reports what went wrong since the last one.
+            let seen = std::mem::replace(&mut self.fork_errors, fork_errors);
+            if errors != 0 || fork_errors != seen {
                 return Err(format!(
-                    "check: {answer}: {errors} corrupted blocks, {fork_errors} children gone \
+                    "check: {answer}: {errors} corrupted blocks, {} more children gone \
                      wrong (the last one's wait status {bad_status:#x}: {})",
+                    fork_errors - seen,
                     describe_status(bad_status)
                 ));
             }
@@ -1293,14 +1299,18 @@ fn a_process_forking_and_execing_while_joined_stays_right() {
             target.expect("forks on", "forking")?;
             // Children fork from the joined process, allocate through its redirected
             // slots and exec, until some have.
+            let forked = target.forks;
+            let mut checked = Ok(());
             for _ in 0..100 {
                 std::thread::sleep(Duration::from_millis(20));
-                target.check()?;
-                if target.forks >= forks_before + 5 {
+                checked = target.check();
+                if checked.is_err() || target.forks >= forked + 5 {
                     break;
                 }
             }
-            target.expect("forks off", "not forking")
+            // Stopped whatever the checks found: the next cycle starts it again.
+            target.expect("forks off", "not forking")?;
+            checked
         },
     );
     if let Err(err) = target.works() {
