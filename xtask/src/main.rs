@@ -177,6 +177,8 @@ fn run(args: Args) -> Result<()> {
                     "heapprof-daemon",
                     "--test",
                     "load",
+                    "--test",
+                    "inject_stress",
                 ])
                 .args(["--", "--nocapture", "--test-threads", "1"])
                 .env("HEAPPROFD_LOAD", "full")

@@ -127,6 +127,16 @@ pub fn debian_packages(needs: Needs, host: Arch) -> Vec<&'static str> {
         // The report tests: google-pprof reads the legacy text format; headless
         // chromium renders the HTML page.
         packages.extend(["google-perftools", "chromium"]);
+        // The injection stress test (tests/inject_stress.rs): real services joined and
+        // left under load, redis-server under redis-benchmark (redis-tools) and nginx
+        // under ab (apache2-utils), and a JVM running a program javac compiles.
+        packages.extend([
+            "redis-server",
+            "redis-tools",
+            "nginx",
+            "apache2-utils",
+            "openjdk-17-jdk-headless",
+        ]);
         // The arm64 VM test: the emulator, cpio for its initramfs; ssh for `xtask run
         // --host`. The x86-64 VM test: its emulator.
         packages.extend([
@@ -150,8 +160,8 @@ pub fn debian_packages(needs: Needs, host: Arch) -> Vec<&'static str> {
     if needs == Needs::Bench {
         // The benchmark's real service: redis-server (linked with jemalloc) and its
         // redis-benchmark client; its launch-mode section's baseline, heaptrack, and its
-        // sqlite3 workload (also a test target, listed above: listed again so that the
-        // benchmark's needs stand on their own).
+        // sqlite3 workload (redis and sqlite3 are test targets too, listed above: listed
+        // again so that the benchmark's needs stand on their own).
         packages.extend(["redis-server", "redis-tools", "heaptrack", "sqlite3"]);
     }
     packages
@@ -622,7 +632,8 @@ mod tests {
             assert!(list.contains("deb gcc build\n"), "{list}");
             assert!(list.contains("deb dpkg-dev package\n"), "{list}");
             assert!(list.contains("deb sqlite3 test\n"), "{list}");
-            assert!(list.contains("deb redis-server bench\n"), "{list}");
+            assert!(list.contains("deb redis-server test\n"), "{list}");
+            assert!(list.contains("deb heaptrack bench\n"), "{list}");
         }
     }
 

@@ -36,6 +36,8 @@ use std::{
     time::Duration,
 };
 
+#[cfg(target_arch = "x86_64")]
+use object::ObjectSection as _;
 use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
 
 use crate::procmaps::parse_maps_line;
@@ -81,6 +83,47 @@ struct Functions {
     close: u64,
     mmap: u64,
     munmap: u64,
+    /// glibc's `__restore_rt`, the return address of every signal handler installed
+    /// through its `sigaction` (0: not found).
+    restorer: u64,
+}
+
+/// `__restore_rt` on x86-64 glibc: `mov $15, %rax; syscall` (rt_sigreturn).
+#[cfg(target_arch = "x86_64")]
+const RESTORER_CODE: [u8; 9] = [0x48, 0xc7, 0xc0, 0x0f, 0x00, 0x00, 0x00, 0x0f, 0x05];
+
+/// How far above its stack pointer a thread's stack is searched for a signal frame.
+const HANDLER_SEARCH_BYTES: u64 = 64 * 1024;
+
+/// Whether the held thread waits inside a signal handler: the handler's return
+/// address, the C library's restorer, is on its stack above the stack pointer. Such a
+/// thread waits in a system call, but the handler may have interrupted it inside
+/// malloc or the loader, holding their locks: a `dlopen` there would deadlock it and
+/// leave the loader locked for the whole process (found by the injection stress test).
+fn in_signal_handler(thread: &tracee::Tracee, restorer: u64) -> bool {
+    if restorer == 0 {
+        return false;
+    }
+    let mut address = thread.stack_pointer() & !7;
+    let end = address + HANDLER_SEARCH_BYTES;
+    let mut buffer = [0u8; 4096];
+    while address < end {
+        let length = (4096 - (address % 4096)).min(end - address) as usize;
+        // The stack's end: nothing more to read.
+        if thread.read(address, &mut buffer[..length]).is_err() {
+            break;
+        }
+        if buffer[..length]
+            .as_chunks::<8>()
+            .0
+            .iter()
+            .any(|word| *word == restorer.to_le_bytes())
+        {
+            return true;
+        }
+        address += length as u64;
+    }
+    false
 }
 
 /// The library as loaded in the process.
@@ -244,7 +287,7 @@ impl Injection {
     /// call there.
     pub fn start(pid: u32) -> Result<Self, NotJoined> {
         let functions = find_functions(pid)?;
-        let thread = hold_waiting_thread(pid)?;
+        let thread = hold_waiting_thread(pid, functions.restorer)?;
         Ok(Self {
             pid,
             thread,
@@ -447,8 +490,9 @@ impl Joined {
 
 /// Holds a thread of `pid` that is waiting in a system call: tries each thread `/proc`
 /// shows waiting, a few rounds.
-fn hold_waiting_thread(pid: u32) -> Result<tracee::Tracee, NotJoined> {
+fn hold_waiting_thread(pid: u32, restorer: u64) -> Result<tracee::Tracee, NotJoined> {
     let mut last_error = None;
+    let mut in_handler = false;
     for round in 0..20 {
         if round > 0 {
             std::thread::sleep(Duration::from_millis(25));
@@ -457,6 +501,7 @@ fn hold_waiting_thread(pid: u32) -> Result<tracee::Tracee, NotJoined> {
             match tracee::Tracee::seize(pid, candidate.tid) {
                 // Still in the call /proc showed (or just back from it): its first
                 // argument is known for a restart.
+                Ok(thread) if in_signal_handler(&thread, restorer) => in_handler = true,
                 Ok(mut thread)
                     if thread.syscall() == Some((candidate.number, candidate.second)) =>
                 {
@@ -471,6 +516,9 @@ fn hold_waiting_thread(pid: u32) -> Result<tracee::Tracee, NotJoined> {
     }
     Err(not_joined(match last_error {
         Some(err) => format!("cannot hold a thread of it with ptrace: {err}"),
+        None if in_handler => "its threads that wait in a system call wait inside a signal \
+                               handler, which may hold the allocator's or the loader's lock"
+            .to_owned(),
         None => "none of its threads waited in a system call (it computes without pause), \
                  where heapprofd could call into it safely"
             .to_owned(),
@@ -532,6 +580,16 @@ fn find_functions(pid: u32) -> Result<Functions, NotJoined> {
             if *slot == 0 {
                 *slot = address;
             }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if functions.restorer == 0
+            && let Some(text) = file.section_by_name(".text")
+            && let Ok(code) = text.data()
+            && let Some(at) = code
+                .windows(RESTORER_CODE.len())
+                .position(|w| w == RESTORER_CODE)
+        {
+            functions.restorer = base + text.address() + at as u64;
         }
     }
     if functions.close == 0 {

@@ -290,6 +290,11 @@ impl Tracee {
             })
     }
 
+    /// The thread's stack pointer where it was seized.
+    pub fn stack_pointer(&self) -> u64 {
+        self.saved.stack_pointer()
+    }
+
     /// The scratch memory's first address: below the thread's stack pointer and red
     /// zone, untouched by the thread while it is held.
     pub fn scratch(&self) -> u64 {
