@@ -86,7 +86,7 @@ scenarios() {
     waiter=$!
     exec 3> /tmp/fifo
     # (without fd 3: holding the fifo open would keep the waiter from ever seeing its end)
-    /heapprofd -o $out/pid --interval 200ms --pid $waiter > /tmp/pid.log 2>&1 3>&- &
+    /heapprofd -o $out/pid --interval 200ms --inject auto --pid $waiter > /tmp/pid.log 2>&1 3>&- &
     heapprofd=$!
     tries=0
     until grep -q "probes on" /tmp/pid.log || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done

@@ -66,8 +66,15 @@ fn session(
     commands: &[&str],
 ) -> (Sites, Vec<String>) {
     let pid = joined.child.id();
+    // Joined unless the case says how.
+    let join = if args.contains(&"--inject") {
+        &[][..]
+    } else {
+        &["--inject", "auto"][..]
+    };
     let mut heapprofd = heapprofd(out)
         .args(["--interval", "1h", "--pid", &pid.to_string()])
+        .args(join)
         .args(args)
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -272,7 +279,14 @@ fn attaching_and_detaching_fifty_times_leaves_the_process_working_and_one_librar
 /// then ended with SIGINT).
 fn killed_in_call(out: &Path, pid: u32, call: u32) -> bool {
     let mut heapprofd = heapprofd(out)
-        .args(["--interval", "1h", "--pid", &pid.to_string()])
+        .args([
+            "--interval",
+            "1h",
+            "--inject",
+            "auto",
+            "--pid",
+            &pid.to_string(),
+        ])
         .env("HEAPPROFD_TEST_KILL_IN_REMOTE_CALL", call.to_string())
         .stderr(std::process::Stdio::piped())
         .spawn()

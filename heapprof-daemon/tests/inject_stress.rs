@@ -165,7 +165,14 @@ impl Drop for Session {
 /// heapprofd on `pid`, started (not yet attached).
 fn spawn_heapprofd(pid: u32, out: &Path) -> Child {
     heapprofd(out)
-        .args(["--interval", "1h", "--pid", &pid.to_string()])
+        .args([
+            "--interval",
+            "1h",
+            "--inject",
+            "auto",
+            "--pid",
+            &pid.to_string(),
+        ])
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()

@@ -228,7 +228,7 @@ fn a_kernel_without_uprobes_or_tracefs_is_named() {
     assert_usage_error(
         &output,
         "no uprobes",
-        "no uprobe support (CONFIG_UPROBE_EVENTS)",
+        "no uprobe events (/sys/bus/event_source/devices/uprobe is missing)",
     );
     // Kernel mode does not need uprobes...
     let output = run(&mut heapprofd_without(

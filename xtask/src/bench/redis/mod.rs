@@ -121,8 +121,15 @@ impl RedisMode {
                 "--sample-rate",
                 "512KiB",
             ]),
-            RedisMode::JoinedExact => Some(&["--interval", "1h"]),
-            RedisMode::JoinedSampled => Some(&["--interval", "1h", "--sample-rate", "524288"]),
+            RedisMode::JoinedExact => Some(&["--interval", "1h", "--inject", "auto"]),
+            RedisMode::JoinedSampled => Some(&[
+                "--interval",
+                "1h",
+                "--inject",
+                "auto",
+                "--sample-rate",
+                "524288",
+            ]),
         }
     }
 
