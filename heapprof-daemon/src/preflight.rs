@@ -4,6 +4,8 @@ use std::os::fd::{FromRawFd as _, OwnedFd, RawFd};
 
 use anyhow::{Result, bail};
 
+use crate::sys::running_kernel;
+
 const CAP_PERFMON: u32 = 38;
 const CAP_BPF: u32 = 39;
 const CAP_SYS_ADMIN: u32 = 21;
@@ -226,11 +228,34 @@ fn bpf<T>(cmd: libc::c_long, attr: &T) -> std::result::Result<OwnedFd, i32> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// The last kernel that charges BPF maps and programs to RLIMIT_MEMLOCK (5.11 moved
+/// them to the memory cgroup).
+const LAST_MEMLOCK_CHARGING_KERNEL: (u32, u32) = (5, 10);
+
+/// On kernels that charge BPF memory to RLIMIT_MEMLOCK, lifts the limit, as libbpf's
+/// users do. The charge is per user and freed lazily: the maps of a heapprofd that has
+/// just exited still count, so even the one-entry map of [`check_bpf`] would be refused
+/// with EPERM, which reads as a seccomp refusal. Children started with `-- CMD` were
+/// forked before this and keep their own limit.
+fn lift_memlock_limit() {
+    if running_kernel().is_none_or(|version| version > LAST_MEMLOCK_CHARGING_KERNEL) {
+        return;
+    }
+    let unlimited = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit reads the struct it is given. A failure (no CAP_SYS_RESOURCE)
+    // leaves the limit as it was, and the map creation below then says what is refused.
+    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
+}
+
 /// The kernel must run BPF: the bpf() system call (CONFIG_BPF_SYSCALL) and programs on
 /// probes and tracepoints (CONFIG_BPF_EVENTS). Both are tried for real, with a one-entry
 /// map and a two-instruction program, so that a refusal names the missing feature
 /// instead of surfacing from the loader as a bare errno.
 pub fn check_bpf() -> Result<()> {
+    lift_memlock_limit();
     let map = MapCreateAttr {
         map_type: BPF_MAP_TYPE_ARRAY,
         key_size: 4,

@@ -18,7 +18,7 @@ use thiserror::Error;
 
 use super::{BPF_OBJECT, Capacities};
 use crate::{
-    sys::page_size,
+    sys::{page_size, running_kernel},
     tracefs::{self, EventFormat},
 };
 
@@ -243,20 +243,6 @@ pub fn load_bpf_object(
 
 /// The first kernel with `bpf_get_func_arg()` and `bpf_loop()` (5.17).
 const FUNC_ARG_HELPERS: (u32, u32) = (5, 17);
-
-/// The running kernel's version (major, minor), from `/proc/sys/kernel/osrelease`.
-pub fn running_kernel() -> Option<(u32, u32)> {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
-    parse_kernel_release(&release)
-}
-
-/// (major, minor) of a kernel release string such as `6.12.95+deb12-amd64`.
-fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
-    let mut parts = release.trim().split(['.', '-', '+']);
-    let major = parts.next()?.parse().ok()?;
-    let minor = parts.next()?.parse().ok()?;
-    Some((major, minor))
-}
 
 /// The frees no tracepoint shows, and whether this session sees them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -871,15 +857,6 @@ mod tests {
             None
         );
         assert_eq!(verifier_reason(""), None);
-    }
-
-    #[test]
-    fn kernel_releases_are_parsed() {
-        assert_eq!(parse_kernel_release("6.12.95+deb12-amd64\n"), Some((6, 12)));
-        assert_eq!(parse_kernel_release("5.10.0-32-amd64"), Some((5, 10)));
-        assert_eq!(parse_kernel_release("6.1.0-50-arm64"), Some((6, 1)));
-        assert_eq!(parse_kernel_release("6.18"), Some((6, 18)));
-        assert_eq!(parse_kernel_release("linux"), None);
     }
 
     #[test]
