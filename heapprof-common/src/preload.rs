@@ -260,3 +260,13 @@ pub const PROBE_SITE_SYMBOL: &str = "heapprofd_preload_probe";
 /// The environment variable that gives the library the sample rate (mean bytes
 /// between sampled allocations; absent or 0: every allocation).
 pub const SAMPLE_RATE_ENV: &str = "HEAPPROFD_SAMPLE_RATE";
+
+/// The environment variable with which an injected library follows its process through
+/// an exec: `LIBRARY,REPLIES,PIDFD,RATE,CHILDREN`, the descriptors (inherited through
+/// the exec) of the library's own file, the answers' map and heapprofd's pidfd, the
+/// sample rate, and whether forked children stay joined (1) or not (0). The new image's copy, preloaded from the library's descriptor, removes it.
+pub const FOLLOW_ENV: &str = "HEAPPROFD_FOLLOW";
+
+/// The prefix under which the following library keeps an exec's own `LD_PRELOAD=...`:
+/// the new image's copy points the environment back at the text after it.
+pub const KEPT_PRELOAD_PREFIX: &str = "HEAPPROFD_KEPT_";

@@ -8,8 +8,8 @@ use std::{fmt::Write as _, path::Path, process::Command};
 
 use anyhow::{Context as _, Result, bail};
 use heapprof_common::preload::{
-    FUNCTIONS, Kind, Meta, PROBE_SITE_SYMBOL, QUEUE_WORDS, REPLIES_FD_ENV, REPLY_READS,
-    REPLY_SLOTS, Record, ReportQueue, SAMPLE_RATE_ENV, StackReply,
+    FOLLOW_ENV, FUNCTIONS, KEPT_PRELOAD_PREFIX, Kind, Meta, PROBE_SITE_SYMBOL, QUEUE_WORDS,
+    REPLIES_FD_ENV, REPLY_READS, REPLY_SLOTS, Record, ReportQueue, SAMPLE_RATE_ENV, StackReply,
 };
 
 /// The library's file name in `$OUT_DIR`.
@@ -20,14 +20,17 @@ pub fn build(manifest_dir: &Path) -> Result<()> {
     let sources = [
         manifest_dir.join("preload/heapprofd_preload.c"),
         manifest_dir.join("preload/got.c"),
+        manifest_dir.join("preload/exec_follow.c"),
     ];
     for source in &sources {
         println!("cargo:rerun-if-changed={}", source.display());
     }
-    println!(
-        "cargo:rerun-if-changed={}",
-        manifest_dir.join("preload/got.h").display()
-    );
+    for header in ["preload/got.h", "preload/exec_follow.h"] {
+        println!(
+            "cargo:rerun-if-changed={}",
+            manifest_dir.join(header).display()
+        );
+    }
     println!("cargo:rerun-if-changed=preload/build.rs");
     println!("cargo:rerun-if-env-changed=HEAPPROFD_PRELOAD_CC");
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
@@ -94,6 +97,11 @@ fn header() -> String {
     );
     let _ = writeln!(h, "#define HP_PROBE_SITE_SYMBOL \"{PROBE_SITE_SYMBOL}\"");
     let _ = writeln!(h, "#define HP_SAMPLE_RATE_ENV \"{SAMPLE_RATE_ENV}\"");
+    let _ = writeln!(h, "#define HP_FOLLOW_ENV \"{FOLLOW_ENV}\"");
+    let _ = writeln!(
+        h,
+        "#define HP_KEPT_PRELOAD_PREFIX \"{KEPT_PRELOAD_PREFIX}\""
+    );
     let _ = writeln!(h, "#define HP_QUEUE_WORDS {QUEUE_WORDS}");
     let _ = writeln!(h, "#define HP_REPLY_READS {REPLY_READS}");
     let _ = writeln!(h, "#define HP_REPLY_KNOWN {}u", StackReply::KNOWN);

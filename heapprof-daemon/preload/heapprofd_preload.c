@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "exec_follow.h"
 #include "got.h"
 #include "preload_abi.h"
 
@@ -60,6 +61,7 @@ extern long recvmsg(int fd, void *message, int flags);
 extern int poll(void *fds, unsigned long count, int timeout);
 extern int close(int fd);
 extern int mprotect(void *address, size_t length, int prot);
+extern int getpid(void);
 #define RTLD_NEXT ((void *)-1L)
 #define RTLD_DEFAULT ((void *)0)
 #define SC_PAGESIZE 30 /* the same on glibc and musl */
@@ -706,9 +708,16 @@ static void unoptimize_probe_site(void)
 #endif
 }
 
+static void leave_in_child(void);
+
 static void in_child(void)
 {
     unoptimize_probe_site();
+    if (injected() && state == ACTIVE) {
+        leave_in_child();
+        if (state != ACTIVE)
+            return;
+    }
     /* A new process with a new thread id: it says hello and registers its queue; its
      * stacks' hashes are the parent's (they are seeded with the process). Spare states
      * are the parent's threads': they stay, as the parent's reply slots do. */
@@ -943,10 +952,19 @@ static void register_fork_handlers(void)
         pthread_atfork(before_fork, NULL, in_child);
 }
 
+static void start_followed(const struct hp_follow *follow);
+
 static void initialize(void)
 {
-    if (injected())
-        return; /* heapprofd_join starts it */
+    struct hp_follow follow;
+    int following = -1;
+    if (injected()) {
+        /* Preloaded into the new image of a joined process that exec'd (exec_follow.c),
+         * or loaded into a running process, where heapprofd_join starts it. */
+        following = hp_followed_start(&follow);
+        if (following < 0)
+            return;
+    }
     int expected = UNINITIALIZED;
     if (!__atomic_compare_exchange_n(&state, &expected, INITIALIZING, 0, __ATOMIC_ACQ_REL,
                                      __ATOMIC_ACQUIRE))
@@ -963,6 +981,15 @@ static void initialize(void)
         return;
     }
     learn_allocator();
+    if (following == 1) {
+        start_followed(&follow);
+        return;
+    }
+    if (following == 0) {
+        /* A following exec whose variables could not be read: calls pass on. */
+        __atomic_store_n(&state, INERT, __ATOMIC_RELEASE);
+        return;
+    }
     sample_rate = parse_u64(getenv(HP_SAMPLE_RATE_ENV));
     map_replies();
     prepare_sampling();
@@ -1328,7 +1355,7 @@ LOCAL_ALIAS(_ZdaPvSt11align_val_tRKSt9nothrow_t)
 
 /* The slots redirected: the C functions, and C++'s operators when they do not
  * allocate with malloc (libstdc++'s do: malloc's wrapper sees their calls). */
-static struct got_target redirected[32];
+static struct got_target redirected[48];
 static unsigned redirected_count;
 
 static void add_target(const char *name, void *original, void *replacement)
@@ -1337,9 +1364,24 @@ static void add_target(const char *name, void *original, void *replacement)
         redirected[redirected_count++] = (struct got_target){ name, original, replacement };
 }
 
+static void choose_alloc_targets(void);
+
+/* The exec functions, so that an exec takes the library along (exec_follow.c). */
+static void choose_exec_targets(void)
+{
+    unsigned room = sizeof redirected / sizeof redirected[0] - redirected_count;
+    redirected_count += hp_exec_targets(redirected + redirected_count, room);
+}
+
 static void choose_targets(void)
 {
     redirected_count = 0;
+    choose_alloc_targets();
+    choose_exec_targets();
+}
+
+static void choose_alloc_targets(void)
+{
     add_target("malloc", (void *)real.malloc, (void *)hp_local_malloc);
     add_target("calloc", (void *)real.calloc, (void *)hp_local_calloc);
     add_target("realloc", (void *)real.realloc, (void *)hp_local_realloc);
@@ -1385,6 +1427,54 @@ static void *lookup_default(const char *name) { return dlsym(RTLD_DEFAULT, name)
  * the descriptor readable. */
 static int daemon_pidfd = -1;
 
+/* While joined, what an exec hands the new image: the library's own file and the
+ * answers' map (both received from heapprofd), and the process that joined, whose
+ * exec alone is followed (a forked child's is not: heapprofd traces the process). */
+static int library_fd = -1, replies_fd = -1;
+static int joined_pid;
+/* Preloaded into the image a following exec started: the allocation functions are
+ * bound to the wrappers already, only the exec functions are redirected. */
+static int followed;
+
+/* The descriptors a join or a following exec handed over, closed when leaving. */
+static void close_handed(void)
+{
+    if (daemon_pidfd >= 0)
+        close(daemon_pidfd);
+    if (library_fd >= 0)
+        close(library_fd);
+    if (replies_fd >= 0)
+        close(replies_fd);
+    daemon_pidfd = library_fd = replies_fd = -1;
+}
+
+/* Whether a forked child stays joined (heapprofd traces the process's children too);
+ * otherwise the child's wrappers pass every call on. */
+static int children_joined;
+
+/* A forked child of a joined process that heapprofd does not trace: its calls pass on
+ * (its slots are left as they are: the loader's lock, which a rewrite takes, may be
+ * held by a thread that did not come along). */
+static void leave_in_child(void)
+{
+    if (children_joined)
+        return;
+    __atomic_store_n(&state, INERT, __ATOMIC_RELEASE);
+    close_handed();
+}
+
+int hp_follow_state(struct hp_follow *follow)
+{
+    if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) != ACTIVE || library_fd < 0 ||
+        replies_fd < 0 || daemon_pidfd < 0 || getpid() != joined_pid)
+        return 0;
+    *follow = (struct hp_follow){ library_fd, replies_fd, daemon_pidfd, sample_rate,
+                                  children_joined };
+    return 1;
+}
+
+
+
 /* Objects the loader has added, when the slots were last rewritten, and how many
  * checks will look at every object's slots again. */
 static uint64_t loads_seen;
@@ -1415,6 +1505,28 @@ static uint64_t loader_adds(void)
     return adds;
 }
 
+/* The image a following exec started: joined from its first call, like a launched
+ * program, with what the exec handed over; its own execs are followed in turn. */
+static void start_followed(const struct hp_follow *follow)
+{
+    followed = 1;
+    library_fd = follow->library;
+    replies_fd = follow->replies;
+    daemon_pidfd = follow->pidfd;
+    children_joined = follow->children;
+    joined_pid = getpid();
+    sample_rate = follow->rate;
+    map_replies_fd(replies_fd);
+    prepare_sampling();
+    register_fork_handlers();
+    redirected_count = 0;
+    choose_exec_targets();
+    loads_seen = loader_adds();
+    got_rewrite(redirected, redirected_count, __ehdr_start, 0, 1);
+    hello();
+    __atomic_store_n(&state, ACTIVE, __ATOMIC_RELEASE);
+}
+
 /* Puts the slots back and passes every call on from now on: heapprofd detaches, or
  * it has died. The answers' map is replaced by untouched memory in place (a wrapper
  * of another thread may still read it), which releases the map; the library and its
@@ -1434,9 +1546,7 @@ static long heapprofd_leave_now(void)
                            MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
         (void)blank; /* on failure the map stays mapped, still harmless */
     }
-    if (daemon_pidfd >= 0)
-        close(daemon_pidfd);
-    daemon_pidfd = -1;
+    close_handed();
     return (long)result.rewritten;
 }
 
@@ -1492,7 +1602,7 @@ static __attribute__((noinline)) void injected_check(void)
 
 /* Receives the descriptors heapprofd sends over `socket`: the program's answers (a BPF
  * map) and heapprofd's pidfd. */
-static int receive_descriptors(int socket, int *replies_fd, int *pidfd)
+static int receive_descriptors(int socket, int *replies, int *pidfd, int *library)
 {
     struct iovec_ {
         void *base;
@@ -1514,7 +1624,7 @@ static int receive_descriptors(int socket, int *replies_fd, int *pidfd)
             uint64_t length;
             int level;
             int type;
-            int fds[2];
+            int fds[3];
         } header;
         uint64_t align[4];
     } control = { .align = { 0 } };
@@ -1527,10 +1637,15 @@ static int receive_descriptors(int socket, int *replies_fd, int *pidfd)
     if (got < 1 || control.header.level != sol_socket || control.header.type != scm_rights ||
         control.header.length < 16 + 2 * sizeof(int))
         return -1;
-    *replies_fd = control.header.fds[0];
+    *replies = control.header.fds[0];
     *pidfd = control.header.fds[1];
+    /* The library's own file, which an exec takes along (absent: execs are not followed). */
+    *library = control.header.length >= 16 + 3 * sizeof(int) ? control.header.fds[2] : -1;
     return 0;
 }
+
+/* heapprofd_join's flags: forked children stay joined (they are traced too). */
+#define JOIN_CHILDREN 1u
 
 /* Why heapprofd_join refused, as its negative results. */
 enum join_error {
@@ -1547,38 +1662,51 @@ enum join_error {
  * on a thread that holds no allocator or loader lock. Returns the slots redirected,
  * or a join_error.
  */
-EXPORT long heapprofd_join(int socket, uint64_t rate)
+EXPORT long heapprofd_join(int socket, uint64_t rate, uint64_t flags)
 {
     if (!injected())
         return JOIN_NOT_INJECTED;
     int now = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
     if (now != UNINITIALIZED && now != INERT)
         return JOIN_ALREADY;
-    int replies_fd, pidfd;
-    if (receive_descriptors(socket, &replies_fd, &pidfd) != 0)
+    int replies_received, pidfd, library;
+    if (receive_descriptors(socket, &replies_received, &pidfd, &library) != 0)
         return JOIN_NO_DESCRIPTORS;
     if (now == UNINITIALIZED) {
         find_real_functions(lookup_default);
         if (!real.malloc || !real.free || !real.calloc || !real.realloc ||
             pthread_key_create(&thread_key, thread_ends) != 0) {
-            close(replies_fd);
+            close(replies_received);
             close(pidfd);
+            if (library >= 0)
+                close(library);
             return JOIN_NO_ALLOCATOR;
         }
         learn_allocator();
     }
-    map_replies_fd(replies_fd);
-    close(replies_fd);
+    map_replies_fd(replies_received);
+    replies_fd = replies_received;
     daemon_pidfd = pidfd;
+    library_fd = library;
+    joined_pid = getpid();
+    children_joined = (flags & JOIN_CHILDREN) != 0;
     sample_rate = rate;
     prepare_sampling();
     register_fork_handlers();
     __atomic_add_fetch(&session, 1, __ATOMIC_RELEASE);
-    choose_targets();
+    /* An image a following exec started binds the allocation functions here already. */
+    if (followed) {
+        redirected_count = 0;
+        choose_exec_targets();
+    } else {
+        choose_targets();
+    }
     loads_seen = loader_adds();
     __atomic_store_n(&state, ACTIVE, __ATOMIC_RELEASE);
     hello();
     struct got_result result = got_rewrite(redirected, redirected_count, __ehdr_start, 0, 1);
+    if (followed)
+        return (long)result.rewritten + 1;
     if (result.rewritten == 0) {
         heapprofd_leave_now();
         return JOIN_NO_SLOTS;

@@ -372,3 +372,95 @@ fn heapprofd_killed_in_the_middle_of_each_remote_call_leaves_the_process_working
     );
     joined.finish();
 }
+
+/// A joined process that execs through each exec function in turn (exec_chain.c):
+/// every image is followed with the library preloaded from a descriptor, counted
+/// exactly, and sees its environment as the program made it (its own LD_PRELOAD kept,
+/// nothing of heapprofd's); an exec that fails returns its error and leaves no
+/// descriptor behind; heapprofd's exit calls nothing into the last image.
+#[test]
+fn a_joined_process_is_followed_through_every_exec_function() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let binary = compile(dir.path(), "exec_chain", "exec_chain", &["-O1"]);
+    // A preload of the program's own, which every image must still see.
+    let mut chain = Driven::spawn(Command::new(&binary).env("LD_PRELOAD", "libm.so.6"));
+    let pid = chain.child.id();
+    let out = dir.path().join("profiles");
+    let (mut heapprofd, log) = start_heapprofd(
+        heapprofd(&out)
+            // Its reading of each new image is logged at debug level.
+            .env("RUST_LOG", "info,heapprof_daemon::session::user=debug")
+            .args(["--interval", "1h", "--inject", "auto", "--pid"])
+            .arg(pid.to_string()),
+    );
+    let mut lines = Vec::new();
+    for image in (0..=7).rev() {
+        assert_eq!(
+            chain.step_reading(),
+            format!("image {image} LD_PRELOAD=libm.so.6 HEAPPROFD_FOLLOW=-"),
+        );
+        if image == 7 {
+            let missing = chain.next_line(std::time::Duration::from_secs(30));
+            let fields: Vec<&str> = missing.split(' ').collect();
+            assert!(
+                missing.starts_with("missing -1 No such file or directory "),
+                "{missing}"
+            );
+            assert_eq!(
+                fields[fields.len() - 2],
+                fields[fields.len() - 1],
+                "descriptors before and after a failed exec: {missing}"
+            );
+        }
+        if image > 0 {
+            assert_eq!(chain.step_reading(), format!("exec'd {}", image - 1));
+            // The next image allocates once heapprofd knows its mappings, so that its
+            // frames are named although it is gone when the profile is written.
+            let read = format!("(exec generation {}): mappings read", 8 - image);
+            loop {
+                let line = log
+                    .recv_timeout(std::time::Duration::from_secs(30))
+                    .unwrap_or_else(|e| panic!("no {read:?}: {e}\n{}", lines.join("\n")));
+                let done = line.contains(&read) && line.contains("with a probed allocator");
+                lines.push(line);
+                if done {
+                    break;
+                }
+            }
+        }
+    }
+    signal(&heapprofd, libc::SIGINT);
+    let status = heapprofd.wait().expect("waiting for heapprofd");
+    lines.extend(log.iter());
+    assert!(
+        status.success(),
+        "heapprofd: {status}\n{}",
+        lines.join("\n")
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("exec'd since it was joined")),
+        "heapprofd did not see the exec:\n{}",
+        lines.join("\n")
+    );
+    let sites = by_site(&samples(&last_profile(&out)), pid);
+    let image_work: Vec<[i64; 4]> = sites
+        .iter()
+        .filter(|((caller, _), _)| caller == "image_work")
+        .map(|(_, values)| *values)
+        .collect();
+    let total = image_work.iter().fold([0; 4], |mut sum, v| {
+        for (s, x) in sum.iter_mut().zip(v) {
+            *s += x;
+        }
+        sum
+    });
+    // 10 blocks of 16*(K+1) bytes in each of the 8 images; only the last one's live.
+    let bytes: i64 = (0..8).map(|k| 10 * 16 * (k + 1)).sum();
+    assert_eq!(total, [80, bytes, 10, 160], "image_work: {sites:?}");
+    // Still answering after heapprofd left.
+    chain.finish();
+}

@@ -298,6 +298,19 @@ fn by_caller(samples: &[Sample], function: &str) -> [i64; 4] {
 
 #[test]
 fn pid_mode_keeps_tracing_through_fork_and_exec() {
+    traces_through_fork_and_exec("off");
+}
+
+/// Joined in-process, the exec takes heapprofd's library along into the new image
+/// (preloaded from a descriptor), which removes every trace of it from its environment;
+/// the forked child passes its calls on unreported, and heapprofd's exit calls nothing
+/// into the new image.
+#[test]
+fn joined_pid_mode_follows_fork_and_exec() {
+    traces_through_fork_and_exec("auto");
+}
+
+fn traces_through_fork_and_exec(inject: &str) {
     require_root();
     let dir = scratch();
     let binary = compile(dir.path(), "execer", "execer", &["-O0"]);
@@ -306,7 +319,7 @@ fn pid_mode_keeps_tracing_through_fork_and_exec() {
     let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
             .env("RUST_LOG", EXEC_LOG)
-            .args(["--interval", "1h", "--pid"])
+            .args(["--interval", "1h", "--inject", inject, "--pid"])
             .arg(execer.pid()),
     );
     // parent_work, a forked child, then the exec into image2_work, which prints "done".
@@ -318,6 +331,14 @@ fn pid_mode_keeps_tracing_through_fork_and_exec() {
         &format!("pid {} (exec generation 1): mappings read", execer.pid()),
         "with a probed allocator",
     );
+    if inject == "auto" {
+        execer.command("env", "LD_PRELOAD=- HEAPPROFD_FOLLOW=-");
+        signal(&heapprofd, libc::SIGINT);
+        // The image joined is gone, so heapprofd calls nothing at its addresses.
+        wait_for_line(&log, "exec'd since it was joined", "stops by itself");
+        // Still running, and answering, after heapprofd left.
+        execer.command("env", "LD_PRELOAD=- HEAPPROFD_FOLLOW=-");
+    }
     execer.finish();
     wait_success(&mut heapprofd, &log, "--pid through exec");
 

@@ -230,9 +230,10 @@ impl AllocatorProbes {
         self.attached.keys()
     }
 
-    /// Whether `object` has probes.
+    /// Whether `object` has probes: an allocator's, or the preload library's site.
     pub fn is_probed(&self, object: (u64, u64)) -> bool {
         self.attached.contains_key(&object)
+            || self.preload.as_ref().is_some_and(|(_, id)| *id == object)
     }
 
     /// What could not be probed, for the profiles' comments.

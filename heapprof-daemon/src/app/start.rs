@@ -282,7 +282,7 @@ fn join_in_process(
 ) -> Joining {
     use std::os::fd::AsFd as _;
     let pid = injection.pid();
-    match injection.join(replies.as_fd(), sample_rate) {
+    match injection.join(replies.as_fd(), sample_rate, inject::Children::Left) {
         Ok(joined) => {
             log::info!(
                 "pid {pid}: joined in-process: heapprofd's library serves its allocator \

@@ -30,7 +30,7 @@ mod tracee;
 use std::{
     fs::File,
     os::{
-        fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+        fd::{AsFd, AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
         unix::fs::MetadataExt as _,
     },
     time::Duration,
@@ -155,6 +155,30 @@ pub struct Injection {
     thread: tracee::Tracee,
     functions: Functions,
     loaded: Option<LoadedAt>,
+    /// heapprofd's read-only descriptor of the library's copy in the process, handed to
+    /// the library so that an exec takes it along.
+    library: Option<File>,
+}
+
+/// Whether the forked children of a joined process stay joined (`heapprofd_join`'s
+/// flags).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u64)]
+pub enum Children {
+    /// Their calls pass on, unreported: heapprofd traces the process alone (`--pid`).
+    Left = 0,
+    /// They report as the process does.
+    Joined = 1,
+}
+
+/// How a joined process was left.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Left {
+    /// The library put this many slots back.
+    SlotsRestored(u64),
+    /// The image the library joined is gone (the process exec'd): nothing was called.
+    /// A following exec's new image stops by itself once heapprofd has exited.
+    Replaced,
 }
 
 /// A process the library joined.
@@ -162,6 +186,9 @@ pub struct Injection {
 pub struct Joined {
     pid: u32,
     at: LoadedAt,
+    /// The (device, inode) of the library's copy: an exec (or the process's exit and
+    /// its pid's reuse) leaves it unmapped there, and nothing is called at `at` then.
+    library: Option<(u64, u64)>,
     /// The allocator slots redirected to the library.
     pub slots: u64,
 }
@@ -293,6 +320,7 @@ impl Injection {
             thread,
             functions,
             loaded: None,
+            library: None,
         })
     }
 
@@ -319,6 +347,7 @@ impl Injection {
     pub fn load(&mut self, image: &[u8], entries: Entries) -> Result<File, NotJoined> {
         if let Some((file, base)) = loaded_copy(self.pid, image) {
             self.loaded = Some(entries.at(base));
+            self.library = reopen_read_only(&file);
             self.protect_calls();
             return Ok(file);
         }
@@ -355,14 +384,21 @@ impl Injection {
             .and_then(|id| mapped_base(self.pid, id))
             .ok_or_else(|| not_joined("heapprofd's library is not in the process's mappings"))?;
         self.loaded = Some(entries.at(base));
+        self.library = reopen_read_only(&file);
         // The library's page takes over from the mapped one.
         self.protect_calls();
         Ok(file)
     }
 
-    /// Starts the library: hands it `replies` (the answers' map) and heapprofd's
-    /// pidfd, and has it redirect the process's allocator slots.
-    pub fn join(mut self, replies: BorrowedFd<'_>, sample_rate: u64) -> Result<Joined, NotJoined> {
+    /// Starts the library: hands it `replies` (the answers' map), heapprofd's pidfd
+    /// and its own file, and has it redirect the process's allocator slots. Its forked
+    /// children pass their calls on unless `children` says heapprofd traces them too.
+    pub fn join(
+        mut self,
+        replies: BorrowedFd<'_>,
+        sample_rate: u64,
+        children: Children,
+    ) -> Result<Joined, NotJoined> {
         let at = self
             .loaded
             .ok_or_else(|| not_joined("heapprofd's library was not loaded"))?;
@@ -380,9 +416,10 @@ impl Injection {
         self.read(scratch, &mut pair)?;
         let ours = i32::from_le_bytes([pair[0], pair[1], pair[2], pair[3]]);
         let theirs = i32::from_le_bytes([pair[4], pair[5], pair[6], pair[7]]);
-        let sent = send_descriptors(self.pid, ours, replies);
+        let library = self.library.as_ref().map(AsFd::as_fd);
+        let sent = send_descriptors(self.pid, ours, replies, library);
         let result = match sent {
-            Ok(()) => self.call(at.join, &[theirs as u64, sample_rate]),
+            Ok(()) => self.call(at.join, &[theirs as u64, sample_rate, children as u64]),
             Err(err) => Err(err),
         };
         let _ = self.call(self.functions.close, &[ours as u64]);
@@ -405,6 +442,11 @@ impl Injection {
         Ok(Joined {
             pid: self.pid,
             at,
+            library: self
+                .library
+                .as_ref()
+                .and_then(|file| file.metadata().ok())
+                .map(|m| (m.dev(), m.ino())),
             slots: result as u64,
         })
     }
@@ -480,11 +522,18 @@ impl Joined {
     }
 
     /// Has the library put the slots back; returns how many it restored.
-    pub fn leave(&self) -> Result<u64, NotJoined> {
+    pub fn leave(&self) -> Result<Left, NotJoined> {
         let mut injection = Injection::start(self.pid)?;
+        // Checked with a thread held: an exec from now on ends that thread first.
+        if self
+            .library
+            .is_none_or(|id| mapped_base(self.pid, id) != Some(self.at.base))
+        {
+            return Ok(Left::Replaced);
+        }
         injection.loaded = Some(self.at);
         injection.protect_calls();
-        injection.call(self.at.leave, &[])
+        injection.call(self.at.leave, &[]).map(Left::SlotsRestored)
     }
 }
 
@@ -638,6 +687,11 @@ fn loaded_copy(pid: u32, image: &[u8]) -> Option<(File, u64)> {
     None
 }
 
+/// A read-only descriptor of the same file (through /proc, which reopens a memfd).
+fn reopen_read_only(file: &File) -> Option<File> {
+    File::open(format!("/proc/self/fd/{}", file.as_raw_fd())).ok()
+}
+
 /// Where the object with (device, inode) `id` starts in `pid`.
 fn mapped_base(pid: u32, id: (u64, u64)) -> Option<u64> {
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
@@ -654,7 +708,12 @@ fn mapped_base(pid: u32, id: (u64, u64)) -> Option<u64> {
 
 /// Sends the answers' map and heapprofd's own pidfd through the process's socket `fd`
 /// (heapprofd takes a copy of it with `pidfd_getfd`).
-fn send_descriptors(pid: u32, fd: i32, replies: BorrowedFd<'_>) -> Result<(), NotJoined> {
+fn send_descriptors(
+    pid: u32,
+    fd: i32,
+    replies: BorrowedFd<'_>,
+    library: Option<BorrowedFd<'_>>,
+) -> Result<(), NotJoined> {
     let open_pidfd = |pid: u32| -> Result<OwnedFd, NotJoined> {
         // SAFETY: a plain system call; the result is checked.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
@@ -679,14 +738,15 @@ fn send_descriptors(pid: u32, fd: i32, replies: BorrowedFd<'_>) -> Result<(), No
     }
     // SAFETY: a new descriptor we own.
     let socket = unsafe { OwnedFd::from_raw_fd(socket as i32) };
-    let fds = [replies.as_raw_fd(), ours.as_raw_fd()];
+    let mut fds = vec![replies.as_raw_fd(), ours.as_raw_fd()];
+    fds.extend(library.map(|fd| fd.as_raw_fd()));
     let mut byte = [0u8; 1];
     let mut io = libc::iovec {
         iov_base: byte.as_mut_ptr().cast(),
         iov_len: 1,
     };
     // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(&fds) as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds.as_slice()) as u32) } as usize;
     let mut control = vec![0u8; space];
     // SAFETY: a zeroed msghdr is valid; the fields set below point at live buffers.
     let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -700,11 +760,11 @@ fn send_descriptors(pid: u32, fd: i32, replies: BorrowedFd<'_>) -> Result<(), No
         let header = libc::CMSG_FIRSTHDR(&raw const message);
         (*header).cmsg_level = libc::SOL_SOCKET;
         (*header).cmsg_type = libc::SCM_RIGHTS;
-        (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(&fds) as u32) as _;
+        (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds.as_slice()) as u32) as _;
         std::ptr::copy_nonoverlapping(
             fds.as_ptr().cast::<u8>(),
             libc::CMSG_DATA(header),
-            std::mem::size_of_val(&fds),
+            std::mem::size_of_val(fds.as_slice()),
         );
     }
     // SAFETY: the message points at live buffers.

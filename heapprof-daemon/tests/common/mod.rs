@@ -316,12 +316,18 @@ pub struct Driven {
 impl Driven {
     /// Starts `binary` with `args` and waits for its "ready".
     pub fn start(binary: &Path, args: &[&str]) -> Self {
-        let mut child = Command::new(binary)
-            .args(args)
+        let mut command = Command::new(binary);
+        command.args(args);
+        Self::spawn(&mut command)
+    }
+
+    /// Starts `command` (its stdin and stdout piped) and waits for its "ready".
+    pub fn spawn(command: &mut Command) -> Self {
+        let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .unwrap_or_else(|e| panic!("starting {}: {e}", binary.display()));
+            .unwrap_or_else(|e| panic!("starting {command:?}: {e}"));
         let stdin = child.stdin.take();
         let lines = forward_lines(child.stdout.take().expect("stdout"));
         let driven = Self {

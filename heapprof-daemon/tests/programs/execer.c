@@ -4,7 +4,8 @@
  *   parent_work(); forks a child that allocates 10 blocks in child_work() and exits;
  *   then execs PROGRAM (default: itself) with "image2".
  * image2: allocates 50 blocks of 32 bytes in image2_work() and frees 20; prints
- *   "done"; waits for end of input. */
+ *   "done"; then answers each line "env" with what LD_PRELOAD and HEAPPROFD_FOLLOW
+ *   hold ("-" for unset), until end of input. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +35,13 @@ int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "image2") == 0) {
         image2_work();
         printf("done\n");
-        while (fgets(line, sizeof line, stdin)) {}
+        while (fgets(line, sizeof line, stdin)) {
+            if (strncmp(line, "env", 3) != 0)
+                continue;
+            const char *preload = getenv("LD_PRELOAD"), *follow = getenv("HEAPPROFD_FOLLOW");
+            printf("LD_PRELOAD=%s HEAPPROFD_FOLLOW=%s\n", preload ? preload : "-",
+                   follow ? follow : "-");
+        }
         return 0;
     }
     printf("ready\n");

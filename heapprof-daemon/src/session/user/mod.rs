@@ -607,9 +607,13 @@ impl Drop for JoinedProcess {
             return;
         }
         match joined.leave() {
-            Ok(restored) => {
+            Ok(crate::inject::Left::SlotsRestored(restored)) => {
                 log::info!("pid {pid}: left in-process: {restored} allocator slots put back")
             }
+            Ok(crate::inject::Left::Replaced) => log::info!(
+                "pid {pid}: exec'd since it was joined; heapprofd's library in its new image \
+                 stops by itself now that heapprofd leaves"
+            ),
             Err(reason) => log::warn!(
                 "pid {pid}: cannot leave it in-process now ({reason}); heapprofd's library \
                  there puts its calls back by itself within a few thousand allocations"
