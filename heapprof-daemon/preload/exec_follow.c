@@ -13,6 +13,7 @@ extern int fcntl(int fd, int command, ...);
 extern int close(int fd);
 extern int *__errno_location(void);
 extern void *dlsym(void *handle, const char *symbol);
+extern long syscall(long number, ...);
 #define RTLD_DEFAULT ((void *)0)
 #define F_DUPFD 0
 #define F_SETFD 2
@@ -34,6 +35,33 @@ static const char FOLLOW[] = HP_FOLLOW_ENV "=";
 #define FOLLOW_LENGTH (sizeof FOLLOW - 1)
 static const char KEPT[] = HP_KEPT_PRELOAD_PREFIX;
 #define KEPT_LENGTH (sizeof KEPT - 1)
+
+#if defined(__x86_64__)
+#define SYS_STATX 332
+#elif defined(__aarch64__)
+#define SYS_STATX 291
+#endif
+
+/* Whether `path` names a set-user-ID or set-group-ID program: the loader runs it
+ * without LD_PRELOAD, and it gets none of heapprofd's descriptors either. statx, as
+ * its buffer is the same on every architecture (stx_mode at byte 28). */
+static int set_id_program(const char *path)
+{
+    uint64_t buffer[32];
+    const long at_cwd = -100, statx_mode = 2;
+    if (syscall(SYS_STATX, at_cwd, path, 0L, statx_mode, buffer) != 0)
+        return 0;
+    uint16_t mode = (uint16_t)(buffer[3] >> 32); /* bytes 28-29, little-endian */
+    return (mode & 06000) != 0;
+}
+
+static int has_slash(const char *s)
+{
+    for (; *s; s++)
+        if (*s == '/')
+            return 1;
+    return 0;
+}
 
 static size_t length_of(const char *s)
 {
@@ -116,7 +144,9 @@ static int exec_following(execve_t exec, const char *file, char *const argv[],
         *__errno_location() = 38; /* ENOSYS */
         return -1;
     }
-    if (!envp || !hp_follow_state(&follow))
+    /* A name without a slash is found on PATH by execvpe: looked at, if at all, by
+     * the loader alone. */
+    if (!envp || !hp_follow_state(&follow) || (has_slash(file) && set_id_program(file)))
         return exec(file, argv, envp);
     size_t variables = 0;
     const char *own_preload = NULL;
