@@ -319,6 +319,37 @@ fn check_survived(joined: &mut Driven, call: u32, what: &str) {
         status.contains("SigBlk:\t0000000000000000"),
         "{what}, call {call}: the thread's signal mask was not given back:\n{status}"
     );
+    let left = leaked_descriptors(pid);
+    assert!(
+        left.is_empty(),
+        "{what}, call {call}: heapprofd's calls left descriptors behind: {left:?}"
+    );
+}
+
+/// Descriptors of `pid` that only heapprofd's calls make and close again: a socket
+/// (joined.c has none) or the library's memfd open for writing. (A library joined to
+/// the dead heapprofd holds the answers' map, the pidfd and a read-only descriptor of
+/// itself until it sees heapprofd gone.)
+fn leaked_descriptors(pid: u32) -> Vec<(String, String)> {
+    let mut leaked = Vec::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fd directory") {
+        let entry = entry.expect("fd entry");
+        let fd = entry.file_name().to_string_lossy().into_owned();
+        let Ok(target) = std::fs::read_link(entry.path()) else {
+            continue;
+        };
+        let target = target.to_string_lossy().into_owned();
+        let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap_or_default();
+        let writable = info
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .and_then(|flags| u32::from_str_radix(flags.trim(), 8).ok())
+            .is_some_and(|flags| flags & 3 != 0);
+        if target.starts_with("socket:") || (target.contains("memfd:heapprofd") && writable) {
+            leaked.push((fd, target));
+        }
+    }
+    leaked
 }
 
 #[test]

@@ -24,6 +24,8 @@
 
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod regs;
+
+use regs::Guards;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod tracee;
 
@@ -356,15 +358,25 @@ impl Injection {
         let name = format!("{MEMFD_NAME}\0");
         self.write(scratch, name.as_bytes())?;
         const MFD_CLOEXEC: u64 = 1;
+        // From here to its close, heapprofd's death leaves no memfd in the process.
+        self.guard(Guards {
+            result_is_fd: true,
+            ..Guards::NONE
+        })?;
         let fd = self.call(self.functions.memfd_create, &[scratch, MFD_CLOEXEC])? as i32;
         if fd < 0 {
+            self.guard(Guards::NONE)?;
             return Err(not_joined("memfd_create failed in the process"));
         }
+        self.guard(Guards {
+            fds: [Some(fd), None],
+            ..Guards::NONE
+        })?;
         let written = self.write_library(fd, image);
         let file = match written {
             Ok(file) => file,
             Err(err) => {
-                let _ = self.call(self.functions.close, &[fd as u64]);
+                self.close_guarded(fd);
                 return Err(err);
             }
         };
@@ -372,7 +384,7 @@ impl Injection {
         self.write(scratch, path.as_bytes())?;
         const RTLD_NOW: u64 = 2;
         let handle = self.call(self.functions.dlopen, &[scratch, RTLD_NOW]);
-        let _ = self.call(self.functions.close, &[fd as u64]);
+        self.close_guarded(fd);
         if handle? == 0 {
             return Err(not_joined(format!(
                 "dlopen of heapprofd's library failed in the process: {}",
@@ -405,6 +417,12 @@ impl Injection {
         let scratch = self.thread.scratch();
         const AF_UNIX: u64 = 1;
         const SOCK_DGRAM_CLOEXEC: u64 = 2 | 0o2_000_000;
+        // From here to their close, heapprofd's death leaves neither end in the process.
+        self.write(scratch, &[0xff; 8])?;
+        self.guard(Guards {
+            pair_at: Some(scratch),
+            ..Guards::NONE
+        })?;
         let made = self.call(
             self.functions.socketpair,
             &[AF_UNIX, SOCK_DGRAM_CLOEXEC, 0, scratch],
@@ -416,14 +434,18 @@ impl Injection {
         self.read(scratch, &mut pair)?;
         let ours = i32::from_le_bytes([pair[0], pair[1], pair[2], pair[3]]);
         let theirs = i32::from_le_bytes([pair[4], pair[5], pair[6], pair[7]]);
+        self.guard(Guards {
+            fds: [Some(ours), Some(theirs)],
+            ..Guards::NONE
+        })?;
         let library = self.library.as_ref().map(AsFd::as_fd);
         let sent = send_descriptors(self.pid, ours, replies, library);
         let result = match sent {
             Ok(()) => self.call(at.join, &[theirs as u64, sample_rate, children as u64]),
             Err(err) => Err(err),
         };
-        let _ = self.call(self.functions.close, &[ours as u64]);
-        let _ = self.call(self.functions.close, &[theirs as u64]);
+        self.close_guarded(ours);
+        self.close_guarded(theirs);
         let result = result? as i64;
         if result < 0 {
             return Err(not_joined(match result {
@@ -449,6 +471,29 @@ impl Injection {
                 .map(|m| (m.dev(), m.ino())),
             slots: result as u64,
         })
+    }
+
+    /// Says which of the process's descriptors the return stub closes if heapprofd
+    /// dies from now on.
+    fn guard(&mut self, guards: Guards) -> Result<(), NotJoined> {
+        self.thread
+            .guard(guards)
+            .map_err(|err| not_joined(err.to_string()))
+    }
+
+    /// Closes the process's descriptor `fd`, first taken off the stub's guards (were
+    /// heapprofd to die during the call, the call still closes it, and the stub must
+    /// not close the number again: another thread may have it by then).
+    fn close_guarded(&mut self, fd: i32) {
+        let mut guards = self.thread.guards();
+        for slot in &mut guards.fds {
+            if *slot == Some(fd) {
+                *slot = None;
+            }
+        }
+        if self.guard(guards).is_ok() {
+            let _ = self.call(self.functions.close, &[fd as u64]);
+        }
     }
 
     fn call(&mut self, function: u64, args: &[u64]) -> Result<u64, NotJoined> {

@@ -181,6 +181,40 @@ impl Registers {
     }
 }
 
+/// What the return stub closes if heapprofd dies (see [`stub::GUARDS`]; nothing on
+/// arm64, which has no stub yet).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Guards {
+    /// The running call's result is a descriptor (closed if it is not negative).
+    pub result_is_fd: bool,
+    /// Descriptors of the process heapprofd has not closed yet.
+    pub fds: [Option<i32>; 2],
+    /// Where a running `socketpair` writes its pair (preset to -1, -1).
+    pub pair_at: Option<u64>,
+}
+
+impl Guards {
+    /// Nothing to close.
+    pub const NONE: Guards = Guards {
+        result_is_fd: false,
+        fds: [None, None],
+        pair_at: None,
+    };
+
+    /// Their bytes at the stub's `GUARDS`: the flag, the two descriptors (-1: none), a
+    /// pad, the pair's address (0: none).
+    pub fn encode(&self) -> [u8; 24] {
+        let mut bytes = [0u8; 24];
+        bytes[0..4].copy_from_slice(&u32::from(self.result_is_fd).to_le_bytes());
+        for (i, fd) in self.fds.iter().enumerate() {
+            let at = 4 + 4 * i;
+            bytes[at..at + 4].copy_from_slice(&fd.unwrap_or(-1).to_le_bytes());
+        }
+        bytes[16..24].copy_from_slice(&self.pair_at.unwrap_or(0).to_le_bytes());
+        bytes
+    }
+}
+
 /// The return stub (x86-64): remote calls return into it instead of to address 0.
 /// With heapprofd there, its first system call (`getpid`, the marker) stops the
 /// thread and heapprofd takes over. If heapprofd has died meanwhile (SIGKILL), the
@@ -197,34 +231,69 @@ pub mod stub {
     /// Offset of the saved signal mask.
     pub const MASK: u64 = CONTEXT + CONTEXT_WORDS as u64 * 8;
 
+    /// The descriptors the stub closes before it resumes the thread, so that
+    /// heapprofd's death in the middle of its calls leaves none in the process. One
+    /// write changes each state (a [`super::Guards::encode`]d whole): heapprofd's death
+    /// comes between two writes, never inside one.
+    pub const GUARDS: u64 = 0x1c0;
+
     fn rel32(target: u64, next: u64) -> [u8; 4] {
         (target.wrapping_sub(next) as u32).to_le_bytes()
     }
 
+    /// Appends an instruction with a %rip-relative operand to `target`: `opcode`, the
+    /// displacement, then `immediate` (the displacement counts from the end).
+    fn rip_relative(c: &mut Vec<u8>, opcode: &[u8], target: u64, immediate: &[u8]) {
+        c.extend(opcode);
+        let next = (c.len() + 4 + immediate.len()) as u64;
+        c.extend(rel32(target, next));
+        c.extend(immediate);
+    }
+
+    /// `close(%edi)` unless %edi is negative: 11 bytes.
+    const CLOSE_EDI: [u8; 11] = [
+        0x85, 0xff, // test %edi,%edi
+        0x78, 0x07, // js +7
+        0xb8, 3, 0, 0, 0, // mov $3,%eax (close)
+        0x0f, 0x05, // syscall
+    ];
+
     /// The stub's code, to be placed at the start of its page.
     pub fn code() -> Vec<u8> {
-        let mut c = Vec::with_capacity(96);
+        let mut c = Vec::with_capacity(192);
         c.extend([0x48, 0x89, 0xc7]); // mov %rax,%rdi: the result
         c.extend([0xb8, 39, 0, 0, 0]); // mov $39,%eax (getpid)
         c.extend([0x0f, 0x05]); // syscall: the marker
+        // heapprofd is gone: the guarded descriptors first (every register is
+        // restored below).
+        rip_relative(&mut c, &[0x83, 0x3d], GUARDS, &[0]); // cmpl $0,result_is_fd
+        c.extend([0x74, CLOSE_EDI.len() as u8]); // je: not a descriptor
+        c.extend(CLOSE_EDI); // the result, still in %edi
+        for slot in 0..2 {
+            rip_relative(&mut c, &[0x8b, 0x3d], GUARDS + 4 + 4 * slot, &[]); // mov fd,%edi
+            c.extend(CLOSE_EDI);
+        }
+        rip_relative(&mut c, &[0x48, 0x8b, 0x1d], GUARDS + 16, &[]); // mov pair_at,%rbx
+        c.extend([0x48, 0x85, 0xdb]); // test %rbx,%rbx
+        c.extend([0x74, (2 + CLOSE_EDI.len() + 3 + CLOSE_EDI.len()) as u8]); // je: none
+        c.extend([0x8b, 0x3b]); // mov (%rbx),%edi
+        c.extend(CLOSE_EDI);
+        c.extend([0x8b, 0x7b, 0x04]); // mov 4(%rbx),%edi
+        c.extend(CLOSE_EDI);
         c.extend([0xb8, 14, 0, 0, 0]); // mov $14,%eax (rt_sigprocmask)
         c.extend([0xbf, 2, 0, 0, 0]); // mov $2,%edi (SIG_SETMASK)
-        c.extend([0x48, 0x8d, 0x35]); // lea MASK(%rip),%rsi
-        c.extend(rel32(MASK, 27));
+        rip_relative(&mut c, &[0x48, 0x8d, 0x35], MASK, &[]); // lea MASK(%rip),%rsi
         c.extend([0x31, 0xd2]); // xor %edx,%edx
         c.extend([0x41, 0xba, 8, 0, 0, 0]); // mov $8,%r10d
         c.extend([0x0f, 0x05]); // syscall
-        c.extend([0x48, 0x8d, 0x25]); // lea CONTEXT(%rip),%rsp
-        c.extend(rel32(CONTEXT, 44));
+        rip_relative(&mut c, &[0x48, 0x8d, 0x25], CONTEXT, &[]); // lea CONTEXT(%rip),%rsp
         // pop r15..r8, rbp, rdi, rsi, rdx, rcx, rbx, rax; popfq
         c.extend([
             0x41, 0x5f, 0x41, 0x5e, 0x41, 0x5d, 0x41, 0x5c, 0x41, 0x5b, 0x41, 0x5a, 0x41, 0x59,
             0x41, 0x58, 0x5d, 0x5f, 0x5e, 0x5a, 0x59, 0x5b, 0x58, 0x9d,
         ]);
-        c.extend([0x48, 0x8b, 0x25]); // mov CONTEXT[16](%rip),%rsp
-        c.extend(rel32(CONTEXT + 16 * 8, 75));
-        c.extend([0xff, 0x25]); // jmp *CONTEXT[17](%rip)
-        c.extend(rel32(CONTEXT + 17 * 8, 81));
+        rip_relative(&mut c, &[0x48, 0x8b, 0x25], CONTEXT + 16 * 8, &[]); // mov CONTEXT[16],%rsp
+        rip_relative(&mut c, &[0xff, 0x25], CONTEXT + 17 * 8, &[]); // jmp *CONTEXT[17]
         c
     }
 
@@ -233,9 +302,37 @@ pub mod stub {
         #[test]
         fn the_stubs_offsets_are_where_its_code_says() {
             let code = super::code();
-            assert_eq!(code.len(), 81);
+            assert!(
+                code.len() <= super::CONTEXT as usize,
+                "{} bytes",
+                code.len()
+            );
             assert_eq!(&code[8..10], &[0x0f, 0x05], "the marker ends at MARKER_END");
-            assert_eq!(&code[35..37], &[0x0f, 0x05], "rt_sigprocmask");
+            // The displacements land where the data is: decode each rip-relative one.
+            let target = |at: usize, end: usize| {
+                let rel = i32::from_le_bytes(code[at..at + 4].try_into().expect("4 bytes"));
+                (end as i64 + i64::from(rel)) as u64
+            };
+            assert_eq!(&code[10..12], &[0x83, 0x3d]);
+            assert_eq!(target(12, 17), super::GUARDS, "cmpl $0,result_is_fd");
+            let tail = code.len();
+            assert_eq!(&code[tail - 6..tail - 4], &[0xff, 0x25]);
+            assert_eq!(target(tail - 4, tail), super::CONTEXT + 17 * 8, "jmp *rip");
+        }
+
+        #[test]
+        fn guards_encode_as_the_stub_reads_them() {
+            let guards = crate::inject::regs::Guards {
+                result_is_fd: true,
+                fds: [Some(7), None],
+                pair_at: Some(0x1122_3344_5566_7788),
+            };
+            let bytes = guards.encode();
+            assert_eq!(&bytes[0..4], &[1, 0, 0, 0]);
+            assert_eq!(&bytes[4..8], &7i32.to_le_bytes());
+            assert_eq!(&bytes[8..12], &(-1i32).to_le_bytes());
+            assert_eq!(&bytes[16..24], &0x1122_3344_5566_7788u64.to_le_bytes());
+            assert_eq!(crate::inject::regs::Guards::NONE.encode()[4..12], [0xff; 8]);
         }
     }
 }

@@ -103,6 +103,8 @@ pub struct Tracee {
     munmap: u64,
     /// Stopped at the stub's marker: a system-call stop.
     at_syscall_stop: bool,
+    /// The descriptors the stub closes if heapprofd dies (x86-64).
+    guards: super::regs::Guards,
 }
 
 fn ptrace_error(request: &'static str, tid: i32) -> TraceError {
@@ -209,6 +211,7 @@ impl Tracee {
             stub: None,
             munmap: 0,
             at_syscall_stop: false,
+            guards: super::regs::Guards::NONE,
         };
         // SAFETY: as above.
         if unsafe { ptrace(libc::PTRACE_INTERRUPT as u32, tid, 0, 0) } != 0 {
@@ -464,6 +467,23 @@ impl Tracee {
         self.write(page, &stub::code())
             .and_then(|()| self.write(page + stub::CONTEXT, &context))
             .and_then(|()| self.write(page + stub::MASK, &self.saved_mask.to_le_bytes()))
+            .and_then(|()| self.write(page + stub::GUARDS, &self.guards.encode()))
+    }
+
+    /// What the stub closes now.
+    pub fn guards(&self) -> super::regs::Guards {
+        self.guards
+    }
+
+    /// Says which descriptors the stub closes if heapprofd dies from now on (one write:
+    /// heapprofd's death leaves the old state or the new one). Without a stub, nothing.
+    pub fn guard(&mut self, guards: super::regs::Guards) -> Result<(), TraceError> {
+        self.guards = guards;
+        #[cfg(target_arch = "x86_64")]
+        if let Some(page) = self.stub {
+            return self.write(page + super::regs::stub::GUARDS, &guards.encode());
+        }
+        Ok(())
     }
 
     /// No stub on arm64 yet: remote calls return to address 0.
