@@ -190,9 +190,9 @@ pub struct Cli {
     /// allocator calls there, so it costs what launch mode costs; heapprofd puts the
     /// calls back when it exits. Where it cannot (a static or Go program, ptrace
     /// refused, no thread ever waiting), it says why on one line and uses the
-    /// allocator's probes. `off` (the default for now: a program the joined process
-    /// execs is not counted yet) uses those probes only.
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = InjectMode::Off)]
+    /// allocator's probes. A program the process execs is followed. `off` uses the
+    /// probes only (an entry and a return trap per allocation).
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = InjectMode::Auto)]
     pub inject: InjectMode,
 
     /// Benchmark baseline (`cargo xtask bench`): the probes are attached where they

@@ -240,7 +240,11 @@ fn tiny_tables_count_what_they_drop_and_stay_consistent() {
     // 64 threads at once and room for 32 threads' records (16 slots by thread id and
     // a 16-entry table for the threads whose slot is taken): calls that find no room
     // are not counted (and counted as drops); frees of blocks never counted are ignored.
-    let full_threads = run(&["threads", "64", "2000"], &["--max-threads", "16"]);
+    // The table pairs the probes' entry and return: a joined process needs none.
+    let full_threads = run(
+        &["threads", "64", "2000"],
+        &["--max-threads", "16", "--inject", "off"],
+    );
     assert!(full_threads.dropped("in-flight table full") > 0);
     let counted = totals(&samples(&full_threads.profile), |s| {
         s.stack.get(1).is_some_and(|f| f == "thread_work")

@@ -204,6 +204,19 @@ fn start_user(
         ));
     }
     require_allocator_probed(&session, target)?;
+    // Said once the session stands: where no allocator can be probed either, the
+    // error alone is the one line.
+    if let Some(Joining {
+        pid,
+        how: JoinedBy::Probes,
+        reason: Some(reason),
+    }) = &joining
+    {
+        log::warn!(
+            "pid {pid}: cannot join it in-process ({reason}); using the allocator's probes, \
+             which trap into the kernel at every call"
+        );
+    }
     let map_memory = probes::map_memory::tables();
     log::info!("{}", probes::map_memory::describe(&map_memory));
     if let Some(endpoint) = endpoint {
@@ -303,12 +316,8 @@ fn join_in_process(
     }
 }
 
-/// Says why `pid` is not joined in-process; returns how it is joined instead.
+/// How `pid` is joined where it cannot be joined in-process (said once the session stands).
 fn cannot_join(pid: u32, reason: &inject::NotJoined) -> Joining {
-    log::warn!(
-        "pid {pid}: cannot join it in-process ({reason}); using the allocator's probes, \
-         which trap into the kernel at every call"
-    );
     Joining {
         pid,
         how: JoinedBy::Probes,
