@@ -16,16 +16,14 @@ use super::{DropLog, Drops, comment_drops, program_figures};
 use crate::{
     aggregate::kernel::{KernelMaps, KernelSite},
     cli::Target,
+    health::stats::{self, RunTimeStats},
     metrics::{Exporter, ProcessFigures, Snapshot, TableFigure},
     pprof::{
         LabelValue, MappingKey, ProfileBuilder,
         builder::{AddressSpace, KERNEL_SAMPLE_TYPES},
         writer,
     },
-    probes::{
-        kernel::DeferredFrees,
-        stats::{self, RunTimeStats},
-    },
+    probes::kernel::DeferredFrees,
     symbolize::{
         Frame,
         kallsyms::{KERNEL_MODULE, KernelSymbols},

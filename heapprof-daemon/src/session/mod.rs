@@ -11,7 +11,7 @@ use heapprof_common::DropReason;
 
 pub use user::{UserSession, UserSessionConfig};
 
-use crate::{pprof::ProfileBuilder, probes::stats::RunTimeStats};
+use crate::{health::stats::RunTimeStats, pprof::ProfileBuilder};
 
 /// Drop counters summed over CPUs, indexed by [`DropReason`].
 pub type Drops = [u64; DropReason::COUNT as usize];
@@ -43,7 +43,7 @@ impl DropLog {
 fn program_figures(
     stats: Option<&RunTimeStats>,
     ebpf: &aya::Ebpf,
-) -> Vec<crate::probes::stats::ProgramStats> {
+) -> Vec<crate::health::stats::ProgramStats> {
     stats.map(|stats| stats.read_all(ebpf)).unwrap_or_default()
 }
 

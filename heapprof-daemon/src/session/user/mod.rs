@@ -37,9 +37,9 @@ use crate::{
     aggregate::{Maps, Site, stacks::NodeMarks},
     allocators::{AllocatorProbes, ProcessView},
     cli::Target,
+    health::stats::{self, RunTimeStats, StackLookups},
     metrics::Exporter,
     pprof::writer,
-    probes::stats::{self, RunTimeStats, StackLookups},
     symbolize::Symbolizer,
     unwind::table_upload::{TableCapacities, TableUploader, TableUsage},
 };
