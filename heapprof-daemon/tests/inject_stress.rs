@@ -412,7 +412,7 @@ impl LoadLoop {
         check: impl Fn(ExitStatus, &str) -> Result<(), String> + Send + 'static,
     ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let stopping = stop.clone();
+        let stopping = Arc::clone(&stop);
         let output = dir.join("load-output");
         let thread = std::thread::spawn(move || {
             let mut runs = 0;

@@ -1,6 +1,6 @@
 //! Helpers shared by the integration tests: building the C test programs,
 //! running heapprofd, decoding and checking its profiles.
-#![allow(dead_code)] // Each test binary uses a different subset.
+#![allow(dead_code, reason = "each test binary uses a different subset")]
 
 pub mod counted;
 pub mod dhat;
