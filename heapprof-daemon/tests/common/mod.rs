@@ -4,6 +4,7 @@
 
 pub mod counted;
 pub mod dhat;
+pub mod vm;
 
 use std::{
     collections::HashMap,
