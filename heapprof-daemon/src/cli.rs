@@ -5,10 +5,8 @@ use std::{net::SocketAddr, num::NonZeroUsize, path::PathBuf, time::Duration};
 use clap::Parser;
 
 use crate::{
-    inject::InjectMode,
-    pprof::retention::RetentionPolicy,
-    preload::PreloadMode,
-    probes::{AttachChoice, placement::PlacementMode},
+    inject::InjectMode, placement::PlacementMode, pprof::retention::RetentionPolicy,
+    preload::PreloadMode, probes::AttachChoice,
 };
 
 /// eBPF heap profiler: live and cumulative heap usage per call stack, written as Go-pprof heap profiles.

@@ -226,9 +226,78 @@ pub fn process_name(pid: u32) -> String {
         .unwrap_or_else(|_| "?".to_owned())
 }
 
+/// The path `pid` was started as, where it differs from its executable's, `exe` (the
+/// file a symlink points to, as `/proc/PID/exe` and the maps file give it): `exe`'s
+/// directory joined with the process name, when that names the same file. That is
+/// what the user ran where a link beside the program gives it another name (Debian's
+/// `redis-server` -> `redis-check-rdb`), and the kernel names the process after the
+/// path it was started as.
+///
+/// `None` when the name is the file's own, or names no such file: a name the process
+/// gave itself, a name cut short at 15 bytes, a link in another directory.
+pub fn started_as(pid: u32, exe: &str, comm: &str) -> Option<String> {
+    let candidate = beside(exe, comm)?;
+    // Looked up in the process's own root, as `exe` is a path in its mount namespace.
+    let linked = std::fs::metadata(format!("/proc/{pid}/root{candidate}")).ok()?;
+    let executable = std::fs::metadata(format!("/proc/{pid}/exe")).ok()?;
+    ((linked.dev(), linked.ino()) == (executable.dev(), executable.ino())).then_some(candidate)
+}
+
+/// `name` in `path`'s directory, when it is another plain file name than `path`'s.
+fn beside(path: &str, name: &str) -> Option<String> {
+    let (dir, own) = path.rsplit_once('/')?;
+    let plain = !name.is_empty() && name != "." && name != ".." && !name.contains('/');
+    (plain && name != own).then(|| format!("{dir}/{name}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn another_name_is_looked_for_beside_the_executable() {
+        assert_eq!(
+            beside("/usr/bin/redis-check-rdb", "redis-server").as_deref(),
+            Some("/usr/bin/redis-server")
+        );
+        assert_eq!(beside("/usr/bin/redis-server", "redis-server"), None);
+        for odd in ["", ".", "..", "a/b"] {
+            assert_eq!(beside("/usr/bin/prog", odd), None, "{odd:?}");
+        }
+        assert_eq!(beside("relative", "name"), None);
+    }
+
+    #[test]
+    fn a_program_started_through_a_link_beside_it_is_named_as_the_link() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let program = dir.path().join("real-sleep");
+        std::fs::copy("/bin/sleep", &program).expect("a copy of sleep");
+        let link = dir.path().join("linked-sleep");
+        std::os::unix::fs::symlink("real-sleep", &link).expect("a symlink");
+        let mut child = std::process::Command::new(&link)
+            .arg("30")
+            .spawn()
+            .expect("sleep started");
+        let pid = child.id();
+        // exec has happened once /proc/PID/exe names the program, not this test binary.
+        let mut exe = String::new();
+        for _ in 0..500 {
+            exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+                .map(|path| path.display().to_string())
+                .unwrap_or_default();
+            if exe.ends_with("/real-sleep") {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let comm = process_name(pid);
+        let named = started_as(pid, &exe, &comm);
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(comm, "linked-sleep");
+        assert_eq!(named, Some(link.display().to_string()));
+        assert_eq!(started_as(pid, &exe, "real-sleep"), None);
+    }
 
     #[test]
     fn parses_file_backed_and_anonymous_lines() {

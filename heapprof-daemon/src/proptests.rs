@@ -11,10 +11,8 @@
 use crate::{
     arch::Arch,
     cli::{parse_duration, parse_listen_address, parse_sample_rate},
-    probes::{
-        libc,
-        placement::{self, PlacementMode},
-    },
+    placement::{self, PlacementMode},
+    probes::libc,
     procmaps::parse_maps_line,
     symbolize::kallsyms::KernelSymbols,
     test_rng::Rng,

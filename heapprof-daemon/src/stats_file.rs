@@ -12,7 +12,7 @@ use anyhow::{Context as _, Result};
 use heapprof_common::DropReason;
 use serde::Serialize;
 
-use crate::{probes::map_memory::TableMemory, report};
+use crate::{health::map_memory::TableMemory, report};
 
 /// How a `--pid` target was joined.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

@@ -38,8 +38,14 @@ use std::{
     time::Duration,
 };
 
-use base64::Engine as _;
-use common::{dhat, *};
+use common::{
+    dhat,
+    vm::{self, copy, env_path, profiles_from, run_to_end},
+    *,
+};
+
+/// What the test needs of the environment.
+const NEEDS: &str = "the arm64 VM test needs the static aarch64 build and the VM's kernel";
 
 /// The VM's script: two rounds of the scenarios, then power off.
 const INIT: &str = r#"#!/bin/busybox sh
@@ -146,21 +152,6 @@ scenarios nobtf
 echo "==DONE"
 poweroff -f
 "#;
-
-fn env_path(name: &str) -> PathBuf {
-    match std::env::var_os(name) {
-        Some(path) => PathBuf::from(path),
-        None => panic!(
-            "{name} is not set: the arm64 VM test needs the static aarch64 build and the VM's \
-             kernel; run it through `cargo xtask test` or `cargo xtask vm-test`"
-        ),
-    }
-}
-
-fn copy(from: &Path, to: &Path) {
-    std::fs::copy(from, to)
-        .unwrap_or_else(|e| panic!("copying {} to {}: {e}", from.display(), to.display()));
-}
 
 /// A program of the true-stacks tests (tests/true_stacks.rs), built with [`CFI_FLAGS`]
 /// for the VM and for the host: without frame pointers, its stacks on arm64 come only
@@ -350,78 +341,33 @@ fn initramfs(dir: &Path, heapprofd: &Path, glibc: &Path, assets: &Path) -> PathB
 
 /// Boots the VM and returns its console output.
 fn boot(kernel: &Path, initramfs: &Path) -> String {
-    let mut child = Command::new("qemu-system-aarch64")
-        // `pauth-impdef`: Debian's kernel signs return addresses, and TCG's emulation of
-        // the architected QARMA algorithm makes every kernel call several times slower.
-        .args([
-            "-M",
-            "virt",
-            "-cpu",
-            "max,pauth-impdef=on",
-            "-smp",
-            "2",
-            "-m",
-            "2048",
-        ])
-        .args(["-nographic", "-no-reboot", "-nic", "none"])
-        .arg("-kernel")
-        .arg(kernel)
-        .arg("-initrd")
-        .arg(initramfs)
-        .args(["-append", "console=ttyAMA0 rdinit=/init panic=-1 quiet"])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting qemu-system-aarch64 (install qemu-system-arm: cargo xtask setup)");
-    let stdout = child.stdout.take().expect("stdout");
-    let lines = forward_lines(stdout);
-    let mut console = Vec::new();
     // TCG emulation: both rounds take about 140 s here (with the architected pointer
     // authentication, over 500 s); the VM's own watchdog powers it off at 600 s, this
     // bound only covers a VM that does not boot at all.
-    let deadline = std::time::Instant::now() + Duration::from_secs(720);
-    loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        match lines.recv_timeout(left) {
-            Ok(line) => console.push(line),
-            Err(_) => break,
-        }
-    }
-    let _ = child.kill();
-    let status = child.wait().expect("waiting for qemu");
-    let console = console.join("\n");
-    assert!(
-        console.contains("==DONE"),
-        "the VM did not finish (qemu {status}); its console:\n{console}"
-    );
-    console
-}
-
-/// Profiles printed by the VM, by path, decoded and validated.
-fn profiles_from(
-    console: &str,
-    dir: &Path,
-) -> BTreeMap<String, heapprof_daemon::pprof::proto::Profile> {
-    let mut profiles = BTreeMap::new();
-    let mut current: Option<(String, String)> = None;
-    for line in console.lines() {
-        let line = line.trim_end_matches('\r');
-        if let Some(path) = line.strip_prefix("==FILE ") {
-            current = Some((path.to_owned(), String::new()));
-        } else if line == "==END" {
-            let (path, text) = current.take().expect("==END without ==FILE");
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(text.as_bytes())
-                .unwrap_or_else(|e| panic!("{path}: bad base64 from the VM: {e}"));
-            let local = dir.join(path.trim_start_matches('/').replace('/', "_"));
-            std::fs::write(&local, bytes).expect("writing a profile");
-            profiles.insert(path, decode(&local));
-        } else if let Some((_, text)) = current.as_mut() {
-            text.push_str(line.trim());
-        }
-    }
-    profiles
+    let bound = Duration::from_secs(720);
+    run_to_end(
+        Command::new("qemu-system-aarch64")
+            // `pauth-impdef`: Debian's kernel signs return addresses, and TCG's emulation of
+            // the architected QARMA algorithm makes every kernel call several times slower.
+            .args([
+                "-M",
+                "virt",
+                "-cpu",
+                "max,pauth-impdef=on",
+                "-smp",
+                "2",
+                "-m",
+                "2048",
+            ])
+            .args(["-nographic", "-no-reboot", "-nic", "none"])
+            .arg("-kernel")
+            .arg(kernel)
+            .arg("-initrd")
+            .arg(initramfs)
+            .args(["-append", "console=ttyAMA0 rdinit=/init panic=-1 quiet"]),
+        "qemu-system-arm",
+        bound,
+    )
 }
 
 /// The last profile of one scenario of one round.
@@ -430,12 +376,7 @@ fn last<'a>(
     round: &str,
     scenario: &str,
 ) -> &'a heapprof_daemon::pprof::proto::Profile {
-    let prefix = format!("/tmp/out/{round}/{scenario}/");
-    profiles
-        .iter()
-        .rfind(|(path, _)| path.starts_with(&prefix))
-        .map(|(_, p)| p)
-        .unwrap_or_else(|| panic!("no profile of {round}/{scenario}"))
+    vm::last(profiles, &format!("{round}/{scenario}"))
 }
 
 /// The reason heapprofd counts a stack under when its unwinder stopped before the end.
@@ -766,9 +707,9 @@ fn section(console: &str, start: &str) -> String {
 
 #[test]
 fn arm64_vm_with_and_without_btf() {
-    let heapprofd = env_path("HEAPPROFD_AARCH64_BINARY");
-    let glibc = env_path("HEAPPROFD_AARCH64_GLIBC_BINARY");
-    let assets = env_path("HEAPPROFD_ARM64_VM_ASSETS");
+    let heapprofd = env_path("HEAPPROFD_AARCH64_BINARY", NEEDS);
+    let glibc = env_path("HEAPPROFD_AARCH64_GLIBC_BINARY", NEEDS);
+    let assets = env_path("HEAPPROFD_ARM64_VM_ASSETS", NEEDS);
     let dir = scratch();
     // The expected chains come from DHAT on the host, while the VM runs.
     let (expected, console) = std::thread::scope(|scope| {
@@ -800,7 +741,7 @@ fn arm64_vm_with_and_without_btf() {
         console.contains("==BTF hidden: 0 bytes"),
         "BTF was not hidden for the second round:\n{console}"
     );
-    let profiles = profiles_from(&console, dir.path());
+    let profiles = profiles_from(&console, dir.path(), "");
     for round in ["btf", "nobtf"] {
         check_round(&profiles, round, &expected, loader_entry(&assets), &console);
     }

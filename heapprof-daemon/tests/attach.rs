@@ -3,7 +3,8 @@
 //! once; and launch mode ended by a signal sent to heapprofd alone.
 //!
 //! The target is tests/programs/busy.c: busy threads (busy_0..busy_3) allocate and free
-//! all the time, and the main thread does an exact piece of work when told to.
+//! all the time, and the main thread does an exact piece of work when told to. The
+//! busy threads keep both cores busy: the tests run one at a time (`serial`).
 
 mod common;
 
@@ -11,14 +12,10 @@ use std::{
     collections::BTreeMap,
     path::Path,
     process::{Child, Command, Stdio},
-    sync::Mutex,
     time::{Duration, Instant},
 };
 
 use common::*;
-
-/// The busy threads keep both cores busy: one of these tests at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
 
 const BUSY_THREADS: usize = 3;
 const WORK: i64 = 200;
@@ -26,10 +23,6 @@ const SIZE: i64 = 24;
 /// How long a session stays attached after the exact work, so that every busy thread
 /// gets the CPU while traced (three threads share two cores with the tests).
 const BUSY_WINDOW: Duration = Duration::from_millis(500);
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// busy.c, built as the tests build their programs (-O2 here: optimized code).
 fn start_busy(dir: &Path) -> Driven {

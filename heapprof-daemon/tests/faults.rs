@@ -2,7 +2,7 @@
 //! never leave the system worse than it found it nor lose a profile it wrote.
 //!
 //! These tests look at system-wide state (loaded BPF programs, links, uprobe events),
-//! so they run one at a time (`SERIAL`). They judge only what their own daemon
+//! so they run one at a time (`serial`). They judge only what their own daemon
 //! created, by id: the programs and links whose descriptors its process holds. Other
 //! BPF tools, another heapprofd among them, may load and unload programs of the same
 //! names on the machine meanwhile.
@@ -13,14 +13,11 @@ use std::{
     io::Write as _,
     path::Path,
     process::{Child, Command},
-    sync::Mutex,
     time::{Duration, Instant},
 };
 
 use common::*;
 use heapprof_common::{kernel::KernelEvent, kernel::names as kernel_names, names};
-
-static SERIAL: Mutex<()> = Mutex::new(());
 
 /// Longest program name the kernel keeps (`BPF_OBJ_NAME_LEN` less the terminating 0).
 const KERNEL_NAME_LEN: usize = 15;
@@ -207,7 +204,7 @@ fn start_waiter(dir: &Path) -> Driven {
 
 fn sigkill_leaves_nothing_behind(mode: &[&str]) {
     require_root();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let dir = scratch();
     let waiter = start_waiter(dir.path());
     let out = dir.path().join("profiles");
@@ -257,7 +254,7 @@ fn sigkill_in_kernel_mode_leaves_no_program_behind() {
 #[test]
 fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
     require_root();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let dir = scratch();
     let mut waiter = start_waiter(dir.path());
     let out = dir.path().join("profiles");
@@ -291,7 +288,7 @@ fn sigterm_writes_a_final_profile_detaches_and_exits_0() {
 #[test]
 fn a_target_killed_while_traced_gets_its_final_profile() {
     require_root();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let dir = scratch();
     // --pid: the target's death ends heapprofd with status 0.
     let mut waiter = start_waiter(dir.path());
@@ -411,7 +408,7 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 #[test]
 fn a_full_disk_keeps_earlier_profiles_and_writing_resumes() {
     require_root();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let dir = scratch();
     let mut waiter = start_waiter(dir.path());
     let out = dir.path().join("small");

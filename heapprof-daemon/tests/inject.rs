@@ -5,22 +5,16 @@
 //! C library (strdup, fopen), through a dlopened plugin, and frees through a pointer to
 //! free saved before any heapprofd came. The counts of a joined session are checked
 //! against a session on the allocator's probes (`--inject off`) doing the same work.
+//! The tests run one at a time (`serial`): each attaches to its own process, but the
+//! log checks and counts are simplest alone.
 
 mod common;
 
-use std::{collections::BTreeMap, path::Path, process::Command, sync::Mutex};
+use std::{collections::BTreeMap, path::Path, process::Command};
 
 use common::*;
 
-/// One of these tests at a time: they attach to their own process, but the log
-/// checks and counts are simplest alone.
-static SERIAL: Mutex<()> = Mutex::new(());
-
 const ROUNDS: i64 = 300;
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// joined.c at -O2 and its plugin; the program is started with the plugin's path.
 fn start_joined(dir: &Path) -> Driven {

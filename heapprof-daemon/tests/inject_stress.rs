@@ -16,18 +16,19 @@
 //! prints its tally ("inject_stress TARGET: ...").
 //!
 //! The suite runs a few cycles per target; `cargo xtask stress` sets
-//! `HEAPPROFD_LOAD=full` for the scale (over 500 cycles in all).
+//! `HEAPPROFD_LOAD=full` for the scale (over 500 cycles in all). One target
+//! at a time (`serial`): each one with its load is the machine's whole load.
 
 mod common;
 
 use std::{
     collections::{BTreeMap, HashSet},
     io::{Read as _, Write as _},
-    net::{TcpListener, TcpStream},
+    net::TcpStream,
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicBool, Ordering},
         mpsc,
     },
@@ -35,17 +36,6 @@ use std::{
 };
 
 use common::*;
-
-/// One target at a time: each one with its load is the machine's whole load.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn full_scale() -> bool {
-    std::env::var("HEAPPROFD_LOAD").is_ok_and(|v| v == "full")
-}
 
 /// Cycles for the suite, or at full scale.
 fn cycles(suite: usize, full: usize) -> usize {
@@ -378,14 +368,6 @@ fn alive_and_untraced(pid: u32) -> Result<(), String> {
     Err(format!("threads left traced or stopped: {last}"))
 }
 
-/// A free loopback port.
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
 /// Waits (bounded) until something accepts on the port.
 fn wait_listening(port: u16, what: &str) {
     for _ in 0..300 {
@@ -412,7 +394,7 @@ impl LoadLoop {
         check: impl Fn(ExitStatus, &str) -> Result<(), String> + Send + 'static,
     ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let stopping = stop.clone();
+        let stopping = Arc::clone(&stop);
         let output = dir.join("load-output");
         let thread = std::thread::spawn(move || {
             let mut runs = 0;

@@ -2,20 +2,14 @@
 //!
 //! The scale is small enough for the suite by default; `cargo xtask stress` sets
 //! `HEAPPROFD_LOAD=full` for the full scale (8 threads x 1M allocations, 1M
-//! live blocks) and shows the figures printed here (`--nocapture`).
+//! live blocks) and shows the figures printed here (`--nocapture`). Each test alone is
+//! already the machine's whole load: they run one at a time (`serial`).
 
 mod common;
 
-use std::{sync::Mutex, time::Instant};
+use std::time::Instant;
 
 use common::*;
-
-/// One load test at a time: each one alone is already the machine's whole load.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn full_scale() -> bool {
-    std::env::var("HEAPPROFD_LOAD").is_ok_and(|v| v == "full")
-}
 
 /// The program's own count: "expect A B C D" (allocated objects and bytes, in use).
 fn parse_expectation(line: &str) -> [i64; 4] {
@@ -69,7 +63,7 @@ impl LoadRun {
 /// Runs `load ARGS` under `heapprofd --pid` with `flags`.
 fn run(args: &[&str], flags: &[&str]) -> LoadRun {
     require_root();
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = serial();
     let dir = scratch();
     let binary = compile(dir.path(), "load", "load", &["-O2"]);
     let out = dir.path().join("profiles");

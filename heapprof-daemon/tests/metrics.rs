@@ -29,14 +29,6 @@ impl Drop for Reaper {
     }
 }
 
-/// A port nobody listens on now (the kernel's choice of an ephemeral one).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
 /// `GET path` on 127.0.0.1:port: (status line, body), or `None` if nothing answers.
 /// HTTP/1.0, so that the answer is neither chunked nor kept alive.
 fn get(port: u16, path: &str) -> Option<(String, String)> {

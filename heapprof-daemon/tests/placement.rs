@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use common::{compile, counted, scratch};
 use heapprof_daemon::{
     allocators::{api::Family, scan},
-    probes::placement::PlacementMode,
+    placement::PlacementMode,
 };
 
 /// Scans `path` as the daemon would and returns `(function, placement)` for every

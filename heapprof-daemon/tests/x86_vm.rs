@@ -29,12 +29,17 @@ use std::{
     collections::BTreeMap,
     path::{Path, PathBuf},
     process::Command,
-    time::{Duration, Instant},
+    time::Duration,
 };
 
-use base64::Engine as _;
-use common::*;
+use common::{
+    vm::{copy, env_path, last, profiles_from, run_to_end},
+    *,
+};
 use heapprof_daemon::pprof::proto::Profile;
+
+/// What the test needs of the environment.
+const NEEDS: &str = "the x86-64 VM test needs the static x86-64 build and Debian's amd64 kernels";
 
 /// The timerfds deferred_frees makes and closes.
 const TIMERFDS: i64 = 2000;
@@ -97,21 +102,6 @@ done
 echo "==DONE"
 poweroff -f
 "#;
-
-fn env_path(name: &str) -> PathBuf {
-    match std::env::var_os(name) {
-        Some(path) => PathBuf::from(path),
-        None => panic!(
-            "{name} is not set: the x86-64 VM test needs the static x86-64 build and Debian's \
-             amd64 kernels; run it through `cargo xtask test` or `cargo xtask vm-test`"
-        ),
-    }
-}
-
-fn copy(from: &Path, to: &Path) {
-    std::fs::copy(from, to)
-        .unwrap_or_else(|e| panic!("copying {} to {}: {e}", from.display(), to.display()));
-}
 
 /// The kernels of the assets, by release (`uname -r`), oldest first.
 fn kernels(assets: &Path) -> Vec<(String, PathBuf)> {
@@ -190,77 +180,22 @@ fn initramfs(dir: &Path, root: &Path, kernel: &Path, release: &str) -> PathBuf {
 
 /// Boots `kernel` with `initramfs` and returns its console output.
 fn boot(kernel: &Path, initramfs: &Path) -> String {
-    let mut child = Command::new("qemu-system-x86_64")
-        // KVM is not used: TCG runs Debian's kernels everywhere, CI's machines included.
-        .args(["-accel", "tcg", "-cpu", "max", "-m", "2048", "-smp", "2"])
-        .args(["-nographic", "-no-reboot", "-nic", "none"])
-        .arg("-kernel")
-        .arg(kernel)
-        .arg("-initrd")
-        .arg(initramfs)
-        .args(["-append", "console=ttyS0 rdinit=/init panic=-1 quiet"])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting qemu-system-x86_64 (install qemu-system-x86: cargo xtask setup)");
-    let stdout = child.stdout.take().expect("stdout");
-    let lines = forward_lines(stdout);
-    let mut console = Vec::new();
     // The VM's own watchdog powers it off at 240 s; this bound only covers a VM that
     // does not boot at all.
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match lines.recv_timeout(left) {
-            Ok(line) => console.push(line),
-            Err(_) => break,
-        }
-    }
-    let _ = child.kill();
-    let status = child.wait().expect("waiting for qemu");
-    let console = console.join("\n");
-    assert!(
-        console.contains("==DONE"),
-        "the VM did not finish (qemu {status}); its console:\n{console}"
-    );
-    console
-}
-
-/// Profiles printed by the VM, by path, decoded and validated.
-fn profiles_from(console: &str, dir: &Path, release: &str) -> BTreeMap<String, Profile> {
-    let mut profiles = BTreeMap::new();
-    let mut current: Option<(String, String)> = None;
-    for line in console.lines() {
-        let line = line.trim_end_matches('\r');
-        if let Some(path) = line.strip_prefix("==FILE ") {
-            current = Some((path.to_owned(), String::new()));
-        } else if line == "==END" {
-            let (path, text) = current.take().expect("==END without ==FILE");
-            let bytes = base64::engine::general_purpose::STANDARD
-                .decode(text.as_bytes())
-                .unwrap_or_else(|e| panic!("{path}: bad base64 from the VM: {e}"));
-            let local = dir.join(format!(
-                "{release}{}",
-                path.trim_start_matches('/').replace('/', "_")
-            ));
-            std::fs::write(&local, bytes).expect("writing a profile");
-            profiles.insert(path, decode(&local));
-        } else if let Some((_, text)) = current.as_mut() {
-            text.push_str(line.trim());
-        }
-    }
-    profiles
-}
-
-/// The last profile of one scenario.
-fn last<'a>(profiles: &'a BTreeMap<String, Profile>, scenario: &str) -> &'a Profile {
-    let prefix = format!("/tmp/out/{scenario}/");
-    profiles
-        .iter()
-        .rfind(|(path, _)| path.starts_with(&prefix))
-        .map(|(_, p)| p)
-        .unwrap_or_else(|| panic!("no profile of {scenario}"))
+    let bound = Duration::from_secs(300);
+    run_to_end(
+        Command::new("qemu-system-x86_64")
+            // KVM is not used: TCG runs Debian's kernels everywhere, CI's machines included.
+            .args(["-accel", "tcg", "-cpu", "max", "-m", "2048", "-smp", "2"])
+            .args(["-nographic", "-no-reboot", "-nic", "none"])
+            .arg("-kernel")
+            .arg(kernel)
+            .arg("-initrd")
+            .arg(initramfs)
+            .args(["-append", "console=ttyS0 rdinit=/init panic=-1 quiet"]),
+        "qemu-system-x86",
+        bound,
+    )
 }
 
 /// The objects each fentry program freed, from the profile's comment
@@ -519,8 +454,8 @@ fn check_module(profile: &Profile, release: &str) -> usize {
 
 #[test]
 fn x86_vm_kernel_mode_on_debian_kernels() {
-    let heapprofd = env_path("HEAPPROFD_X86_64_BINARY");
-    let assets = env_path("HEAPPROFD_X86_VM_ASSETS");
+    let heapprofd = env_path("HEAPPROFD_X86_64_BINARY", NEEDS);
+    let assets = env_path("HEAPPROFD_X86_VM_ASSETS", NEEDS);
     let kernels = kernels(&assets);
     let versions: Vec<(u32, u32)> = kernels.iter().map(|(r, _)| version(r)).collect();
     assert_eq!(

@@ -77,7 +77,7 @@ pub fn first_gap(reason: GapReason, pc: u64, tgid: u32) {
 }
 
 /// Writes the line of a first drop: numbers only, which the daemon words from
-/// [`DropReason`]'s own texts (heapprof-daemon/src/probes/bpf_log.rs reads this
+/// [`DropReason`]'s own texts (heapprof-daemon/src/health/bpf_log.rs reads this
 /// format). Global (public, unmangled): verified once, on its own, and not inlined
 /// into the programs that count drops.
 #[unsafe(no_mangle)]

@@ -149,10 +149,6 @@ pub static STALE_FREES: LruHashMap<LiveKey, u32> = LruHashMap::with_max_entries(
 #[map(name = "STALE_PENDING")]
 pub static STALE_PENDING: Array<u64> = Array::with_max_entries(1, 0);
 
-/// Per-CPU room for a stack walk's state (see `unwind::Walk`).
-#[map(name = "WALK_SCRATCH")]
-pub static WALK_SCRATCH: PerCpuArray<crate::unwind::Walk> = PerCpuArray::with_max_entries(1, 0);
-
 /// The answers to preload reports, one slot per thread, mapped by the launched
 /// processes (see `heapprof_common::preload::REPLY_SLOTS`).
 #[map(name = "REPLIES")]

@@ -11,7 +11,11 @@
 
 use core::ffi::c_void;
 
-use aya_ebpf::helpers::{bpf_ktime_get_ns, bpf_loop, bpf_probe_read_user, bpf_probe_read_user_buf};
+use aya_ebpf::{
+    helpers::{bpf_ktime_get_ns, bpf_loop, bpf_probe_read_user, bpf_probe_read_user_buf},
+    macros::map,
+    maps::PerCpuArray,
+};
 use heapprof_common::{
     DropReason, MAX_STACK_DEPTH, MAX_STACK_SPAN, UserStack,
     unwind::{
@@ -26,7 +30,7 @@ use heapprof_common::preload::{REPLY_READS, StackReply};
 use crate::maps::{
     MAPPINGS_REQUESTED, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, REPLY_SCRATCH, RULE_CACHE,
     STACK_REACH, STACK_SCRATCH, STACK_WINDOW, STACK_WINDOW_BYTES, STACK_WINDOW_WORDS, UNWIND_GAPS,
-    UNWIND_OBJECTS, UNWIND_ROWS, UNWIND_RULES, WALK_SCRATCH, count_drop, count_only,
+    UNWIND_OBJECTS, UNWIND_ROWS, UNWIND_RULES, count_drop, count_only,
 };
 
 /// Multiplier of the stack hash (2^64 / golden ratio).
@@ -571,7 +575,7 @@ pub fn request_mappings(tgid: u32, reason: RequestReason) {
 /// callers' frames and the callbacks' share): plain scalars, so a frame needs no map
 /// lookup for the process's mappings unless a rule is not in the cache.
 #[repr(C)]
-pub struct Walk {
+struct Walk {
     frame: Frame,
     hash: u64,
     tgid: u32,
@@ -593,6 +597,11 @@ pub struct Walk {
     /// Where the frame pointer came from (see [`FP_FROM_CALLER`]).
     fp_source: u64,
 }
+
+/// Per-CPU room for a stack walk's state: declared beside [`Walk`], which only this
+/// module reads and writes, so the maps module need not know the walk's layout.
+#[map(name = "WALK_SCRATCH")]
+static WALK_SCRATCH: PerCpuArray<Walk> = PerCpuArray::with_max_entries(1, 0);
 
 /// `bpf_loop`'s callback: one frame (see [`heapprof_unwind_frame`]).
 extern "C" fn walk_one(_index: u64, _context: *mut c_void) -> i64 {

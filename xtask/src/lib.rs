@@ -169,11 +169,28 @@ pub fn demo(heapprofd: &Path) -> Result<()> {
         .collect();
     written.sort();
     let last = written.last().context("heapprofd wrote no profile")?;
+    // heapprofd itself reads its profiles back, so the first suggestions need nothing
+    // the demo did not install; go comes last, for those who have it. The profiles are
+    // root's (0600), as heapprofd ran through sudo when the user is not root.
+    let heapprofd = if is_root() {
+        heapprofd.display().to_string()
+    } else {
+        format!("sudo {}", heapprofd.display())
+    };
+    let page = out.join("report.html");
     println!();
     println!("Profile: {}", last.display());
-    println!("Open it with:  go tool pprof -http=: {}", last.display());
     println!(
-        "Or in text:    go tool pprof -top -sample_index=inuse_space {}",
+        "One page of it all, in a browser:  {heapprofd} report {} --html {}",
+        profiles.display(),
+        page.display()
+    );
+    println!(
+        "Its top sites again:               {heapprofd} report {}",
+        last.display()
+    );
+    println!(
+        "With Go installed:                 go tool pprof -http=: {}",
         last.display()
     );
     Ok(())

@@ -14,7 +14,7 @@ use std::{collections::HashMap, sync::LazyLock};
 
 use heapprof_common::{ProbeRole, ProbeSpec};
 
-use crate::probes::placement::{Needs, ValueRegisters};
+use crate::placement::{Needs, ValueRegisters};
 
 /// Where a function's size comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -31,8 +31,9 @@ use super::{
     spec::CustomFunction,
 };
 use crate::{
+    placement::PlacementMode,
     preload::PreloadLibrary,
-    probes::{AttachMethod, placement::PlacementMode, uprobe},
+    probes::{AttachMethod, uprobe},
     procmaps::ObjectFile,
 };
 

@@ -15,7 +15,7 @@ use super::{
 use crate::{
     arch::Arch,
     mapped_file::MappedFile,
-    probes::placement::{self, Placement, PlacementMode},
+    placement::{self, Placement, PlacementMode},
 };
 
 /// One allocator function of an object.

@@ -15,12 +15,13 @@ use super::AnySession;
 use crate::{
     allocators::{AllocatorProbes, ProbeSettings, spec::CustomFunction},
     cli::{Cli, Target},
+    health::{self, bpf_log::BpfLog},
     inject,
     launch::{self, PausedChild},
     metrics::{self, TableFigure, server::Endpoint},
     pprof, preflight,
     preload::PreloadLibrary,
-    probes::{self, bpf_log::BpfLog},
+    probes,
     procmaps::ObjectCache,
     session::{
         UserSession, UserSessionConfig,
@@ -217,8 +218,8 @@ fn start_user(
              which trap into the kernel at every call"
         );
     }
-    let map_memory = probes::map_memory::tables();
-    log::info!("{}", probes::map_memory::describe(&map_memory));
+    let map_memory = health::map_memory::tables();
+    log::info!("{}", health::map_memory::describe(&map_memory));
     if let Some(endpoint) = endpoint {
         session.export_metrics(serve_metrics(cli, target, endpoint, &map_memory));
     }
@@ -464,7 +465,7 @@ fn serve_metrics(
     cli: &Cli,
     target: &Target,
     endpoint: Endpoint,
-    map_memory: &[probes::map_memory::TableMemory],
+    map_memory: &[health::map_memory::TableMemory],
 ) -> metrics::Exporter {
     let table = |table, value: u32| TableFigure {
         table,
@@ -575,8 +576,8 @@ fn start_kernel(
     if let Some(pid) = pid {
         session.trace_process(pid)?;
     }
-    let map_memory = probes::map_memory::tables();
-    log::info!("{}", probes::map_memory::describe(&map_memory));
+    let map_memory = health::map_memory::tables();
+    log::info!("{}", health::map_memory::describe(&map_memory));
     if let Some(endpoint) = endpoint {
         session.export_metrics(serve_metrics(cli, target, endpoint, &map_memory));
     }

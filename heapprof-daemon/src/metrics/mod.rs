@@ -23,7 +23,7 @@ use prometheus_client::{
 };
 
 use self::{families::SnapshotCollector, select::Selection};
-use crate::probes::stats::ProgramStats;
+use crate::health::stats::ProgramStats;
 
 /// Prefix of every metric name.
 const PREFIX: &str = "heapprofd";
@@ -107,7 +107,7 @@ pub struct Settings {
     /// Capacity of each table (`--max-*` flags).
     pub capacities: Vec<TableFigure>,
     /// Kernel memory of each table's BPF maps, in bytes (see
-    /// `probes::map_memory`), most of it allocated at start for the capacities.
+    /// `health::map_memory`), most of it allocated at start for the capacities.
     pub kernel_memory: Vec<TableFigure>,
 }
 

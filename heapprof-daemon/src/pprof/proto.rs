@@ -1,6 +1,9 @@
 //! The messages of pprof's `profile.proto`, written out with prost derives.
 
-#![allow(missing_docs)] // Field meanings are those of profile.proto.
+#![allow(
+    missing_docs,
+    reason = "the fields mean what profile.proto says they mean"
+)]
 
 /// `perftools.profiles.Profile`.
 #[derive(Clone, PartialEq, prost::Message)]

@@ -1,12 +1,8 @@
 //! Loading the BPF programs and attaching them to the allocator functions.
 
-pub mod bpf_log;
 pub mod kernel;
 pub mod ldso_hook;
 pub mod libc;
-pub mod map_memory;
-pub mod placement;
-pub mod stats;
 
 use std::num::NonZeroU32;
 

@@ -3,7 +3,7 @@
 use std::{
     collections::HashMap,
     path::PathBuf,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{Context as _, Result};
@@ -12,20 +12,20 @@ use heapprof_common::kernel::{
     DeferredFreePath, KernelAllocKind, KernelEvent, allocator_frames_regex,
 };
 
-use super::{DropLog, Drops, comment_drops, program_figures};
+use super::{
+    DropLog, Drops, DumpTimes, ProfileToWrite, column_totals, comment_drops, program_figures,
+    write_profile,
+};
 use crate::{
     aggregate::kernel::{KernelMaps, KernelSite},
     cli::Target,
+    health::stats::{self, RunTimeStats},
     metrics::{Exporter, ProcessFigures, Snapshot, TableFigure},
     pprof::{
         LabelValue, MappingKey, ProfileBuilder,
         builder::{AddressSpace, KERNEL_SAMPLE_TYPES},
-        writer,
     },
-    probes::{
-        kernel::DeferredFrees,
-        stats::{self, RunTimeStats},
-    },
+    probes::kernel::DeferredFrees,
     symbolize::{
         Frame,
         kallsyms::{KERNEL_MODULE, KernelSymbols},
@@ -282,44 +282,42 @@ impl KernelSession {
         let profile = self.build_profile(&sites, &drops, &deferred, skipped.as_deref())?;
         let built = started.elapsed();
         self.sequence += 1;
-        let name = writer::profile_file_name(SystemTime::now(), self.sequence);
-        let result = writer::write_compressed(&self.config.output, &name, &profile);
-        let written = started.elapsed();
-        // Published even when the write failed (a full disk): monitoring goes on.
-        if self.metrics.is_some() {
-            let snapshot = self.metrics_snapshot(&sites, &drops);
-            if let Some(exporter) = &mut self.metrics {
-                exporter.publish(snapshot, result.is_ok().then_some(written));
-            }
-        }
-        let path = result?;
-        let mut totals = [0u64; 6];
-        for site in &sites {
-            for (total, value) in totals
-                .iter_mut()
-                .zip(site.scaled_values(self.config.sample_rate))
-            {
-                *total += value;
-            }
-        }
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        log::info!(
-            "wrote {}: {} kernel sites, {} objects / {} bytes allocated ({} requested), \
-             {} objects / {} bytes in use ({} requested); {:.1} ms (read+symbolize {:.1}, \
-             build+compress {:.1}, write {:.1})",
-            path.display(),
-            sites.len(),
-            totals[0],
-            totals[1],
-            totals[4],
-            totals[2],
-            totals[3],
-            totals[5],
-            ms(written),
-            ms(read),
-            ms(built - read),
-            ms(written - built),
+        // Lent out for the write: the snapshot reads the rest of the session.
+        let mut metrics = self.metrics.take();
+        let result = write_profile(
+            ProfileToWrite {
+                output: &self.config.output,
+                sequence: self.sequence,
+                profile: &profile,
+            },
+            DumpTimes {
+                started,
+                read,
+                built,
+            },
+            metrics.as_mut(),
+            || self.metrics_snapshot(&sites, &drops),
+            || {
+                let totals: [u64; 6] = column_totals(
+                    sites
+                        .iter()
+                        .map(|site| site.scaled_values(self.config.sample_rate)),
+                );
+                format!(
+                    "{} kernel sites, {} objects / {} bytes allocated ({} requested), \
+                     {} objects / {} bytes in use ({} requested)",
+                    sites.len(),
+                    totals[0],
+                    totals[1],
+                    totals[4],
+                    totals[2],
+                    totals[3],
+                    totals[5],
+                )
+            },
         );
+        self.metrics = metrics;
+        let path = result?;
         if let Some(freed) = self.describe_deferred_frees(&deferred) {
             log::info!("deferred and bulk frees seen: {freed}");
         }

@@ -447,7 +447,10 @@ fn entry_at(data: &[u8], offset: usize, eh_frame: bool) -> Option<Entry> {
 
 /// Evaluates one FDE and adds its rows to `builder`, if it covers code. `rows` is a
 /// buffer reused across FDEs.
-#[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the walk over one section's FDEs hands its state through; a struct of it would be built per call"
+)]
 fn add_fde<'a, S: UnwindSection<Slice<'a>>>(
     arch: Arch,
     sections: &CfiSections<'_>,

@@ -1,21 +1,45 @@
 //! Helpers shared by the integration tests: building the C test programs,
 //! running heapprofd, decoding and checking its profiles.
-#![allow(dead_code)] // Each test binary uses a different subset.
+#![allow(dead_code, reason = "each test binary uses a different subset")]
 
 pub mod counted;
 pub mod dhat;
+pub mod vm;
 
 use std::{
     collections::HashMap,
     io::{BufRead as _, BufReader, Read as _},
+    net::TcpListener,
     path::{Path, PathBuf},
     process::{Child, Command, Output, Stdio},
-    sync::mpsc,
+    sync::{Mutex, MutexGuard, PoisonError, mpsc},
     time::Duration,
 };
 
 use heapprof_daemon::pprof::{builder::validate, proto::Profile};
 use prost::Message as _;
+
+/// Holds the tests of one binary that take it to one at a time (each test binary
+/// has its own): for tests that want the machine, or their log checks, to
+/// themselves; each file says why. A test that panicked leaves it usable.
+pub fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// True when `cargo xtask stress` asks for the full scale (`HEAPPROFD_LOAD=full`),
+/// not the suite's few rounds.
+pub fn full_scale() -> bool {
+    std::env::var("HEAPPROFD_LOAD").is_ok_and(|v| v == "full")
+}
+
+/// A TCP port on 127.0.0.1 that nothing listened on a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
 
 /// The BPF tests need root (or CAP_BPF+CAP_PERFMON). They never skip: without it they fail.
 pub fn require_root() {

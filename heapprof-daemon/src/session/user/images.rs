@@ -14,7 +14,7 @@ use crate::{
     aggregate::{Maps, Site},
     cli::Target,
     pprof::builder::AddressSpace,
-    procmaps::{ObjectCache, ObjectFile, ProcessMaps, process_name},
+    procmaps::{ObjectCache, ObjectFile, ProcessMaps, process_name, started_as},
     unwind::table_upload::TableUploader,
 };
 
@@ -72,10 +72,25 @@ pub(super) struct ProcessInfo {
     pub maps: ProcessMaps,
     pub comm: String,
     pub exe: Option<String>,
+    /// The path the executable was started as, where a link gave `exe` another name
+    /// (see `procmaps::started_as`).
+    pub started_as: Option<String>,
     /// Its cgroup (and container), for the samples' labels.
     pub cgroup: Option<crate::cgroup::Cgroup>,
     /// The process is alive and this is still its image: its mappings can be re-read.
     pub current: bool,
+}
+
+impl ProcessInfo {
+    /// The path `object` is shown under: the one the process was started as for its
+    /// executable (what the user ran, not the file a link points to), else the path
+    /// in its maps file.
+    pub fn path_of<'a>(&'a self, object: &'a ObjectFile) -> &'a str {
+        match &self.started_as {
+            Some(started_as) if self.exe.as_ref() == Some(&object.path) => started_as,
+            _ => &object.path,
+        }
+    }
 }
 
 /// After an exec, the new image's mappings are read at these delays: at once (the
@@ -127,21 +142,19 @@ impl Images {
     /// Where address `pc` of `image` is, for people: `object+0xOFFSET` (the file
     /// offset, which means the same in every run), or the bare address.
     pub fn place(&self, image: Image, pc: u64) -> String {
-        match self
+        let known = self
             .processes
             .get(&image)
-            .and_then(|info| info.maps.find(pc))
-        {
-            Some(region) => format!(
-                "{}+{:#x}",
-                region
-                    .object
-                    .path
-                    .rsplit('/')
-                    .next()
-                    .unwrap_or(&region.object.path),
-                region.file_offset(pc)
-            ),
+            .and_then(|info| Some((info, info.maps.find(pc)?)));
+        match known {
+            Some((info, region)) => {
+                let path = info.path_of(&region.object);
+                format!(
+                    "{}+{:#x}",
+                    path.rsplit('/').next().unwrap_or(path),
+                    region.file_offset(pc)
+                )
+            }
             None => format!("{pc:#x} (pid {}, outside its known mappings)", image.pid),
         }
     }
@@ -195,6 +208,7 @@ impl Images {
             let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
                 .ok()
                 .map(|p| p.display().to_string());
+            let started_as = exe.as_deref().and_then(|exe| started_as(pid, exe, &comm));
             let after = maps.exec_generation(pid);
             if before != after {
                 continue;
@@ -217,6 +231,7 @@ impl Images {
                     info.maps = read;
                     info.comm = comm;
                     info.exe = exe;
+                    info.started_as = started_as;
                     // A process that exited meanwhile keeps what was read before.
                     if cgroup.is_some() {
                         info.cgroup = cgroup;

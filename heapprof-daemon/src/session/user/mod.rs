@@ -32,14 +32,13 @@ use self::{
     images::{Image, Images, SpaceNumbers},
     memory::MemoryRecords,
 };
-use super::DropLog;
+use super::{DropLog, DumpTimes, ProfileToWrite, column_totals, write_profile};
 use crate::{
     aggregate::{Maps, Site, stacks::NodeMarks},
     allocators::{AllocatorProbes, ProcessView},
     cli::Target,
+    health::stats::{self, RunTimeStats, StackLookups},
     metrics::Exporter,
-    pprof::writer,
-    probes::stats::{self, RunTimeStats, StackLookups},
     symbolize::Symbolizer,
     unwind::table_upload::{TableCapacities, TableUploader, TableUsage},
 };
@@ -540,38 +539,39 @@ impl UserSession {
         let profile = self.build_profile(&sites, &drops, &gaps)?;
         let built = started.elapsed();
         self.sequence += 1;
-        let name = writer::profile_file_name(SystemTime::now(), self.sequence);
-        let result = writer::write_compressed(&self.config.output, &name, &profile);
-        let written = started.elapsed();
-        // Published even when the write failed (a full disk): monitoring goes on.
-        if self.metrics.is_some() {
-            let snapshot = self.metrics_snapshot(&sites, &drops);
-            if let Some(exporter) = &mut self.metrics {
-                exporter.publish(snapshot, result.is_ok().then_some(written));
-            }
-        }
-        let path = result?;
-        let mut totals = [0u64; 4];
-        for site in &sites {
-            for (total, value) in totals.iter_mut().zip(site.values(self.config.sample_rate)) {
-                *total += value;
-            }
-        }
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        log::info!(
-            "wrote {}: {} sites, {} blocks / {} bytes allocated, {} blocks / {} bytes in use; \
-             {:.1} ms (read+symbolize {:.1}, build+compress {:.1}, write {:.1})",
-            path.display(),
-            sites.len(),
-            totals[0],
-            totals[1],
-            totals[2],
-            totals[3],
-            ms(written),
-            ms(read),
-            ms(built - read),
-            ms(written - built),
+        // Lent out for the write: the snapshot reads the rest of the session.
+        let mut metrics = self.metrics.take();
+        let result = write_profile(
+            ProfileToWrite {
+                output: &self.config.output,
+                sequence: self.sequence,
+                profile: &profile,
+            },
+            DumpTimes {
+                started,
+                read,
+                built,
+            },
+            metrics.as_mut(),
+            || self.metrics_snapshot(&sites, &drops),
+            || {
+                let totals: [u64; 4] = column_totals(
+                    sites
+                        .iter()
+                        .map(|site| site.values(self.config.sample_rate)),
+                );
+                format!(
+                    "{} sites, {} blocks / {} bytes allocated, {} blocks / {} bytes in use",
+                    sites.len(),
+                    totals[0],
+                    totals[1],
+                    totals[2],
+                    totals[3],
+                )
+            },
         );
+        self.metrics = metrics;
+        let path = result?;
         if let Some(stats) = &self.run_time_stats
             && self.config.bpf_stats
         {

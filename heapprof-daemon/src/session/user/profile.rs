@@ -107,7 +107,7 @@ impl UserSession {
                 Some(info) => {
                     for region in &info.maps.regions {
                         if Some(&region.object.path) == info.exe.as_ref() {
-                            add_mapping(&mut builder, *image, region);
+                            add_mapping(&mut builder, *image, info, region);
                         }
                     }
                 }
@@ -160,7 +160,7 @@ impl UserSession {
                     match info.maps.find(addr) {
                         Some(region) => {
                             let symbols = self.symbolizer.frames(region, region.file_offset(addr));
-                            let key = add_mapping(&mut builder, image, region);
+                            let key = add_mapping(&mut builder, image, info, region);
                             builder.location(space, addr, TAG_FRAME, Some(key), &symbols)
                         }
                         None => 0,
@@ -244,7 +244,7 @@ impl UserSession {
         let tag = u16::try_from(slot).map_or(u16::MAX - 1, |slot| slot.saturating_add(1));
         match region {
             Some((region, address)) => {
-                let key = add_mapping(builder, image, region);
+                let key = add_mapping(builder, image, info, region);
                 builder.location(image.space(), address, tag, Some(key), &[frame])
             }
             None => builder.location(image.space(), 0, tag, None, &[frame]),
@@ -252,9 +252,12 @@ impl UserSession {
     }
 }
 
+/// The mapping of `region`, named as the process knows its object (see
+/// [`ProcessInfo::path_of`]).
 fn add_mapping(
     builder: &mut ProfileBuilder,
     image: Image,
+    info: &ProcessInfo,
     region: &crate::procmaps::Region,
 ) -> MappingKey {
     let key = MappingKey {
@@ -266,7 +269,7 @@ fn add_mapping(
         key,
         region.end,
         region.offset,
-        &object.path,
+        info.path_of(object),
         object.build_id.as_deref(),
     );
     key
