@@ -337,6 +337,9 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
                 return 0;
             }
             let bytes = config_u64(&KERNEL_CONFIG.page_size) << order;
+            if !sampled_at(bytes, config_u64(&KERNEL_CONFIG.sample_rate)) {
+                return 0;
+            }
             (
                 KernelSpace::Pages,
                 KernelAllocKind::Pages,
@@ -351,6 +354,12 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
                 return 0; // failed allocation
             }
             let bytes = head_field(ctx, head, layout.bytes_alloc).unwrap_or(0);
+            // Sampling is decided before anything else is read (the cache's name), and
+            // before the stack is taken: a skipped allocation costs the draw only, and
+            // its free finds nothing in KERNEL_LIVE.
+            if !sampled_at(bytes, config_u64(&KERNEL_CONFIG.sample_rate)) {
+                return 0;
+            }
             let requested = head_field(ctx, head, layout.bytes_req).unwrap_or(bytes);
             let call_site = head_field(ctx, head, layout.call_site).unwrap_or(0);
             let class = match kind {
@@ -364,11 +373,6 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         }
         None => return 0,
     };
-    // Sampling is decided before the stack is taken: a skipped allocation costs the
-    // draw only, and its free finds nothing in KERNEL_LIVE.
-    if !sampled_at(bytes, config_u64(&KERNEL_CONFIG.sample_rate)) {
-        return 0;
-    }
     let (stack_hash, stack) = take_stack(ctx);
     let site = KernelSiteKey {
         tgid,
