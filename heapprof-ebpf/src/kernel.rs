@@ -15,7 +15,7 @@ use aya_ebpf::{
         generated::{bpf_get_func_arg, bpf_get_stack},
     },
     macros::{fentry, kprobe, map, raw_tracepoint, tracepoint},
-    maps::{HashMap, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap},
     programs::{FEntryContext, ProbeContext, RawTracePointContext, TracePointContext},
 };
 use heapprof_common::{
@@ -27,7 +27,7 @@ use heapprof_common::{
     },
 };
 
-use crate::{maps::count_kernel_drop, sampling::sampled_at};
+use crate::{atomic::add_32, maps::count_kernel_drop, sampling::sampled_at};
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 #[map(name = "KERNEL_SITES")]
@@ -54,6 +54,14 @@ static CACHE_NAMES: HashMap<u64, [u8; CACHE_NAME_LEN]> =
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
 #[map(name = "COMMS")]
 static COMMS: HashMap<u32, [u8; 16]> = HashMap::with_max_entries(65536, 0);
+/// Sampling only: how many entries of `KERNEL_LIVE` each slot's addresses have (see
+/// [`filter_slot`]). A free whose slot holds 0 has nothing to release and skips the
+/// table's lookup, which most frees then are: only sampled objects are tracked.
+#[map(name = "KERNEL_LIVE_FILTER")]
+static KERNEL_LIVE_FILTER: Array<u32> = Array::with_max_entries(LIVE_FILTER_SLOTS, 0);
+/// Slots of [`KERNEL_LIVE_FILTER`] (256 KiB).
+const LIVE_FILTER_SLOTS: u32 = 1 << 16;
+
 /// Objects each fentry program freed for the profile, by [`DeferredFreePath`].
 #[map(name = "KERNEL_DEFERRED_FREES")]
 static KERNEL_DEFERRED_FREES: PerCpuArray<u64> =
@@ -290,11 +298,37 @@ fn add_to_site(
     }
 }
 
+/// The slot of [`KERNEL_LIVE_FILTER`] that counts `key`'s entry, when sampling.
+#[inline(always)]
+fn filter_slot(key: &KernelLiveKey) -> Option<*mut u32> {
+    if config_u64(&KERNEL_CONFIG.sample_rate) == 0 {
+        return None;
+    }
+    let hash = (key.addr ^ u64::from(key.space)).wrapping_mul(HASH_MULTIPLIER);
+    KERNEL_LIVE_FILTER.get_ptr_mut((hash >> 48) as u32 % LIVE_FILTER_SLOTS)
+}
+
+/// Counts an entry added to (`1`) or removed from (`u32::MAX`, minus one) `KERNEL_LIVE`
+/// in its filter slot, when sampling.
+#[inline(always)]
+fn count_in_filter(key: &KernelLiveKey, delta: u32) {
+    if let Some(slot) = filter_slot(key) {
+        // SAFETY: a slot of the array, only changed atomically.
+        unsafe { add_32(slot, delta) };
+    }
+}
+
 /// Credits the free of a tracked object to the site that allocated it; untracked
 /// objects (allocated before tracing, or not counted) are ignored. Returns whether
 /// the object was tracked.
 #[inline(always)]
 fn release(key: &KernelLiveKey) -> bool {
+    if let Some(slot) = filter_slot(key)
+        // SAFETY: a slot of the array; a plain read of a counter changed atomically.
+        && unsafe { core::ptr::read_volatile(slot) } == 0
+    {
+        return false;
+    }
     // SAFETY: the value is copied out before the entry is removed.
     let Some(block) = (unsafe { KERNEL_LIVE.get(key) }).copied() else {
         return false;
@@ -303,6 +337,7 @@ fn release(key: &KernelLiveKey) -> bool {
         // Another CPU freed it first (a double free would be the kernel's bug): count once.
         return false;
     }
+    count_in_filter(key, u32::MAX);
     let delta = KernelCounters {
         free_objects: 1,
         free_bytes: block.bytes,
@@ -408,7 +443,9 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         let _ = release(&key);
         inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
-    if inserted.is_err() {
+    if inserted.is_ok() {
+        count_in_filter(&key, 1);
+    } else {
         // Its free cannot be matched: released now, so in-use stays what is tracked.
         count_kernel_drop(DropReason::LiveTableFull);
         let released = KernelCounters {
