@@ -19,6 +19,11 @@
 //! - deferred_frees again with `/sys/kernel/btf/vmlinux` hidden (an empty file
 //!   bind-mounted over it): the kprobe programs must free what fentry did.
 //!
+//! In 6.12 alone (the arm64 VM test covers 6.1), user mode too, on the host's C library
+//! copied into the initramfs: tests/programs/family.c launched (the preload library),
+//! its exact totals, and `--pid` on tests/programs/waiter.c, joined in-process, its
+//! exact counts.
+//!
 //! `cargo xtask test` and `cargo xtask vm-test` provide the static binary and the
 //! kernels (HEAPPROFD_X86_64_BINARY, HEAPPROFD_X86_VM_ASSETS). Without them, qemu
 //! or a kernel, the test fails: it never skips.
@@ -60,6 +65,11 @@ const TREE_COPIED_ON_FORK: (u32, u32) = (6, 8);
 /// standard deviations of the sampling error).
 const SAMPLE_RATE: i64 = 4096;
 
+/// The kernel (`uname -r` prefix) whose boot also runs the user-mode scenarios.
+const USER_MODE_KERNEL: &str = "6.12";
+/// Its (major, minor).
+const USER_MODE_VERSION: (u32, u32) = (6, 12);
+
 /// The VM's script: the scenarios, each profile printed as base64, then power off.
 const INIT: &str = r#"#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -88,6 +98,32 @@ echo "==STATUS sampled $?"
 echo "==STATUS release $?"
 /heapprofd --kernel --pages -o $out/brd -- dd if=/dev/urandom of=/dev/ram0 bs=64k count=32 conv=fsync 2>&1
 echo "==STATUS brd $?"
+# User mode, in one kernel (the arm64 VM test covers 6.1): a launched program through
+# the preload library, and --pid on a waiting one.
+case "$(uname -r)" in
+USER_MODE_KERNEL*)
+    /heapprofd -o $out/family -- /t/family 2 100 2>&1
+    echo "==STATUS family $?"
+    rm -f /tmp/fifo && mkfifo /tmp/fifo
+    /t/waiter 1000 48 < /tmp/fifo > /tmp/waiter.out &
+    waiter=$!
+    exec 3> /tmp/fifo
+    # (without fd 3: holding the fifo open would keep the waiter from ever seeing its end)
+    /heapprofd -o $out/pid --interval 200ms --inject auto --pid $waiter > /tmp/pid.log 2>&1 3>&- &
+    heapprofd=$!
+    tries=0
+    until grep -q "probes on" /tmp/pid.log || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
+    echo go >&3
+    tries=0
+    until grep -q done /tmp/waiter.out || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
+    exec 3>&-
+    wait $heapprofd
+    echo "==STATUS pid $?"
+    echo "==PIDLOG"
+    cat /tmp/pid.log
+    echo "==PIDLOG-END"
+    ;;
+esac
 # Without BTF (an empty file over it): the deferred frees through kprobes.
 : > /tmp/empty
 mount --bind /tmp/empty /sys/kernel/btf/vmlinux
@@ -146,8 +182,19 @@ fn root(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
         let binary = compile(dir, name, name, &["-O1", "-static"]);
         copy(&binary, &root.join("t").join(name));
     }
+    // User mode: dynamically linked programs (the preload library needs a loader),
+    // with the host's C library (Debian's, as on the machines the static build runs on).
+    for (source, name, flags) in [
+        ("family", "family", &["-O0", "-pthread"][..]),
+        ("waiter", "waiter", &["-O0"][..]),
+    ] {
+        let binary = compile(dir, source, name, flags);
+        copy_libraries(&binary, &root);
+        copy(&binary, &root.join("t").join(name));
+    }
     let init = root.join("init");
     let script = INIT
+        .replace("USER_MODE_KERNEL", USER_MODE_KERNEL)
         .replace("TIMERFDS", &TIMERFDS.to_string())
         .replace("CHILDREN", &CHILDREN.to_string())
         .replace("SAMPLE_RATE", &SAMPLE_RATE.to_string());
@@ -159,6 +206,28 @@ fn root(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
         .expect("chmod");
     assert!(status.success());
     root
+}
+
+/// Copies the shared libraries `binary` needs (`ldd`), its loader included, into
+/// `root` at their own paths.
+fn copy_libraries(binary: &Path, root: &Path) {
+    let output = Command::new("ldd")
+        .arg(binary)
+        .output()
+        .expect("running ldd");
+    assert!(output.status.success(), "ldd {}", binary.display());
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        let path = match line.split_once("=>") {
+            Some((_, right)) => right.split_whitespace().next(),
+            None => line.split_whitespace().next(),
+        };
+        let Some(path) = path.filter(|p| p.starts_with('/')) else {
+            continue;
+        };
+        let to = root.join(path.trim_start_matches('/'));
+        std::fs::create_dir_all(to.parent().expect("a library's directory")).expect("mkdir");
+        copy(Path::new(path), &to);
+    }
 }
 
 /// The root with `kernel`'s module, packed as a gzipped cpio archive.
@@ -425,6 +494,51 @@ fn check_sampled(exact: &Profile, sampled: &Profile, release: &str) -> (i64, i64
     (exact_total, sampled_total)
 }
 
+/// User mode (in the kernel named by [`USER_MODE_VERSION`]): the launched malloc-family
+/// program's exact totals through the preload library, and `--pid` joining a waiting
+/// program in-process with its exact counts.
+fn check_user_mode(release: &str, console: &str, profiles: &BTreeMap<String, Profile>) {
+    for scenario in ["family", "pid"] {
+        assert!(
+            console.contains(&format!("==STATUS {scenario} 0")),
+            "{release}: user-mode scenario {scenario} failed; console:\n{console}"
+        );
+    }
+    let family = samples(last(profiles, "family"));
+    let (threads, iterations, page) = (2i64, 100i64, 4096i64);
+    let calls = threads * iterations;
+    let bytes_per_thread: i64 = (0..iterations)
+        .map(|i| (16 + i) + 4 * (8 + i) + 32 + (64 + i) + 30 + 100 + 128 + 48 + 200 + page)
+        .sum();
+    let ours = |s: &Sample| s.stack.iter().any(|f| f == "exercise");
+    assert_eq!(
+        totals(&family, ours),
+        [
+            10 * calls,
+            threads * bytes_per_thread,
+            2 * calls,
+            calls * (200 + page)
+        ],
+        "{release}: family totals (allocated objects/bytes, in use objects/bytes)"
+    );
+    let pid_log = console
+        .split_once("==PIDLOG")
+        .and_then(|(_, after)| after.split_once("==PIDLOG-END"))
+        .map(|(log, _)| log)
+        .unwrap_or_default();
+    assert!(
+        pid_log.contains("joined in-process"),
+        "{release}: --pid did not join the waiter in-process:\n{pid_log}"
+    );
+    // work() made 1000 allocations of 48 bytes and freed every other one.
+    let pid = samples(last(profiles, "pid"));
+    assert_eq!(
+        totals(&pid, |s| s.stack.get(1).is_some_and(|f| f == "work")),
+        [1000, 48_000, 500, 24_000],
+        "{release}: --pid on the waiter"
+    );
+}
+
 /// Writes to the RAM disk: page samples whose stacks pass through the brd module,
 /// named as its frames (`brd_*`) and labelled `module=[brd]`; returns how many.
 fn check_module(profile: &Profile, release: &str) -> usize {
@@ -489,6 +603,9 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
             );
         }
         let profiles = profiles_from(&console, dir.path(), release);
+        if version(release) == USER_MODE_VERSION {
+            check_user_mode(release, &console, &profiles);
+        }
         figures.push(check_kernel(release, &console, &profiles));
     }
     for f in &figures {

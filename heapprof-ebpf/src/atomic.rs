@@ -123,3 +123,21 @@ pub unsafe fn fetch_or_32(target: *mut u32, value: u32) -> u32 {
     }
     before as u32
 }
+
+/// Atomically adds `value` to `*target`, fetching nothing: the `XADD` instruction, which
+/// every kernel runs (5.10 included, where the fetching atomics do not exist).
+///
+/// # Safety
+/// `target` is valid, aligned, and only accessed atomically.
+#[inline(always)]
+pub unsafe fn add_32(target: *mut u32, value: u32) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        core::arch::asm!(
+            "lock *(u32 *)({p} + 0) += {v}",
+            p = in(reg) target,
+            v = in(reg) value,
+            options(nostack),
+        );
+    }
+}

@@ -15,7 +15,7 @@ use aya_ebpf::{
         generated::{bpf_get_func_arg, bpf_get_stack},
     },
     macros::{fentry, kprobe, map, raw_tracepoint, tracepoint},
-    maps::{HashMap, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap},
     programs::{FEntryContext, ProbeContext, RawTracePointContext, TracePointContext},
 };
 use heapprof_common::{
@@ -27,7 +27,7 @@ use heapprof_common::{
     },
 };
 
-use crate::{maps::count_kernel_drop, sampling::sampled_at};
+use crate::{atomic::add_32, maps::count_kernel_drop, sampling::sampled_at};
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 #[map(name = "KERNEL_SITES")]
@@ -41,6 +41,11 @@ static KERNEL_STACKS: HashMap<u64, KernelStack> =
     HashMap::with_max_entries(32768, BPF_F_NO_PREALLOC);
 #[map(name = "KERNEL_STACK_SCRATCH")]
 static KERNEL_STACK_SCRATCH: PerCpuArray<KernelStack> = PerCpuArray::with_max_entries(1, 0);
+/// The first [`RECORD_HEAD`] bytes of an allocation event's record, copied with one
+/// helper call: its fields are then read from here, not one helper call each.
+#[map(name = "KERNEL_RECORD_SCRATCH")]
+static KERNEL_RECORD_SCRATCH: PerCpuArray<[u64; RECORD_HEAD / 8]> =
+    PerCpuArray::with_max_entries(1, 0);
 // Written only when a site is new.
 #[map(name = "CACHE_NAMES")]
 static CACHE_NAMES: HashMap<u64, [u8; CACHE_NAME_LEN]> =
@@ -49,6 +54,14 @@ static CACHE_NAMES: HashMap<u64, [u8; CACHE_NAME_LEN]> =
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
 #[map(name = "COMMS")]
 static COMMS: HashMap<u32, [u8; 16]> = HashMap::with_max_entries(65536, 0);
+/// Sampling only: how many entries of `KERNEL_LIVE` each slot's addresses have (see
+/// [`filter_slot`]). A free whose slot holds 0 has nothing to release and skips the
+/// table's lookup, which most frees then are: only sampled objects are tracked.
+#[map(name = "KERNEL_LIVE_FILTER")]
+static KERNEL_LIVE_FILTER: Array<u32> = Array::with_max_entries(LIVE_FILTER_SLOTS, 0);
+/// Slots of [`KERNEL_LIVE_FILTER`] (256 KiB).
+const LIVE_FILTER_SLOTS: u32 = 1 << 16;
+
 /// Objects each fentry program freed for the profile, by [`DeferredFreePath`].
 #[map(name = "KERNEL_DEFERRED_FREES")]
 static KERNEL_DEFERRED_FREES: PerCpuArray<u64> =
@@ -78,6 +91,10 @@ static KERNEL_CONFIG: KernelConfig = KernelConfig {
 };
 
 const EEXIST: i32 = 17;
+/// Bytes of an allocation record copied at once: every field the programs read of the
+/// kmem allocation events lies in them on 5.10 to 6.18 (the largest, 6.18's
+/// `kmem_cache_alloc`, ends its last read field at 48).
+const RECORD_HEAD: usize = 64;
 /// Multiplier of the stack hash (2^64 / golden ratio).
 const HASH_MULTIPLIER: u64 = 0x9e37_79b9_7f4a_7c15;
 
@@ -99,6 +116,46 @@ fn config_u32(field: &u32) -> u32 {
     unsafe { core::ptr::read_volatile(field) }
 }
 
+/// The head of the record, copied into this CPU's scratch slot with one helper call
+/// (`None` if the copy fails: then [`field`] reads each field itself).
+#[inline(always)]
+fn record_head(ctx: &TracePointContext) -> Option<*const u8> {
+    let head = KERNEL_RECORD_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: bpf_probe_read_kernel checks the source; the destination is this CPU's
+    // slot of RECORD_HEAD bytes. The record lives in the tracing buffer, which holds
+    // at least RECORD_HEAD bytes past its start.
+    let copied = unsafe {
+        aya_ebpf::helpers::generated::bpf_probe_read_kernel(
+            head.cast(),
+            RECORD_HEAD as u32,
+            ctx.as_ptr(),
+        )
+    };
+    (copied == 0).then_some(head.cast_const().cast())
+}
+
+/// Reads one field from the copied head of the record, or from the record itself when
+/// there is no copy; `None` when the event lacks the field.
+#[inline(always)]
+fn head_field(ctx: &TracePointContext, head: Option<*const u8>, field: FieldRef) -> Option<u64> {
+    let Some(head) = head else {
+        return self::field(ctx, field);
+    };
+    let offset = field.offset as usize;
+    if offset > RECORD_HEAD - 8 {
+        return self::field(ctx, field);
+    }
+    // SAFETY: `offset + 8 <= RECORD_HEAD` bytes of this CPU's slot; the format file
+    // places fields at their natural alignment.
+    unsafe {
+        match field.size {
+            8 => Some(core::ptr::read(head.add(offset).cast::<u64>())),
+            4 => Some(u64::from(core::ptr::read(head.add(offset).cast::<u32>()))),
+            _ => None,
+        }
+    }
+}
+
 /// Reads one field of the record, `None` when the event lacks it.
 #[inline(always)]
 fn field(ctx: &TracePointContext, field: FieldRef) -> Option<u64> {
@@ -118,10 +175,11 @@ fn field(ctx: &TracePointContext, field: FieldRef) -> Option<u64> {
 #[inline(always)]
 fn read_cache_name(
     ctx: &TracePointContext,
+    head: Option<*const u8>,
     name: FieldRef,
     out: &mut [u8; CACHE_NAME_LEN],
 ) -> bool {
-    let Some(location) = field(ctx, name) else {
+    let Some(location) = head_field(ctx, head, name) else {
         return false;
     };
     let offset = (location & 0xffff) as usize;
@@ -240,11 +298,37 @@ fn add_to_site(
     }
 }
 
+/// The slot of [`KERNEL_LIVE_FILTER`] that counts `key`'s entry, when sampling.
+#[inline(always)]
+fn filter_slot(key: &KernelLiveKey) -> Option<*mut u32> {
+    if config_u64(&KERNEL_CONFIG.sample_rate) == 0 {
+        return None;
+    }
+    let hash = (key.addr ^ u64::from(key.space)).wrapping_mul(HASH_MULTIPLIER);
+    KERNEL_LIVE_FILTER.get_ptr_mut((hash >> 48) as u32 % LIVE_FILTER_SLOTS)
+}
+
+/// Counts an entry added to (`1`) or removed from (`u32::MAX`, minus one) `KERNEL_LIVE`
+/// in its filter slot, when sampling.
+#[inline(always)]
+fn count_in_filter(key: &KernelLiveKey, delta: u32) {
+    if let Some(slot) = filter_slot(key) {
+        // SAFETY: a slot of the array, only changed atomically.
+        unsafe { add_32(slot, delta) };
+    }
+}
+
 /// Credits the free of a tracked object to the site that allocated it; untracked
 /// objects (allocated before tracing, or not counted) are ignored. Returns whether
 /// the object was tracked.
 #[inline(always)]
 fn release(key: &KernelLiveKey) -> bool {
+    if let Some(slot) = filter_slot(key)
+        // SAFETY: a slot of the array; a plain read of a counter changed atomically.
+        && unsafe { core::ptr::read_volatile(slot) } == 0
+    {
+        return false;
+    }
     // SAFETY: the value is copied out before the entry is removed.
     let Some(block) = (unsafe { KERNEL_LIVE.get(key) }).copied() else {
         return false;
@@ -253,6 +337,7 @@ fn release(key: &KernelLiveKey) -> bool {
         // Another CPU freed it first (a double free would be the kernel's bug): count once.
         return false;
     }
+    count_in_filter(key, u32::MAX);
     let delta = KernelCounters {
         free_objects: 1,
         free_bytes: block.bytes,
@@ -270,7 +355,8 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         return 0;
     }
     let layout = layout(event);
-    let Some(addr) = field(ctx, layout.ptr) else {
+    let head = record_head(ctx);
+    let Some(addr) = head_field(ctx, head, layout.ptr) else {
         return 0;
     };
     let mut cache_name = [0u8; CACHE_NAME_LEN];
@@ -281,11 +367,14 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
             if addr == u64::MAX || (layout.ptr.size == 4 && addr == u64::from(u32::MAX)) {
                 return 0;
             }
-            let order = field(ctx, layout.order).unwrap_or(0);
+            let order = head_field(ctx, head, layout.order).unwrap_or(0);
             if order >= 32 {
                 return 0;
             }
             let bytes = config_u64(&KERNEL_CONFIG.page_size) << order;
+            if !sampled_at(bytes, config_u64(&KERNEL_CONFIG.sample_rate)) {
+                return 0;
+            }
             (
                 KernelSpace::Pages,
                 KernelAllocKind::Pages,
@@ -299,12 +388,18 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
             if addr == 0 {
                 return 0; // failed allocation
             }
-            let bytes = field(ctx, layout.bytes_alloc).unwrap_or(0);
-            let requested = field(ctx, layout.bytes_req).unwrap_or(bytes);
-            let call_site = field(ctx, layout.call_site).unwrap_or(0);
+            let bytes = head_field(ctx, head, layout.bytes_alloc).unwrap_or(0);
+            // Sampling is decided before anything else is read (the cache's name), and
+            // before the stack is taken: a skipped allocation costs the draw only, and
+            // its free finds nothing in KERNEL_LIVE.
+            if !sampled_at(bytes, config_u64(&KERNEL_CONFIG.sample_rate)) {
+                return 0;
+            }
+            let requested = head_field(ctx, head, layout.bytes_req).unwrap_or(bytes);
+            let call_site = head_field(ctx, head, layout.call_site).unwrap_or(0);
             let class = match kind {
                 KernelAllocKind::KmemCacheAlloc => {
-                    named = read_cache_name(ctx, layout.name, &mut cache_name);
+                    named = read_cache_name(ctx, head, layout.name, &mut cache_name);
                     if named { name_hash(&cache_name) } else { 0 }
                 }
                 _ => bytes,
@@ -313,11 +408,6 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         }
         None => return 0,
     };
-    // Sampling is decided before the stack is taken: a skipped allocation costs the
-    // draw only, and its free finds nothing in KERNEL_LIVE.
-    if !sampled_at(bytes, config_u64(&KERNEL_CONFIG.sample_rate)) {
-        return 0;
-    }
     let (stack_hash, stack) = take_stack(ctx);
     let site = KernelSiteKey {
         tgid,
@@ -353,7 +443,9 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         let _ = release(&key);
         inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
-    if inserted.is_err() {
+    if inserted.is_ok() {
+        count_in_filter(&key, 1);
+    } else {
         // Its free cannot be matched: released now, so in-use stays what is tracked.
         count_kernel_drop(DropReason::LiveTableFull);
         let released = KernelCounters {

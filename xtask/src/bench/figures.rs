@@ -37,6 +37,7 @@ pub(super) struct DaemonStats {
 pub(super) struct FinalProfile {
     pub(super) path: PathBuf,
     pub(super) allocated_blocks: u64,
+    pub(super) allocated_bytes: u64,
     pub(super) inuse_blocks: u64,
 }
 

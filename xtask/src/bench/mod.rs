@@ -45,6 +45,7 @@ use crate::workspace_root;
 
 mod baselines;
 mod figures;
+mod kernel;
 mod launch;
 mod library;
 mod process;
@@ -489,8 +490,8 @@ impl Bench {
 
 /// Sections of the benchmark besides the workloads, which `--only` can also name
 /// (`none`: no section, the workloads named alone).
-const SECTIONS: [&str; 7] = [
-    "library", "dumps", "shutdown", "load", "redis", "launch", "none",
+const SECTIONS: [&str; 8] = [
+    "library", "dumps", "shutdown", "load", "redis", "launch", "kernel", "none",
 ];
 
 /// Runs the benchmark and writes target/bench/summary.{txt,json}.
@@ -539,6 +540,15 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
             summary.json_goals.push(goal.json(key));
         }
         json.launch = report.json;
+    }
+    if section("kernel") {
+        note_foreign_tracers("kernel", &mut summary.warnings);
+        let report = kernel::section(&bench, options.runs, options.quick, &mut summary.text)?;
+        for (key, goal) in &report.goals {
+            let _ = writeln!(summary.goals_text, "{key} (kernel): {}", goal.describe());
+            summary.json_goals.push(goal.json(key));
+        }
+        json.kernel = report.json;
     }
     let _ = writeln!(
         summary.text,

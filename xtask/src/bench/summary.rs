@@ -112,6 +112,8 @@ pub(super) struct SectionsJson {
     /// By attach method.
     pub(super) shutdown: Map<String, Value>,
     pub(super) redis: Value,
+    /// The kernel section's modes and sampled totals.
+    pub(super) kernel: Value,
     /// The daemon-load section's CPU s, wall s and peak RSS (KiB).
     pub(super) load: (f64, f64, u64),
 }
@@ -124,6 +126,7 @@ impl Default for SectionsJson {
             dumps: Vec::new(),
             shutdown: Map::new(),
             redis: Value::Null,
+            kernel: Value::Null,
             load: (f64::NAN, f64::NAN, 0),
         }
     }
@@ -148,6 +151,7 @@ pub(super) fn write_summary(
         "shutdown": sections.shutdown,
         "redis": sections.redis,
         "launch": sections.launch,
+        "kernel": sections.kernel,
         "daemon_load": {
             "seconds": number(wall),
             "cpu_s": number(cpu),
