@@ -267,11 +267,15 @@ mod tests {
         let file = object::File::parse(LIBRARY).expect("ELF");
         // Bound at load: every C library (glibc 2.34+, musl) exports them.
         let required = [
+            "__errno_location",
             "close",
             "dl_iterate_phdr",
             "dladdr",
             "dlsym",
+            "environ",
+            "fcntl",
             "getenv",
+            "getpid",
             "memset",
             "mmap",
             "mprotect",
@@ -281,6 +285,8 @@ mod tests {
             "pthread_key_create",
             "pthread_setspecific",
             "readlink",
+            "strlen",
+            "syscall",
             "sysconf",
         ];
         // Weak: one C library has the one, another the other.
