@@ -522,7 +522,10 @@ static inline void queue_record(struct thread_state *t, const uint64_t *record, 
     /* The words before the length that covers them (see reported()). */
     __atomic_signal_fence(__ATOMIC_SEQ_CST);
     t->queue.len = at + words;
-    if (unlikely(t->closing))
+    /* Sampled, the few records are reported at once: heapprofd then needs no program
+     * on every context switch and system call of the host to apply queues (the cost
+     * of those is most of what a sampled session adds). */
+    if (unlikely(t->closing) || sample_rate)
         flush(t);
     busy_end(t);
 }

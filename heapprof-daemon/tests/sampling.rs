@@ -3,6 +3,7 @@
 mod common;
 
 use common::*;
+use heapprof_common::names;
 
 /// Totals of the `exercise` sites of family.c, exact and at `rate` bytes per sample.
 fn totals_at(rate: Option<&str>) -> [i64; 4] {
@@ -52,4 +53,63 @@ fn sampled_totals_are_close_to_exact_ones() {
         exact, sampled,
         "sampling at 4 KiB cannot be exact by chance"
     );
+}
+
+/// The programs that ran in a launched run of family.c (4 threads, each waking the
+/// others through futexes), from `--stats-json` with `--bpf-stats`: name to runs.
+fn programs_that_ran(rate: Option<&str>) -> std::collections::BTreeMap<String, u64> {
+    let dir = scratch();
+    let program = compile(dir.path(), "family", "family", &["-O2"]);
+    let out = dir.path().join("profiles");
+    let stats = dir.path().join("stats.json");
+    let mut command = heapprofd(&out);
+    if let Some(rate) = rate {
+        command.args(["--sample-rate", rate]);
+    }
+    run_ok(
+        command
+            .arg("--bpf-stats")
+            .arg("--stats-json")
+            .arg(&stats)
+            .arg("--")
+            .arg(&program)
+            .args(["4", "1500"]),
+    );
+    let text = std::fs::read_to_string(&stats).expect("heapprofd wrote no --stats-json");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
+    json["bpf_run_time"]["programs"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no bpf_run_time.programs in {text}"))
+        .iter()
+        .map(|p| {
+            let name = p["name"].as_str().unwrap_or_default().to_owned();
+            (name, p["runs"].as_u64().unwrap_or_default())
+        })
+        .collect()
+}
+
+/// Sampled, the preload library reports its few records at once, so heapprofd runs no
+/// program on every context switch and system call of the host to apply queued ones;
+/// exact, it must (queued records are applied before a thread sleeps or wakes another).
+#[test]
+fn a_sampled_session_runs_nothing_at_each_context_switch_or_system_call() {
+    require_root();
+    let per_thread = [names::PROG_SWITCH, names::PROG_FUTEX];
+    let exact = programs_that_ran(None);
+    for name in per_thread {
+        assert!(
+            exact.get(name).is_some_and(|runs| *runs > 0),
+            "exact: {name} never ran: {exact:?}"
+        );
+    }
+    let sampled = programs_that_ran(Some("4KiB"));
+    assert!(
+        sampled
+            .get(names::PROG_PRELOAD)
+            .is_some_and(|runs| *runs > 0),
+        "sampled: the library reported nothing: {sampled:?}"
+    );
+    for name in per_thread {
+        assert_eq!(sampled.get(name), None, "sampled: {name} ran: {sampled:?}");
+    }
 }

@@ -125,7 +125,6 @@ fn start_user(
     let loader = find_loader_hook(target, program.as_deref())?;
     let injecting = cli.injects(target);
     let mut preloading = preload.is_some();
-    log_sampling(sample_rate, preloading);
     let mut ebpf = load_user_bpf(cli, pid, child.is_some(), preloading || injecting, tables)?;
     let bpf_log = BpfLog::init(&mut ebpf);
     let method = probes::attach_method(cli.attach, pid);
@@ -169,6 +168,7 @@ fn start_user(
         _ => None,
     };
     preloading |= loaded.is_some();
+    log_sampling(sample_rate, preloading);
     probe_initial_allocators(
         cli,
         target,
@@ -178,7 +178,9 @@ fn start_user(
         &mut allocators,
     )?;
     let process_probes = probes::attach_process_events(&mut ebpf, loader.as_ref(), pid, method)?;
-    if preloading {
+    // Sampled, the library reports each record at once (see `queue_record` in the C
+    // interposer), so no queue waits for a context switch or a futex call.
+    if preloading && sample_rate == 0 {
         probes::attach_thread_switch(&mut ebpf)?;
     }
     probes::arm(&mut ebpf)?;
@@ -375,8 +377,8 @@ fn find_loader_hook(
 fn log_sampling(sample_rate: u64, preloading: bool) {
     if sample_rate != 0 && preloading {
         log::info!(
-            "sampling about one allocation per {sample_rate} bytes, decided in the launched \
-             processes by the preload library: the calls it skips cost no probe"
+            "sampling about one allocation per {sample_rate} bytes, decided in the process \
+             by heapprofd's library: the calls it skips cost no probe"
         );
     } else if sample_rate != 0 {
         log::info!(
