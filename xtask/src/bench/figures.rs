@@ -84,6 +84,24 @@ impl DaemonStats {
     }
 }
 
+/// How a `--pid` mode's passes joined their target (each pass's `joined`: `how` and why
+/// not injected): `injected` or `probes` when all passes agree, `mixed` when not,
+/// `unknown` without a pass; and the first reason a pass gave for not injecting.
+pub(super) fn joined_answer<'a>(
+    joins: impl IntoIterator<Item = &'a Option<(String, Option<String>)>>,
+) -> (&'static str, Option<String>) {
+    let joins: Vec<&(String, Option<String>)> = joins.into_iter().flatten().collect();
+    let how = match joins.as_slice() {
+        [] => "unknown",
+        [(first, _), ..] if joins.iter().any(|(how, _)| how != first) => "mixed",
+        [(how, _), ..] if how == "injected" => "injected",
+        [(how, _), ..] if how == "probes" => "probes",
+        _ => "unknown",
+    };
+    let reason = joins.iter().find_map(|(_, reason)| reason.clone());
+    (how, reason)
+}
+
 impl KernelMemory {
     /// One line, as the start-up log words it: the total, then each table.
     pub(super) fn describe(&self) -> String {

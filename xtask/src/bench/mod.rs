@@ -48,6 +48,7 @@ mod figures;
 mod kernel;
 mod launch;
 mod library;
+mod nginx;
 mod process;
 mod programs;
 mod redis;
@@ -490,8 +491,8 @@ impl Bench {
 
 /// Sections of the benchmark besides the workloads, which `--only` can also name
 /// (`none`: no section, the workloads named alone).
-const SECTIONS: [&str; 8] = [
-    "library", "dumps", "shutdown", "load", "redis", "launch", "kernel", "none",
+const SECTIONS: [&str; 9] = [
+    "library", "dumps", "shutdown", "load", "redis", "nginx", "launch", "kernel", "none",
 ];
 
 /// Runs the benchmark and writes target/bench/summary.{txt,json}.
@@ -577,6 +578,10 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
     if section("redis") {
         note_foreign_tracers("redis", &mut summary.warnings);
         json.redis = redis::section(&bench, options.runs, options.quick, &mut summary.text)?;
+    }
+    if section("nginx") {
+        note_foreign_tracers("nginx", &mut summary.warnings);
+        json.nginx = nginx::section(&bench, options.runs, options.quick, &mut summary.text)?;
     }
     if section("load") {
         note_foreign_tracers("daemon load", &mut summary.warnings);

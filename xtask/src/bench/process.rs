@@ -203,3 +203,18 @@ pub(super) struct Daemon {
     /// Where it writes its figures at exit (`--stats-json`).
     pub(super) stats: PathBuf,
 }
+
+/// CPU seconds (user + system) of process `pid` so far.
+pub(super) fn cpu_seconds(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command name, which may hold spaces: utime and stime are the
+    // 14th and 15th fields, the 12th and 13th after it.
+    let rest = stat.rsplit_once(')').context("malformed stat")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| -> Result<f64> {
+        Ok(fields.get(i).context("short stat")?.parse::<u64>()? as f64)
+    };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok((ticks(11)? + ticks(12)?) / hz)
+}

@@ -112,6 +112,8 @@ pub(super) struct SectionsJson {
     /// By attach method.
     pub(super) shutdown: Map<String, Value>,
     pub(super) redis: Value,
+    /// The nginx section's modes and goal.
+    pub(super) nginx: Value,
     /// The kernel section's modes and sampled totals.
     pub(super) kernel: Value,
     /// The daemon-load section's CPU s, wall s and peak RSS (KiB).
@@ -126,6 +128,7 @@ impl Default for SectionsJson {
             dumps: Vec::new(),
             shutdown: Map::new(),
             redis: Value::Null,
+            nginx: Value::Null,
             kernel: Value::Null,
             load: (f64::NAN, f64::NAN, 0),
         }
@@ -150,6 +153,7 @@ pub(super) fn write_summary(
         "dumps": sections.dumps,
         "shutdown": sections.shutdown,
         "redis": sections.redis,
+        "nginx": sections.nginx,
         "launch": sections.launch,
         "kernel": sections.kernel,
         "daemon_load": {

@@ -31,8 +31,8 @@ use self::server::{PORT, Redis};
 use crate::{
     bench::{
         Bench,
-        figures::DaemonStats,
-        process::interrupt,
+        figures::{DaemonStats, joined_answer},
+        process::{cpu_seconds, interrupt},
         summary::{number, spread},
     },
     step,
@@ -164,21 +164,6 @@ struct Pass {
     /// Launch modes: whether the profile's stacks go through `zmalloc` (`None`: no
     /// profile read).
     through_zmalloc: Option<bool>,
-}
-
-/// CPU seconds (user + system) of process `pid` so far.
-fn cpu_seconds(pid: u32) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name, which may hold spaces: utime and stime are the
-    // 14th and 15th fields, the 12th and 13th after it.
-    let rest = stat.rsplit_once(')').context("malformed stat")?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| -> Result<f64> {
-        Ok(fields.get(i).context("short stat")?.parse::<u64>()? as f64)
-    };
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    Ok((ticks(11)? + ticks(12)?) / hz)
 }
 
 /// Whether a profile's stacks go through redis's `zmalloc` (any frame naming it), from
@@ -383,7 +368,13 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
     let joined: Vec<String> = RedisMode::ALL
         .iter()
         .filter(|mode| mode.flags().is_some())
-        .map(|mode| format!("{} {}", mode.name(), joined_answer(&passes[mode.index()]).0))
+        .map(|mode| {
+            format!(
+                "{} {}",
+                mode.name(),
+                joined_answer(passes[mode.index()].iter().map(|p| &p.joined)).0
+            )
+        })
         .collect();
     let _ = writeln!(text, "how --pid joined redis: {}", joined.join("; "));
     let sampled = median(RedisMode::LaunchSampled, |p| p.requests_per_second) / bare_rps;
@@ -459,7 +450,7 @@ fn mode_row(
     });
     let json = match (json, mode.flags()) {
         (Value::Object(mut object), Some(_)) => {
-            let (how, reason) = joined_answer(passes);
+            let (how, reason) = joined_answer(passes.iter().map(|p| &p.joined));
             object.insert("joined".to_owned(), json!(how));
             object.insert("not_injected_because".to_owned(), json!(reason));
             Value::Object(object)
@@ -505,25 +496,4 @@ fn zmalloc_answer(passes: &[Pass]) -> &'static str {
         a if a.iter().all(|&b| b) => "yes",
         _ => "no",
     }
-}
-
-/// How the passes of a `--pid` mode joined redis: `injected` or `probes` when all
-/// passes agree, `mixed` when not, `unknown` without a pass; and the first reason a
-/// pass gave for not injecting.
-fn joined_answer(passes: &[Pass]) -> (&'static str, Option<String>) {
-    let hows: Vec<&str> = passes
-        .iter()
-        .filter_map(|p| p.joined.as_ref().map(|(how, _)| how.as_str()))
-        .collect();
-    let how = match hows.as_slice() {
-        [] => "unknown",
-        [first, ..] if hows.iter().any(|h| h != first) => "mixed",
-        ["injected", ..] => "injected",
-        ["probes", ..] => "probes",
-        _ => "unknown",
-    };
-    let reason = passes
-        .iter()
-        .find_map(|p| p.joined.as_ref().and_then(|(_, reason)| reason.clone()));
-    (how, reason)
 }
