@@ -349,14 +349,38 @@ pub enum DropReason {
     /// The preload library's queue of a thread's frees could not be read: those frees
     /// are not counted (their blocks stay in use).
     FreeQueueUnreadable = 10,
+    /// A block was still recorded when the allocator handed out its address again:
+    /// its free was not seen (a pointer to `free` saved before a `--pid` join, an
+    /// allocator's own free, a path without probes). It counted as in use until then.
+    /// Counted when the address comes back, less the frees that then arrive late from
+    /// another thread's queue ([`LATE_FREES_SLOT`]).
+    FreeUnseen = 11,
+}
+
+/// The slot of `DROPS` after the reasons: queued frees that arrived after their
+/// address had been allocated again (matched, not lost). The daemon takes them off
+/// [`DropReason::FreeUnseen`], which counted them when the address came back.
+pub const LATE_FREES_SLOT: u32 = DropReason::COUNT;
+
+/// What `STALE_FREES` holds for a block closed because its address was allocated
+/// again while it was still recorded.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StaleFree {
+    /// Late frees of the address expected (each closed block's own).
+    pub count: u32,
+    /// The thread (`pid_tgid`'s low half) whose allocation took the address last. Its
+    /// own queued frees are applied in order, so one of that address from it frees the
+    /// new block: the expected free was never seen.
+    pub replacer: u32,
 }
 
 impl DropReason {
     /// Number of reasons (size of the `DROPS` array).
-    pub const COUNT: u32 = 11;
+    pub const COUNT: u32 = 12;
 
     /// Every reason, indexed by discriminant.
-    pub const ALL: [DropReason; 11] = [
+    pub const ALL: [DropReason; 12] = [
         DropReason::LiveTableFull,
         DropReason::SiteTableFull,
         DropReason::StackTableFull,
@@ -368,6 +392,7 @@ impl DropReason {
         DropReason::StackIncomplete,
         DropReason::UsageTableFull,
         DropReason::FreeQueueUnreadable,
+        DropReason::FreeUnseen,
     ];
 
     /// The BPF table whose filling up causes this drop, in user mode (`kernel`
@@ -403,6 +428,10 @@ impl DropReason {
             }
             DropReason::UsageTableFull => "raise --max-processes",
             DropReason::FreeQueueUnreadable => "the program overwrote heapprofd's preload state",
+            DropReason::FreeUnseen => {
+                "frees through a pointer saved before --pid joined are not seen (--inject off \
+                 probes the allocator itself)"
+            }
         }
     }
 
@@ -421,6 +450,7 @@ impl DropReason {
             DropReason::StackIncomplete => "stack_incomplete",
             DropReason::UsageTableFull => "usage_table_full",
             DropReason::FreeQueueUnreadable => "free_queue_unreadable",
+            DropReason::FreeUnseen => "free_unseen",
         }
     }
 
@@ -449,6 +479,9 @@ impl DropReason {
             }
             DropReason::FreeQueueUnreadable => {
                 "a thread's queued frees unreadable (those blocks stay in use)"
+            }
+            DropReason::FreeUnseen => {
+                "frees not seen (blocks in use until the allocator handed out their address again)"
             }
         }
     }

@@ -200,15 +200,17 @@ fn a_plugin_dlopened_after_the_join_is_redirected_too() {
 }
 
 #[test]
-fn frees_through_a_pointer_saved_before_the_join_are_closed_only_by_reuse() {
+fn frees_through_a_pointer_saved_before_the_join_are_closed_by_reuse_and_counted() {
     // The documented limit of GOT redirection: a pointer to free taken before the
     // join calls the allocator directly, unseen. A block it freed is closed when the
-    // allocator hands its address out again; the last one stays counted in use.
+    // allocator hands its address out again; the last one stays counted in use, and
+    // the profile counts the frees it did not see.
     require_root();
     let _serial = serial();
     let dir = scratch();
     let mut joined = start_joined(dir.path());
-    let (sites, log) = session(&mut joined, &dir.path().join("p"), &[], &["saved 100"]);
+    let out = dir.path().join("p");
+    let (sites, log) = session(&mut joined, &out, &[], &["saved 100", "mixed 50"]);
     assert!(
         joined_line(&log),
         "the process was not joined:\n{}",
@@ -217,6 +219,20 @@ fn frees_through_a_pointer_saved_before_the_join_are_closed_only_by_reuse() {
     assert_eq!(
         sites[&("saved_pointer".to_owned(), "malloc".to_owned())],
         [100, 5600, 1, 56]
+    );
+    // Each round's second block takes the address of the first, whose free was not
+    // seen, and is freed where heapprofd sees it: that free is the second block's,
+    // not the first one's arriving late, so nothing of it stays in use.
+    assert_eq!(
+        sites[&("mixed_pointers".to_owned(), "malloc".to_owned())],
+        [100, 7200, 0, 0]
+    );
+    // 99 saved-pointer frees seen by reuse (the last block is still in use), then 50
+    // (the first mixed block takes the last saved one's address: one more).
+    let unseen = drop_count(&last_profile(&out), "free_unseen");
+    assert!(
+        (149..=150).contains(&unseen),
+        "frees not seen, as the profile counts them: {unseen}"
     );
     joined.finish();
 }

@@ -9,7 +9,7 @@ use aya_ebpf::{
 use heapprof_common::{
     CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, InFlightSlot, LiveKey,
     MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
-    StackKey, UserStack, WalkEpoch,
+    StackKey, StaleFree, UserStack, WalkEpoch,
     live::LiveBucket,
     preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, StackReply},
     unwind::{
@@ -53,7 +53,8 @@ pub static STACKS: HashMap<u64, UserStack> = HashMap::with_max_entries(65536, BP
 #[map(name = "STACK_SCRATCH")]
 pub static STACK_SCRATCH: PerCpuArray<UserStack> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "DROPS")]
-pub static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT, 0);
+/// Indexed by [`DropReason`], then [`heapprof_common::LATE_FREES_SLOT`].
+pub static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT + 1, 0);
 #[map(name = "SAMPLER")]
 pub static SAMPLER: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "EXEC_GEN")]
@@ -144,7 +145,7 @@ pub static REPLY_SCRATCH: PerCpuArray<ReplyScratch> = PerCpuArray::with_max_entr
 /// allocation took the address while its free still waited in a preload queue (see
 /// `sites::release_into`), with how many such frees are to come.
 #[map(name = "STALE_FREES")]
-pub static STALE_FREES: LruHashMap<LiveKey, u32> = LruHashMap::with_max_entries(16384, 0);
+pub static STALE_FREES: LruHashMap<LiveKey, StaleFree> = LruHashMap::with_max_entries(16384, 0);
 /// How many late frees `STALE_FREES` expects in all (0: no queued free looks there).
 #[map(name = "STALE_PENDING")]
 pub static STALE_PENDING: Array<u64> = Array::with_max_entries(1, 0);
@@ -353,6 +354,16 @@ pub fn count_drop(reason: DropReason) {
 pub fn count_kernel_drop(reason: DropReason) {
     count_only(reason);
     crate::log::first_drop(reason, Tables::Kernel);
+}
+
+/// Counts a queued free that arrived after its address was allocated again (see
+/// [`heapprof_common::LATE_FREES_SLOT`]).
+#[inline(always)]
+pub fn count_late_free() {
+    if let Some(slot) = DROPS.get_ptr_mut(heapprof_common::LATE_FREES_SLOT) {
+        // SAFETY: per-CPU slot, no concurrent writer on this CPU.
+        unsafe { *slot += 1 };
+    }
 }
 
 /// Counts a drop without logging it (the caller logs what it knows better).

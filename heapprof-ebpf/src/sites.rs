@@ -1,15 +1,17 @@
 //! Sites (an index per process x stack x function, and per-CPU counters by index)
 //! and the blocks they allocated.
 
-use aya_ebpf::bindings::BPF_NOEXIST;
-use heapprof_common::{DropReason, LiveKey, SiteId, StackKey, UserStack, live::LiveEntry};
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_current_pid_tgid};
+use heapprof_common::{
+    DropReason, LiveKey, SiteId, StackKey, StaleFree, UserStack, live::LiveEntry,
+};
 
 use crate::{
     atomic::fetch_add,
     live::{self, Inserted},
     maps::{
         SITE_COUNTERS, SITE_IDS_FREE, SITE_IDS_NEXT, SITES, STACKS, STALE_FREES, STALE_PENDING,
-        count_drop, max_sites,
+        count_drop, count_late_free, count_only, max_sites,
     },
 };
 
@@ -20,42 +22,65 @@ fn stale_frees_pending() -> bool {
     STALE_PENDING.get(0).is_some_and(|pending| *pending != 0)
 }
 
-/// Notes that a free of `key` waiting in some thread's queue is stale.
+/// The current thread's id (`pid_tgid`'s low half): the thread whose records are
+/// being applied, a probe's or its own queue's.
 #[inline(always)]
-fn expect_stale_free(key: &LiveKey) {
-    match STALE_FREES.get_ptr_mut(key) {
-        // SAFETY: a counter of a map value; a lost update under a race between CPUs
-        // only lets one late free through, as without this map.
-        Some(count) => unsafe { *count += 1 },
-        None => {
-            let _ = STALE_FREES.insert(key, &1, 0);
-        }
-    }
+fn current_thread() -> u32 {
+    bpf_get_current_pid_tgid() as u32
+}
+
+/// Adds `delta` (two's complement to take away) to the late frees expected in all.
+#[inline(always)]
+fn add_pending(delta: u64) {
     if let Some(pending) = STALE_PENDING.get_ptr_mut(0) {
         // SAFETY: a map value, only accessed atomically.
-        unsafe { fetch_add(pending, 1) };
+        unsafe { fetch_add(pending, delta) };
     }
 }
 
-/// Consumes an expected late free of `key`; returns whether there was one.
+/// Notes that a free of `key` waiting in some thread's queue is stale, and that the
+/// current thread's allocation took the address.
 #[inline(always)]
-fn consume_stale_free(key: &LiveKey) -> bool {
-    let Some(count) = STALE_FREES.get_ptr_mut(key) else {
-        return false;
-    };
-    // SAFETY: as in `expect_stale_free`.
-    unsafe {
-        if *count > 1 {
-            *count -= 1;
-        } else {
-            let _ = STALE_FREES.remove(key);
+fn expect_stale_free(key: &LiveKey) {
+    let replacer = current_thread();
+    match STALE_FREES.get_ptr_mut(key) {
+        // SAFETY: fields of a map value; a lost update under a race between CPUs only
+        // lets one late free through, as without this map.
+        Some(stale) => unsafe {
+            (*stale).count += 1;
+            (*stale).replacer = replacer;
+        },
+        None => {
+            let _ = STALE_FREES.insert(key, &StaleFree { count: 1, replacer }, 0);
         }
     }
-    if let Some(pending) = STALE_PENDING.get_ptr_mut(0) {
-        // SAFETY: as in `expect_stale_free`.
-        unsafe { fetch_add(pending, 1u64.wrapping_neg()) };
+    add_pending(1);
+}
+
+/// Consumes an expected late free of `key`; returns whether this free was one. A free
+/// from the thread whose allocation took the address last cannot be: that thread's
+/// earlier frees were applied before its allocation, so this one frees the new block,
+/// and the frees still expected there were never seen (they are forgotten).
+#[inline(always)]
+fn consume_stale_free(key: &LiveKey) -> bool {
+    let Some(stale) = STALE_FREES.get_ptr_mut(key) else {
+        return false;
+    };
+    // SAFETY: fields of a map value, as in `expect_stale_free`.
+    let (count, replacer) = unsafe { ((*stale).count, (*stale).replacer) };
+    let late = replacer != current_thread();
+    if late && count > 1 {
+        // SAFETY: as above.
+        unsafe { (*stale).count = count - 1 };
+    } else {
+        let _ = STALE_FREES.remove(key);
     }
-    true
+    let forgotten = if late { 1 } else { u64::from(count) };
+    add_pending(forgotten.wrapping_neg());
+    if late {
+        count_late_free();
+    }
+    late
 }
 
 const EEXIST: i32 = 17;
@@ -319,6 +344,8 @@ pub fn allocated_at(
             // Still recorded at this address: it was freed by a path we did not see (the
             // allocator reused it), or its free waits in another thread's queue. Closed
             // now, so its site's in-use stays right.
+            // Counted as unseen; a late free from a queue takes it back.
+            count_only(DropReason::FreeUnseen);
             add_to_site(old.site, SiteChange::free(old.size, false), peaks);
             usage.shrink(tgid, old.size);
             if frees == Frees::Queued {

@@ -266,6 +266,14 @@ pub(crate) fn read_drops(
             .context("reading the drop counters")?;
         drops[reason as usize] = per_cpu.iter().sum();
     }
+    // Counted unseen when their address came back, these frees arrived after all.
+    let late: u64 = map
+        .get(&heapprof_common::LATE_FREES_SLOT, 0)
+        .context("reading the late frees' counter")?
+        .iter()
+        .sum();
+    let unseen = &mut drops[DropReason::FreeUnseen as usize];
+    *unseen = unseen.saturating_sub(late);
     Ok(drops)
 }
 

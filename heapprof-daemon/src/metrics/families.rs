@@ -61,21 +61,10 @@ impl prometheus_client::encoding::EncodeLabelValue for ProcessLabel<'_> {
     }
 }
 
-/// The label value of a drop reason, stable across releases (dashboards use it).
+/// The label value of a drop reason, stable across releases (dashboards use it): its
+/// stable name, as profile comments and `--stats-json` give it.
 const fn reason_label(reason: DropReason) -> &'static str {
-    match reason {
-        DropReason::LiveTableFull => "live_table_full",
-        DropReason::SiteTableFull => "site_table_full",
-        DropReason::StackTableFull => "stack_table_full",
-        DropReason::StackTruncated => "stack_truncated",
-        DropReason::InFlightFull => "in_flight_full",
-        DropReason::OutPtrUnreadable => "out_ptr_unreadable",
-        DropReason::FreeQueueUnreadable => "free_queue_unreadable",
-        DropReason::StackUnavailable => "stack_unavailable",
-        DropReason::ExecTableFull => "exec_table_full",
-        DropReason::StackIncomplete => "stack_incomplete",
-        DropReason::UsageTableFull => "usage_table_full",
-    }
+    reason.name()
 }
 
 /// One family: its descriptor (HELP, TYPE, UNIT), then one sample per label set.

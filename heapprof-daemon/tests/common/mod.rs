@@ -252,11 +252,17 @@ pub fn comments(profile: &Profile) -> Vec<&str> {
         .collect()
 }
 
-/// The drop counter of `reason` as the profile's comments give it ("dropped: REASON ... = N").
+/// The drop counter of `reason` as the profile's comments give it ("dropped: TEXT
+/// [NAME] = N"): `reason` is the reason's stable name or the start of its text.
 pub fn drop_count(profile: &Profile, reason: &str) -> i64 {
+    let by_name = format!("[{reason}] = ");
     comments(profile)
         .iter()
-        .find_map(|c| c.strip_prefix("dropped: ")?.strip_prefix(reason))
+        .filter_map(|c| c.strip_prefix("dropped: "))
+        .find_map(|c| {
+            c.strip_prefix(reason)
+                .or_else(|| c.contains(&by_name).then_some(c))
+        })
         .and_then(|rest| rest.rsplit("= ").next()?.parse().ok())
         .unwrap_or_else(|| panic!("no drop counter for {reason:?}: {:?}", comments(profile)))
 }

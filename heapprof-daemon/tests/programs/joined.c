@@ -6,7 +6,9 @@
  *   calloc, realloc, posix_memalign), inside the C library (strdup, fopen/fclose),
  *   and through libjoined_plugin.so, which it dlopens on its first "work";
  * - "saved N": N blocks allocated through the PLT and freed through a pointer to
- *   free taken at start-up, before any heapprofd joined (`saved_free`).
+ *   free taken at start-up, before any heapprofd joined (`saved_free`);
+ * - "mixed N": N rounds of a block freed through that saved pointer, then one at the
+ *   same address (the C library's cache hands it back) freed through the PLT.
  *
  * Each round keeps one 40-byte malloc block ("kept"), so in-use is checkable.
  */
@@ -55,6 +57,16 @@ __attribute__((noinline)) static void saved_pointer(long n)
     }
 }
 
+__attribute__((noinline)) static void mixed_pointers(long n)
+{
+    for (long i = 0; i < n; i++) {
+        void *volatile unseen = malloc(72);
+        saved_free(unseen);
+        void *volatile seen = malloc(72);
+        free(seen);
+    }
+}
+
 int main(int argc, char **argv)
 {
     saved_free = free;
@@ -84,6 +96,9 @@ int main(int argc, char **argv)
             printf("done\n");
         } else if (sscanf(line, "saved %ld", &n) == 1) {
             saved_pointer(n);
+            printf("done\n");
+        } else if (sscanf(line, "mixed %ld", &n) == 1) {
+            mixed_pointers(n);
             printf("done\n");
         } else {
             printf("unknown command\n");
