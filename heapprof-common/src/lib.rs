@@ -731,6 +731,15 @@ pub mod names {
     pub const PROG_FUTEX: &str = "thread_futex";
     /// The tracepoint it attaches to.
     pub const SYSCALL_TRACEPOINT: &str = "sys_enter";
+    /// Tracepoint program on the entry of `futex` alone (`syscalls:sys_enter_futex`,
+    /// kernels with `CONFIG_FTRACE_SYSCALLS`): as [`PROG_FUTEX`], without running a
+    /// program at every other system call of the host. [`PROG_FUTEX`] where it is
+    /// missing.
+    pub const PROG_FUTEX_ENTRY: &str = "futex_entry";
+    /// The tracepoint it attaches to, in [`SYSCALLS_CATEGORY`].
+    pub const FUTEX_TRACEPOINT: &str = "sys_enter_futex";
+    /// The tracepoint category of the system calls' own tracepoints.
+    pub const SYSCALLS_CATEGORY: &str = "syscalls";
     /// The answers to the preload library's allocation reports (a memory-mappable
     /// `Array<preload::StackReply>`; see [`crate::preload::REPLY_SLOTS`]).
     pub const REPLIES: &str = "REPLIES";

@@ -70,13 +70,14 @@ const MAPS: [(&str, &str); 37] = constants![
 
 /// The constants that name programs (the kernel-mode tracepoint programs are named by
 /// [`KernelEvent::name`]).
-const PROGRAMS: [(&str, &str); 19] = constants![
+const PROGRAMS: [(&str, &str); 20] = constants![
     names::PROG_EXEC,
     names::PROG_LOADER_STATE_MULTI,
     names::PROG_LOADER_STATE,
     names::PROG_THREAD_EXIT,
     names::PROG_SWITCH,
     names::PROG_FUTEX,
+    names::PROG_FUTEX_ENTRY,
     names::PROG_PRELOAD,
     names::PROG_ALLOC_RETURN,
     names::PROG_ENTRY,
@@ -96,11 +97,13 @@ const PROGRAMS: [(&str, &str); 19] = constants![
 const GLOBALS: [(&str, &str); 2] = constants![names::CONFIG, kernel_names::KERNEL_CONFIG];
 
 /// The constants that name what the programs attach to, in the kernel: not in the object.
-const ATTACH_POINTS: [(&str, &str); 6] = constants![
+const ATTACH_POINTS: [(&str, &str); 8] = constants![
     names::EXEC_TRACEPOINT,
     names::EXIT_TRACEPOINT,
     names::SWITCH_TRACEPOINT,
     names::SYSCALL_TRACEPOINT,
+    names::FUTEX_TRACEPOINT,
+    names::SYSCALLS_CATEGORY,
     kernel_names::RCU_FREE_FUNCTION,
     kernel_names::BULK_FREE_FUNCTION,
 ];

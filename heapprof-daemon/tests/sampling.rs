@@ -90,18 +90,34 @@ fn programs_that_ran(rate: Option<&str>) -> std::collections::BTreeMap<String, u
 
 /// Sampled, the preload library reports its few records at once, so heapprofd runs no
 /// program on every context switch and system call of the host to apply queued ones;
-/// exact, it must (queued records are applied before a thread sleeps or wakes another).
+/// exact, it must (queued records are applied before a thread sleeps or wakes another),
+/// and where the kernel has `futex`'s own tracepoint the host's other system calls run
+/// no program.
 #[test]
 fn a_sampled_session_runs_nothing_at_each_context_switch_or_system_call() {
     require_root();
-    let per_thread = [names::PROG_SWITCH, names::PROG_FUTEX];
+    let per_thread = [
+        names::PROG_SWITCH,
+        names::PROG_FUTEX,
+        names::PROG_FUTEX_ENTRY,
+    ];
     let exact = programs_that_ran(None);
-    for name in per_thread {
-        assert!(
-            exact.get(name).is_some_and(|runs| *runs > 0),
-            "exact: {name} never ran: {exact:?}"
-        );
-    }
+    let ran = |name: &str| exact.get(name).is_some_and(|runs| *runs > 0);
+    assert!(
+        ran(names::PROG_SWITCH),
+        "exact: {} never ran: {exact:?}",
+        names::PROG_SWITCH
+    );
+    // One of the two futex programs: the tracepoint's where the kernel has it.
+    let futex_tracepoint =
+        std::path::Path::new("/sys/kernel/tracing/events/syscalls/sys_enter_futex").exists();
+    let (futex, other) = if futex_tracepoint {
+        (names::PROG_FUTEX_ENTRY, names::PROG_FUTEX)
+    } else {
+        (names::PROG_FUTEX, names::PROG_FUTEX_ENTRY)
+    };
+    assert!(ran(futex), "exact: {futex} never ran: {exact:?}");
+    assert_eq!(exact.get(other), None, "exact: {other} ran too: {exact:?}");
     let sampled = programs_that_ran(Some("4KiB"));
     assert!(
         sampled

@@ -11,8 +11,8 @@ use aya_ebpf::{
         bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_probe_read_user,
         bpf_send_signal_thread,
     },
-    macros::{raw_tracepoint, uprobe, uretprobe},
-    programs::{ProbeContext, RawTracePointContext, RetProbeContext},
+    macros::{raw_tracepoint, tracepoint, uprobe, uretprobe},
+    programs::{ProbeContext, RawTracePointContext, RetProbeContext, TracePointContext},
 };
 use heapprof_common::{
     DropReason, ExecEvent, NO_REGISTER, ProbeRole, ProbeSlot, ProbeSpec, VALUE_REGISTERS,
@@ -372,6 +372,18 @@ pub fn thread_futex(ctx: RawTracePointContext) -> i32 {
     // sys_enter's arguments are (struct pt_regs *, long id).
     let id: i64 = ctx.arg(1);
     if id != crate::regs::FUTEX_SYSCALL || empty_programs() || !armed() {
+        return 0;
+    }
+    crate::preload::apply_pending(bpf_get_current_pid_tgid());
+    0
+}
+
+/// `futex`'s entry alone (`syscalls:sys_enter_futex`): as [`thread_futex`], attached
+/// instead of it where the kernel has the tracepoint, so that the host's other system
+/// calls run no program.
+#[tracepoint]
+pub fn futex_entry(_ctx: TracePointContext) -> i32 {
+    if empty_programs() || !armed() {
         return 0;
     }
     crate::preload::apply_pending(bpf_get_current_pid_tgid());

@@ -10,7 +10,7 @@ use anyhow::{Context as _, Result};
 use aya::{
     Ebpf, EbpfLoader,
     maps::Array,
-    programs::{RawTracePoint, UProbe, uprobe::UProbeScope},
+    programs::{RawTracePoint, TracePoint, UProbe, uprobe::UProbeScope},
     sys::UProbeMultiFeature,
 };
 use heapprof_common::{
@@ -241,7 +241,37 @@ pub fn attach_process_events(
 /// out or calls `futex` (see `heapprof_common::preload::QueueState`).
 pub fn attach_thread_switch(ebpf: &mut Ebpf) -> Result<()> {
     raw_tracepoint(ebpf, names::PROG_SWITCH, names::SWITCH_TRACEPOINT)?;
-    raw_tracepoint(ebpf, names::PROG_FUTEX, names::SYSCALL_TRACEPOINT)
+    // `futex` alone where the kernel has its tracepoint: a program on every system
+    // call's entry runs for every process of the host.
+    match futex_tracepoint(ebpf) {
+        Ok(()) => Ok(()),
+        Err(err) => {
+            log::debug!("no futex tracepoint ({err:#}): a program on every system call");
+            raw_tracepoint(ebpf, names::PROG_FUTEX, names::SYSCALL_TRACEPOINT)
+        }
+    }
+}
+
+/// Attaches [`names::PROG_FUTEX_ENTRY`] to `syscalls:sys_enter_futex`.
+fn futex_tracepoint(ebpf: &mut Ebpf) -> Result<()> {
+    let (category, name) = (names::SYSCALLS_CATEGORY, names::FUTEX_TRACEPOINT);
+    let program: &mut TracePoint = ebpf
+        .program_mut(names::PROG_FUTEX_ENTRY)
+        .with_context(|| format!("BPF program {} missing", names::PROG_FUTEX_ENTRY))?
+        .try_into()
+        .with_context(|| {
+            format!(
+                "BPF program {} is not a tracepoint",
+                names::PROG_FUTEX_ENTRY
+            )
+        })?;
+    program
+        .load()
+        .with_context(|| format!("verifying BPF program {}", names::PROG_FUTEX_ENTRY))?;
+    program
+        .attach(category, name)
+        .with_context(|| format!("attaching to the tracepoint {category}:{name}"))?;
+    Ok(())
 }
 
 /// Lets the programs count: called once the first probes are attached. Probes attached
