@@ -86,6 +86,9 @@ pub struct Caller {
     pub unprivileged_bpf_disabled: Option<i64>,
     /// `kernel.perf_event_paranoid`, when the kernel has it.
     pub perf_event_paranoid: Option<i64>,
+    /// The locked-memory limit in bytes, when the kernel charges BPF maps to it (before
+    /// 5.11) and it stayed finite.
+    pub memlock_limit: Option<u64>,
 }
 
 impl Caller {
@@ -100,6 +103,7 @@ impl Caller {
             cap_sys_admin: has(CAP_SYS_ADMIN),
             unprivileged_bpf_disabled: sysctl(UNPRIVILEGED_BPF_DISABLED),
             perf_event_paranoid: sysctl(PERF_EVENT_PARANOID),
+            memlock_limit: memlock_charge_limit(),
         }
     }
 
@@ -142,6 +146,14 @@ pub fn kernel_problem(facility: Facility, errno: i32, caller: Caller) -> String 
             "loading a BPF program for probes is refused ({name}): heapprofd lacks \
              CAP_PERFMON; run it as root (sudo) or grant CAP_BPF and CAP_PERFMON"
         ),
+        (Facility::BpfSyscall | Facility::BpfEvents, libc::EPERM)
+            if caller.memlock_limit.is_some() =>
+        {
+            format!(
+                "bpf() is refused ({name}): {}",
+                memlock_advice(caller.memlock_limit.unwrap_or(0))
+            )
+        }
         (Facility::BpfSyscall | Facility::BpfEvents, libc::EPERM | libc::EACCES) => {
             format!("bpf() is refused ({name}) {refused_anyway}")
         }
@@ -307,6 +319,36 @@ fn lift_memlock_limit() {
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
 }
 
+/// The locked-memory limit BPF maps are charged to, in bytes: `Some` on a kernel that
+/// charges them (before 5.11) while the limit is finite.
+fn memlock_charge_limit() -> Option<u64> {
+    if running_kernel().is_none_or(|version| version > LAST_MEMLOCK_CHARGING_KERNEL) {
+        return None;
+    }
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    Some(limit.rlim_cur)
+}
+
+/// What a locked-memory limit of `limit` bytes that heapprofd could not lift means.
+fn memlock_advice(limit: u64) -> String {
+    format!(
+        "this kernel (before 5.11) charges BPF maps to the locked-memory limit \
+         (RLIMIT_MEMLOCK), {} KiB here, and heapprofd could not raise it (that needs \
+         CAP_SYS_RESOURCE); raise it (`ulimit -l unlimited`, LimitMEMLOCK=infinity in a \
+         systemd unit) or run heapprofd as root",
+        limit / 1024
+    )
+}
+
 /// The kernel must run BPF: the bpf() system call (CONFIG_BPF_SYSCALL) and programs on
 /// probes and tracepoints (CONFIG_BPF_EVENTS). Both are tried for real, with a one-entry
 /// map and a two-instruction program, so that a refusal names the missing feature
@@ -343,6 +385,14 @@ pub fn check_bpf() -> Result<()> {
             errno,
             Caller::current()
         ));
+    }
+    // The trial's map fits where heapprofd's tables may not: the loader would then fail
+    // with a bare EPERM.
+    if let Some(limit) = memlock_charge_limit() {
+        log::warn!(
+            "loading may be refused with EPERM: {}",
+            memlock_advice(limit)
+        );
     }
     Ok(())
 }
@@ -451,6 +501,7 @@ mod tests {
         cap_sys_admin: false,
         unprivileged_bpf_disabled: Some(2),
         perf_event_paranoid: Some(4),
+        memlock_limit: None,
     };
     const ROOT: Caller = Caller {
         root: true,
@@ -643,6 +694,27 @@ mod tests {
             assert!(problem.contains("perf_event_paranoid is 4"), "{problem}");
             let problem = uprobe_problem(libc::ENOENT, GRANTED, method).expect("no uprobes");
             assert!(problem.contains("CONFIG_UPROBE_EVENTS=y"), "{problem}");
+        }
+    }
+
+    #[test]
+    fn a_locked_memory_limit_left_in_place_is_named_before_a_filter() {
+        // A kernel before 5.11, and no CAP_SYS_RESOURCE to lift the limit (a user granted
+        // CAP_BPF and CAP_PERFMON, root in a container).
+        for caller in [ROOT, GRANTED] {
+            let limited = Caller {
+                memlock_limit: Some(64 * 1024),
+                ..caller
+            };
+            for facility in [Facility::BpfSyscall, Facility::BpfEvents] {
+                says(
+                    facility,
+                    libc::EPERM,
+                    limited,
+                    &["EPERM", "RLIMIT_MEMLOCK", "64 KiB", "ulimit -l unlimited"],
+                );
+                assert!(!kernel_problem(facility, libc::EPERM, limited).contains("seccomp"));
+            }
         }
     }
 
