@@ -4,7 +4,7 @@ use std::os::fd::{FromRawFd as _, OwnedFd, RawFd};
 
 use anyhow::{Result, bail};
 
-use crate::sys::running_kernel;
+use crate::{probes::AttachMethod, sys::running_kernel};
 
 const CAP_PERFMON: u32 = 38;
 const CAP_BPF: u32 = 39;
@@ -74,19 +74,46 @@ pub enum Facility {
 pub struct Caller {
     /// Effective user id 0.
     pub root: bool,
+    /// CAP_BPF (or CAP_SYS_ADMIN) is effective: the sysctl no longer applies.
+    pub cap_bpf: bool,
+    /// CAP_PERFMON (or CAP_SYS_ADMIN) is effective: perf_event_paranoid no longer applies,
+    /// and kprobe programs may be loaded.
+    pub cap_perfmon: bool,
+    /// CAP_SYS_ADMIN is effective: what uprobes opened as perf events need on current
+    /// kernels.
+    pub cap_sys_admin: bool,
     /// `kernel.unprivileged_bpf_disabled`, when the kernel has it.
     pub unprivileged_bpf_disabled: Option<i64>,
     /// `kernel.perf_event_paranoid`, when the kernel has it.
     pub perf_event_paranoid: Option<i64>,
+    /// The locked-memory limit in bytes, when the kernel charges BPF maps to it (before
+    /// 5.11) and it stayed finite.
+    pub memlock_limit: Option<u64>,
 }
 
 impl Caller {
     fn current() -> Caller {
+        let caps = effective_capabilities();
+        let has = |cap: u32| caps & (1 << cap) != 0;
         Caller {
             // SAFETY: geteuid cannot fail.
             root: unsafe { libc::geteuid() } == 0,
+            cap_bpf: has(CAP_BPF) || has(CAP_SYS_ADMIN),
+            cap_perfmon: has(CAP_PERFMON) || has(CAP_SYS_ADMIN),
+            cap_sys_admin: has(CAP_SYS_ADMIN),
             unprivileged_bpf_disabled: sysctl(UNPRIVILEGED_BPF_DISABLED),
             perf_event_paranoid: sysctl(PERF_EVENT_PARANOID),
+            memlock_limit: memlock_charge_limit(),
+        }
+    }
+
+    /// Why a refusal is no matter of privileges: "although heapprofd runs as root", or
+    /// has the capabilities (a user granted them, e.g. by `setcap`).
+    fn although(self) -> &'static str {
+        if self.root {
+            "although heapprofd runs as root"
+        } else {
+            "although heapprofd has CAP_BPF and CAP_PERFMON"
         }
     }
 }
@@ -95,23 +122,40 @@ impl Caller {
 /// missing kernel feature and the config option or sysctl to look at.
 pub fn kernel_problem(facility: Facility, errno: i32, caller: Caller) -> String {
     let name = errno_name(errno);
-    let refused_as_root = "although heapprofd runs as root: a seccomp filter (a container's \
-                           default profile) or a security module forbids it; run heapprofd on \
-                           the host, or in a container allowed bpf() and perf_event_open()";
+    // Privileges are judged by the effective capabilities, not the uid: a user granted
+    // CAP_BPF and CAP_PERFMON is past the sysctls, and a refusal then comes from elsewhere.
+    let refused_anyway = format!(
+        "{}: a seccomp filter (a container's default profile) or a security module forbids \
+         it; run heapprofd on the host, or in a container allowed bpf() and perf_event_open()",
+        caller.although()
+    );
     match (facility, errno) {
         (Facility::BpfSyscall, libc::ENOSYS) => format!(
             "this kernel has no BPF system call (bpf() fails with {name}): heapprofd needs a \
              kernel built with CONFIG_BPF_SYSCALL=y (qemu-user and some seccomp filters hide it too)"
         ),
-        (Facility::BpfSyscall, libc::EPERM | libc::EACCES) if !caller.root => format!(
+        (Facility::BpfSyscall, libc::EPERM | libc::EACCES) if !caller.cap_bpf => format!(
             "bpf() is refused ({name}): kernel.unprivileged_bpf_disabled is {}, and heapprofd \
              lacks CAP_BPF; run it as root (sudo) or grant CAP_BPF and CAP_PERFMON",
             caller
                 .unprivileged_bpf_disabled
                 .map_or_else(|| "unknown".to_owned(), |v| v.to_string())
         ),
+        // The kernel loads kprobe programs only for CAP_PERFMON.
+        (Facility::BpfEvents, libc::EPERM | libc::EACCES) if !caller.cap_perfmon => format!(
+            "loading a BPF program for probes is refused ({name}): heapprofd lacks \
+             CAP_PERFMON; run it as root (sudo) or grant CAP_BPF and CAP_PERFMON"
+        ),
+        (Facility::BpfSyscall | Facility::BpfEvents, libc::EPERM)
+            if caller.memlock_limit.is_some() =>
+        {
+            format!(
+                "bpf() is refused ({name}): {}",
+                memlock_advice(caller.memlock_limit.unwrap_or(0))
+            )
+        }
         (Facility::BpfSyscall | Facility::BpfEvents, libc::EPERM | libc::EACCES) => {
-            format!("bpf() is refused ({name}) {refused_as_root}")
+            format!("bpf() is refused ({name}) {refused_anyway}")
         }
         (Facility::BpfSyscall, libc::EINVAL) => format!(
             "this kernel rejects a basic BPF array map (bpf() fails with {name}): its BPF \
@@ -126,7 +170,7 @@ pub fn kernel_problem(facility: Facility, errno: i32, caller: Caller) -> String 
             "this kernel has no perf events (perf_event_open() fails with {name}): heapprofd \
              needs a kernel built with CONFIG_PERF_EVENTS=y, CONFIG_UPROBES=y and CONFIG_UPROBE_EVENTS=y"
         ),
-        (Facility::Uprobe, libc::EPERM | libc::EACCES) if !caller.root => format!(
+        (Facility::Uprobe, libc::EPERM | libc::EACCES) if !caller.cap_perfmon => format!(
             "opening a uprobe is refused ({name}): kernel.perf_event_paranoid is {}, and \
              heapprofd lacks CAP_PERFMON; run it as root (sudo) or grant CAP_BPF and CAP_PERFMON",
             caller
@@ -134,7 +178,7 @@ pub fn kernel_problem(facility: Facility, errno: i32, caller: Caller) -> String 
                 .map_or_else(|| "unknown".to_owned(), |v| v.to_string())
         ),
         (Facility::Uprobe, libc::EPERM | libc::EACCES) => {
-            format!("opening a uprobe is refused ({name}) {refused_as_root}")
+            format!("opening a uprobe is refused ({name}) {refused_anyway}")
         }
         // ENOENT: no such PMU; EINVAL/EOPNOTSUPP/ENOTSUPP (524): the PMU takes no uprobe.
         (Facility::Uprobe, _) => format!(
@@ -150,6 +194,31 @@ pub fn kernel_problem(facility: Facility, errno: i32, caller: Caller) -> String 
              built with CONFIG_BPF_SYSCALL=y and CONFIG_BPF_EVENTS=y"
         ),
     }
+}
+
+/// What the trial uprobe failing with `errno` means for a run attaching its probes
+/// with `method`: the line to print, or `None` when the failure does not stand in the
+/// way.
+pub fn uprobe_problem(errno: i32, caller: Caller, method: AttachMethod) -> Option<String> {
+    let refused = matches!(errno, libc::EPERM | libc::EACCES);
+    if refused && caller.cap_perfmon && !caller.cap_sys_admin {
+        // Kernels with "perf: Revert to requiring CAP_SYS_ADMIN for uprobes" (upstream
+        // ba677dbe77af, 2025, also in the stable lines) open uprobe perf events for
+        // CAP_SYS_ADMIN only; multi-uprobe links need CAP_BPF and CAP_PERFMON alone, so
+        // a process without CAP_SYS_ADMIN (the unit's drop-in of docs/service.md) then
+        // runs all the same.
+        return match method {
+            AttachMethod::MultiLink => None,
+            AttachMethod::PerfEvents => Some(format!(
+                "opening a uprobe as a perf event is refused ({}): this kernel allows it \
+                 only with CAP_SYS_ADMIN, and heapprofd attaches its probes as perf events \
+                 here (no multi-uprobe links before Linux 6.6, or --attach perf-events); \
+                 grant CAP_SYS_ADMIN too, or run heapprofd as root with all its capabilities",
+                errno_name(errno)
+            )),
+        };
+    }
+    Some(kernel_problem(Facility::Uprobe, errno, caller))
 }
 
 /// `ENOSYS (Function not implemented)`: the symbol a kernel developer looks up, and
@@ -250,6 +319,36 @@ fn lift_memlock_limit() {
     unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
 }
 
+/// The locked-memory limit BPF maps are charged to, in bytes: `Some` on a kernel that
+/// charges them (before 5.11) while the limit is finite.
+fn memlock_charge_limit() -> Option<u64> {
+    if running_kernel().is_none_or(|version| version > LAST_MEMLOCK_CHARGING_KERNEL) {
+        return None;
+    }
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    Some(limit.rlim_cur)
+}
+
+/// What a locked-memory limit of `limit` bytes that heapprofd could not lift means.
+fn memlock_advice(limit: u64) -> String {
+    format!(
+        "this kernel (before 5.11) charges BPF maps to the locked-memory limit \
+         (RLIMIT_MEMLOCK), {} KiB here, and heapprofd could not raise it (that needs \
+         CAP_SYS_RESOURCE); raise it (`ulimit -l unlimited`, LimitMEMLOCK=infinity in a \
+         systemd unit) or run heapprofd as root",
+        limit / 1024
+    )
+}
+
 /// The kernel must run BPF: the bpf() system call (CONFIG_BPF_SYSCALL) and programs on
 /// probes and tracepoints (CONFIG_BPF_EVENTS). Both are tried for real, with a one-entry
 /// map and a two-instruction program, so that a refusal names the missing feature
@@ -287,6 +386,14 @@ pub fn check_bpf() -> Result<()> {
             Caller::current()
         ));
     }
+    // The trial's map fits where heapprofd's tables may not: the loader would then fail
+    // with a bare EPERM.
+    if let Some(limit) = memlock_charge_limit() {
+        log::warn!(
+            "loading may be refused with EPERM: {}",
+            memlock_advice(limit)
+        );
+    }
     Ok(())
 }
 
@@ -315,8 +422,9 @@ struct PerfEventAttr {
 /// The kernel must offer uprobes through perf events (CONFIG_UPROBES and
 /// CONFIG_UPROBE_EVENTS): the uprobe PMU must exist, and a uprobe on heapprofd's own
 /// executable (at its ELF header, which no one executes; registered for this process
-/// only, disabled, and closed at once) must open.
-pub fn check_uprobes() -> Result<()> {
+/// only, disabled, and closed at once) must open, unless only the missing CAP_SYS_ADMIN
+/// refuses it and heapprofd attaches with `method` multi-uprobe links.
+pub fn check_uprobes(method: AttachMethod) -> Result<()> {
     let missing_pmu = || {
         format!(
             "this kernel has no uprobe events ({UPROBE_PMU} is missing): heapprofd needs a \
@@ -352,11 +460,10 @@ pub fn check_uprobes() -> Result<()> {
         )
     };
     if fd < 0 {
-        bail!(kernel_problem(
-            Facility::Uprobe,
-            last_errno(),
-            Caller::current()
-        ));
+        return match uprobe_problem(last_errno(), Caller::current(), method) {
+            Some(problem) => bail!(problem),
+            None => Ok(()),
+        };
     }
     // SAFETY: perf_event_open returned a new descriptor that nothing else owns.
     drop(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
@@ -386,15 +493,28 @@ pub fn check_pid(pid: u32, kernel_threads_allowed: bool) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// A user without capabilities.
     const USER: Caller = Caller {
         root: false,
+        cap_bpf: false,
+        cap_perfmon: false,
+        cap_sys_admin: false,
         unprivileged_bpf_disabled: Some(2),
         perf_event_paranoid: Some(4),
+        memlock_limit: None,
     };
     const ROOT: Caller = Caller {
         root: true,
-        unprivileged_bpf_disabled: Some(2),
-        perf_event_paranoid: Some(4),
+        cap_bpf: true,
+        cap_perfmon: true,
+        cap_sys_admin: true,
+        ..USER
+    };
+    /// A user granted CAP_BPF and CAP_PERFMON (`setcap`, a unit's AmbientCapabilities).
+    const GRANTED: Caller = Caller {
+        root: false,
+        cap_sys_admin: false,
+        ..ROOT
     };
 
     /// The message for each case names each of `names`, on one line.
@@ -509,11 +629,101 @@ mod tests {
     }
 
     #[test]
+    fn a_user_with_the_capabilities_is_not_told_to_get_them() {
+        // Past the sysctls: a refusal comes from a filter or a security module.
+        for (facility, errno) in [
+            (Facility::BpfSyscall, libc::EPERM),
+            (Facility::BpfEvents, libc::EPERM),
+        ] {
+            says(
+                facility,
+                errno,
+                GRANTED,
+                &["has CAP_BPF and CAP_PERFMON", "seccomp"],
+            );
+            let message = kernel_problem(facility, errno, GRANTED);
+            assert!(
+                !message.contains("lacks")
+                    && !message.contains("is 2")
+                    && !message.contains("is 4"),
+                "{message}"
+            );
+        }
+        // CAP_BPF alone creates maps, but kprobe programs need CAP_PERFMON.
+        let bpf_only = Caller {
+            cap_bpf: true,
+            ..USER
+        };
+        says(
+            Facility::BpfEvents,
+            libc::EPERM,
+            bpf_only,
+            &["EPERM", "lacks CAP_PERFMON"],
+        );
+    }
+
+    #[test]
+    fn a_uprobe_refused_for_want_of_cap_sys_admin_matters_only_for_perf_events() {
+        // Root in a unit whose bounding set drops CAP_SYS_ADMIN, or a user granted
+        // CAP_BPF and CAP_PERFMON.
+        let without_sys_admin = Caller {
+            cap_sys_admin: false,
+            ..ROOT
+        };
+        for caller in [without_sys_admin, GRANTED] {
+            for errno in [libc::EACCES, libc::EPERM] {
+                assert_eq!(
+                    uprobe_problem(errno, caller, AttachMethod::MultiLink),
+                    None,
+                    "{caller:?}"
+                );
+                let problem = uprobe_problem(errno, caller, AttachMethod::PerfEvents)
+                    .expect("perf events need CAP_SYS_ADMIN");
+                assert!(!problem.contains('\n'), "{problem}");
+                for name in ["CAP_SYS_ADMIN", "as a perf event", "6.6", "--attach"] {
+                    assert!(problem.contains(name), "{name}: {problem}");
+                }
+            }
+        }
+        // With CAP_SYS_ADMIN a refusal comes from a filter; without CAP_PERFMON, from
+        // perf_event_paranoid; a kernel without uprobes has none, whatever the method.
+        for method in [AttachMethod::MultiLink, AttachMethod::PerfEvents] {
+            let problem = uprobe_problem(libc::EACCES, ROOT, method).expect("refused");
+            assert!(problem.contains("seccomp"), "{problem}");
+            let problem = uprobe_problem(libc::EACCES, USER, method).expect("refused");
+            assert!(problem.contains("perf_event_paranoid is 4"), "{problem}");
+            let problem = uprobe_problem(libc::ENOENT, GRANTED, method).expect("no uprobes");
+            assert!(problem.contains("CONFIG_UPROBE_EVENTS=y"), "{problem}");
+        }
+    }
+
+    #[test]
+    fn a_locked_memory_limit_left_in_place_is_named_before_a_filter() {
+        // A kernel before 5.11, and no CAP_SYS_RESOURCE to lift the limit (a user granted
+        // CAP_BPF and CAP_PERFMON, root in a container).
+        for caller in [ROOT, GRANTED] {
+            let limited = Caller {
+                memlock_limit: Some(64 * 1024),
+                ..caller
+            };
+            for facility in [Facility::BpfSyscall, Facility::BpfEvents] {
+                says(
+                    facility,
+                    libc::EPERM,
+                    limited,
+                    &["EPERM", "RLIMIT_MEMLOCK", "64 KiB", "ulimit -l unlimited"],
+                );
+                assert!(!kernel_problem(facility, libc::EPERM, limited).contains("seccomp"));
+            }
+        }
+    }
+
+    #[test]
     fn an_unknown_sysctl_is_said_to_be_unknown() {
         let caller = Caller {
-            root: false,
             unprivileged_bpf_disabled: None,
             perf_event_paranoid: None,
+            ..USER
         };
         says(
             Facility::BpfSyscall,

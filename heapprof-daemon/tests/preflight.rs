@@ -80,12 +80,37 @@ fn start_refused(setup: impl FnOnce(&mut Command)) -> (Option<i32>, String) {
 
 /// [`start_refused`] with more arguments (`--kernel`).
 fn start_refused_with(args: &[&str], setup: impl FnOnce(&mut Command)) -> (Option<i32>, String) {
+    start_refused_as(None, args, setup)
+}
+
+/// [`start_refused_with`], as user nobody when `caps` is given, with those capabilities
+/// (setpriv's names, "-all" for none) inheritable and ambient: what `setcap` on the
+/// binary gives a user.
+fn start_refused_as(
+    caps: Option<&str>,
+    args: &[&str],
+    setup: impl FnOnce(&mut Command),
+) -> (Option<i32>, String) {
     require_root();
     let dir = scratch();
-    let mut cmd = heapprofd(&dir.path().join("profiles"));
-    cmd.args(["--pid", &std::process::id().to_string()]);
+    let mut heapprofd = heapprofd(&dir.path().join("profiles"));
+    heapprofd.args(["--pid", &std::process::id().to_string()]);
     // A run that starts after all ends by itself.
-    cmd.args(["--duration", "1s"]).args(args);
+    heapprofd.args(["--duration", "1s"]).args(args);
+    let mut cmd = match caps {
+        None => heapprofd,
+        Some(caps) => {
+            // setpriv is util-linux's, in every Debian.
+            let mut cmd = Command::new("setpriv");
+            cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+                .arg(format!("--inh-caps={caps}"));
+            if caps != "-all" {
+                cmd.arg(format!("--ambient-caps={caps}"));
+            }
+            cmd.arg(heapprofd.get_program()).args(heapprofd.get_args());
+            cmd
+        }
+    };
     setup(&mut cmd);
     let output = cmd.output().expect("starting heapprofd");
     (
@@ -136,6 +161,79 @@ fn bpf_refused_to_root_names_the_filter() {
         )
     });
     assert_one_line(status, &stderr, &["EPERM", "seccomp"]);
+}
+
+#[test]
+fn a_user_without_capabilities_is_told_them_and_the_sysctl() {
+    let (status, stderr) = start_refused_as(Some("-all"), &[], |_| {});
+    assert_one_line(
+        status,
+        &stderr,
+        &["missing CAP_BPF and CAP_PERFMON", "root"],
+    );
+    // The sysctl that refuses bpf() to such a user is named when it does.
+    let sysctl = std::fs::read_to_string("/proc/sys/kernel/unprivileged_bpf_disabled")
+        .expect("reading kernel.unprivileged_bpf_disabled");
+    let named = format!("kernel.unprivileged_bpf_disabled is {}", sysctl.trim());
+    assert_eq!(
+        stderr.contains(&named),
+        sysctl.trim() != "0",
+        "{named}: {stderr}"
+    );
+}
+
+#[test]
+fn bpf_refused_to_a_user_granted_the_capabilities_names_the_filter() {
+    // Past the sysctls: the user has what they ask for, the refusal is the filter's.
+    let (status, stderr) = start_refused_as(Some("+bpf,+perfmon"), &[], |cmd| {
+        refuse(
+            cmd,
+            Refusal {
+                syscall: libc::SYS_bpf,
+                first_arg: None,
+                errno: libc::EPERM,
+            },
+        )
+    });
+    assert_one_line(
+        status,
+        &stderr,
+        &["EPERM", "has CAP_BPF and CAP_PERFMON", "seccomp"],
+    );
+    assert!(!stderr.contains("lacks"), "{stderr}");
+}
+
+/// Root without CAP_SYS_ADMIN, as the unit's drop-in of docs/service.md makes it.
+fn drop_sys_admin(cmd: &mut Command) {
+    const CAP_SYS_ADMIN: libc::c_ulong = 21;
+    // SAFETY: between fork and exec the closure makes one system call.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_CAPBSET_DROP, CAP_SYS_ADMIN, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[test]
+fn without_cap_sys_admin_only_perf_event_uprobes_are_refused() {
+    use heapprof_daemon::probes::{AttachChoice, AttachMethod, attach_method};
+    // The trial uprobe is a perf event, which kernels since 2025 open for CAP_SYS_ADMIN
+    // only; multi-uprobe links need CAP_BPF and CAP_PERFMON alone.
+    let sys_admin_line = ["as a perf event", "CAP_SYS_ADMIN", "--attach perf-events"];
+    let (status, stderr) = start_refused(drop_sys_admin);
+    match attach_method(AttachChoice::Auto, Some(std::process::id())) {
+        AttachMethod::MultiLink => assert_eq!(status, Some(0), "{stderr}"),
+        AttachMethod::PerfEvents => assert_one_line(status, &stderr, &sys_admin_line),
+    }
+    // Perf events chosen: refused with that line, unless this kernel predates the
+    // change and opens them for CAP_PERFMON.
+    let (status, stderr) = start_refused_with(&["--attach", "perf-events"], drop_sys_admin);
+    if status != Some(0) {
+        assert_one_line(status, &stderr, &sys_admin_line);
+    }
 }
 
 #[test]

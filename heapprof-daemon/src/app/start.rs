@@ -71,12 +71,15 @@ pub fn start(
             figures,
         )
     } else {
-        preflight::check_uprobes()?;
+        // Decided first: what the trial uprobe's refusal means depends on it.
+        let method = probes::attach_method(cli.attach, user_pid(target, child.as_ref()));
+        log::debug!("uprobes attached as {method:?}");
+        preflight::check_uprobes(method)?;
         // Opened before anything is attached: a target that exits at any later moment is
         // then seen as an exit (final profile, status 0), never as a failure to find it.
         let target_exit = watch_target(target, false)?;
         let (session, bpf_log, figures) =
-            start_user(cli, target, child.as_mut(), preload, endpoint)?;
+            start_user(cli, target, child.as_mut(), preload, endpoint, method)?;
         (
             AnySession::User(Box::new(session)),
             target_exit,
@@ -97,20 +100,26 @@ pub fn start(
 
 /// User mode: the BPF object loaded, the allocators probed, the loader's hook and the
 /// process events attached, the session ready; logs the readiness line last.
+/// The one process user mode watches: the pid given, or the program launched.
+fn user_pid(target: &Target, child: Option<&PausedChild>) -> Option<u32> {
+    match (target, child) {
+        (Target::Pid(pid), _) => Some(*pid),
+        (Target::Launch(_), Some(child)) => Some(child.pid),
+        _ => None,
+    }
+}
+
 fn start_user(
     cli: &Cli,
     target: &Target,
     mut child: Option<&mut PausedChild>,
     preload: Option<PreloadLibrary>,
     endpoint: Option<Endpoint>,
+    method: probes::AttachMethod,
 ) -> Result<(UserSession, Option<BpfLog>, StartFigures)> {
     pprof::writer::prepare_output_dir(&cli.output)?;
     let sample_rate = cli.sample_rate.unwrap_or(0);
-    let pid = match (target, &child) {
-        (Target::Pid(pid), _) => Some(*pid),
-        (Target::Launch(_), Some(child)) => Some(child.pid),
-        _ => None,
-    };
+    let pid = user_pid(target, child.as_deref());
     let tables = TableCapacities {
         rows: cli.max_unwind_rows,
         rules: cli.max_unwind_rules,
@@ -127,8 +136,6 @@ fn start_user(
     let mut preloading = preload.is_some();
     let mut ebpf = load_user_bpf(cli, pid, child.is_some(), preloading || injecting, tables)?;
     let bpf_log = BpfLog::init(&mut ebpf);
-    let method = probes::attach_method(cli.attach, pid);
-    log::debug!("uprobes attached as {method:?}");
     let settings = ProbeSettings {
         custom: cli
             .allocator
