@@ -1553,10 +1553,11 @@ static long heapprofd_leave_now(void)
     return (long)result.rewritten;
 }
 
-/* A page of this library's code that heapprofd fills, in its process's copy only,
- * with the return stub of its calls into the process (heapprof-daemon's
+/* Code pages of this library that heapprofd fills, in its process's copy only, with
+ * the return stub of its calls into the process (heapprof-daemon's
  * src/inject/regs.rs): a call that heapprofd's death leaves running resumes the
- * thread where heapprofd held it. Int3 until then. */
+ * thread where heapprofd held it. Int3 (x86-64) or udf (arm64, whose stub also holds
+ * a signal frame: two pages) until then. */
 #if defined(__x86_64__)
 __asm__(".text\n"
         ".p2align 12\n"
@@ -1565,6 +1566,14 @@ __asm__(".text\n"
         "heapprofd_resume_area:\n"
         "    .fill 4096, 1, 0xcc\n"
         ".size heapprofd_resume_area, 4096\n");
+#elif defined(__aarch64__)
+__asm__(".text\n"
+        ".p2align 12\n"
+        ".globl heapprofd_resume_area\n"
+        ".type heapprofd_resume_area, %function\n"
+        "heapprofd_resume_area:\n"
+        "    .fill 8192, 1, 0\n"
+        ".size heapprofd_resume_area, 8192\n");
 #endif
 
 /* Called by heapprofd through ptrace when it detaches. */

@@ -21,6 +21,11 @@
 //! for aarch64-unknown-linux-musl, whose C library Rust brings) print their own counts;
 //! the profiles' totals and main/a/b stacks must equal them.
 //!
+//! `--pid` injection with heapprofd SIGKILLed in the middle of each of its calls into
+//! a waiting process (from the second call on: the first maps the return stub's
+//! pages): the arm64 return stub must resume the held thread every time, and the
+//! process then works and ends with status 0.
+//!
 //! heapprofd's glibc build, the binary a native `cargo xtask build` on a board makes,
 //! runs there too, once, on Debian's arm64 C library: the exact totals of the
 //! malloc-family program and the main/a/b stacks.
@@ -143,6 +148,41 @@ for f in $(find /tmp/out/glibc -name '*.pb.gz' | sort); do
     base64 $f
     echo "==END"
 done
+# heapprofd SIGKILLed in the middle of its Nth call into a process it joins, N = 2, 3,
+# ... until a run makes fewer calls: the call returns into the return stub, which
+# resumes the thread where it was held; the process then works and ends as it should.
+rm -f /tmp/kfifo && mkfifo /tmp/kfifo
+/t/waiter 1000 48 < /tmp/kfifo > /tmp/kwaiter.out &
+kwaiter=$!
+exec 4> /tmp/kfifo
+killed=0
+call=2
+while [ $call -le 40 ]; do
+    HEAPPROFD_TEST_KILL_IN_REMOTE_CALL=$call /heapprofd -o /tmp/out/kill --interval 1h --inject auto --pid $kwaiter > /tmp/kill.log 2>&1 4>&- &
+    k=$!
+    tries=0
+    until ! kill -0 $k 2>/dev/null || grep -q "probes on" /tmp/kill.log || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
+    if kill -0 $k 2>/dev/null; then
+        kill -INT $k
+        wait $k
+        break
+    fi
+    wait $k
+    if ! kill -0 $kwaiter 2>/dev/null; then
+        echo "==KILLED-IN-CALL $call: the process is gone"
+        cat /tmp/kill.log
+        break
+    fi
+    killed=$call
+    call=$((call + 1))
+done
+echo go >&4
+tries=0
+until grep -q done /tmp/kwaiter.out || [ $tries -ge 300 ]; do sleep 0.1; tries=$((tries + 1)); done
+exec 4>&-
+wait $kwaiter
+echo "==STATUS kill-in-call $? (killed in calls 2 to $killed)"
+echo "==KILLED-UP-TO $killed"
 if [ -e /sys/kernel/btf/vmlinux ]; then
     : > /tmp/empty
     mount --bind /tmp/empty /sys/kernel/btf/vmlinux
@@ -728,15 +768,27 @@ fn arm64_vm_with_and_without_btf() {
     );
     assert_eq!(
         statuses.len(),
-        24,
+        25,
         "scenario statuses: {statuses:?}\n{console}"
     );
     for status in &statuses {
+        let status = status.split(" (").next().unwrap_or(status);
         assert!(
             status.trim_end().ends_with(" 0"),
             "a scenario failed in the VM: {status}; console:\n{console}"
         );
     }
+    // heapprofd killed in each of its calls into a new process (from the second: the
+    // first maps the stub's pages), the waiter alive and ending with status 0 above.
+    let killed: u32 = console
+        .lines()
+        .find_map(|l| l.strip_prefix("==KILLED-UP-TO "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no kill-in-call round:\n{console}"));
+    assert!(
+        killed >= 4,
+        "heapprofd was killed in only {killed} calls into the process:\n{console}"
+    );
     assert!(
         console.contains("==BTF hidden: 0 bytes"),
         "BTF was not hidden for the second round:\n{console}"
@@ -749,7 +801,7 @@ fn arm64_vm_with_and_without_btf() {
     check_family(&profiles, "glibc");
     check_abc(&profiles, "glibc", &["stacks-O2"]);
     eprintln!(
-        "arm64 VM: {} profiles checked; {}",
+        "arm64 VM: {} profiles checked; heapprofd killed in calls 2 to {killed}; {}",
         profiles.len(),
         console
             .lines()

@@ -113,9 +113,15 @@ impl Registers {
         (number >= 0 && result >= -4095).then_some((number, self.regs.rsi))
     }
 
-    /// Registers that call `function(args)` with the stack at `sp` (16-byte aligned)
-    /// and return to address 0; and where the return address must be written.
-    pub fn call(&self, function: u64, args: &[u64], sp: u64) -> (Self, Option<u64>) {
+    /// Registers that call `function(args)` with the stack at `sp` (16-byte aligned);
+    /// and where the return address (`_return_to`, written there by the caller) goes.
+    pub fn call(
+        &self,
+        function: u64,
+        args: &[u64],
+        sp: u64,
+        _return_to: u64,
+    ) -> (Self, Option<u64>) {
         let mut regs = self.regs;
         regs.rsp = sp - 8;
         regs.rip = function;
@@ -181,8 +187,7 @@ impl Registers {
     }
 }
 
-/// What the return stub closes if heapprofd dies (see [`stub::GUARDS`]; nothing on
-/// arm64, which has no stub yet).
+/// What the return stub closes if heapprofd dies (see [`stub::GUARDS`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Guards {
     /// The running call's result is a descriptor (closed if it is not negative).
@@ -222,6 +227,8 @@ impl Guards {
 /// from the stub's context and resumes where it was held, instead of faulting.
 #[cfg(target_arch = "x86_64")]
 pub mod stub {
+    /// Bytes the stub takes where heapprofd maps it: one page.
+    pub const BYTES: u64 = 4096;
     /// Where the marker's stop leaves the program counter.
     pub const MARKER_END: u64 = 10;
     /// Offset of the context in the stub's page.
@@ -340,6 +347,8 @@ pub mod stub {
 #[cfg(target_arch = "aarch64")]
 const NT_PRSTATUS: libc::c_int = 1;
 #[cfg(target_arch = "aarch64")]
+const NT_PRFPREG: libc::c_int = 2;
+#[cfg(target_arch = "aarch64")]
 const NT_ARM_SYSTEM_CALL: libc::c_int = 0x404;
 
 #[cfg(target_arch = "aarch64")]
@@ -426,15 +435,21 @@ impl Registers {
     }
 
     /// Registers that call `function(args)` with the stack at `sp` (16-byte aligned)
-    /// and return to address 0 (the link register).
-    pub fn call(&self, function: u64, args: &[u64], sp: u64) -> (Self, Option<u64>) {
+    /// and return to `return_to` (the link register: the stub, or 0).
+    pub fn call(
+        &self,
+        function: u64,
+        args: &[u64],
+        sp: u64,
+        return_to: u64,
+    ) -> (Self, Option<u64>) {
         let mut regs = self.regs;
         regs.sp = sp;
         regs.pc = function;
         for (slot, value) in regs.regs.iter_mut().zip(args) {
             *slot = *value;
         }
-        regs.regs[30] = 0;
+        regs.regs[30] = return_to;
         (
             Self {
                 regs,
@@ -445,18 +460,316 @@ impl Registers {
         )
     }
 
-    /// The registers that resume the thread as it was.
+    /// The registers that resume the thread as it was: the kernel prepared the
+    /// restart of an interrupted call in them, and no system call is pending.
     pub fn resumed(&self) -> Self {
-        *self
+        Self {
+            regs: self.regs,
+            syscall: -1,
+        }
     }
 
-    /// No return stub on arm64 (remote calls return to address 0).
-    pub fn stub_result(&self, _stub: u64) -> Option<u64> {
-        None
+    /// The result of a remote call, if these registers are the stub's marker stop
+    /// (the entry of its `getpid`, x0 still the call's result).
+    pub fn stub_result(&self, stub: u64) -> Option<u64> {
+        const GETPID: i32 = 172;
+        (self.regs.pc == stub + stub::MARKER_END && self.syscall == GETPID)
+            .then_some(self.regs.regs[0])
+    }
+
+    /// The stub's signal frame: these registers as resumed, the signal mask `mask` and
+    /// the floating-point and SIMD state `fpsimd`, for `rt_sigreturn` to restore.
+    pub fn stub_frame(&self, mask: u64, fpsimd: &Fpsimd) -> Vec<u8> {
+        let regs = self.resumed().regs;
+        let general = stub::GeneralRegisters {
+            x: &regs.regs,
+            sp: regs.sp,
+            pc: regs.pc,
+            pstate: regs.pstate,
+        };
+        stub::frame(&general, mask, fpsimd)
     }
 
     /// What to put back: the registers as saved (the restart is prepared in them).
     pub fn given_back(&self, _first_argument: Option<u64>) -> Self {
         *self
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+pub use aarch64_stub::Fpsimd;
+
+/// Reads thread `tid`'s floating-point and SIMD registers (it is in a ptrace stop).
+#[cfg(target_arch = "aarch64")]
+pub fn read_fpsimd(tid: i32) -> Result<Fpsimd, (&'static str, io::Error)> {
+    let mut state: Fpsimd = [0; stub::FPSIMD_STATE_BYTES];
+    regset(
+        libc::PTRACE_GETREGSET as u32,
+        tid,
+        NT_PRFPREG,
+        &raw mut state,
+    )?;
+    Ok(state)
+}
+
+/// Writes them back (remote calls may have used them: string functions do).
+#[cfg(target_arch = "aarch64")]
+pub fn write_fpsimd(tid: i32, state: &Fpsimd) -> Result<(), (&'static str, io::Error)> {
+    let mut state = *state;
+    regset(
+        libc::PTRACE_SETREGSET as u32,
+        tid,
+        NT_PRFPREG,
+        &raw mut state,
+    )
+}
+
+/// The return stub (arm64): remote calls return into it (the link register) instead
+/// of to address 0. With heapprofd there, its first system call (`getpid`, the
+/// marker) stops the thread and heapprofd takes over. If heapprofd has died meanwhile,
+/// the thread goes on: it closes the guarded descriptors, then `rt_sigreturn`s from a
+/// signal frame heapprofd wrote beside the code, which puts back every register, the
+/// floating-point state and the signal mask, and resumes where the thread was held (no
+/// register would be free to do it by hand: a jump needs one).
+#[cfg(target_arch = "aarch64")]
+pub use aarch64_stub as stub;
+
+/// (Built on every architecture, so that its unit tests run on any host.)
+pub mod aarch64_stub {
+    #![cfg_attr(
+        not(target_arch = "aarch64"),
+        allow(dead_code, reason = "used on arm64; unit-tested everywhere")
+    )]
+
+    /// A thread's floating-point and SIMD registers as ptrace gives them
+    /// (`NT_PRFPREG`, `struct user_fpsimd_state`): v0-v31, then fpsr and fpcr, then 8
+    /// reserved bytes.
+    pub type Fpsimd = [u8; FPSIMD_STATE_BYTES];
+
+    /// Bytes the stub takes: its code, the guards and the signal frame (two pages).
+    pub const BYTES: u64 = 8192;
+    /// Where the marker's stop leaves the program counter.
+    pub const MARKER_END: u64 = 12;
+    /// The descriptors the stub closes before it resumes the thread (as on x86-64,
+    /// [`super::Guards::encode`]d).
+    pub const GUARDS: u64 = 0x1c0;
+    /// Offset of the signal frame (`struct rt_sigframe`: a siginfo, then a ucontext),
+    /// 16-byte aligned as `rt_sigreturn` requires of the stack pointer.
+    pub const FRAME: u64 = 0x200;
+    /// `struct user_fpsimd_state`'s size.
+    pub const FPSIMD_STATE_BYTES: usize = 528;
+
+    // The ucontext's layout (arch/arm64/include/uapi/asm/ucontext.h, sigcontext.h),
+    // from the frame's start: after a 128-byte siginfo, uc_flags, uc_link, uc_stack
+    // (ss_sp, ss_flags, ss_size), uc_sigmask, 120 bytes of glibc's wider sigset, then
+    // the 16-byte aligned sigcontext: fault_address, x0-x30, sp, pc, pstate, and 4096
+    // bytes of records.
+    const UCONTEXT: usize = 128;
+    const STACK_FLAGS: usize = UCONTEXT + 16 + 8;
+    const SIGMASK: usize = UCONTEXT + 40;
+    const SIGCONTEXT: usize = UCONTEXT + 176;
+    const REGS: usize = SIGCONTEXT + 8;
+    const SP: usize = SIGCONTEXT + 256;
+    const PC: usize = SP + 8;
+    const PSTATE: usize = PC + 8;
+    const RECORDS: usize = SIGCONTEXT + 288;
+    /// The frame's size, which `rt_sigreturn` checks it may read whole.
+    pub const FRAME_BYTES: usize = RECORDS + 4096;
+    /// The FPSIMD record, which the kernel requires: its magic and size.
+    const FPSIMD_MAGIC: u32 = 0x4650_8001;
+    const FPSIMD_RECORD_BYTES: usize = 16 + 512;
+
+    /// An arm64 thread's general registers, as `NT_PRSTATUS` gives them.
+    pub struct GeneralRegisters<'a> {
+        /// x0-x30.
+        pub x: &'a [u64; 31],
+        pub sp: u64,
+        pub pc: u64,
+        pub pstate: u64,
+    }
+
+    /// The signal frame that resumes a thread with registers `regs`, signal mask
+    /// `mask` and floating-point state `fpsimd`.
+    pub fn frame(regs: &GeneralRegisters<'_>, mask: u64, fpsimd: &Fpsimd) -> Vec<u8> {
+        let mut f = vec![0u8; FRAME_BYTES];
+        let mut put = |at: usize, bytes: &[u8]| f[at..at + bytes.len()].copy_from_slice(bytes);
+        // An invalid mode: the kernel's sigaltstack of the frame's stack fails, and the
+        // thread keeps its alternate signal stack (which ptrace cannot read).
+        put(STACK_FLAGS, &3u32.to_le_bytes());
+        put(SIGMASK, &mask.to_le_bytes());
+        for (i, value) in regs.x.iter().enumerate() {
+            put(REGS + 8 * i, &value.to_le_bytes());
+        }
+        put(SP, &regs.sp.to_le_bytes());
+        put(PC, &regs.pc.to_le_bytes());
+        put(PSTATE, &regs.pstate.to_le_bytes());
+        // struct fpsimd_context: magic, size, fpsr, fpcr, v0-v31; a zero header ends
+        // the records.
+        put(RECORDS, &FPSIMD_MAGIC.to_le_bytes());
+        put(RECORDS + 4, &(FPSIMD_RECORD_BYTES as u32).to_le_bytes());
+        put(RECORDS + 8, &fpsimd[512..520]);
+        put(RECORDS + 16, &fpsimd[..512]);
+        f
+    }
+
+    const SVC0: u32 = 0xd400_0001;
+    const CLOSE: u32 = 57;
+    const GETPID: u32 = 172;
+    const RT_SIGRETURN: u32 = 139;
+
+    /// A tiny assembler: instructions appended at their byte offsets.
+    struct Code(Vec<u32>);
+
+    impl Code {
+        fn at(&self) -> i64 {
+            self.0.len() as i64 * 4
+        }
+        fn push(&mut self, instruction: u32) {
+            self.0.push(instruction);
+        }
+        /// Offset from here to `target`, in instructions, in `bits` bits.
+        fn words_to(&self, target: u64, bits: u32) -> u32 {
+            (((target as i64 - self.at()) >> 2) as u32) & ((1 << bits) - 1)
+        }
+        /// `movz xd, #imm`
+        fn movz(&mut self, rd: u32, imm: u32) {
+            self.push(0xd280_0000 | (imm << 5) | rd);
+        }
+        /// `ldr wt, target` (`x`: `ldr xt`), pc-relative.
+        fn ldr_literal(&mut self, rt: u32, target: u64, x: bool) {
+            let op = if x { 0x5800_0000 } else { 0x1800_0000 };
+            self.push(op | (self.words_to(target, 19) << 5) | rt);
+        }
+        /// `cbz wt, target` (`x`: `cbz xt`).
+        fn cbz(&mut self, rt: u32, target: u64, x: bool) {
+            let op = if x { 0xb400_0000 } else { 0x3400_0000 };
+            self.push(op | (self.words_to(target, 19) << 5) | rt);
+        }
+        /// `tbnz wt, #31, target`: taken when wt is negative.
+        fn tbnz_negative(&mut self, rt: u32, target: u64) {
+            self.push(0x3700_0000 | (31 << 19) | (self.words_to(target, 14) << 5) | rt);
+        }
+        /// `mov x8, #close; svc #0`: closes w0.
+        fn close_w0(&mut self) {
+            self.movz(8, CLOSE);
+            self.push(SVC0);
+        }
+    }
+
+    /// The stub's code, to be placed at the start of its area.
+    pub fn code() -> Vec<u8> {
+        let mut c = Code(Vec::with_capacity(32));
+        c.push(0xaa00_03e9); // mov x9, x0: the result
+        c.movz(8, GETPID);
+        c.push(SVC0); // the marker
+        // heapprofd is gone: the guarded descriptors first (the frame restores every
+        // register). The branch targets are the fixed offsets of this sequence.
+        c.ldr_literal(10, GUARDS, false); // result_is_fd
+        c.cbz(10, 36, false);
+        c.tbnz_negative(9, 36);
+        c.push(0x2a09_03e0); // mov w0, w9
+        c.close_w0();
+        for (slot, end) in [(0u64, 52u64), (1, 68)] {
+            c.ldr_literal(0, GUARDS + 4 + 4 * slot, false);
+            c.tbnz_negative(0, end);
+            c.close_w0();
+        }
+        c.ldr_literal(10, GUARDS + 16, true); // pair_at
+        c.cbz(10, 108, true);
+        c.push(0xb940_0140); // ldr w0, [x10]
+        c.tbnz_negative(0, 92);
+        c.close_w0();
+        c.push(0xb940_0540); // ldr w0, [x10, #4]
+        c.tbnz_negative(0, 108);
+        c.close_w0();
+        let here = c.at();
+        let to_frame = FRAME as i64 - here;
+        // adr x10, FRAME
+        c.push(
+            0x1000_000a
+                | (((to_frame & 3) as u32) << 29)
+                | ((((to_frame >> 2) as u32) & 0x7ffff) << 5),
+        );
+        c.push(0x9100_015f); // mov sp, x10
+        c.movz(8, RT_SIGRETURN);
+        c.push(SVC0);
+        c.push(0); // udf: never reached
+        c.0.iter().flat_map(|i| i.to_le_bytes()).collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// The instruction at byte `at` of `code`.
+        fn word(code: &[u8], at: usize) -> u32 {
+            u32::from_le_bytes(code[at..at + 4].try_into().expect("4 bytes"))
+        }
+
+        /// Where the pc-relative 19-bit immediate of the instruction at `at` points.
+        fn imm19_target(code: &[u8], at: usize) -> u64 {
+            let imm = (word(code, at) >> 5) & 0x7ffff;
+            let signed = ((imm << 13) as i32) >> 13;
+            (at as i64 + i64::from(signed) * 4) as u64
+        }
+
+        #[test]
+        fn the_stubs_code_points_where_its_data_is() {
+            let code = code();
+            assert!(code.len() as u64 <= GUARDS, "{} bytes", code.len());
+            assert_eq!(word(&code, 8), SVC0, "the marker's svc ends at MARKER_END");
+            assert_eq!(MARKER_END, 12);
+            assert_eq!(imm19_target(&code, 12), GUARDS, "ldr w10, result_is_fd");
+            assert_eq!(imm19_target(&code, 36), GUARDS + 4, "ldr w0, fds[0]");
+            assert_eq!(imm19_target(&code, 52), GUARDS + 8, "ldr w0, fds[1]");
+            assert_eq!(imm19_target(&code, 68), GUARDS + 16, "ldr x10, pair_at");
+            // The branches land on instruction starts inside the code.
+            assert_eq!(imm19_target(&code, 16), 36, "cbz w10");
+            assert_eq!(imm19_target(&code, 72), 108, "cbz x10");
+            for (at, target) in [(20, 36), (40, 52), (56, 68), (80, 92), (96, 108)] {
+                let imm = (word(&code, at) >> 5) & 0x3fff;
+                assert_eq!(at as u32 + imm * 4, target, "tbnz at {at}");
+            }
+            // adr x10, FRAME; mov sp, x10; rt_sigreturn.
+            let adr = word(&code, 108);
+            let imm = (((adr >> 5) & 0x7ffff) << 2) | ((adr >> 29) & 3);
+            assert_eq!(108 + u64::from(imm), FRAME);
+            assert_eq!(word(&code, 116), 0xd280_0000 | (RT_SIGRETURN << 5) | 8);
+            assert_eq!(word(&code, 120), SVC0);
+            assert_eq!(FRAME % 16, 0, "rt_sigreturn requires an aligned stack");
+            assert!(FRAME + FRAME_BYTES as u64 <= BYTES, "the frame fits");
+        }
+
+        #[test]
+        fn the_frame_holds_what_rt_sigreturn_reads() {
+            let x: [u64; 31] = std::array::from_fn(|i| 0x1000 + i as u64);
+            let regs = GeneralRegisters {
+                x: &x,
+                sp: 0x7fff_0000,
+                pc: 0x40_1234,
+                pstate: 0x6000_0000,
+            };
+            let mut fpsimd = [0u8; FPSIMD_STATE_BYTES];
+            fpsimd[0] = 0xaa; // v0's first byte
+            fpsimd[512..516].copy_from_slice(&0x11u32.to_le_bytes()); // fpsr
+            fpsimd[516..520].copy_from_slice(&0x22u32.to_le_bytes()); // fpcr
+            let f = frame(&regs, 0x8000_0001, &fpsimd);
+            let u64_at = |at: usize| u64::from_le_bytes(f[at..at + 8].try_into().expect("8"));
+            let u32_at = |at: usize| u32::from_le_bytes(f[at..at + 4].try_into().expect("4"));
+            assert_eq!(f.len(), 128 + 176 + 288 + 4096);
+            assert_eq!(u64_at(128 + 40), 0x8000_0001, "uc_sigmask");
+            assert_eq!(u32_at(128 + 24), 3, "uc_stack.ss_flags: an invalid mode");
+            assert_eq!(u64_at(304 + 8), 0x1000, "x0");
+            assert_eq!(u64_at(304 + 8 + 30 * 8), 0x1000 + 30, "x30");
+            assert_eq!(u64_at(304 + 256), 0x7fff_0000, "sp");
+            assert_eq!(u64_at(304 + 264), 0x40_1234, "pc");
+            assert_eq!(u64_at(304 + 272), 0x6000_0000, "pstate");
+            let records = 304 + 288;
+            assert_eq!(u32_at(records), 0x4650_8001, "FPSIMD magic");
+            assert_eq!(u32_at(records + 4), 528, "FPSIMD record size");
+            assert_eq!((u32_at(records + 8), u32_at(records + 12)), (0x11, 0x22));
+            assert_eq!(f[records + 16], 0xaa, "v0");
+            assert_eq!(u64_at(records + 528), 0, "the records end");
+        }
     }
 }

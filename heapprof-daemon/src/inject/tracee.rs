@@ -103,8 +103,12 @@ pub struct Tracee {
     munmap: u64,
     /// Stopped at the stub's marker: a system-call stop.
     at_syscall_stop: bool,
-    /// The descriptors the stub closes if heapprofd dies (x86-64).
+    /// The descriptors the stub closes if heapprofd dies.
     guards: super::regs::Guards,
+    /// arm64: the floating-point and SIMD registers when the thread was held (the
+    /// stub's frame restores them; so does giving the thread back).
+    #[cfg(target_arch = "aarch64")]
+    saved_fpsimd: Option<super::regs::Fpsimd>,
 }
 
 fn ptrace_error(request: &'static str, tid: i32) -> TraceError {
@@ -212,6 +216,8 @@ impl Tracee {
             munmap: 0,
             at_syscall_stop: false,
             guards: super::regs::Guards::NONE,
+            #[cfg(target_arch = "aarch64")]
+            saved_fpsimd: None,
         };
         // SAFETY: as above.
         if unsafe { ptrace(libc::PTRACE_INTERRUPT as u32, tid, 0, 0) } != 0 {
@@ -234,6 +240,12 @@ impl Tracee {
             }
         }
         tracee.saved = tracee.registers()?;
+        // Without it there is no stub (its frame needs it), only calls returning to 0.
+        #[cfg(target_arch = "aarch64")]
+        match super::regs::read_fpsimd(tid) {
+            Ok(state) => tracee.saved_fpsimd = Some(state),
+            Err((request, err)) => log::debug!("thread {tid}: {request} NT_PRFPREG: {err}"),
+        }
         let mut mask = 0u64;
         // SAFETY: PTRACE_GETSIGMASK writes 8 bytes to `mask`.
         if unsafe {
@@ -335,8 +347,8 @@ impl Tracee {
     ) -> Result<u64, TraceError> {
         // The call's stack: below the scratch memory, 16-byte aligned at the call.
         let sp = (self.scratch() - 64) & !0xf;
-        let (regs, return_slot) = self.saved.call(function, args, sp);
         let stub = self.stub;
+        let (regs, return_slot) = self.saved.call(function, args, sp, stub.unwrap_or(0));
         if let Some(slot) = return_slot {
             self.write(slot, &stub.unwrap_or(0).to_le_bytes())?;
         }
@@ -404,17 +416,16 @@ impl Tracee {
     /// [`super::regs::stub`]): if heapprofd dies while the thread runs one, the
     /// thread resumes where it was instead of faulting. `mmap`/`munmap`: the
     /// process's functions; the page goes when the thread is given back.
-    #[cfg(target_arch = "x86_64")]
     pub fn install_stub(&mut self, mmap: u64, munmap: u64) -> Result<(), TraceError> {
-        const PAGE: u64 = 4096;
         const PROT_READ_EXEC: u64 = 5;
         const MAP_PRIVATE_ANONYMOUS: u64 = 0x22;
+        let bytes = super::regs::stub::BYTES;
         let page = self.call(
             mmap,
-            &[0, PAGE, PROT_READ_EXEC, MAP_PRIVATE_ANONYMOUS, u64::MAX, 0],
+            &[0, bytes, PROT_READ_EXEC, MAP_PRIVATE_ANONYMOUS, u64::MAX, 0],
             Duration::from_secs(5),
         )?;
-        if page == 0 || page as i64 == -1 || page % PAGE != 0 {
+        if page == 0 || page as i64 == -1 || page % 4096 != 0 {
             return Err(TraceError::Memory {
                 tid: self.tid,
                 address: page,
@@ -430,27 +441,21 @@ impl Tracee {
         written
     }
 
-    /// Moves the return stub into the library's page at `area`, removing a page
+    /// Moves the return stub into the library's area at `area`, removing pages
     /// heapprofd mapped for it (that call returns into the new stub).
-    #[cfg(target_arch = "x86_64")]
     pub fn stub_in(&mut self, area: u64) -> Result<(), TraceError> {
         self.fill_stub(area)?;
         let old = self.stub.replace(area);
         let munmap = std::mem::take(&mut self.munmap);
+        let bytes = super::regs::stub::BYTES;
         if let Some(page) = old.filter(|_| munmap != 0)
-            && let Err(err) = self.call(munmap, &[page, 4096], Duration::from_secs(5))
+            && let Err(err) = self.call(munmap, &[page, bytes], Duration::from_secs(5))
         {
             log::debug!(
                 "thread {}: removing the mapped return stub: {err}",
                 self.tid
             );
         }
-        Ok(())
-    }
-
-    /// No stub on arm64 yet.
-    #[cfg(not(target_arch = "x86_64"))]
-    pub fn stub_in(&mut self, _area: u64) -> Result<(), TraceError> {
         Ok(())
     }
 
@@ -470,6 +475,25 @@ impl Tracee {
             .and_then(|()| self.write(page + stub::GUARDS, &self.guards.encode()))
     }
 
+    /// Writes the stub's code, its guards and the signal frame that resumes the thread
+    /// (registers, mask and floating-point state as they were when it was held) at
+    /// `area`.
+    #[cfg(target_arch = "aarch64")]
+    fn fill_stub(&self, area: u64) -> Result<(), TraceError> {
+        use super::regs::stub;
+        let Some(fpsimd) = &self.saved_fpsimd else {
+            return Err(TraceError::Memory {
+                tid: self.tid,
+                address: area,
+                source: io::Error::other("no floating-point state read for the stub's frame"),
+            });
+        };
+        let frame = self.saved.stub_frame(self.saved_mask, fpsimd);
+        self.write(area + stub::FRAME, &frame)
+            .and_then(|()| self.write(area + stub::GUARDS, &self.guards.encode()))
+            .and_then(|()| self.write(area, &stub::code()))
+    }
+
     /// What the stub closes now.
     pub fn guards(&self) -> super::regs::Guards {
         self.guards
@@ -479,16 +503,9 @@ impl Tracee {
     /// heapprofd's death leaves the old state or the new one). Without a stub, nothing.
     pub fn guard(&mut self, guards: super::regs::Guards) -> Result<(), TraceError> {
         self.guards = guards;
-        #[cfg(target_arch = "x86_64")]
         if let Some(page) = self.stub {
             return self.write(page + super::regs::stub::GUARDS, &guards.encode());
         }
-        Ok(())
-    }
-
-    /// No stub on arm64 yet: remote calls return to address 0.
-    #[cfg(not(target_arch = "x86_64"))]
-    pub fn install_stub(&mut self, _mmap: u64, _munmap: u64) -> Result<(), TraceError> {
         Ok(())
     }
 
@@ -500,7 +517,8 @@ impl Tracee {
         }
         if let Some(page) = self.stub.take() {
             let munmap = self.munmap;
-            if let Err(err) = self.call(munmap, &[page, 4096], Duration::from_secs(5)) {
+            let bytes = super::regs::stub::BYTES;
+            if let Err(err) = self.call(munmap, &[page, bytes], Duration::from_secs(5)) {
                 log::debug!("thread {}: removing the return stub: {err}", self.tid);
             }
         }
@@ -518,6 +536,12 @@ impl Tracee {
             self.saved.given_back(self.first_argument)
         };
         let restored = self.set_registers(&registers);
+        #[cfg(target_arch = "aarch64")]
+        if let Some(state) = &self.saved_fpsimd
+            && let Err((request, err)) = super::regs::write_fpsimd(self.tid, state)
+        {
+            log::debug!("thread {}: {request} NT_PRFPREG: {err}", self.tid);
+        }
         let mask = self.saved_mask;
         // SAFETY: PTRACE_SETSIGMASK reads 8 bytes from `mask`.
         unsafe {
