@@ -148,41 +148,59 @@ for f in $(find /tmp/out/glibc -name '*.pb.gz' | sort); do
     base64 $f
     echo "==END"
 done
-# heapprofd SIGKILLed in the middle of its Nth call into a process it joins, N = 2, 3,
-# ... until a run makes fewer calls: the call returns into the return stub, which
-# resumes the thread where it was held; the process then works and ends as it should.
-rm -f /tmp/kfifo && mkfifo /tmp/kfifo
-/t/waiter 1000 48 < /tmp/kfifo > /tmp/kwaiter.out &
-kwaiter=$!
-exec 4> /tmp/kfifo
-killed=0
-call=2
-while [ $call -le 40 ]; do
-    HEAPPROFD_TEST_KILL_IN_REMOTE_CALL=$call /heapprofd -o /tmp/out/kill --interval 1h --inject auto --pid $kwaiter > /tmp/kill.log 2>&1 4>&- &
+# heapprofd SIGKILLed in the middle of its Nth call into a process it joins: the call
+# returns into the return stub, which resumes the thread where it was held; the
+# process then works and ends as it should. First into new processes, N = 2, 3, ...
+# (the 1st maps the stub's pages) until a run makes fewer calls; then, N = 1, 2, ...,
+# into one that has the library from an earlier session.
+kill_in_call() { # N PID: 0 if heapprofd died in its Nth call, 1 if it made fewer
+    HEAPPROFD_TEST_KILL_IN_REMOTE_CALL=$1 /heapprofd -o /tmp/out/kill --interval 1h --inject auto --pid $2 > /tmp/kill.log 2>&1 4>&- &
     k=$!
     tries=0
     until ! kill -0 $k 2>/dev/null || grep -q "probes on" /tmp/kill.log || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
     if kill -0 $k 2>/dev/null; then
         kill -INT $k
         wait $k
-        break
+        return 1
     fi
     wait $k
-    if ! kill -0 $kwaiter 2>/dev/null; then
-        echo "==KILLED-IN-CALL $call: the process is gone"
-        cat /tmp/kill.log
-        break
-    fi
+    return 0
+}
+start_waiter() {
+    rm -f /tmp/kfifo && mkfifo /tmp/kfifo
+    /t/waiter 1000 48 < /tmp/kfifo > /tmp/kwaiter.out &
+    kwaiter=$!
+    exec 4> /tmp/kfifo
+}
+end_waiter() { # NAME: the waiter works, ends, and says so
+    echo go >&4
+    tries=0
+    until grep -q done /tmp/kwaiter.out || [ $tries -ge 300 ]; do sleep 0.1; tries=$((tries + 1)); done
+    exec 4>&-
+    wait $kwaiter
+    echo "==STATUS $1 $?"
+}
+killed=0
+call=2
+while [ $call -le 30 ]; do
+    start_waiter
+    kill_in_call $call $kwaiter || { end_waiter "new-$call"; break; }
     killed=$call
+    end_waiter "new-$call"
     call=$((call + 1))
 done
-echo go >&4
-tries=0
-until grep -q done /tmp/kwaiter.out || [ $tries -ge 300 ]; do sleep 0.1; tries=$((tries + 1)); done
-exec 4>&-
-wait $kwaiter
-echo "==STATUS kill-in-call $? (killed in calls 2 to $killed)"
-echo "==KILLED-UP-TO $killed"
+echo "==KILLED-UP-TO new $killed"
+start_waiter
+kill_in_call 1000 $kwaiter
+loaded=0
+call=1
+while [ $call -le 30 ] && kill_in_call $call $kwaiter; do
+    kill -0 $kwaiter 2>/dev/null || break
+    loaded=$call
+    call=$((call + 1))
+done
+end_waiter "loaded"
+echo "==KILLED-UP-TO loaded $loaded"
 if [ -e /sys/kernel/btf/vmlinux ]; then
     : > /tmp/empty
     mount --bind /tmp/empty /sys/kernel/btf/vmlinux
@@ -762,32 +780,41 @@ fn arm64_vm_with_and_without_btf() {
         .lines()
         .filter(|l| l.starts_with("==STATUS"))
         .collect();
+    // The kill-in-call rounds: one status per new process, then the loaded one's.
+    let kill_rounds = statuses
+        .iter()
+        .filter(|l| l.starts_with("==STATUS new-") || l.starts_with("==STATUS loaded "))
+        .count();
     assert!(
         console.contains("==INSMOD brd 0"),
         "the RAM disk module did not load:\n{console}"
     );
     assert_eq!(
-        statuses.len(),
-        25,
+        statuses.len() - kill_rounds,
+        24,
         "scenario statuses: {statuses:?}\n{console}"
     );
     for status in &statuses {
-        let status = status.split(" (").next().unwrap_or(status);
         assert!(
             status.trim_end().ends_with(" 0"),
             "a scenario failed in the VM: {status}; console:\n{console}"
         );
     }
     // heapprofd killed in each of its calls into a new process (from the second: the
-    // first maps the stub's pages), the waiter alive and ending with status 0 above.
-    let killed: u32 = console
-        .lines()
-        .find_map(|l| l.strip_prefix("==KILLED-UP-TO "))
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no kill-in-call round:\n{console}"));
+    // first maps the stub's pages), and into one with the library (from the first),
+    // every waiter alive and ending with status 0 above.
+    let killed = |phase: &str| -> u32 {
+        console
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("==KILLED-UP-TO {phase} ")))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no kill-in-call round ({phase}):\n{console}"))
+    };
+    let (new, loaded) = (killed("new"), killed("loaded"));
     assert!(
-        killed >= 4,
-        "heapprofd was killed in only {killed} calls into the process:\n{console}"
+        new >= 4 && loaded >= 1,
+        "heapprofd was killed in calls 2 to {new} of new processes and 1 to {loaded} \
+         of one with the library: too few calls\n{console}"
     );
     assert!(
         console.contains("==BTF hidden: 0 bytes"),
@@ -801,7 +828,8 @@ fn arm64_vm_with_and_without_btf() {
     check_family(&profiles, "glibc");
     check_abc(&profiles, "glibc", &["stacks-O2"]);
     eprintln!(
-        "arm64 VM: {} profiles checked; heapprofd killed in calls 2 to {killed}; {}",
+        "arm64 VM: {} profiles checked; heapprofd killed in calls 2 to {new} (new \
+         processes) and 1 to {loaded} (the library loaded); {}",
         profiles.len(),
         console
             .lines()
