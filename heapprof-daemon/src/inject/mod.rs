@@ -15,7 +15,7 @@
 //! 3. The probe site is probed (by the caller), then the library's `heapprofd_join`
 //!    gets the answers' map and heapprofd's pidfd over a socket pair and points the
 //!    slots the process calls its allocator through (its objects' GOT) at its
-//!    wrappers (`preload/got.c`).
+//!    wrappers (`interposer/got.c`).
 //! 4. At the end, `heapprofd_leave` puts the slots back. If heapprofd dies first, the
 //!    library sees its pidfd readable and leaves by itself.
 //!
