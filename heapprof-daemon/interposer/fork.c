@@ -3,15 +3,15 @@
  * the queue, reply slot and known stacks start afresh (a new process, a new thread
  * id), the spare states' lock is free, the probe site is made safe to call, and the
  * child says hello. A joined process's child that heapprofd does not trace leaves
- * (join.c).
+ * (joined.c).
  */
 #include "fork.h"
 
 #include "interposer.h"
-#include "join.h"
-#include "lifecycle.h"
+#include "joined.h"
 #include "probe_site.h"
 #include "report.h"
+#include "state.h"
 #include "thread.h"
 
 static void before_fork(void)

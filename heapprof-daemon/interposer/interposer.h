@@ -23,18 +23,21 @@
  * probe at all; frees are then reported only for the sampled blocks, which a small
  * lock-free set remembers.
  *
- * Its parts, one job each; this header is what they all share (the C library
- * functions bound at load, the macros, the linker's marks):
- *   probe_site.c/.h   the probe site heapprofd's uprobe reads, and the call of it
- *   thread.c/.h       each thread's state: its queue, its known stacks
+ * Its parts, one job each, each calling only the parts listed below it (no part
+ * calls back up); this header is what they all share (the C library functions bound
+ * at load, the macros, the linker's marks):
+ *   join.c            heapprofd_join: joining a running process (--pid)
+ *   wrappers.c/.h     the C functions' and C++ operators' wrappers
+ *   lifecycle.c/.h    start-up (the real functions, the program's answers) and exit
+ *   exec_follow.c/.h  following a joined process through exec
+ *   fork.c/.h         fork safety: the child's queue and probe site
+ *   joined.c/.h       what a join holds, the look now and then, leaving
  *   report.c/.h       the per-thread queue, sampling and reporting (signal safety:
  *                     the queue's busy sections)
- *   lifecycle.c/.h    start-up (the real functions, the program's answers) and exit
- *   wrappers.c/.h     the C functions' and C++ operators' wrappers
- *   fork.c/.h         fork safety: the child's queue and probe site
- *   join.c/.h         joining a running process and leaving it (--pid)
- *   got.c/.h          rewriting a running process's GOT slots (for join.c)
- *   exec_follow.c/.h  following a joined process through exec
+ *   thread.c/.h       each thread's state: its queue, its known stacks
+ *   state.c/.h        the library's state, which every part reads
+ *   got.c/.h          rewriting a running process's GOT slots
+ *   probe_site.c/.h   the probe site heapprofd's uprobe reads, and the call of it
  * Names shared between the parts are hidden (-fvisibility=hidden, and the headers'
  * visibility pragma): only what carries EXPORT is seen by the process.
  */

@@ -1,29 +1,59 @@
 /*
- * The library's life in a process: start-up (the real functions, what they tell of
- * the allocator, the program's answers, the first hello) from the constructor or the
- * first wrapped call, and the exiting thread's last report.
+ * The library's start in a process: the real functions and what they tell of the
+ * allocator, the program's answers, the first hello, from the constructor or the
+ * first wrapped call (a following exec's image joins here, with what the exec handed
+ * over); and the exiting thread's last report.
  */
 #include "lifecycle.h"
 
 #include "exec_follow.h"
 #include "fork.h"
-#include "join.h"
+#include "got.h"
+#include "joined.h"
 #include "probe_site.h"
 #include "report.h"
+#include "state.h"
 #include "thread.h"
-#include "wrappers.h"
-
-EXPORT volatile uint32_t heapprofd_injected = LAUNCHED_MARK;
-
-volatile int state = UNINITIALIZED;
-uint64_t sample_rate;
-uint64_t page_size = 4096;
-int cxx_through_malloc = 1;
-struct hp_stack_reply *replies;
-void *cxx_base;
-struct real_functions real;
 
 void *next(const char *name) { return dlsym(RTLD_NEXT, name); }
+
+/* The executable segments of the object loaded at `base`, from its ELF headers in
+ * memory (a shared object maps them with its first segment). */
+static void find_allocator_text(const unsigned char *base)
+{
+    if (!base || base[0] != 0x7f || base[1] != 'E' || base[2] != 'L' || base[3] != 'F' ||
+        base[4] != 2 /* ELFCLASS64 */)
+        return;
+    uint64_t phoff = *(const uint64_t *)(base + 0x20);
+    uint16_t phentsize = *(const uint16_t *)(base + 0x36);
+    uint16_t phnum = *(const uint16_t *)(base + 0x38);
+    if (phentsize < 56 || phnum == 0 || phnum > 64 || phoff > 4096)
+        return;
+    uint64_t lowest = UINT64_MAX, start = UINT64_MAX, end = 0;
+    for (uint16_t i = 0; i < phnum; i++) {
+        const unsigned char *ph = base + phoff + (uint64_t)i * phentsize;
+        uint32_t type = *(const uint32_t *)ph;
+        uint32_t flags = *(const uint32_t *)(ph + 4);
+        uint64_t vaddr = *(const uint64_t *)(ph + 16);
+        uint64_t memsz = *(const uint64_t *)(ph + 40);
+        if (type != 1 /* PT_LOAD */)
+            continue;
+        if (vaddr < lowest)
+            lowest = vaddr;
+        if (flags & 1 /* PF_X */) {
+            if (vaddr < start)
+                start = vaddr;
+            if (vaddr + memsz > end)
+                end = vaddr + memsz;
+        }
+    }
+    if (start >= end || lowest == UINT64_MAX)
+        return;
+    uint64_t bias = (uint64_t)(uintptr_t)base - (lowest & ~(uint64_t)4095);
+    allocator_text_start = bias + start;
+    allocator_text_end = bias + end;
+}
+
 
 /* Whether the C++ operators found next are libstdc++'s (or libc++'s), which allocate
  * with malloc: those pass through and malloc reports, as without this library. */
@@ -125,6 +155,35 @@ void learn_allocator(void)
     long page = sysconf(SC_PAGESIZE);
     if (page > 0)
         page_size = (uint64_t)page;
+}
+
+/* The exec functions, so that an exec takes the library along (exec_follow.c). */
+void choose_exec_targets(void)
+{
+    unsigned room = REDIRECTED_MOST - redirected_count;
+    redirected_count += hp_exec_targets(redirected + redirected_count, room);
+}
+
+/* The image a following exec started: joined from its first call, like a launched
+ * program, with what the exec handed over; its own execs are followed in turn. */
+static void start_followed(const struct hp_follow *follow)
+{
+    followed = 1;
+    library_fd = follow->library;
+    replies_fd = follow->replies;
+    daemon_pidfd = follow->pidfd;
+    children_joined = follow->children;
+    joined_pid = getpid();
+    sample_rate = follow->rate;
+    map_replies_fd(replies_fd);
+    prepare_sampling();
+    register_fork_handlers();
+    redirected_count = 0;
+    choose_exec_targets();
+    loads_seen = loader_adds();
+    got_rewrite(redirected, redirected_count, __ehdr_start, 0, 1);
+    hello();
+    __atomic_store_n(&state, ACTIVE, __ATOMIC_RELEASE);
 }
 
 void initialize(void)

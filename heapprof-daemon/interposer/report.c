@@ -6,9 +6,9 @@
  */
 #include "report.h"
 
-#include "join.h"
-#include "lifecycle.h"
 #include "probe_site.h"
+#include "state.h"
+#include "thread.h"
 
 /* -ln(u) for u in (0, 1]: ln(m * 2^e) with m in [1, 2), ln(m) by the atanh series. */
 static double neg_log(double u)
@@ -234,19 +234,11 @@ static inline const struct known_stack *find_known(struct thread_state *t, uint6
     return NULL;
 }
 
-/* Allocations of a thread between two injected_check()s. */
-#define CHECK_EVERY 512
-
 void report(struct thread_state *t, unsigned function, void *p, uint64_t size, uint64_t ra,
             uint64_t sp, uint64_t fp)
 {
     if (!p || unlikely(t == &no_state))
         return;
-    if (unlikely(t->until_check-- == 0)) {
-        t->until_check = CHECK_EVERY;
-        if (injected())
-            injected_check();
-    }
     if (sample_rate) {
         if (!sampled(t, size))
             return;
@@ -305,4 +297,22 @@ void prepare_sampling(void)
     void *set = mmap(NULL, SET_SLOTS * sizeof(uint64_t), PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     sampled_set = set == MAP_FAILED ? NULL : set;
+}
+
+/* The key's destructor: the thread ends. Its last records are reported and its queue
+ * unregistered (the state will be another thread's), then the state is spare. */
+void thread_ends(void *value)
+{
+    struct thread_state *t = value;
+    if (!t || t == &no_state)
+        return;
+    if (state == ACTIVE && (t->registered || t->queue.len)) {
+        busy_begin(t);
+        probe(0, 0, 0, 0, 0, queue_address(t),
+              meta(t, 0, HP_KIND_FLUSH) | HP_META_UNREGISTER_QUEUE);
+        reported(t);
+        busy_end(t);
+    }
+    t->registered = 0;
+    spare_thread(t);
 }

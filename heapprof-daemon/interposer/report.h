@@ -25,6 +25,8 @@ void hello(void);
 /* The set of sampled blocks, empty (an injected library's from an earlier join is
  * cleared: its blocks belonged to that session). */
 void prepare_sampling(void);
+/* The thread key's destructor: the thread ends. */
+void thread_ends(void *value);
 
 #pragma GCC visibility pop
 

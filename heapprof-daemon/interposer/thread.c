@@ -2,15 +2,11 @@
  * Each thread's state, found through a pthread key, not thread-local storage: a TLS
  * block would make this library one more TLS module, and glibc would allocate 16 more
  * bytes for every new thread's DTV, an allocation the program makes only because of
- * heapprofd. The key's destructor reports the thread's last records and hands its
- * state to the next thread (which keeps its known stacks and its reply slot: both
- * hold for any thread of the process).
+ * heapprofd. The key's destructor (report.c's thread_ends) reports the thread's last
+ * records and hands its state to the next thread (which keeps its known stacks and
+ * its reply slot: both hold for any thread of the process).
  */
 #include "thread.h"
-
-#include "lifecycle.h"
-#include "probe_site.h"
-#include "report.h"
 
 unsigned thread_key;
 static struct thread_state *spare_states;
@@ -73,21 +69,9 @@ __attribute__((noinline)) struct thread_state *renew_thread(struct thread_state 
     return t;
 }
 
-/* The key's destructor: the thread ends. Its last records are reported and its queue
- * unregistered (the state will be another thread's), then the state is spare. */
-void thread_ends(void *value)
+/* Makes `t` spare: the next thread without a state takes it. */
+void spare_thread(struct thread_state *t)
 {
-    struct thread_state *t = value;
-    if (!t || t == &no_state)
-        return;
-    if (state == ACTIVE && (t->registered || t->queue.len)) {
-        busy_begin(t);
-        probe(0, 0, 0, 0, 0, queue_address(t),
-              meta(t, 0, HP_KIND_FLUSH) | HP_META_UNREGISTER_QUEUE);
-        reported(t);
-        busy_end(t);
-    }
-    t->registered = 0;
     while (__atomic_exchange_n(&spare_lock, 1, __ATOMIC_ACQUIRE))
         ;
     t->next_spare = spare_states;

@@ -61,8 +61,8 @@ extern uint32_t session;
 
 struct thread_state *adopt_thread(void);
 struct thread_state *renew_thread(struct thread_state *t);
-/* The key's destructor: the thread ends. */
-void thread_ends(void *value);
+/* Makes `t` spare: the next thread without a state takes it. */
+void spare_thread(struct thread_state *t);
 
 #pragma GCC visibility pop
 

@@ -6,53 +6,13 @@
 #include "wrappers.h"
 
 #include "interposer.h"
+#include "joined.h"
 #include "lifecycle.h"
 #include "preload_abi.h"
 #include "probe_site.h"
 #include "report.h"
+#include "state.h"
 #include "thread.h"
-
-/* The code of the object serving malloc: a call made inside a real allocator call
- * from there is the allocator's own; from anywhere else (a signal handler that
- * interrupted it) it is the program's. Both 0: every such call is the allocator's. */
-static uint64_t allocator_text_start, allocator_text_end;
-
-/* The executable segments of the object loaded at `base`, from its ELF headers in
- * memory (a shared object maps them with its first segment). */
-void find_allocator_text(const unsigned char *base)
-{
-    if (!base || base[0] != 0x7f || base[1] != 'E' || base[2] != 'L' || base[3] != 'F' ||
-        base[4] != 2 /* ELFCLASS64 */)
-        return;
-    uint64_t phoff = *(const uint64_t *)(base + 0x20);
-    uint16_t phentsize = *(const uint16_t *)(base + 0x36);
-    uint16_t phnum = *(const uint16_t *)(base + 0x38);
-    if (phentsize < 56 || phnum == 0 || phnum > 64 || phoff > 4096)
-        return;
-    uint64_t lowest = UINT64_MAX, start = UINT64_MAX, end = 0;
-    for (uint16_t i = 0; i < phnum; i++) {
-        const unsigned char *ph = base + phoff + (uint64_t)i * phentsize;
-        uint32_t type = *(const uint32_t *)ph;
-        uint32_t flags = *(const uint32_t *)(ph + 4);
-        uint64_t vaddr = *(const uint64_t *)(ph + 16);
-        uint64_t memsz = *(const uint64_t *)(ph + 40);
-        if (type != 1 /* PT_LOAD */)
-            continue;
-        if (vaddr < lowest)
-            lowest = vaddr;
-        if (flags & 1 /* PF_X */) {
-            if (vaddr < start)
-                start = vaddr;
-            if (vaddr + memsz > end)
-                end = vaddr + memsz;
-        }
-    }
-    if (start >= end || lowest == UINT64_MAX)
-        return;
-    uint64_t bias = (uint64_t)(uintptr_t)base - (lowest & ~(uint64_t)4095);
-    allocator_text_start = bias + start;
-    allocator_text_end = bias + end;
-}
 
 /* Whether `ra` is in no loaded object: the kernel's return-probe trampoline, which
  * another tool's return probe on the real function put in place of its return
@@ -101,6 +61,24 @@ static inline int in_arena(const void *p)
 
 static inline size_t arena_size(const void *p) { return *(const size_t *)((const char *)p - 16); }
 
+/* ---- reporting, and the join's look now and then -------------------------------------- */
+
+/* Allocations of a thread between two injected_check()s. */
+#define CHECK_EVERY 512
+
+/* Reports an allocation (report.c); every CHECK_EVERY allocations of a thread, an
+ * injected library first looks whether heapprofd still holds the join (joined.c). */
+static inline void report_checked(struct thread_state *t, unsigned function, void *p,
+                                  uint64_t size, uint64_t ra, uint64_t sp, uint64_t fp)
+{
+    if (p && likely(t != &no_state) && unlikely(t->until_check-- == 0)) {
+        t->until_check = CHECK_EVERY;
+        if (injected())
+            injected_check();
+    }
+    report(t, function, p, size, ra, sp, fp);
+}
+
 /* ---- the C functions -------------------------------------------------------------------- */
 
 /* Whether a call passes through unreported: inside a real allocator call of the
@@ -128,7 +106,7 @@ EXPORT void *malloc(size_t size)
     if (passes_through(t, CALLER_RA()))
         return real.malloc(size);
     void *p = REAL_CALL(t, real.malloc(size));
-    report(t, HP_FN_MALLOC, p, size, CALLER_RA(), CALLER_SP(), CALLER_FP());
+    report_checked(t, HP_FN_MALLOC, p, size, CALLER_RA(), CALLER_SP(), CALLER_FP());
     return p;
 }
 
@@ -144,7 +122,8 @@ EXPORT void *calloc(size_t count, size_t size)
     if (passes_through(t, CALLER_RA()))
         return real.calloc(count, size);
     void *p = REAL_CALL(t, real.calloc(count, size));
-    report(t, HP_FN_CALLOC, p, (uint64_t)count * size, CALLER_RA(), CALLER_SP(), CALLER_FP());
+    report_checked(t, HP_FN_CALLOC, p, (uint64_t)count * size, CALLER_RA(), CALLER_SP(),
+                   CALLER_FP());
     return p;
 }
 
@@ -167,7 +146,7 @@ static inline void moved(struct thread_state *t, unsigned function, void *old, v
 {
     if (old && (p || size == 0))
         queue_free(t, old);
-    report(t, function, p, size, ra, sp, fp);
+    report_checked(t, function, p, size, ra, sp, fp);
 }
 
 EXPORT void *realloc(void *old, size_t size)
@@ -215,7 +194,8 @@ EXPORT int posix_memalign(void **out, size_t alignment, size_t size)
         return real.posix_memalign(out, alignment, size);
     int error = REAL_CALL(t, real.posix_memalign(out, alignment, size));
     if (error == 0)
-        report(t, HP_FN_POSIX_MEMALIGN, *out, size, CALLER_RA(), CALLER_SP(), CALLER_FP());
+        report_checked(t, HP_FN_POSIX_MEMALIGN, *out, size, CALLER_RA(), CALLER_SP(),
+                       CALLER_FP());
     return error;
 }
 
@@ -230,7 +210,7 @@ EXPORT int posix_memalign(void **out, size_t alignment, size_t size)
         if (passes_through(t, CALLER_RA()))                                       \
             return real.name args;                                                         \
         void *p = REAL_CALL(t, real.name args);                                            \
-        report(t, index, p, bytes, CALLER_RA(), CALLER_SP(), CALLER_FP());                 \
+        report_checked(t, index, p, bytes, CALLER_RA(), CALLER_SP(), CALLER_FP());         \
         return p;                                                                          \
     }
 
@@ -313,7 +293,7 @@ static __attribute__((noinline)) int cxx_nested(uint64_t ra)
         t->cxx_depth++;                                                                    \
         void *p = next_ args;                                                              \
         t->cxx_depth--;                                                                    \
-        report(t, HP_FN_FIRST_NEW + slot, p, size, ra, CALLER_SP(), CALLER_FP());          \
+        report_checked(t, HP_FN_FIRST_NEW + slot, p, size, ra, CALLER_SP(), CALLER_FP());  \
         return p;                                                                          \
     }
 
