@@ -11,6 +11,7 @@ pub mod live;
 pub mod names;
 pub mod preload;
 pub mod unwind;
+pub mod walk_cache;
 
 /// Maximum number of user-space frames recorded per stack.
 pub const MAX_STACK_DEPTH: u32 = 127;
