@@ -17,6 +17,39 @@ pub const SITE_WAYS: usize = 8;
 /// A site tag before a site is known (no [`site_tag`] is this).
 pub const NO_SITE: u32 = u32::MAX;
 
+/// Where a walk starts: the thread, its process image, the caller's registers, and
+/// the daemon's epochs (`WALK_EPOCH`) when it was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WalkOrigin {
+    /// The thread.
+    pub pid_tgid: u64,
+    /// The caller's return address.
+    pub pc: u64,
+    /// The caller's stack pointer.
+    pub sp: u64,
+    /// The caller's frame pointer.
+    pub fp: u64,
+    /// The process image.
+    pub exec_gen: u32,
+    /// The daemon's epochs.
+    pub epoch: u64,
+}
+
+/// Whether a walk remembered from `remembered` (which read the frame pointer register
+/// if `uses_fp`) is the walk a start from `now` would make, as far as registers and
+/// mappings go: the same thread, image, return address and stack pointer, the same
+/// frame pointer if the walk used it, and no change of mappings (or sites) since. The
+/// stack words it read are checked apart ([`mix`]).
+#[inline(always)]
+pub const fn same_origin(remembered: &WalkOrigin, uses_fp: bool, now: &WalkOrigin) -> bool {
+    remembered.pid_tgid == now.pid_tgid
+        && remembered.pc == now.pc
+        && remembered.sp == now.sp
+        && remembered.exec_gen == now.exec_gen
+        && remembered.epoch == now.epoch
+        && (!uses_fp || remembered.fp == now.fp)
+}
+
 /// Adds `value` to a hash of words (order matters: a walk's words are hashed in the
 /// order it read them).
 #[inline(always)]
@@ -81,6 +114,40 @@ mod tests {
             .map(|frame| first_entry(42, 0x5555_0000_1234, 0x7ffd_0000_0000 - frame * 64))
             .collect();
         assert!(sets.len() > 32, "{} sets for 64 frames", sets.len());
+    }
+
+    #[test]
+    fn a_remembered_walk_holds_only_from_the_same_origin() {
+        let origin = WalkOrigin {
+            pid_tgid: 7 << 32 | 8,
+            pc: 0x5555_0000_1234,
+            sp: 0x7ffd_0000_1000,
+            fp: 0x7ffd_0000_1040,
+            exec_gen: 2,
+            epoch: 9,
+        };
+        assert!(same_origin(&origin, true, &origin));
+        let other_fp = WalkOrigin { fp: 0, ..origin };
+        assert!(same_origin(&origin, false, &other_fp), "fp unused");
+        assert!(!same_origin(&origin, true, &other_fp), "fp used");
+        for changed in [
+            WalkOrigin {
+                pid_tgid: 1,
+                ..origin
+            },
+            WalkOrigin { pc: 1, ..origin },
+            WalkOrigin { sp: 1, ..origin },
+            WalkOrigin {
+                exec_gen: 3,
+                ..origin
+            },
+            WalkOrigin {
+                epoch: 10,
+                ..origin
+            },
+        ] {
+            assert!(!same_origin(&origin, false, &changed), "{changed:?}");
+        }
     }
 
     #[test]

@@ -17,14 +17,18 @@
 //! places) keeps a walk for each: the C++ STL benchmark misses 5% of its walks with
 //! one walk per set, 0.1% with two.
 //!
-//! The arithmetic (where a walk is kept, the hash of its words, where its sites are
-//! kept, which words it can check) is `heapprof_common::walk_cache`'s, tested there.
+//! The checks and arithmetic (whether a walk starts where a new one would, where it is
+//! kept, the hash of its words, where its sites are kept, which words it can check)
+//! are `heapprof_common::walk_cache`'s, tested there.
 
 use aya_ebpf::{helpers::bpf_probe_read_user_buf, macros::map, maps::PerCpuArray};
 use heapprof_common::{
     SiteId, WalkOutcome,
     preload::{REPLY_READS, StackReply},
-    walk_cache::{NO_SITE, SETS, SITE_WAYS, first_entry, mix, site_tag, site_way, stack_place},
+    walk_cache::{
+        NO_SITE, SETS, SITE_WAYS, WalkOrigin, first_entry, mix, same_origin, site_tag, site_way,
+        stack_place,
+    },
 };
 
 use crate::maps::{
@@ -138,12 +142,23 @@ pub fn epoch_now() -> u64 {
 /// Whether `entry` is a walk from `start`'s registers, made with the same mappings.
 #[inline(always)]
 fn starts_at(entry: &CachedWalk, start: &WalkStart) -> bool {
-    entry.pid_tgid == start.pid_tgid
-        && entry.pc == start.pc
-        && entry.sp == start.sp
-        && entry.exec_gen == start.exec_gen
-        && entry.epoch == start.epoch
-        && (entry.uses_fp == 0 || entry.fp == start.fp)
+    let remembered = WalkOrigin {
+        pid_tgid: entry.pid_tgid,
+        pc: entry.pc,
+        sp: entry.sp,
+        fp: entry.fp,
+        exec_gen: entry.exec_gen,
+        epoch: entry.epoch,
+    };
+    let now = WalkOrigin {
+        pid_tgid: start.pid_tgid,
+        pc: start.pc,
+        sp: start.sp,
+        fp: start.fp,
+        exec_gen: start.exec_gen,
+        epoch: start.epoch,
+    };
+    same_origin(&remembered, entry.uses_fp != 0, &now)
 }
 
 /// Copies the `span` bytes of the stack above `sp` into this CPU's window.
