@@ -1,18 +1,19 @@
 //! Builds what the daemon embeds: the BPF programs (heapprof-ebpf, with aya-build)
-//! and launch mode's preload library (`preload/`, with the target's C compiler).
+//! and launch mode's preload library (the C interposer in `interposer/`, with the
+//! target's C compiler).
 
 use anyhow::Context as _;
 use aya_build::{Package, Toolchain};
 
-#[path = "preload/build.rs"]
-mod preload;
+#[path = "interposer/build.rs"]
+mod interposer;
 
 /// Must match the nightly that xtask installs: bpf-linker is built against its LLVM.
 const BPF_TOOLCHAIN: &str = "nightly-2026-10-30";
 
 fn main() -> anyhow::Result<()> {
     let manifest_dir = std::path::PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
-    preload::build(&manifest_dir)?;
+    interposer::build(&manifest_dir)?;
     let ebpf_dir = manifest_dir
         .parent()
         .context("daemon crate has no parent directory")?

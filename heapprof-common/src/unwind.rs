@@ -148,6 +148,78 @@ pub struct ExecMapping {
     pub _pad: u32,
 }
 
+impl ExecMapping {
+    /// Whether `address` is in this mapping.
+    #[inline(always)]
+    pub const fn contains(&self, address: u64) -> bool {
+        self.start <= address && address < self.end
+    }
+}
+
+impl UnwindRow {
+    /// Whether this row, the last one starting at or below `vaddr` (an address in the
+    /// object's file), gives `vaddr` a rule: a gap's row gives none.
+    #[inline(always)]
+    pub const fn covers(&self, vaddr: u64) -> bool {
+        self.pc as u64 <= vaddr && self.rule != RULE_NONE
+    }
+}
+
+/// The address in its object's file of `address`, in a mapping with load bias `bias`,
+/// if an object's rows can hold it (their addresses are 32-bit).
+#[inline(always)]
+pub const fn object_address(address: u64, bias: u64) -> Option<u64> {
+    let vaddr = address.wrapping_sub(bias);
+    if vaddr > u32::MAX as u64 {
+        return None;
+    }
+    Some(vaddr)
+}
+
+/// A binary search, in progress, for the last of some entries sorted by their start
+/// whose start is at most a key: that entry, if any, lies in `[low, low + len)`. The
+/// BPF unwinder steps it in `bpf_loop` callbacks, at most [`MAPPING_SEARCH_STEPS`]
+/// over a process's mappings and [`ROW_SEARCH_STEPS`] over an object's rows, each
+/// step branch-free (one path for the verifier).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SearchRange {
+    /// First candidate.
+    pub low: u32,
+    /// Candidates left.
+    pub len: u32,
+}
+
+impl SearchRange {
+    /// A search over `len` entries.
+    #[inline(always)]
+    pub const fn new(len: u32) -> Self {
+        SearchRange { low: 0, len }
+    }
+
+    /// Whether one candidate is left: `low` (when it starts at most at the key; the
+    /// caller checks).
+    #[inline(always)]
+    pub const fn done(&self) -> bool {
+        self.len <= 1
+    }
+
+    /// The entry whose start the next step compares with the key.
+    #[inline(always)]
+    pub const fn middle(&self) -> u32 {
+        self.low + self.len / 2
+    }
+
+    /// One step, given the start of the [`middle`](Self::middle) entry: keeps the half
+    /// where the last start at most `key` lies.
+    #[inline(always)]
+    pub fn narrow(&mut self, middle_start: u64, key: u64) {
+        let half = self.len / 2;
+        self.low += half * u32::from(middle_start <= key);
+        self.len -= half;
+    }
+}
+
 /// A process's executable mappings, sorted by `start`; `count` are in use.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -278,3 +350,86 @@ pub struct CachedRule {
 
 /// [`CachedRule::gap`] of an entry holding a rule.
 pub const CACHED_RULE_FOUND: u32 = u32::MAX;
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+
+    use std::vec::Vec;
+
+    use super::*;
+
+    /// The search's answer over `len` entries whose starts `start_of` gives, and the
+    /// steps it took.
+    fn search(len: u32, start_of: impl Fn(u32) -> u64, key: u64) -> (Option<u32>, u32) {
+        let mut range = SearchRange::new(len);
+        let mut steps = 0;
+        while !range.done() {
+            let middle = range.middle();
+            range.narrow(start_of(middle), key);
+            steps += 1;
+        }
+        let found = (len > 0 && start_of(range.low) <= key).then_some(range.low);
+        (found, steps)
+    }
+
+    #[test]
+    fn the_search_finds_the_last_start_at_most_the_key() {
+        let starts: Vec<u64> = (0..200).map(|i| 1000 + i * 16).collect();
+        for key in [
+            0,
+            999,
+            1000,
+            1001,
+            1015,
+            1016,
+            2000,
+            1000 + 199 * 16,
+            u64::MAX,
+        ] {
+            let expected = starts.partition_point(|&s| s <= key).checked_sub(1);
+            let (found, _) = search(starts.len() as u32, |i| starts[i as usize], key);
+            assert_eq!(found.map(|i| i as usize), expected, "key {key}");
+        }
+        assert_eq!(search(0, |_| 0, 5).0, None, "no entries");
+    }
+
+    #[test]
+    fn the_searches_fit_in_their_steps() {
+        let mappings = MAX_PROCESS_MAPPINGS as u32;
+        for key in [0, 1, mappings / 2, mappings - 1, mappings] {
+            let (_, steps) = search(mappings, u64::from, u64::from(key));
+            assert!(steps <= MAPPING_SEARCH_STEPS, "{steps} steps");
+        }
+        for key in [0, 1, MAX_OBJECT_ROWS / 3, MAX_OBJECT_ROWS - 1] {
+            let (found, steps) = search(MAX_OBJECT_ROWS, |i| u64::from(i) * 4, u64::from(key) * 4);
+            assert_eq!(found, Some(key));
+            assert!(steps <= ROW_SEARCH_STEPS, "{steps} steps");
+        }
+    }
+
+    #[test]
+    fn mappings_rows_and_object_addresses() {
+        let mapping = ExecMapping {
+            start: 0x1000,
+            end: 0x2000,
+            ..ExecMapping::default()
+        };
+        assert!(mapping.contains(0x1000) && mapping.contains(0x1fff));
+        assert!(!mapping.contains(0xfff) && !mapping.contains(0x2000));
+        let row = UnwindRow { pc: 0x40, rule: 3 };
+        assert!(row.covers(0x40) && row.covers(0x1000));
+        assert!(!row.covers(0x3f), "below the row");
+        let gap = UnwindRow {
+            pc: 0x40,
+            rule: RULE_NONE,
+        };
+        assert!(!gap.covers(0x40), "a gap has no rule");
+        assert_eq!(
+            object_address(0x5555_0000_1234, 0x5555_0000_0000),
+            Some(0x1234)
+        );
+        assert_eq!(object_address(0x5555_0000_1234, 0), None, "beyond 32 bits");
+        assert_eq!(object_address(0x1000, 0x2000), None, "below the bias");
+    }
+}

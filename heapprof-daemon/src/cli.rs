@@ -206,12 +206,19 @@ pub struct Cli {
     #[arg(long, hide = true)]
     pub stacks_only: bool,
 
-    /// For programs that read a run's figures (`cargo xtask bench`): at exit, write them
-    /// to FILE as JSON (the final profile's totals, drops by reason, how a `--pid`
-    /// target was joined, the BPF maps' kernel memory, single-stepped probes, and
-    /// with --bpf-stats the programs' run time), so that they need not read the log.
+    /// For programs that read a run's figures (`cargo xtask bench`, tests): at exit,
+    /// write them to FILE as JSON (the final profile's totals, drops by reason, how a
+    /// `--pid` target was joined, the BPF maps' kernel memory, single-stepped probes,
+    /// the unwind tables, and with --bpf-stats the programs' run time and the stack
+    /// lookups), so that they need not read the log.
     #[arg(long, hide = true, value_name = "FILE")]
     pub stats_json: Option<PathBuf>,
+
+    /// For programs that wait for heapprofd (`cargo xtask bench`, tests): create FILE
+    /// once the probes are attached and armed (before a launched command starts), so
+    /// that they need not watch the log for it.
+    #[arg(long, hide = true, value_name = "FILE")]
+    pub ready_file: Option<PathBuf>,
 
     /// After the final profile, print the N allocation sites holding the most memory.
     #[arg(long, value_name = "N", default_value_t = 0)]

@@ -12,7 +12,11 @@ use anyhow::{Context as _, Result};
 use heapprof_common::DropReason;
 use serde::Serialize;
 
-use crate::{health::map_memory::TableMemory, report};
+use crate::{
+    health::{map_memory::TableMemory, stats::StackLookups},
+    report,
+    unwind::table_upload::TableUsage,
+};
 
 /// How a `--pid` target was joined.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -71,6 +75,30 @@ pub struct RunStats {
     pub single_stepped_probes: usize,
     /// `--bpf-stats`: the programs' run time since they were loaded; `None` without it.
     pub bpf_run_time: Option<BpfRunTime>,
+    /// `--bpf-stats`, user mode: how the stacks of the allocations were looked up.
+    pub stack_lookups: Option<Lookups>,
+    /// User mode: the unwind tables at the end (what the log's `unwind tables:` line
+    /// says).
+    pub unwind_tables: Option<TableUsage>,
+}
+
+/// The stack lookups of a run, and their total.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Lookups {
+    /// Lookups, however made.
+    pub total: u64,
+    /// By way of lookup.
+    #[serde(flatten)]
+    pub by_way: StackLookups,
+}
+
+impl From<StackLookups> for Lookups {
+    fn from(by_way: StackLookups) -> Self {
+        Lookups {
+            total: by_way.total(),
+            by_way,
+        }
+    }
 }
 
 /// The sums of a profile's first four values (allocated and in-use blocks and bytes).
@@ -284,6 +312,18 @@ mod tests {
             ]),
             single_stepped_probes: 0,
             bpf_run_time: None,
+            stack_lookups: Some(
+                StackLookups {
+                    remembered: 5,
+                    walked: 2,
+                    not_rememberable: 1,
+                }
+                .into(),
+            ),
+            unwind_tables: Some(TableUsage {
+                objects: 3,
+                ..TableUsage::default()
+            }),
         };
         let value = serde_json::to_value(&stats).expect("serializable");
         assert_eq!(value["joined"]["how"], "probes");
@@ -291,5 +331,9 @@ mod tests {
         assert_eq!(value["kernel_memory"]["total_bytes"], 4196);
         assert_eq!(value["kernel_memory"]["tables"]["live_blocks"], 4096);
         assert!(value["bpf_run_time"].is_null());
+        assert_eq!(value["stack_lookups"]["total"], 8);
+        assert_eq!(value["stack_lookups"]["remembered"], 5);
+        assert_eq!(value["unwind_tables"]["objects"], 3);
+        assert_eq!(value["unwind_tables"]["build_ms"], 0);
     }
 }

@@ -168,22 +168,29 @@ fn allocations_at_known_stacks_skip_the_probe() {
     let dir = scratch();
     let program = compile(dir.path(), "family", "family", &["-O2"]);
     let out = dir.path().join("profiles");
+    let stats = dir.path().join("stats.json");
     let (threads, iterations): (i64, i64) = (2, 2000);
     let output = run_ok(
         heapprofd(&out)
             .args(PRELOAD)
             .arg("--bpf-stats")
+            .arg("--stats-json")
+            .arg(&stats)
             .arg("--")
             .arg(&program)
             .args([threads.to_string(), iterations.to_string()]),
     );
     let stderr = String::from_utf8_lossy(&output.stderr);
-    let runs = stderr
-        .split("preload_report ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse::<i64>().ok())
-        .unwrap_or_else(|| panic!("no run count of preload_report in:\n{stderr}"));
+    let figures = stats_json(&stats);
+    let runs = figures["bpf_run_time"]["programs"]
+        .as_array()
+        .and_then(|programs| {
+            programs
+                .iter()
+                .find(|p| p["name"] == heapprof_common::names::PROG_PRELOAD)
+        })
+        .and_then(|p| p["runs"].as_i64())
+        .unwrap_or_else(|| panic!("no run count of the preload report's program in:\n{figures}"));
     let samples = samples(&last_profile(&out));
     let [alloc_objects, ..] = totals(&samples, |s: &Sample| {
         s.stack.iter().any(|f| f == "exercise")
@@ -209,34 +216,34 @@ fn stacks_only_finds_every_stack_and_counts_nothing() {
     require_root();
     let dir = scratch();
     let program = compile(dir.path(), "family", "family", &["-O2"]);
+    // The log, and the stack lookups that --stats-json counted.
     let run = |out: &std::path::Path, flags: &[&str]| {
+        let stats = out.with_extension("json");
         let output = run_ok(
             heapprofd(out)
                 .arg("--bpf-stats")
+                .arg("--stats-json")
+                .arg(&stats)
                 .args(flags)
                 .arg("--")
                 .arg(&program)
                 .args(["2", "500"]),
         );
-        String::from_utf8_lossy(&output.stderr).into_owned()
-    };
-    let lookups = |stderr: &str| {
-        stderr
-            .split("stack lookups: ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|n| n.parse::<i64>().ok())
-            .unwrap_or_else(|| panic!("no count of stack lookups in:\n{stderr}"))
+        let log = String::from_utf8_lossy(&output.stderr).into_owned();
+        let lookups = stats_json(&stats)["stack_lookups"]["total"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no count of stack lookups; the log:\n{log}"));
+        (log, lookups)
     };
     let exact_out = dir.path().join("exact");
-    let exact_log = run(&exact_out, PROBES_AUTO);
+    let (exact_log, exact_lookups) = run(&exact_out, PROBES_AUTO);
     let [allocated, ..] = totals(&samples(&last_profile(&exact_out)), |_| true);
     assert!(
         allocated >= 10 * 2 * 500,
         "exact mode counted {allocated} allocations"
     );
     assert!(
-        lookups(&exact_log) >= allocated,
+        exact_lookups >= allocated,
         "exact mode: fewer stack lookups than allocations\n{exact_log}"
     );
 
@@ -246,10 +253,9 @@ fn stacks_only_finds_every_stack_and_counts_nothing() {
         ("default", &["--stacks-only"][..]),
     ] {
         let out = dir.path().join(format!("stacks-only-{name}"));
-        let log = run(&out, flags);
+        let (log, lookups) = run(&out, flags);
         assert_eq!(
-            lookups(&log),
-            allocated,
+            lookups, allocated,
             "{flags:?}: one stack lookup per allocation of the exact run\n{log}"
         );
         let counted = totals(&samples(&last_profile(&out)), |_| true);
@@ -421,4 +427,11 @@ fn the_first_drop_of_a_kind_is_logged_once_by_the_bpf_programs() {
         drop_count(&last_profile(&out), "live-block table full") > 100,
         "drops counted"
     );
+}
+
+/// The `--stats-json` file at `path`.
+fn stats_json(path: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("heapprofd wrote no --stats-json {}: {e}", path.display()));
+    serde_json::from_str(&text).expect("--stats-json is JSON")
 }

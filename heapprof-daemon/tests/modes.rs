@@ -205,6 +205,8 @@ fn heapprofd_without(hidden: &str, out: &std::path::Path, args: &[&str]) -> Comm
         .arg(r#"mount -t tmpfs heapprofd-test "$1" && shift && exec "$@""#)
         .args(["sh", hidden, env!("CARGO_BIN_EXE_heapprofd"), "-o"])
         .arg(out)
+        .arg("--ready-file")
+        .arg(ready_file(out))
         .args(args)
         .env("RUST_LOG", "info");
     cmd

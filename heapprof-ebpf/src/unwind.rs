@@ -8,6 +8,10 @@
 //! mode takes one frame-pointer step instead. A stack that cannot be completed keeps
 //! the frames found so far, and the address where it stopped is counted in
 //! `UNWIND_GAPS` with the reason, so the daemon can name the object and offset.
+//!
+//! The lookups' pure parts (the binary search's steps, whether a mapping holds an
+//! address and a row gives it a rule, the address in the object's file) are
+//! `heapprof_common::unwind`'s, tested there.
 
 use core::ffi::c_void;
 
@@ -21,7 +25,8 @@ use heapprof_common::{
     unwind::{
         CACHED_RULE_FOUND, CfaRule, ExecMapping, GapReason, MAPPING_SEARCH_STEPS,
         MAX_PROCESS_MAPPINGS, MappingsRequest, NO_OBJECT, ProcessMappings, ROW_SEARCH_STEPS,
-        RULE_CACHE_ENTRIES, RULE_NONE, RegRule, RequestReason, UnwindGap, UnwindMode, UnwindRule,
+        RULE_CACHE_ENTRIES, RegRule, RequestReason, SearchRange, UnwindGap, UnwindMode, UnwindRule,
+        object_address,
     },
 };
 
@@ -234,10 +239,8 @@ struct Search {
     mappings: *const ProcessMappings,
     /// The object's first row (row search).
     first_row: u32,
-    /// Entries left to search.
-    len: u32,
-    /// First candidate.
-    low: u32,
+    /// The candidates left (heapprof-common's steps).
+    range: SearchRange,
     /// Explicit padding.
     _pad: u32,
     /// What is searched for.
@@ -248,16 +251,13 @@ struct Search {
 extern "C" fn mapping_step(_index: u64, context: *mut c_void) -> i64 {
     // SAFETY: `find_mapping` passes its own `Search`, alive for the whole loop.
     let search = unsafe { &mut *context.cast::<Search>() };
-    if search.len <= 1 {
+    if search.range.done() {
         return 1;
     }
-    let half = search.len / 2;
-    let middle = (search.low + half) as usize & (MAX_PROCESS_MAPPINGS - 1);
+    let middle = search.range.middle() as usize & (MAX_PROCESS_MAPPINGS - 1);
     // SAFETY: a map value pointer, valid while the program runs.
     let start = unsafe { (*search.mappings).mappings[middle].start };
-    // Branch-free: one path per step.
-    search.low += half * u32::from(start <= search.key);
-    search.len -= half;
+    search.range.narrow(start, search.key);
     0
 }
 
@@ -265,16 +265,14 @@ extern "C" fn mapping_step(_index: u64, context: *mut c_void) -> i64 {
 extern "C" fn row_step(_index: u64, context: *mut c_void) -> i64 {
     // SAFETY: `find_rule` passes its own `Search`, alive for the whole loop.
     let search = unsafe { &mut *context.cast::<Search>() };
-    if search.len <= 1 {
+    if search.range.done() {
         return 1;
     }
-    let half = search.len / 2;
-    let Some(row) = UNWIND_ROWS.get(search.first_row.wrapping_add(search.low + half)) else {
-        search.len = 0;
+    let Some(row) = UNWIND_ROWS.get(search.first_row.wrapping_add(search.range.middle())) else {
+        search.range.len = 0;
         return 1;
     };
-    search.low += half * u32::from(u64::from(row.pc) <= search.key);
-    search.len -= half;
+    search.range.narrow(u64::from(row.pc), search.key);
     0
 }
 
@@ -288,8 +286,7 @@ fn find_mapping(mappings: &ProcessMappings, address: u64) -> Option<&ExecMapping
     let mut search = Search {
         mappings,
         first_row: 0,
-        len: count,
-        low: 0,
+        range: SearchRange::new(count),
         _pad: 0,
         key: address,
     };
@@ -303,8 +300,8 @@ fn find_mapping(mappings: &ProcessMappings, address: u64) -> Option<&ExecMapping
             0,
         );
     }
-    let mapping = &mappings.mappings[search.low as usize & (MAX_PROCESS_MAPPINGS - 1)];
-    (mapping.start <= address && address < mapping.end).then_some(mapping)
+    let mapping = &mappings.mappings[search.range.low as usize & (MAX_PROCESS_MAPPINGS - 1)];
+    mapping.contains(address).then_some(mapping)
 }
 
 /// The rule of `address` in the object of `mapping`: `Err` names why there is none.
@@ -316,15 +313,14 @@ fn find_rule(mapping: &ExecMapping, address: u64) -> Result<UnwindRule, GapReaso
     let object = UNWIND_OBJECTS
         .get(mapping.object)
         .ok_or(GapReason::NoTable)?;
-    let vaddr = address.wrapping_sub(mapping.bias);
-    if object.rows == 0 || vaddr > u64::from(u32::MAX) {
+    let vaddr = object_address(address, mapping.bias).ok_or(GapReason::NoRule)?;
+    if object.rows == 0 {
         return Err(GapReason::NoRule);
     }
     let mut search = Search {
         mappings: core::ptr::null(),
         first_row: object.first_row,
-        len: object.rows,
-        low: 0,
+        range: SearchRange::new(object.rows),
         _pad: 0,
         key: vaddr,
     };
@@ -337,13 +333,13 @@ fn find_rule(mapping: &ExecMapping, address: u64) -> Result<UnwindRule, GapReaso
             0,
         );
     }
-    if search.len == 0 {
+    if search.range.len == 0 {
         return Err(GapReason::NoRule);
     }
     let row = UNWIND_ROWS
-        .get(object.first_row.wrapping_add(search.low))
+        .get(object.first_row.wrapping_add(search.range.low))
         .ok_or(GapReason::NoRule)?;
-    if u64::from(row.pc) > vaddr || row.rule == RULE_NONE {
+    if !row.covers(vaddr) {
         return Err(GapReason::NoRule);
     }
     UNWIND_RULES.get(row.rule).copied().ok_or(GapReason::NoRule)

@@ -16,28 +16,24 @@
 //! a spot reached by two call paths at the same depth (a helper called from two
 //! places) keeps a walk for each: the C++ STL benchmark misses 5% of its walks with
 //! one walk per set, 0.1% with two.
+//!
+//! The checks and arithmetic (whether a walk starts where a new one would, where it is
+//! kept, the hash of its words, where its sites are kept, which words it can check)
+//! are `heapprof_common::walk_cache`'s, tested there.
 
 use aya_ebpf::{helpers::bpf_probe_read_user_buf, macros::map, maps::PerCpuArray};
 use heapprof_common::{
     SiteId, WalkOutcome,
     preload::{REPLY_READS, StackReply},
+    walk_cache::{
+        NO_SITE, SETS, SITE_WAYS, WalkOrigin, first_entry, mix, same_origin, site_tag, site_way,
+        stack_place,
+    },
 };
 
 use crate::maps::{
     REPLY_SCRATCH, STACK_WINDOW, STACK_WINDOW_BYTES, STACK_WINDOW_WORDS, walk_epoch,
 };
-
-/// Sets of remembered walks per CPU (a power of two), placed by the walk's starting
-/// registers; each set is two entries, the last used first.
-const SETS: u32 = 256;
-
-/// A [`CachedWalk::site_tags`] entry before a site is known.
-const NO_SITE: u32 = u32::MAX;
-
-/// Sites a remembered walk keeps, one per size class modulo this: allocations of
-/// several sizes at one stack (a buffer that grows, a helper called for several
-/// types) are one site per class, each known without a lookup of its key.
-const SITE_WAYS: usize = 8;
 
 /// One remembered walk.
 #[repr(C)]
@@ -52,7 +48,7 @@ pub struct CachedWalk {
     hash: u64,
     /// `maps::walk_epoch` when the walk was made.
     epoch: u64,
-    /// A hash of the words' values, in order (see [`mix`]): an entry is a fifth of its
+    /// A hash of the words' values, in order ([`mix`]): an entry is a fifth of its
     /// size with the values themselves; a changed word makes an equal hash as rarely as
     /// two stacks share a stack hash.
     values: u64,
@@ -65,7 +61,7 @@ pub struct CachedWalk {
     /// Bytes above `sp` that hold every word read.
     span: u32,
     /// Per size class modulo [`SITE_WAYS`]: the function and size class of the last
-    /// allocation of that class counted with this walk ([`site_tag`]), or `NO_SITE`.
+    /// allocation of that class counted with this walk ([`site_tag`]), or [`NO_SITE`].
     site_tags: [u32; SITE_WAYS],
     /// Those allocations' site indices.
     sites: [SiteId; SITE_WAYS],
@@ -93,13 +89,6 @@ fn count(outcome: WalkOutcome) {
         // SAFETY: this CPU's slot; programs on one CPU do not interleave.
         unsafe { *slot += 1 };
     }
-}
-
-/// Adds `value` to a hash of words.
-#[inline(always)]
-fn mix(hash: u64, value: u64) -> u64 {
-    let h = (hash ^ value).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    h ^ (h >> 31)
 }
 
 /// A walk's start: the thread, its image and the caller's registers.
@@ -136,17 +125,10 @@ pub struct WalkHit {
     pub known: u32,
 }
 
-/// What, beside the walk, names an allocation's site: its function (a `ProbeSlot`,
-/// below `MAX_PROBE_SLOTS`) and its size class.
+/// The first entry (the last used) of the set of a walk starting at `start`.
 #[inline(always)]
-fn site_tag(start: &WalkStart) -> u32 {
-    start.slot | (start.size_class << 16)
-}
-
-/// Where in a remembered walk's sites the site of an allocation from `start` is kept.
-#[inline(always)]
-fn site_way(start: &WalkStart) -> usize {
-    start.size_class as usize & (SITE_WAYS - 1)
+fn set_of(start: &WalkStart) -> u32 {
+    first_entry(start.pid_tgid, start.pc, start.sp)
 }
 
 /// The daemon's epochs, read before a walk starts: a walk made while mappings change
@@ -157,23 +139,26 @@ pub fn epoch_now() -> u64 {
     walk_epoch()
 }
 
-/// The first entry (the last used) of the set of a walk starting at `start`.
-#[inline(always)]
-fn set_of(start: &WalkStart) -> u32 {
-    let mix =
-        (start.pc ^ start.sp.rotate_left(20) ^ start.pid_tgid).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    ((mix >> 56) as u32 & (SETS - 1)) * 2
-}
-
 /// Whether `entry` is a walk from `start`'s registers, made with the same mappings.
 #[inline(always)]
 fn starts_at(entry: &CachedWalk, start: &WalkStart) -> bool {
-    entry.pid_tgid == start.pid_tgid
-        && entry.pc == start.pc
-        && entry.sp == start.sp
-        && entry.exec_gen == start.exec_gen
-        && entry.epoch == start.epoch
-        && (entry.uses_fp == 0 || entry.fp == start.fp)
+    let remembered = WalkOrigin {
+        pid_tgid: entry.pid_tgid,
+        pc: entry.pc,
+        sp: entry.sp,
+        fp: entry.fp,
+        exec_gen: entry.exec_gen,
+        epoch: entry.epoch,
+    };
+    let now = WalkOrigin {
+        pid_tgid: start.pid_tgid,
+        pc: start.pc,
+        sp: start.sp,
+        fp: start.fp,
+        exec_gen: start.exec_gen,
+        epoch: start.epoch,
+    };
+    same_origin(&remembered, entry.uses_fp != 0, &now)
 }
 
 /// Copies the `span` bytes of the stack above `sp` into this CPU's window.
@@ -260,9 +245,9 @@ pub extern "C" fn heapprof_walk_check(
     // SAFETY: the caller's own value.
     unsafe {
         (*hit).hash = entry.hash;
-        let way = site_way(start);
+        let way = site_way(start.size_class);
         (*hit).site = entry.sites[way];
-        (*hit).known = u32::from(entry.site_tags[way] == site_tag(start));
+        (*hit).known = u32::from(entry.site_tags[way] == site_tag(start.slot, start.size_class));
     }
     1
 }
@@ -326,8 +311,8 @@ pub fn note_site(start: &WalkStart, site: SiteId) {
     // SAFETY: this CPU's slot; programs on one CPU do not interleave.
     let entry = unsafe { &mut *entry };
     if entry.pid_tgid == start.pid_tgid && entry.pc == start.pc && entry.sp == start.sp {
-        let way = site_way(start);
-        entry.site_tags[way] = site_tag(start);
+        let way = site_way(start.size_class);
+        entry.site_tags[way] = site_tag(start.slot, start.size_class);
         entry.sites[way] = site;
     }
 }
@@ -369,10 +354,10 @@ pub extern "C" fn heapprof_walk_remember(start: *const WalkStart, hash: u64) -> 
             break;
         }
         let offset = reply.offsets[index];
-        if offset < 0 || offset as usize + 8 > STACK_WINDOW_BYTES || offset & 7 != 0 {
+        let Some(place) = stack_place(offset, STACK_WINDOW_BYTES) else {
             return 0;
-        }
-        entry.places[index] = (offset / 8) as u16;
+        };
+        entry.places[index] = place;
         values = mix(values, scratch.values[index]);
         span = span.max(offset as u32 + 8);
     }

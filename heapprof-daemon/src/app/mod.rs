@@ -26,6 +26,20 @@ pub(crate) enum AnySession {
 }
 
 impl AnySession {
+    /// User mode: the stack lookups (with `--bpf-stats`) and the unwind tables, for
+    /// `--stats-json`.
+    fn unwind_figures(
+        &self,
+    ) -> (
+        Option<crate::stats_file::Lookups>,
+        Option<crate::unwind::table_upload::TableUsage>,
+    ) {
+        match self {
+            AnySession::User(session) => session.unwind_figures(),
+            AnySession::Kernel(_) => (None, None),
+        }
+    }
+
     fn dump(&mut self) -> Result<std::path::PathBuf> {
         match self {
             AnySession::User(session) => session.dump(),

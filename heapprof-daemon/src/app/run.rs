@@ -65,6 +65,9 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         mut bpf_log,
         figures,
     } = started;
+    if let Some(path) = &cli.ready_file {
+        say_ready(path).with_context(|| format!("--ready-file {}", path.display()))?;
+    }
     let child_pid = child.as_ref().map(|c| c.pid);
     let mut child_events = child.map(PausedChild::release);
     let mut ticks = tokio::time::interval_at(Instant::now() + cli.interval, cli.interval);
@@ -173,13 +176,37 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     let bpf_run_time = cli
         .bpf_stats
         .then(|| stats_file::BpfRunTime::read(&figures.programs));
+    let (stack_lookups, unwind_tables) = session.unwind_figures();
     drop(session); // detaches every probe
     let written = written.context("writing the final profile")?;
     if let Some(stats_path) = &cli.stats_json {
-        write_stats(stats_path, &written, figures, bpf_run_time)
+        let measured = Measured {
+            bpf_run_time,
+            stack_lookups,
+            unwind_tables,
+        };
+        write_stats(stats_path, &written, figures, measured)
             .with_context(|| format!("--stats-json {}", stats_path.display()))?;
     }
     Ok(exit_code)
+}
+
+/// Creates `--ready-file` (whole at once: written beside it, then renamed), holding
+/// heapprofd's pid.
+fn say_ready(path: &std::path::Path) -> Result<()> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = std::path::PathBuf::from(partial);
+    std::fs::write(&partial, format!("{}\n", std::process::id()))
+        .with_context(|| format!("writing {}", partial.display()))?;
+    std::fs::rename(&partial, path).with_context(|| format!("writing {}", path.display()))
+}
+
+/// What the session measured at its end, for `--stats-json`.
+struct Measured {
+    bpf_run_time: Option<stats_file::BpfRunTime>,
+    stack_lookups: Option<stats_file::Lookups>,
+    unwind_tables: Option<crate::unwind::table_upload::TableUsage>,
 }
 
 /// Writes `--stats-json`: the final profile at `profile`, read back, and the rest.
@@ -187,7 +214,7 @@ fn write_stats(
     path: &std::path::Path,
     profile: &std::path::Path,
     figures: StartFigures,
-    bpf_run_time: Option<stats_file::BpfRunTime>,
+    measured: Measured,
 ) -> Result<()> {
     let (totals, comments) = stats_file::ProfileTotals::read(profile)?;
     let stats = stats_file::RunStats {
@@ -196,7 +223,9 @@ fn write_stats(
         joined: figures.joining,
         kernel_memory: stats_file::KernelMemory::of(&figures.kernel_memory),
         single_stepped_probes: crate::allocators::registry::single_stepped_probes(),
-        bpf_run_time,
+        bpf_run_time: measured.bpf_run_time,
+        stack_lookups: measured.stack_lookups,
+        unwind_tables: measured.unwind_tables,
     };
     stats_file::write(path, &stats)
 }

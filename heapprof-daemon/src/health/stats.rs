@@ -90,8 +90,8 @@ pub fn describe(stats: &[ProgramStats]) -> String {
 /// How the user-mode programs looked up the stacks of the allocations they recorded
 /// (`WALK_STATS`, summed over CPUs). An allocation is one lookup, or two when a
 /// remembered walk holds but its site is not yet in the table (the walk is made again
-/// to store the stack).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// to store the stack). In `--stats-json` as `stack_lookups`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct StackLookups {
     /// From a walk remembered on the CPU, checked against the stack's words.
     pub remembered: u64,

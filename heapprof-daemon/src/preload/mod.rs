@@ -1,11 +1,11 @@
 //! Launch mode's preload library: the interposer heapprofd puts in the `LD_PRELOAD`
 //! of the commands it starts (`--preload auto`).
 //!
-//! The library (`preload/heapprofd_preload.c`, built by the build script and embedded
-//! here) wraps the malloc family and C++'s operators and reports each allocation with
-//! one call of its probe site, a 5-byte NOP that Linux 6.18 turns into a call instead
-//! of a trap; frees ride along in a per-thread queue, and sampling is decided in the
-//! process. See `heapprof_common::preload` for the interface.
+//! The library (the C interposer in `heapprof-daemon/interposer/`, built by the build
+//! script and embedded here) wraps the malloc family and C++'s operators and reports
+//! each allocation with one call of its probe site, a 5-byte NOP that Linux 6.18 turns
+//! into a call instead of a trap; frees ride along in a per-thread queue, and sampling
+//! is decided in the process. See `heapprof_common::preload` for the interface.
 //!
 //! Each session installs its own copy of the file: uprobes go on a file, so the probe
 //! on this copy sees only the processes of this session's command tree (children
@@ -187,7 +187,7 @@ fn session_dir() -> Result<PathBuf> {
 const INJECTED_MARK_SYMBOL: &str = "heapprofd_injected";
 
 /// The library as heapprofd loads it into a running process: marked so that its
-/// constructor leaves the start to `heapprofd_join` (see `heapprofd_preload.c`).
+/// constructor leaves the start to `heapprofd_join` (see the interposer's `lifecycle.c`).
 pub fn injectable_image() -> Result<Vec<u8>> {
     let file = object::File::parse(LIBRARY).context("reading the embedded preload library")?;
     let symbol = file

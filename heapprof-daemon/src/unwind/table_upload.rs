@@ -210,8 +210,8 @@ impl ObjectState {
     }
 }
 
-/// How much of the tables is in use.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// How much of the tables is in use (logged, and in `--stats-json` as `unwind_tables`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct TableUsage {
     /// Objects with a table.
     pub objects: u32,

@@ -105,11 +105,21 @@ pub fn compile_exact(
     binary
 }
 
-/// A heapprofd command writing into `out`.
+/// A heapprofd command writing into `out`, which creates [`ready_file`]`(out)` once
+/// its probes are on.
 pub fn heapprofd(out: &Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_heapprofd"));
-    cmd.arg("-o").arg(out).env("RUST_LOG", "info");
+    cmd.arg("-o")
+        .arg(out)
+        .arg("--ready-file")
+        .arg(ready_file(out))
+        .env("RUST_LOG", "info");
     cmd
+}
+
+/// The `--ready-file` of a heapprofd writing into `out`: beside it.
+pub fn ready_file(out: &Path) -> PathBuf {
+    out.with_extension("ready")
 }
 
 /// Runs heapprofd to completion and checks it succeeded.
@@ -293,26 +303,42 @@ pub fn forward_lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Recei
     receive
 }
 
-/// Starts heapprofd and waits until its probes are attached.
+/// Starts heapprofd and waits until its probes are attached: until it creates the
+/// `--ready-file` its command names ([`heapprofd`] names one). The lines it logs
+/// meanwhile are dropped; a heapprofd that exits first fails the test with them.
 pub fn start_heapprofd(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
+    let ready = cmd
+        .get_args()
+        .skip_while(|arg| *arg != "--ready-file")
+        .nth(1)
+        .map(PathBuf::from)
+        .expect("start_heapprofd needs a command with --ready-file (see heapprofd())");
+    let _ = std::fs::remove_file(&ready);
     let mut child = cmd
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting heapprofd");
     let lines = forward_lines(child.stderr.take().expect("stderr"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let mut seen = Vec::new();
     let failure = loop {
-        match lines.recv_timeout(Duration::from_secs(60)) {
-            Ok(line) if line.contains("heapprofd: error") => {
-                break format!("heapprofd failed: {line}");
-            }
-            Ok(line) if line.contains("probes on") => return (child, lines),
-            Ok(_) => {}
-            Err(err) => break format!("heapprofd did not report attaching: {err}"),
+        seen.extend(lines.try_iter());
+        if ready.exists() {
+            return (child, lines);
         }
+        if let Ok(Some(status)) = child.try_wait() {
+            // The stderr reader ends at EOF, which follows the exit.
+            seen.extend(lines.iter());
+            break format!("heapprofd exited ({status}) before attaching");
+        }
+        if std::time::Instant::now() >= deadline {
+            break "heapprofd did not report attaching within 60 s".to_owned();
+        }
+        std::thread::sleep(Duration::from_millis(2));
     };
     let _ = child.kill();
     let _ = child.wait();
-    panic!("{failure}");
+    panic!("{failure}; its log:\n{}", seen.join("\n"));
 }
 
 /// Sends `signal` to our child `child`.

@@ -1,8 +1,7 @@
 //! Reading the daemon's figures: what a run of heapprofd counted, wrote and built, from
 //! the file it writes at exit with `--stats-json` (allocations, the final profile,
 //! drops, how a `--pid` target was joined, BPF run time, single-stepped probes, map
-//! memory), its unwind tables (still from its log line), and what its profile holds
-//! (frames per allocation).
+//! memory, its unwind tables), and what its profile holds (frames per allocation).
 
 use std::{
     collections::BTreeMap,
@@ -30,6 +29,20 @@ pub(super) struct DaemonStats {
     pub(super) single_stepped_probes: usize,
     /// `--bpf-stats`: the programs' run time.
     pub(super) bpf_run_time: Option<BpfRunTime>,
+    /// User mode: the unwind tables at the end.
+    pub(super) unwind_tables: Option<UnwindTables>,
+}
+
+/// The unwind tables as the daemon counts them (its `TableUsage`).
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub(super) struct UnwindTables {
+    pub(super) objects: u64,
+    pub(super) rows: u64,
+    pub(super) rules: u64,
+    pub(super) without_cfi: u64,
+    pub(super) not_fitting: u64,
+    pub(super) bytes: u64,
+    pub(super) build_ms: u64,
 }
 
 /// The final profile's path and totals.
@@ -147,16 +160,7 @@ impl BpfRunTime {
     }
 }
 
-/// heapprofd's last `unwind tables: ...` log line, from "unwind tables" on.
-pub(super) fn unwind_tables_line(log: &[String]) -> Option<String> {
-    log.iter()
-        .rev()
-        .find_map(|l| l.split_once("unwind tables: "))
-        .map(|(_, rest)| format!("unwind tables: {rest}"))
-}
-
-/// The figures of an `unwind tables:` line: `7 objects, 72345 rows, 812 rules, 600 KiB
-/// of BPF map memory in use, built in 30 ms; 0 objects without CFI, 0 that did not fit`.
+/// The figures of the unwind tables the summary shows.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Tables {
     pub(super) objects: u64,
@@ -167,30 +171,36 @@ pub(super) struct Tables {
     pub(super) not_fitting: u64,
 }
 
-impl Tables {
-    pub(super) fn parse(line: &str) -> Option<Tables> {
-        // The number just before `label`.
-        let before = |label: &str| -> Option<u64> {
-            let head = line.split(label).next().filter(|h| h.len() < line.len())?;
-            head.rsplit(' ').next()?.parse().ok()
-        };
-        let build_ms = line
-            .split("built in ")
-            .nth(1)?
-            .split(' ')
-            .next()?
-            .parse()
-            .ok()?;
-        Some(Tables {
-            objects: before(" objects,")?,
-            rows: before(" rows,")?,
-            rules: before(" rules,")?,
-            kib: before(" KiB of BPF map memory")?,
-            build_ms,
-            not_fitting: before(" that did not fit").unwrap_or(0),
-        })
+impl UnwindTables {
+    /// The figures the summary shows.
+    pub(super) fn tables(&self) -> Tables {
+        Tables {
+            objects: self.objects,
+            rows: self.rows,
+            rules: self.rules,
+            kib: self.bytes.div_ceil(1024),
+            build_ms: self.build_ms,
+            not_fitting: self.not_fitting,
+        }
     }
 
+    /// One line, in the words of the daemon's log (the summary's `unwind_tables_line`).
+    pub(super) fn line(&self) -> String {
+        format!(
+            "unwind tables: {} objects, {} rows, {} rules, {} KiB of BPF map memory in use, \
+             built in {} ms; {} objects without CFI, {} that did not fit",
+            self.objects,
+            self.rows,
+            self.rules,
+            self.bytes.div_ceil(1024),
+            self.build_ms,
+            self.without_cfi,
+            self.not_fitting
+        )
+    }
+}
+
+impl Tables {
     /// Its object in summary.json.
     pub(super) fn json(&self) -> Value {
         json!({

@@ -12,16 +12,19 @@ use serde_json::{Value, json};
 
 use super::{
     Bench,
-    figures::{Tables, unwind_tables_line},
+    figures::{DaemonStats, Tables},
     summary::{number, spread},
 };
 
 impl Bench {
     /// One launch-mode run of `heapprofd -- bench_dlopen LIBRARIES...`: its unwind tables.
     pub(super) fn dlopen_tables(&self, program: &Path, libraries: &[String]) -> Result<Tables> {
+        let stats = self.stats_path();
         let output = Command::new(&self.heapprofd)
             .arg("-o")
             .arg(self.dir.join("profiles"))
+            .arg("--stats-json")
+            .arg(&stats)
             .args([
                 "--interval",
                 "1h",
@@ -47,13 +50,14 @@ impl Bench {
                 log.join("\n")
             );
         }
-        let line = unwind_tables_line(&log).with_context(|| {
+        let tables = DaemonStats::read(&stats)?.unwind_tables.with_context(|| {
             format!(
-                "heapprofd logged no `unwind tables:` line:\n{}",
+                "heapprofd counted no unwind tables ({}):\n{}",
+                stats.display(),
                 log.join("\n")
             )
         })?;
-        Tables::parse(&line).with_context(|| format!("cannot read the figures of `{line}`"))
+        Ok(tables.tables())
     }
 
     /// The unwind-table build of the largest library that dlopen() loads, isolated: runs

@@ -33,10 +33,10 @@ use anyhow::{Context as _, Result, bail};
 
 use self::{
     baselines::{empty_probes_script, memleak_script},
-    figures::{BpfRunTime, DaemonStats, unwind_tables_line},
+    figures::{BpfRunTime, DaemonStats, UnwindTables},
     process::{
         Daemon, interrupt, libc_of, lines_of, load_average, note_foreign_tracers, send_go,
-        start_workload, wait_for_line, wait_with_usage,
+        start_workload, wait_for_line, wait_until_ready, wait_with_usage,
     },
     programs::{Programs, ensure_gxx, ensure_tracefs},
     summary::{SectionsJson, Summary, write_summary},
@@ -205,14 +205,19 @@ struct Run {
     allocations: Option<u64>,
     /// heapprofd only: the profile it wrote at the end.
     profile: Option<PathBuf>,
-    /// heapprofd only: its last `unwind tables:` log line.
-    unwind_tables: Option<String>,
+    /// heapprofd only: its unwind tables at the end (user mode).
+    unwind_tables: Option<UnwindTables>,
     /// heapprofd only: how many of its probes it said the kernel single-steps.
     single_stepped: Option<usize>,
 }
 
 /// Debian's python3 (a `python3` on PATH may be a pyenv shim or another build).
 const PYTHON: &str = "/usr/bin/python3";
+
+/// The `--ready-file` of the heapprofd run writing its figures to `stats`.
+fn ready_file(stats: &Path) -> PathBuf {
+    stats.with_extension("ready")
+}
 
 struct Bench {
     heapprofd: PathBuf,
@@ -230,7 +235,8 @@ impl Bench {
         self.dir.join("stats").join(format!("{n}.json"))
     }
 
-    /// `heapprofd --pid PID` with `extra` flags, writing its figures to `stats`.
+    /// `heapprofd --pid PID` with `extra` flags, writing its figures to `stats` and
+    /// creating [`ready_file`] of it once its probes are on.
     fn heapprofd_command(&self, extra: &[&str], pid: u32, stats: &Path) -> Command {
         let mut command = Command::new(&self.heapprofd);
         command
@@ -238,6 +244,8 @@ impl Bench {
             .arg(self.dir.join("profiles"))
             .arg("--stats-json")
             .arg(stats)
+            .arg("--ready-file")
+            .arg(ready_file(stats))
             .args(extra)
             .args(["--pid", &pid.to_string()])
             .env("RUST_LOG", "info")
@@ -255,7 +263,7 @@ impl Bench {
             .context("starting heapprofd")?;
         let lines = lines_of(child.stderr.take().context("heapprofd stderr")?);
         let mut log = Vec::new();
-        wait_for_line(&lines, "probes on", &mut log)?;
+        wait_until_ready(&ready_file(&stats), &mut child, &lines, &mut log)?;
         Ok(Daemon {
             child,
             lines,
@@ -306,11 +314,11 @@ impl Bench {
                     (None, None) => bail!("no output from the tool"),
                 };
                 let ready = if mode.is_bpftrace() {
-                    "ready"
+                    wait_for_line(&lines, "ready", &mut log)
                 } else {
-                    "probes on"
+                    wait_until_ready(&ready_file(&stats), child, &lines, &mut log)
                 };
-                if let Err(err) = wait_for_line(&lines, ready, &mut log) {
+                if let Err(err) = ready {
                     let _ = target.kill();
                     let _ = target.wait();
                     return Err(err);
@@ -347,7 +355,7 @@ impl Bench {
                 run.daemon_rss_kib = Some(rss);
                 run.allocations = Some(figures.final_profile.allocated_blocks);
                 run.profile = Some(figures.final_profile.path);
-                run.unwind_tables = unwind_tables_line(&log);
+                run.unwind_tables = figures.unwind_tables;
                 run.single_stepped = Some(figures.single_stepped_probes);
             }
         }

@@ -4,7 +4,7 @@
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::mpsc,
     time::{Duration, Instant},
@@ -57,6 +57,37 @@ pub(super) fn lines_of(stream: impl std::io::Read + Send + 'static) -> mpsc::Rec
     receiver
 }
 
+/// Waits until heapprofd creates its `--ready-file` `ready` (its probes are attached
+/// and armed), keeping what it logs meanwhile in `seen`; fails if it exits first.
+pub(super) fn wait_until_ready(
+    ready: &Path,
+    child: &mut Child,
+    lines: &mpsc::Receiver<String>,
+    seen: &mut Vec<String>,
+) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        seen.extend(lines.try_iter());
+        if ready.exists() {
+            return Ok(());
+        }
+        if let Some(status) = child.try_wait().context("waiting for heapprofd")? {
+            bail!(
+                "heapprofd exited ({status}) before it was ready; its output:\n{}",
+                seen.join("\n")
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "heapprofd was not ready within 120 s; its output:\n{}",
+                seen.join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Waits until the tool prints a line holding `needle`, keeping its lines in `seen`.
 pub(super) fn wait_for_line(
     lines: &mpsc::Receiver<String>,
     needle: &str,
@@ -217,4 +248,47 @@ pub(super) fn cpu_seconds(pid: u32) -> Result<f64> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     Ok((ticks(11)? + ticks(12)?) / hz)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stand-in for heapprofd: `script` run by sh, its stderr followed.
+    fn tool(script: &str) -> (Child, mpsc::Receiver<String>) {
+        let mut child = Command::new("sh")
+            .args(["-c", script])
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("sh");
+        let lines = lines_of(child.stderr.take().expect("stderr"));
+        (child, lines)
+    }
+
+    #[test]
+    fn ready_once_the_file_appears_and_not_when_the_tool_exits_first() {
+        let dir = std::env::temp_dir().join(format!("xtask-ready-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        let ready = dir.join("1.ready");
+        let script = format!(
+            "echo starting >&2; sleep 0.1; touch '{}'; sleep 5",
+            ready.display()
+        );
+        let (mut child, lines) = tool(&script);
+        let mut seen = Vec::new();
+        wait_until_ready(&ready, &mut child, &lines, &mut seen).expect("ready");
+        let _ = child.kill();
+        let _ = child.wait();
+
+        let never = dir.join("2.ready");
+        let (mut child, lines) = tool("echo cannot attach >&2; exit 2");
+        let mut seen = Vec::new();
+        let error = wait_until_ready(&never, &mut child, &lines, &mut seen)
+            .expect_err("exited before it was ready");
+        assert!(
+            format!("{error:#}").contains("before it was ready"),
+            "{error:#}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -9,7 +9,7 @@ use serde_json::{Map, Value, json};
 
 use super::{
     Bench, Goal, Mode, Options, Run, Workload,
-    figures::{Tables, frames_per_allocation},
+    figures::{UnwindTables, frames_per_allocation},
     process::foreign_tracers,
     summary::{GoalFigure, Summary, number, spread},
 };
@@ -125,8 +125,8 @@ pub(super) fn measure(
             "heapprofd_exact": number(profiles.frames_cfi.unwrap_or(f64::NAN)),
             "heapprofd_exact_fp": number(profiles.frames_fp.unwrap_or(f64::NAN)),
         },
-        "unwind_tables": profiles.tables_line.as_deref().and_then(Tables::parse).map(|t| t.json()),
-        "unwind_tables_line": profiles.tables_line,
+        "unwind_tables": profiles.tables.map(|t| t.tables().json()),
+        "unwind_tables_line": profiles.tables.map(|t| t.line()),
         "bpf_stats": json_stats,
     }));
     Ok(())
@@ -330,8 +330,8 @@ struct ProfileFigures {
     frames_fp: Option<f64>,
     /// Most probes the kernel single-steps at the default placement, over the runs.
     single_stepped: usize,
-    /// heapprofd exact's last `unwind tables:` line.
-    tables_line: Option<String>,
+    /// heapprofd exact's unwind tables at the end of its last run.
+    tables: Option<UnwindTables>,
 }
 
 /// Frames per allocation, single-stepped probes and the unwind tables, written to the
@@ -373,20 +373,18 @@ fn write_profile_figures(
     );
 
     // The unwind tables heapprofd exact built for this process.
-    let tables_line = runs[&Mode::Heapprofd]
+    let tables = runs[&Mode::Heapprofd]
         .iter()
         .rev()
-        .find_map(|r| r.unwind_tables.clone());
-    let tables_shown = tables_line
-        .clone()
-        .unwrap_or_else(|| "no `unwind tables:` line logged".into());
+        .find_map(|r| r.unwind_tables);
+    let tables_shown = tables.map_or_else(|| "no unwind tables counted".into(), |t| t.line());
     let _ = writeln!(text, "heapprofd exact: {tables_shown}");
     let _ = writeln!(summary.tables_text, "{:<10} {tables_shown}", workload.key);
     ProfileFigures {
         frames_cfi,
         frames_fp,
         single_stepped,
-        tables_line,
+        tables,
     }
 }
 

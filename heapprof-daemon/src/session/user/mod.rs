@@ -590,6 +590,19 @@ impl UserSession {
         }
         Ok(path)
     }
+
+    /// The stack lookups (with `--bpf-stats`; `None` if they cannot be read) and the
+    /// unwind tables (`None` without CFI unwinding), for `--stats-json`.
+    pub fn unwind_figures(&self) -> (Option<crate::stats_file::Lookups>, Option<TableUsage>) {
+        let lookups = self
+            .config
+            .bpf_stats
+            .then(|| StackLookups::read(&self.ebpf).ok())
+            .flatten()
+            .map(Into::into);
+        let tables = self.images.unwinder().map(TableUploader::usage);
+        (lookups, tables)
+    }
 }
 
 /// The process the preload library joined; when dropped, the library puts its calls

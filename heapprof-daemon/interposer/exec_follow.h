@@ -14,20 +14,9 @@
 #pragma once
 #include <stdint.h>
 
-struct got_target;
-
-/* What a following exec hands the new image. */
-struct hp_follow {
-    int library; /* the library's own file (a memfd) */
-    int replies; /* the answers' map */
-    int pidfd;   /* heapprofd */
-    uint64_t rate;
-    int children; /* forked children stay joined */
-};
-
-/* Provided by the interposer: 1 with `follow` filled while the process is joined and
- * an exec should take the library along, else 0. */
-int hp_follow_state(struct hp_follow *follow);
+/* What a following exec hands the new image (struct hp_follow), and whether an exec
+ * takes the library along (hp_follow_state): joined.c. */
+#include "joined.h"
 
 /* Adds the exec functions the process binds (their real addresses and the wrappers)
  * to `targets`, which has `room` entries; returns how many were added. */

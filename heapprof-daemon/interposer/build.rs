@@ -1,8 +1,8 @@
 //! Build step of the preload library (included by the daemon's build script): writes
 //! `preload_abi.h` from `heapprof_common::preload`, the interface's one definition,
-//! and compiles `heapprofd_preload.c` (the interposer) and `got.c` (joining a running
-//! process by its GOT slots) into `$OUT_DIR/libheapprofd_preload.so` for the
-//! target's architecture.
+//! and compiles the interposer's C parts (`interposer.h` lists them: the wrappers,
+//! the queue and reporting, fork safety, joining, `got.c` and `exec_follow.c`) into
+//! `$OUT_DIR/libheapprofd_preload.so` for the target's architecture.
 
 use std::{fmt::Write as _, path::Path, process::Command};
 
@@ -15,23 +15,15 @@ use heapprof_common::preload::{
 /// The library's file name in `$OUT_DIR`.
 const OUTPUT: &str = "libheapprofd_preload.so";
 
+/// The interposer's folder, from the daemon crate's root.
+const DIR: &str = "interposer";
+
 /// Writes the header and compiles the library.
 pub fn build(manifest_dir: &Path) -> Result<()> {
-    let sources = [
-        manifest_dir.join("preload/heapprofd_preload.c"),
-        manifest_dir.join("preload/got.c"),
-        manifest_dir.join("preload/exec_follow.c"),
-    ];
-    for source in &sources {
-        println!("cargo:rerun-if-changed={}", source.display());
-    }
-    for header in ["preload/got.h", "preload/exec_follow.h"] {
-        println!(
-            "cargo:rerun-if-changed={}",
-            manifest_dir.join(header).display()
-        );
-    }
-    println!("cargo:rerun-if-changed=preload/build.rs");
+    let dir = manifest_dir.join(DIR);
+    // A folder is watched whole: a part added or changed rebuilds the library.
+    println!("cargo:rerun-if-changed={}", dir.display());
+    let sources = c_sources(&dir)?;
     println!("cargo:rerun-if-env-changed=HEAPPROFD_PRELOAD_CC");
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out_dir.join("preload_abi.h"), header()).context("writing preload_abi.h")?;
@@ -70,6 +62,21 @@ pub fn build(manifest_dir: &Path) -> Result<()> {
         bail!("{compiler} failed to build the preload library ({status})");
     }
     Ok(())
+}
+
+/// Every `.c` file of the interposer's folder, sorted (the link order stays fixed).
+fn c_sources(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let mut sources = Vec::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry
+            .with_context(|| format!("reading {}", dir.display()))?
+            .path();
+        if path.extension().is_some_and(|extension| extension == "c") {
+            sources.push(path);
+        }
+    }
+    sources.sort();
+    Ok(sources)
 }
 
 /// The C compiler for `arch`: `HEAPPROFD_PRELOAD_CC`, else the host's `cc` for the
