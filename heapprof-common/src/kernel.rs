@@ -248,6 +248,10 @@ pub struct KernelConfig {
     /// Nonzero: record a Poisson sample of the allocations, one per this many
     /// handed-out bytes on average (`--sample-rate`); 0: every allocation.
     pub sample_rate: u64,
+    /// Capacity of the site table: site indices stay below it.
+    pub max_sites: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// How the fentry programs read the raw arguments of the function they are attached
@@ -375,7 +379,8 @@ pub struct KernelCounters {
     pub free_requested: u64,
 }
 
-/// Address space of a live kernel object.
+/// Address space of a live kernel object: the process field of its entry in the
+/// live-block table (`LIVE`, shared with user mode's layout, see [`crate::live`]).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelSpace {
@@ -385,28 +390,35 @@ pub enum KernelSpace {
     Pages = 1,
 }
 
-/// Key of the live kernel-object table.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct KernelLiveKey {
-    /// Object address, or page frame number.
-    pub addr: u64,
-    /// [`KernelSpace`].
-    pub space: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+/// The address a live kernel object is recorded at in `LIVE`: a slab object's own,
+/// a page's frame number shifted as if it were an address. The table's home buckets
+/// cover 32 bytes each: consecutive frame numbers unshifted would share one home, 32
+/// pages to 9 slots.
+#[inline(always)]
+pub const fn live_address(addr: u64, space: KernelSpace) -> u64 {
+    match space {
+        KernelSpace::Slab => addr,
+        KernelSpace::Pages => addr << 12,
+    }
 }
 
-/// A kernel object allocated while tracing and not yet freed.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub struct KernelLiveBlock {
-    /// The site that allocated it.
-    pub site: KernelSiteKey,
-    /// Bytes handed out.
-    pub bytes: u64,
-    /// Bytes asked for.
-    pub requested: u64,
+/// A kernel object's handed-out and requested bytes, packed into the `size` of its
+/// live entry (32 bits each: no slab object nor page block comes near 4 GiB).
+#[inline(always)]
+pub const fn pack_sizes(bytes: u64, requested: u64) -> u64 {
+    let bytes = if bytes > u32::MAX as u64 {
+        u32::MAX as u64
+    } else {
+        bytes
+    };
+    let requested = if requested > bytes { bytes } else { requested };
+    bytes | requested << 32
+}
+
+/// The handed-out and requested bytes of [`pack_sizes`].
+#[inline(always)]
+pub const fn unpack_sizes(size: u64) -> (u64, u64) {
+    (size & 0xffff_ffff, size >> 32)
 }
 
 /// Maximum number of kernel frames recorded per stack.
@@ -426,10 +438,11 @@ pub struct KernelStack {
 
 /// Names of the kernel-mode maps.
 pub mod names {
-    /// Per-site counters (`PerCpuHashMap<KernelSiteKey, KernelCounters>`).
+    /// Each site's index in [`KERNEL_SITE_COUNTERS`] (`HashMap<KernelSiteKey, SiteId>`).
     pub const KERNEL_SITES: &str = "KERNEL_SITES";
-    /// Live objects (`HashMap<KernelLiveKey, KernelLiveBlock>`).
-    pub const KERNEL_LIVE: &str = "KERNEL_LIVE";
+    /// Per-site counters by index (`PerCpuArray<KernelCounters>`): a free finds its
+    /// site's counters by the index its live entry holds, without a hash lookup.
+    pub const KERNEL_SITE_COUNTERS: &str = "KERNEL_SITE_COUNTERS";
     /// Kernel stacks (`HashMap<u64, KernelStack>`, by hash).
     pub const KERNEL_STACKS: &str = "KERNEL_STACKS";
     /// Processes whose allocations count when filtering (`HashMap<u32, u32>`).
@@ -480,8 +493,6 @@ mod pod {
     unsafe impl aya::Pod for super::KernelConfig {}
     unsafe impl aya::Pod for super::KernelSiteKey {}
     unsafe impl aya::Pod for super::KernelCounters {}
-    unsafe impl aya::Pod for super::KernelLiveKey {}
-    unsafe impl aya::Pod for super::KernelLiveBlock {}
     unsafe impl aya::Pod for super::KernelStack {}
 }
 
@@ -514,6 +525,30 @@ mod tests {
         allocator_frames_regex(&mut regex).expect("writes");
         assert!(regex.starts_with("(kmalloc|__kmalloc|"), "{regex}");
         assert!(regex.ends_with(").*|.*_noprof(\\..*)?"), "{regex}");
+    }
+
+    #[test]
+    fn live_entries_keep_both_sizes_and_pages_their_own_homes() {
+        assert_eq!(unpack_sizes(pack_sizes(192, 150)), (192, 150));
+        assert_eq!(
+            unpack_sizes(pack_sizes(4096 << 10, 4096 << 10)),
+            (4096 << 10, 4096 << 10)
+        );
+        // Never more requested than handed out, nor more than 32 bits of either.
+        assert_eq!(unpack_sizes(pack_sizes(64, 65)), (64, 64));
+        assert_eq!(
+            unpack_sizes(pack_sizes(1 << 40, 1)),
+            (u64::from(u32::MAX), 1)
+        );
+        // Neighbouring page frames are a home span (32 bytes) or more apart.
+        let span = 1u64 << crate::live::HOME_SPAN_SHIFT;
+        assert!(
+            live_address(1001, KernelSpace::Pages) - live_address(1000, KernelSpace::Pages) >= span
+        );
+        assert_eq!(
+            live_address(0xffff_8880_0000_1000, KernelSpace::Slab),
+            0xffff_8880_0000_1000
+        );
     }
 
     #[test]

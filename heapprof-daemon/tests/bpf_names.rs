@@ -60,7 +60,7 @@ const MAPS: [(&str, &str); 37] = constants![
     names::REPORT_QUEUES,
     names::REPLIES,
     kernel_names::KERNEL_SITES,
-    kernel_names::KERNEL_LIVE,
+    kernel_names::KERNEL_SITE_COUNTERS,
     kernel_names::KERNEL_STACKS,
     kernel_names::TRACED,
     kernel_names::COMMS,
@@ -107,12 +107,14 @@ const ATTACH_POINTS: [(&str, &str); 6] = constants![
 
 /// Maps that only the programs use, which the daemon never names: per-CPU scratch
 /// space, the remembered walks, the log's rate limit, and aya-log's buffer.
-const PRIVATE_MAPS: [&str; 16] = [
+const PRIVATE_MAPS: [&str; 18] = [
     "AYA_LOGS",
     "KERNEL_FREE_SEEN",
     "KERNEL_LIVE_FILTER",
     "KERNEL_RECORD_SCRATCH",
+    "KERNEL_SITE_NEXT",
     "KERNEL_STACK_SCRATCH",
+    "LAST_TRACED",
     "LOGGED",
     "LOG_CLAIMS",
     "QUEUE_SCRATCH",

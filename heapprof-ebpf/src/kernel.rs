@@ -15,26 +15,40 @@ use aya_ebpf::{
         generated::{bpf_get_func_arg, bpf_get_stack},
     },
     macros::{fentry, kprobe, map, raw_tracepoint, tracepoint},
-    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap},
+    maps::{Array, HashMap, PerCpuArray},
     programs::{FEntryContext, ProbeContext, RawTracePointContext, TracePointContext},
 };
 use heapprof_common::{
-    DropReason,
+    DropReason, SiteId,
     kernel::{
         CACHE_NAME_LEN, DeferredFreePath, EventLayout, FieldRef, FuncArgs, KernelAllocKind,
-        KernelConfig, KernelCounters, KernelEvent, KernelLiveBlock, KernelLiveKey, KernelSiteKey,
-        KernelSpace, KernelStack, MAX_KERNEL_STACK_DEPTH, rcu_freed_object,
+        KernelConfig, KernelCounters, KernelEvent, KernelSiteKey, KernelSpace, KernelStack,
+        MAX_KERNEL_STACK_DEPTH, live_address, pack_sizes, rcu_freed_object, unpack_sizes,
     },
+    live::LiveEntry,
 };
 
-use crate::{atomic::add_32, maps::count_kernel_drop, sampling::sampled_at};
+use crate::{
+    atomic::{add_32, fetch_add},
+    live::{self, Inserted},
+    maps::count_kernel_drop,
+    sampling::sampled_at,
+};
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
+// The live objects are in `LIVE`, user mode's live-block table (one array changed
+// with atomic instructions: no bucket lock, free list or kernel call per insert and
+// removal, which a hash map costs), with a site index in each entry.
+/// Each site's index in `KERNEL_SITE_COUNTERS` (one hash lookup per allocation; a
+/// free finds its counters by the index in its live entry).
 #[map(name = "KERNEL_SITES")]
-static KERNEL_SITES: PerCpuHashMap<KernelSiteKey, KernelCounters> =
-    PerCpuHashMap::with_max_entries(65536, 0);
-#[map(name = "KERNEL_LIVE")]
-static KERNEL_LIVE: HashMap<KernelLiveKey, KernelLiveBlock> = HashMap::with_max_entries(1 << 20, 0);
+static KERNEL_SITES: HashMap<KernelSiteKey, SiteId> = HashMap::with_max_entries(65536, 0);
+#[map(name = "KERNEL_SITE_COUNTERS")]
+static KERNEL_SITE_COUNTERS: PerCpuArray<KernelCounters> = PerCpuArray::with_max_entries(65536, 0);
+/// The next site index never handed out (indices are never given back: kernel sites
+/// are never removed).
+#[map(name = "KERNEL_SITE_NEXT")]
+static KERNEL_SITE_NEXT: Array<u64> = Array::with_max_entries(1, 0);
 // Written only when a site is new: allocated on demand, as the user-mode stacks.
 #[map(name = "KERNEL_STACKS")]
 static KERNEL_STACKS: HashMap<u64, KernelStack> =
@@ -52,9 +66,12 @@ static CACHE_NAMES: HashMap<u64, [u8; CACHE_NAME_LEN]> =
     HashMap::with_max_entries(4096, BPF_F_NO_PREALLOC);
 #[map(name = "TRACED")]
 static TRACED: HashMap<u32, u32> = HashMap::with_max_entries(65536, 0);
+/// The process of each CPU's last allocation found in `TRACED` (see [`counted`]).
+#[map(name = "LAST_TRACED")]
+static LAST_TRACED: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "COMMS")]
 static COMMS: HashMap<u32, [u8; 16]> = HashMap::with_max_entries(65536, 0);
-/// Sampling only: how many entries of `KERNEL_LIVE` each slot's addresses have (see
+/// Sampling only: how many kernel entries of `LIVE` each slot's addresses have (see
 /// [`filter_slot`]). A free whose slot holds 0 has nothing to release and skips the
 /// table's lookup, which most frees then are: only sampled objects are tracked.
 #[map(name = "KERNEL_LIVE_FILTER")]
@@ -88,13 +105,17 @@ static KERNEL_CONFIG: KernelConfig = KernelConfig {
     cgroup_level: 0,
     func_args: FuncArgs::Helper as u32,
     sample_rate: 0,
+    max_sites: 1,
+    _pad: 0,
 };
 
 const EEXIST: i32 = 17;
 /// Bytes of an allocation record copied at once: every field the programs read of the
 /// kmem allocation events lies in them on 5.10 to 6.18 (the largest, 6.18's
-/// `kmem_cache_alloc`, ends its last read field at 48).
-const RECORD_HEAD: usize = 64;
+/// `kmem_cache_alloc`, ends its last read field at 48), and so does the cache's name
+/// (6.18's starts at 64, right after the fixed fields), whose hash is then computed
+/// from the copy instead of a string read per allocation.
+const RECORD_HEAD: usize = 96;
 /// Multiplier of the stack hash (2^64 / golden ratio).
 const HASH_MULTIPLIER: u64 = 0x9e37_79b9_7f4a_7c15;
 
@@ -199,6 +220,58 @@ fn name_hash(name: &[u8; CACHE_NAME_LEN]) -> u64 {
     hash | 1
 }
 
+/// The [`name_hash`] of the `__data_loc` string at `location` (offset in the low 16
+/// bits, length with its NUL in the high 16) computed from the record's copied head,
+/// as it would be of the name read into a zeroed `[u8; CACHE_NAME_LEN]` (at most
+/// `CACHE_NAME_LEN - 1` characters); `None` when the name is not wholly in the copy.
+#[inline(always)]
+fn head_name_hash(head: *const u8, location: u64) -> Option<u64> {
+    let offset = (location & 0xffff) as usize;
+    if offset > RECORD_HEAD - CACHE_NAME_LEN || !offset.is_multiple_of(8) {
+        return None;
+    }
+    let kept = ((location >> 16) & 0xffff)
+        .saturating_sub(1)
+        .min(CACHE_NAME_LEN as u64 - 1);
+    let mut hash = HASH_MULTIPLIER;
+    for i in 0..CACHE_NAME_LEN / 8 {
+        let start = 8 * i as u64;
+        // SAFETY: `offset + CACHE_NAME_LEN <= RECORD_HEAD` bytes of this CPU's slot,
+        // 8-byte aligned.
+        let word = unsafe { core::ptr::read(head.add(offset + 8 * i).cast::<u64>()) };
+        let mask = if kept >= start + 8 {
+            u64::MAX
+        } else if kept <= start {
+            0
+        } else {
+            (1u64 << (8 * (kept - start))) - 1
+        };
+        hash = (hash ^ (word & mask)).wrapping_mul(HASH_MULTIPLIER);
+        hash ^= hash >> 29;
+    }
+    Some(hash | 1)
+}
+
+/// The class of a `kmem_cache_alloc` site: the hash of its cache's name (0: the
+/// event has none), from the record's copied head where the name lies in it.
+#[inline(always)]
+fn cache_class(ctx: &TracePointContext, head: Option<*const u8>, name: FieldRef) -> u64 {
+    let Some(location) = head_field(ctx, head, name) else {
+        return 0;
+    };
+    if let Some(head) = head
+        && let Some(hash) = head_name_hash(head, location)
+    {
+        return hash;
+    }
+    let mut cache_name = [0u8; CACHE_NAME_LEN];
+    if read_cache_name(ctx, head, name, &mut cache_name) {
+        name_hash(&cache_name)
+    } else {
+        0
+    }
+}
+
 /// Whether allocations made in the current context count.
 #[inline(always)]
 fn counted(tgid: u32) -> bool {
@@ -214,8 +287,21 @@ fn counted(tgid: u32) -> bool {
     if config_u32(&KERNEL_CONFIG.filter_processes) == 0 {
         return true;
     }
+    // The process of this CPU's last counted allocation: a process stays in TRACED
+    // once added, so it counts again without the hash lookup.
+    let last = LAST_TRACED.get_ptr_mut(0);
+    // SAFETY: this CPU's slot.
+    let last_tgid = last.map_or(0, |last| unsafe { *last });
+    if last_tgid == tgid && tgid != 0 {
+        return true;
+    }
     // SAFETY: a lookup whose value is not used.
-    unsafe { TRACED.get(&tgid) }.is_some()
+    let traced = unsafe { TRACED.get(&tgid) }.is_some();
+    if traced && let Some(last) = last {
+        // SAFETY: this CPU's slot.
+        unsafe { *last = tgid };
+    }
+    traced
 }
 
 /// Takes the kernel stack into the per-CPU scratch slot; returns its hash (0: no stack).
@@ -249,102 +335,124 @@ fn take_stack(ctx: &TracePointContext) -> (u64, Option<&'static KernelStack>) {
     (hash | u64::from(hash == 0), Some(stack))
 }
 
-/// Adds to the counters of `site`, creating them (and storing the stack and the
-/// process's name) on first use.
+/// The index of `site`, giving it one (and storing its stack, its cache's name and
+/// its process's name) on first use; `None` when the site table is full.
 #[inline(always)]
-fn add_to_site(
+fn site_id(
     site: &KernelSiteKey,
     new_stack: Option<&KernelStack>,
-    cache_name: Option<&[u8; CACHE_NAME_LEN]>,
-    delta: &KernelCounters,
-) -> bool {
-    let mut counters = KERNEL_SITES.get_ptr_mut(site);
-    if counters.is_none() {
-        if let Some(name) = cache_name {
-            // Shared by every site of the cache: the first one stores it.
-            let _ = CACHE_NAMES.insert(&site.class, name, BPF_NOEXIST as u64);
-        }
-        if let Some(stack) = new_stack {
-            match KERNEL_STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
-                Ok(()) => {}
-                Err(err) if err == -EEXIST => {}
-                Err(_) => count_kernel_drop(DropReason::StackTableFull),
-            }
-        }
-        if delta.alloc_objects > 0
-            && let Ok(comm) = bpf_get_current_comm()
-        {
-            let _ = COMMS.insert(&site.tgid, &comm, 0);
-        }
-        let zero = KernelCounters::default();
-        // Another CPU may have created it meanwhile: NOEXIST then fails harmlessly.
-        let _ = KERNEL_SITES.insert(site, &zero, BPF_NOEXIST as u64);
-        counters = KERNEL_SITES.get_ptr_mut(site);
+    cache_name: Option<(&TracePointContext, Option<*const u8>, FieldRef)>,
+) -> Option<SiteId> {
+    // SAFETY: a plain value copied out of the map.
+    if let Some(id) = unsafe { KERNEL_SITES.get(site) } {
+        return Some(*id);
     }
-    match counters {
-        Some(counters) => {
-            // SAFETY: this CPU's copy of a per-CPU value.
-            unsafe {
-                (*counters).alloc_objects += delta.alloc_objects;
-                (*counters).alloc_bytes += delta.alloc_bytes;
-                (*counters).alloc_requested += delta.alloc_requested;
-                (*counters).free_objects += delta.free_objects;
-                (*counters).free_bytes += delta.free_bytes;
-                (*counters).free_requested += delta.free_requested;
-            }
-            true
+    if let Some((ctx, head, name)) = cache_name {
+        // Read only for a new site; shared by every site of the cache: the first one
+        // stores it.
+        let mut bytes = [0u8; CACHE_NAME_LEN];
+        if read_cache_name(ctx, head, name, &mut bytes) {
+            let _ = CACHE_NAMES.insert(&site.class, &bytes, BPF_NOEXIST as u64);
         }
-        None => false,
+    }
+    if let Some(stack) = new_stack {
+        match KERNEL_STACKS.insert(&site.stack, stack, BPF_NOEXIST as u64) {
+            Ok(()) => {}
+            Err(err) if err == -EEXIST => {}
+            Err(_) => count_kernel_drop(DropReason::StackTableFull),
+        }
+    }
+    if let Ok(comm) = bpf_get_current_comm() {
+        let _ = COMMS.insert(&site.tgid, &comm, 0);
+    }
+    let next = KERNEL_SITE_NEXT.get_ptr_mut(0)?;
+    // SAFETY: a map value, only accessed atomically.
+    let id = unsafe { fetch_add(next, 1) };
+    if id >= u64::from(config_u32(&KERNEL_CONFIG.max_sites)) {
+        return None;
+    }
+    let id = id as SiteId;
+    if KERNEL_SITES.insert(site, &id, BPF_NOEXIST as u64).is_ok() {
+        return Some(id);
+    }
+    // Another CPU gave it one meanwhile (this index stays unused), or the table is full.
+    // SAFETY: as above.
+    unsafe { KERNEL_SITES.get(site) }.copied()
+}
+
+/// Adds `delta` to the counters of site `id`.
+#[inline(always)]
+fn add_to_site(id: SiteId, delta: &KernelCounters) {
+    if let Some(counters) = KERNEL_SITE_COUNTERS.get_ptr_mut(id) {
+        // SAFETY: this CPU's copy of a per-CPU value; programs on one CPU do not
+        // interleave.
+        unsafe {
+            (*counters).alloc_objects += delta.alloc_objects;
+            (*counters).alloc_bytes += delta.alloc_bytes;
+            (*counters).alloc_requested += delta.alloc_requested;
+            (*counters).free_objects += delta.free_objects;
+            (*counters).free_bytes += delta.free_bytes;
+            (*counters).free_requested += delta.free_requested;
+        }
     }
 }
 
-/// The slot of [`KERNEL_LIVE_FILTER`] that counts `key`'s entry, when sampling.
+/// Credits the free of the live entry `block` to its site.
 #[inline(always)]
-fn filter_slot(key: &KernelLiveKey) -> Option<*mut u32> {
+fn credit_free(block: &LiveEntry) {
+    let (bytes, requested) = unpack_sizes(block.size);
+    add_to_site(
+        block.site,
+        &KernelCounters {
+            free_objects: 1,
+            free_bytes: bytes,
+            free_requested: requested,
+            ..KernelCounters::default()
+        },
+    );
+}
+
+/// The slot of [`KERNEL_LIVE_FILTER`] that counts the entry of `addr` (a
+/// [`live_address`]) in `space`, when sampling.
+#[inline(always)]
+fn filter_slot(addr: u64, space: u32) -> Option<*mut u32> {
     if config_u64(&KERNEL_CONFIG.sample_rate) == 0 {
         return None;
     }
-    let hash = (key.addr ^ u64::from(key.space)).wrapping_mul(HASH_MULTIPLIER);
+    let hash = (addr ^ u64::from(space)).wrapping_mul(HASH_MULTIPLIER);
     KERNEL_LIVE_FILTER.get_ptr_mut((hash >> 48) as u32 % LIVE_FILTER_SLOTS)
 }
 
-/// Counts an entry added to (`1`) or removed from (`u32::MAX`, minus one) `KERNEL_LIVE`
-/// in its filter slot, when sampling.
+/// Counts an entry added to (`1`) or removed from (`u32::MAX`, minus one) `LIVE` in
+/// its filter slot, when sampling.
 #[inline(always)]
-fn count_in_filter(key: &KernelLiveKey, delta: u32) {
-    if let Some(slot) = filter_slot(key) {
+fn count_in_filter(addr: u64, space: u32, delta: u32) {
+    if let Some(slot) = filter_slot(addr, space) {
         // SAFETY: a slot of the array, only changed atomically.
         unsafe { add_32(slot, delta) };
     }
 }
 
-/// Credits the free of a tracked object to the site that allocated it; untracked
-/// objects (allocated before tracing, or not counted) are ignored. Returns whether
-/// the object was tracked.
+/// Credits the free of a tracked object (`addr` in `space`) to the site that
+/// allocated it; untracked objects (allocated before tracing, or not counted) are
+/// ignored. Returns whether the object was tracked.
 #[inline(always)]
-fn release(key: &KernelLiveKey) -> bool {
-    if let Some(slot) = filter_slot(key)
+fn release(addr: u64, space: KernelSpace) -> bool {
+    let addr = live_address(addr, space);
+    let space = space as u32;
+    if let Some(slot) = filter_slot(addr, space)
         // SAFETY: a slot of the array; a plain read of a counter changed atomically.
         && unsafe { core::ptr::read_volatile(slot) } == 0
     {
         return false;
     }
-    // SAFETY: the value is copied out before the entry is removed.
-    let Some(block) = (unsafe { KERNEL_LIVE.get(key) }).copied() else {
+    // None also when another CPU freed it first (a double free would be the kernel's
+    // bug): counted once.
+    let Some(block) = live::remove(space, addr) else {
         return false;
     };
-    if KERNEL_LIVE.remove(key).is_err() {
-        // Another CPU freed it first (a double free would be the kernel's bug): count once.
-        return false;
-    }
-    count_in_filter(key, u32::MAX);
-    let delta = KernelCounters {
-        free_objects: 1,
-        free_bytes: block.bytes,
-        free_requested: block.requested,
-        ..KernelCounters::default()
-    };
-    add_to_site(&block.site, None, None, &delta);
+    count_in_filter(addr, space, u32::MAX);
+    credit_free(&block);
     true
 }
 
@@ -359,8 +467,6 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
     let Some(addr) = head_field(ctx, head, layout.ptr) else {
         return 0;
     };
-    let mut cache_name = [0u8; CACHE_NAME_LEN];
-    let mut named = false;
     let (space, kind, bytes, requested, call_site, class) = match event.allocates() {
         Some(KernelAllocKind::Pages) => {
             // A failed page allocation reports pfn -1.
@@ -391,17 +497,14 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
             let bytes = head_field(ctx, head, layout.bytes_alloc).unwrap_or(0);
             // Sampling is decided before anything else is read (the cache's name), and
             // before the stack is taken: a skipped allocation costs the draw only, and
-            // its free finds nothing in KERNEL_LIVE.
+            // its free finds nothing in LIVE.
             if !sampled_at(bytes, config_u64(&KERNEL_CONFIG.sample_rate)) {
                 return 0;
             }
             let requested = head_field(ctx, head, layout.bytes_req).unwrap_or(bytes);
             let call_site = head_field(ctx, head, layout.call_site).unwrap_or(0);
             let class = match kind {
-                KernelAllocKind::KmemCacheAlloc => {
-                    named = read_cache_name(ctx, head, layout.name, &mut cache_name);
-                    if named { name_hash(&cache_name) } else { 0 }
-                }
+                KernelAllocKind::KmemCacheAlloc => cache_class(ctx, head, layout.name),
                 _ => bytes,
             };
             (KernelSpace::Slab, kind, bytes, requested, call_site, class)
@@ -416,45 +519,37 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         call_site,
         class,
     };
-    let delta = KernelCounters {
-        alloc_objects: 1,
-        alloc_bytes: bytes,
-        alloc_requested: requested,
-        ..KernelCounters::default()
-    };
-    if !add_to_site(&site, stack, named.then_some(&cache_name), &delta) {
+    let named = kind == KernelAllocKind::KmemCacheAlloc && class != 0;
+    let Some(id) = site_id(&site, stack, named.then_some((ctx, head, layout.name))) else {
         count_kernel_drop(DropReason::SiteTableFull);
         return 0;
-    }
-    let key = KernelLiveKey {
-        addr,
-        space: space as u32,
-        _pad: 0,
     };
-    let block = KernelLiveBlock {
-        site,
-        bytes,
-        requested,
-    };
-    let mut inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
-    if inserted == Err(-EEXIST) {
-        // Still recorded at this address: it was freed on a path without a tracepoint
-        // (bulk frees). Close it so its site's in-use stays right.
-        let _ = release(&key);
-        inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
-    }
-    if inserted.is_ok() {
-        count_in_filter(&key, 1);
-    } else {
-        // Its free cannot be matched: released now, so in-use stays what is tracked.
-        count_kernel_drop(DropReason::LiveTableFull);
-        let released = KernelCounters {
-            free_objects: 1,
-            free_bytes: bytes,
-            free_requested: requested,
+    add_to_site(
+        id,
+        &KernelCounters {
+            alloc_objects: 1,
+            alloc_bytes: bytes,
+            alloc_requested: requested,
             ..KernelCounters::default()
-        };
-        add_to_site(&site, None, None, &released);
+        },
+    );
+    let block = LiveEntry {
+        ptr: live_address(addr, space),
+        size: pack_sizes(bytes, requested),
+        tgid: space as u32,
+        site: id,
+    };
+    match live::insert(block.tgid, &block) {
+        Inserted::New => count_in_filter(block.ptr, block.tgid, 1),
+        // Still recorded at this address: it was freed on a path without a tracepoint
+        // (bulk frees). Closed so its site's in-use stays right; the filter's count
+        // stands for the new entry.
+        Inserted::Replaced(old) => credit_free(&old),
+        Inserted::Full => {
+            // Its free cannot be matched: released now, so in-use stays what is tracked.
+            count_kernel_drop(DropReason::LiveTableFull);
+            credit_free(&block);
+        }
     }
     0
 }
@@ -469,11 +564,7 @@ fn on_free(ctx: &TracePointContext, event: KernelEvent, space: KernelSpace) -> u
     if addr == 0 && matches!(space, KernelSpace::Slab) {
         return 0;
     }
-    let _ = release(&KernelLiveKey {
-        addr,
-        space: space as u32,
-        _pad: 0,
-    });
+    let _ = release(addr, space);
     0
 }
 
@@ -579,11 +670,7 @@ fn nested_free(addr: u64, slot: RawFree) {
 #[inline(always)]
 fn release_slab_ptr(addr: u64) {
     if addr != 0 {
-        let _ = release(&KernelLiveKey {
-            addr,
-            space: KernelSpace::Slab as u32,
-            _pad: 0,
-        });
+        let _ = release(addr, KernelSpace::Slab);
     }
 }
 
@@ -608,12 +695,9 @@ fn release_slab(addr: u64, path: DeferredFreePath) {
     if addr == 0 {
         return;
     }
-    let released = release(&KernelLiveKey {
-        addr,
-        space: KernelSpace::Slab as u32,
-        _pad: 0,
-    });
-    if released && let Some(count) = KERNEL_DEFERRED_FREES.get_ptr_mut(path as u32) {
+    if release(addr, KernelSpace::Slab)
+        && let Some(count) = KERNEL_DEFERRED_FREES.get_ptr_mut(path as u32)
+    {
         // SAFETY: this CPU's slot of a per-CPU array.
         unsafe { *count += 1 };
     }

@@ -12,7 +12,7 @@ use heapprof_common::{
         DeferredFreePath, EventLayout, FieldRef, FuncArgs, KernelConfig, KernelEvent,
         names as kernel_names,
     },
-    names,
+    live, names,
 };
 use thiserror::Error;
 
@@ -214,17 +214,25 @@ pub fn load_bpf_object(
         cgroup_level: cgroup.map_or(0, |c| c.level),
         func_args: func_args as u32,
         sample_rate,
+        max_sites: capacities.sites,
         ..KernelConfig::default()
+    };
+    // The live objects go to user mode's live-block table, which reads its size here.
+    let live_buckets = live::buckets_for(capacities.live_blocks);
+    let user_config = heapprof_common::Config {
+        live_buckets,
+        ..heapprof_common::Config::default()
     };
     for (event, layout) in events {
         config.events[*event as usize] = *layout;
     }
     EbpfLoader::new()
         .override_global(kernel_names::KERNEL_CONFIG, &config, true)
-        .map_max_entries(kernel_names::KERNEL_LIVE, capacities.live_blocks)
+        .override_global(names::CONFIG, &user_config, true)
+        .map_max_entries(names::LIVE, live_buckets)
         .map_max_entries(kernel_names::KERNEL_SITES, capacities.sites)
+        .map_max_entries(kernel_names::KERNEL_SITE_COUNTERS, capacities.sites)
         .map_max_entries(kernel_names::KERNEL_STACKS, capacities.stacks)
-        .map_max_entries(names::LIVE, 1)
         .map_max_entries(names::SITES, 1)
         .map_max_entries(names::SITE_COUNTERS, 1)
         .map_max_entries(names::SITE_IDS_FREE, 1)
