@@ -248,10 +248,6 @@ pub struct KernelConfig {
     /// Nonzero: record a Poisson sample of the allocations, one per this many
     /// handed-out bytes on average (`--sample-rate`); 0: every allocation.
     pub sample_rate: u64,
-    /// Capacity of the site table: site indices stay below it.
-    pub max_sites: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
 }
 
 /// How the fentry programs read the raw arguments of the function they are attached
@@ -379,8 +375,7 @@ pub struct KernelCounters {
     pub free_requested: u64,
 }
 
-/// Address space of a live kernel object: the process field of its entry in the
-/// live-block table (`LIVE`, shared with user mode's layout, see [`crate::live`]).
+/// Address space of a live kernel object.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelSpace {
@@ -390,19 +385,32 @@ pub enum KernelSpace {
     Pages = 1,
 }
 
-/// The address a live kernel object is recorded at in `LIVE`: a slab object's own,
-/// a page's frame number shifted as if it were an address. The table's home buckets
-/// cover 32 bytes each: consecutive frame numbers unshifted would share one home, 32
-/// pages to 9 slots.
-#[inline(always)]
-pub const fn live_address(addr: u64, space: KernelSpace) -> u64 {
-    match space {
-        KernelSpace::Slab => addr,
-        KernelSpace::Pages => addr << 12,
-    }
+/// Key of the live kernel-object table.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct KernelLiveKey {
+    /// Object address, or page frame number.
+    pub addr: u64,
+    /// [`KernelSpace`].
+    pub space: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
-/// A kernel object's handed-out and requested bytes, packed into the `size` of its
+/// A kernel object allocated while tracing and not yet freed: 16 bytes, its site by
+/// index (a free credits the counters without looking the site's key up).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KernelLiveBlock {
+    /// The index of the site that allocated it (in `KERNEL_SITE_COUNTERS`).
+    pub site: crate::SiteId,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+    /// Bytes handed out and asked for ([`pack_sizes`]).
+    pub sizes: u64,
+}
+
+/// A kernel object's handed-out and requested bytes, packed into one word of its
 /// live entry (32 bits each: no slab object nor page block comes near 4 GiB).
 #[inline(always)]
 pub const fn pack_sizes(bytes: u64, requested: u64) -> u64 {
@@ -443,6 +451,12 @@ pub mod names {
     /// Per-site counters by index (`PerCpuArray<KernelCounters>`): a free finds its
     /// site's counters by the index its live entry holds, without a hash lookup.
     pub const KERNEL_SITE_COUNTERS: &str = "KERNEL_SITE_COUNTERS";
+    /// The site indices not handed out yet (`Queue<SiteId>`), filled by the daemon
+    /// before the programs are attached: popped without an atomic instruction that
+    /// returns a value, which kernels before 5.12 refuse in any program.
+    pub const KERNEL_SITE_IDS: &str = "KERNEL_SITE_IDS";
+    /// Live objects (`HashMap<KernelLiveKey, KernelLiveBlock>`).
+    pub const KERNEL_LIVE: &str = "KERNEL_LIVE";
     /// Kernel stacks (`HashMap<u64, KernelStack>`, by hash).
     pub const KERNEL_STACKS: &str = "KERNEL_STACKS";
     /// Processes whose allocations count when filtering (`HashMap<u32, u32>`).
@@ -493,6 +507,8 @@ mod pod {
     unsafe impl aya::Pod for super::KernelConfig {}
     unsafe impl aya::Pod for super::KernelSiteKey {}
     unsafe impl aya::Pod for super::KernelCounters {}
+    unsafe impl aya::Pod for super::KernelLiveKey {}
+    unsafe impl aya::Pod for super::KernelLiveBlock {}
     unsafe impl aya::Pod for super::KernelStack {}
 }
 
@@ -528,7 +544,7 @@ mod tests {
     }
 
     #[test]
-    fn live_entries_keep_both_sizes_and_pages_their_own_homes() {
+    fn live_entries_keep_both_sizes() {
         assert_eq!(unpack_sizes(pack_sizes(192, 150)), (192, 150));
         assert_eq!(
             unpack_sizes(pack_sizes(4096 << 10, 4096 << 10)),
@@ -539,15 +555,6 @@ mod tests {
         assert_eq!(
             unpack_sizes(pack_sizes(1 << 40, 1)),
             (u64::from(u32::MAX), 1)
-        );
-        // Neighbouring page frames are a home span (32 bytes) or more apart.
-        let span = 1u64 << crate::live::HOME_SPAN_SHIFT;
-        assert!(
-            live_address(1001, KernelSpace::Pages) - live_address(1000, KernelSpace::Pages) >= span
-        );
-        assert_eq!(
-            live_address(0xffff_8880_0000_1000, KernelSpace::Slab),
-            0xffff_8880_0000_1000
         );
     }
 

@@ -374,7 +374,8 @@ impl DropReason {
     /// false) or kernel mode; `None` for a drop that is not a full table.
     pub const fn table(self, kernel: bool) -> Option<&'static str> {
         match (self, kernel) {
-            (DropReason::LiveTableFull, _) => Some(names::LIVE),
+            (DropReason::LiveTableFull, false) => Some(names::LIVE),
+            (DropReason::LiveTableFull, true) => Some(kernel::names::KERNEL_LIVE),
             (DropReason::SiteTableFull, false) => Some(names::SITES),
             (DropReason::SiteTableFull, true) => Some(kernel::names::KERNEL_SITES),
             (DropReason::StackTableFull, false) => Some(names::STACKS),

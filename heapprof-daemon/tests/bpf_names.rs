@@ -28,7 +28,7 @@ macro_rules! constants {
 }
 
 /// The constants that name maps.
-const MAPS: [(&str, &str); 37] = constants![
+const MAPS: [(&str, &str); 39] = constants![
     names::IN_FLIGHT,
     names::IN_FLIGHT_SLOTS,
     names::PROBES,
@@ -61,6 +61,8 @@ const MAPS: [(&str, &str); 37] = constants![
     names::REPLIES,
     kernel_names::KERNEL_SITES,
     kernel_names::KERNEL_SITE_COUNTERS,
+    kernel_names::KERNEL_SITE_IDS,
+    kernel_names::KERNEL_LIVE,
     kernel_names::KERNEL_STACKS,
     kernel_names::TRACED,
     kernel_names::COMMS,
@@ -107,12 +109,11 @@ const ATTACH_POINTS: [(&str, &str); 6] = constants![
 
 /// Maps that only the programs use, which the daemon never names: per-CPU scratch
 /// space, the remembered walks, the log's rate limit, and aya-log's buffer.
-const PRIVATE_MAPS: [&str; 18] = [
+const PRIVATE_MAPS: [&str; 17] = [
     "AYA_LOGS",
     "KERNEL_FREE_SEEN",
     "KERNEL_LIVE_FILTER",
     "KERNEL_RECORD_SCRATCH",
-    "KERNEL_SITE_NEXT",
     "KERNEL_STACK_SCRATCH",
     "LAST_TRACED",
     "LOGGED",

@@ -15,40 +15,38 @@ use aya_ebpf::{
         generated::{bpf_get_func_arg, bpf_get_stack},
     },
     macros::{fentry, kprobe, map, raw_tracepoint, tracepoint},
-    maps::{Array, HashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray, Queue},
     programs::{FEntryContext, ProbeContext, RawTracePointContext, TracePointContext},
 };
 use heapprof_common::{
     DropReason, SiteId,
     kernel::{
         CACHE_NAME_LEN, DeferredFreePath, EventLayout, FieldRef, FuncArgs, KernelAllocKind,
-        KernelConfig, KernelCounters, KernelEvent, KernelSiteKey, KernelSpace, KernelStack,
-        MAX_KERNEL_STACK_DEPTH, live_address, pack_sizes, rcu_freed_object, unpack_sizes,
+        KernelConfig, KernelCounters, KernelEvent, KernelLiveBlock, KernelLiveKey, KernelSiteKey,
+        KernelSpace, KernelStack, MAX_KERNEL_STACK_DEPTH, pack_sizes, rcu_freed_object,
+        unpack_sizes,
     },
-    live::LiveEntry,
 };
 
-use crate::{
-    atomic::{add_32, fetch_add},
-    live::{self, Inserted},
-    maps::count_kernel_drop,
-    sampling::sampled_at,
-};
+use crate::{atomic::add_32, maps::count_kernel_drop, sampling::sampled_at};
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
-// The live objects are in `LIVE`, user mode's live-block table (one array changed
-// with atomic instructions: no bucket lock, free list or kernel call per insert and
-// removal, which a hash map costs), with a site index in each entry.
+// No program here may hold an atomic instruction that returns a value (fetch-and-add,
+// exchange): kernels before 5.12 refuse a program holding one, even unreached. So
+// the live objects stay in a hash map, not in user mode's atomic array.
+/// Live objects, each with its site's index.
+#[map(name = "KERNEL_LIVE")]
+static KERNEL_LIVE: HashMap<KernelLiveKey, KernelLiveBlock> = HashMap::with_max_entries(1 << 20, 0);
 /// Each site's index in `KERNEL_SITE_COUNTERS` (one hash lookup per allocation; a
 /// free finds its counters by the index in its live entry).
 #[map(name = "KERNEL_SITES")]
 static KERNEL_SITES: HashMap<KernelSiteKey, SiteId> = HashMap::with_max_entries(65536, 0);
 #[map(name = "KERNEL_SITE_COUNTERS")]
 static KERNEL_SITE_COUNTERS: PerCpuArray<KernelCounters> = PerCpuArray::with_max_entries(65536, 0);
-/// The next site index never handed out (indices are never given back: kernel sites
-/// are never removed).
-#[map(name = "KERNEL_SITE_NEXT")]
-static KERNEL_SITE_NEXT: Array<u64> = Array::with_max_entries(1, 0);
+/// The site indices not handed out yet, filled by the daemon (indices are never given
+/// back: kernel sites are never removed).
+#[map(name = "KERNEL_SITE_IDS")]
+static KERNEL_SITE_IDS: Queue<SiteId> = Queue::with_max_entries(65536, 0);
 // Written only when a site is new: allocated on demand, as the user-mode stacks.
 #[map(name = "KERNEL_STACKS")]
 static KERNEL_STACKS: HashMap<u64, KernelStack> =
@@ -105,8 +103,6 @@ static KERNEL_CONFIG: KernelConfig = KernelConfig {
     cgroup_level: 0,
     func_args: FuncArgs::Helper as u32,
     sample_rate: 0,
-    max_sites: 1,
-    _pad: 0,
 };
 
 const EEXIST: i32 = 17;
@@ -365,17 +361,13 @@ fn site_id(
     if let Ok(comm) = bpf_get_current_comm() {
         let _ = COMMS.insert(&site.tgid, &comm, 0);
     }
-    let next = KERNEL_SITE_NEXT.get_ptr_mut(0)?;
-    // SAFETY: a map value, only accessed atomically.
-    let id = unsafe { fetch_add(next, 1) };
-    if id >= u64::from(config_u32(&KERNEL_CONFIG.max_sites)) {
-        return None;
-    }
-    let id = id as SiteId;
+    // None: every index is handed out (the table is full).
+    let id = KERNEL_SITE_IDS.pop().ok().flatten()?;
     if KERNEL_SITES.insert(site, &id, BPF_NOEXIST as u64).is_ok() {
         return Some(id);
     }
-    // Another CPU gave it one meanwhile (this index stays unused), or the table is full.
+    // Another CPU gave it one meanwhile: this index goes back.
+    let _ = KERNEL_SITE_IDS.push(&id, 0);
     // SAFETY: as above.
     unsafe { KERNEL_SITES.get(site) }.copied()
 }
@@ -397,12 +389,12 @@ fn add_to_site(id: SiteId, delta: &KernelCounters) {
     }
 }
 
-/// Credits the free of the live entry `block` to its site.
+/// Credits the free of an object of site `site` with `sizes` ([`pack_sizes`]).
 #[inline(always)]
-fn credit_free(block: &LiveEntry) {
-    let (bytes, requested) = unpack_sizes(block.size);
+fn credit_free(site: SiteId, sizes: u64) {
+    let (bytes, requested) = unpack_sizes(sizes);
     add_to_site(
-        block.site,
+        site,
         &KernelCounters {
             free_objects: 1,
             free_bytes: bytes,
@@ -412,22 +404,21 @@ fn credit_free(block: &LiveEntry) {
     );
 }
 
-/// The slot of [`KERNEL_LIVE_FILTER`] that counts the entry of `addr` (a
-/// [`live_address`]) in `space`, when sampling.
+/// The slot of [`KERNEL_LIVE_FILTER`] that counts `key`'s entry, when sampling.
 #[inline(always)]
-fn filter_slot(addr: u64, space: u32) -> Option<*mut u32> {
+fn filter_slot(key: &KernelLiveKey) -> Option<*mut u32> {
     if config_u64(&KERNEL_CONFIG.sample_rate) == 0 {
         return None;
     }
-    let hash = (addr ^ u64::from(space)).wrapping_mul(HASH_MULTIPLIER);
+    let hash = (key.addr ^ u64::from(key.space)).wrapping_mul(HASH_MULTIPLIER);
     KERNEL_LIVE_FILTER.get_ptr_mut((hash >> 48) as u32 % LIVE_FILTER_SLOTS)
 }
 
-/// Counts an entry added to (`1`) or removed from (`u32::MAX`, minus one) `LIVE` in
-/// its filter slot, when sampling.
+/// Counts an entry added to (`1`) or removed from (`u32::MAX`, minus one) `KERNEL_LIVE`
+/// in its filter slot, when sampling.
 #[inline(always)]
-fn count_in_filter(addr: u64, space: u32, delta: u32) {
-    if let Some(slot) = filter_slot(addr, space) {
+fn count_in_filter(key: &KernelLiveKey, delta: u32) {
+    if let Some(slot) = filter_slot(key) {
         // SAFETY: a slot of the array, only changed atomically.
         unsafe { add_32(slot, delta) };
     }
@@ -438,21 +429,27 @@ fn count_in_filter(addr: u64, space: u32, delta: u32) {
 /// ignored. Returns whether the object was tracked.
 #[inline(always)]
 fn release(addr: u64, space: KernelSpace) -> bool {
-    let addr = live_address(addr, space);
-    let space = space as u32;
-    if let Some(slot) = filter_slot(addr, space)
+    let key = KernelLiveKey {
+        addr,
+        space: space as u32,
+        _pad: 0,
+    };
+    if let Some(slot) = filter_slot(&key)
         // SAFETY: a slot of the array; a plain read of a counter changed atomically.
         && unsafe { core::ptr::read_volatile(slot) } == 0
     {
         return false;
     }
-    // None also when another CPU freed it first (a double free would be the kernel's
-    // bug): counted once.
-    let Some(block) = live::remove(space, addr) else {
+    // SAFETY: the value is copied out before the entry is removed.
+    let Some(block) = (unsafe { KERNEL_LIVE.get(&key) }).copied() else {
         return false;
     };
-    count_in_filter(addr, space, u32::MAX);
-    credit_free(&block);
+    if KERNEL_LIVE.remove(&key).is_err() {
+        // Another CPU freed it first (a double free would be the kernel's bug): count once.
+        return false;
+    }
+    count_in_filter(&key, u32::MAX);
+    credit_free(block.site, block.sizes);
     true
 }
 
@@ -533,23 +530,29 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
             ..KernelCounters::default()
         },
     );
-    let block = LiveEntry {
-        ptr: live_address(addr, space),
-        size: pack_sizes(bytes, requested),
-        tgid: space as u32,
-        site: id,
+    let key = KernelLiveKey {
+        addr,
+        space: space as u32,
+        _pad: 0,
     };
-    match live::insert(block.tgid, &block) {
-        Inserted::New => count_in_filter(block.ptr, block.tgid, 1),
+    let block = KernelLiveBlock {
+        site: id,
+        _pad: 0,
+        sizes: pack_sizes(bytes, requested),
+    };
+    let mut inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
+    if inserted == Err(-EEXIST) {
         // Still recorded at this address: it was freed on a path without a tracepoint
-        // (bulk frees). Closed so its site's in-use stays right; the filter's count
-        // stands for the new entry.
-        Inserted::Replaced(old) => credit_free(&old),
-        Inserted::Full => {
-            // Its free cannot be matched: released now, so in-use stays what is tracked.
-            count_kernel_drop(DropReason::LiveTableFull);
-            credit_free(&block);
-        }
+        // (bulk frees). Closed so its site's in-use stays right.
+        let _ = release(addr, space);
+        inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
+    }
+    if inserted.is_ok() {
+        count_in_filter(&key, 1);
+    } else {
+        // Its free cannot be matched: released now, so in-use stays what is tracked.
+        count_kernel_drop(DropReason::LiveTableFull);
+        credit_free(id, block.sizes);
     }
     0
 }

@@ -56,8 +56,7 @@ fn first_time(slot: u32) -> bool {
 pub enum Tables {
     /// User mode's tables (`LIVE`, `SITES`, `STACKS`).
     User = 0,
-    /// Kernel mode's (`LIVE`, shared with user mode's layout, `KERNEL_SITES`,
-    /// `KERNEL_STACKS`).
+    /// Kernel mode's (`KERNEL_LIVE`, `KERNEL_SITES`, `KERNEL_STACKS`).
     Kernel = 1,
 }
 

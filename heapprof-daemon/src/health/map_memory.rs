@@ -10,7 +10,11 @@ use heapprof_common::{kernel::names as kernel_names, names};
 /// The tables the kernel memory is reported for, each with the maps it is made of and
 /// the flag that sizes it; every other map counts as `other`.
 const TABLES: [(&str, &[&str], &str); 5] = [
-    ("live_blocks", &[names::LIVE], "--max-live-blocks"),
+    (
+        "live_blocks",
+        &[names::LIVE, kernel_names::KERNEL_LIVE],
+        "--max-live-blocks",
+    ),
     (
         "sites",
         &[
@@ -18,6 +22,7 @@ const TABLES: [(&str, &[&str], &str); 5] = [
             names::SITE_COUNTERS,
             kernel_names::KERNEL_SITES,
             kernel_names::KERNEL_SITE_COUNTERS,
+            kernel_names::KERNEL_SITE_IDS,
         ],
         "--max-sites",
     ),

@@ -5,6 +5,7 @@ use std::path::Path;
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
+    maps::Queue,
     programs::{FEntry, KProbe, ProgramError, RawTracePoint, TracePoint},
 };
 use heapprof_common::{
@@ -12,7 +13,7 @@ use heapprof_common::{
         DeferredFreePath, EventLayout, FieldRef, FuncArgs, KernelConfig, KernelEvent,
         names as kernel_names,
     },
-    live, names,
+    names,
 };
 use thiserror::Error;
 
@@ -214,24 +215,19 @@ pub fn load_bpf_object(
         cgroup_level: cgroup.map_or(0, |c| c.level),
         func_args: func_args as u32,
         sample_rate,
-        max_sites: capacities.sites,
         ..KernelConfig::default()
     };
-    // The live objects go to user mode's live-block table, which reads its size here.
-    let live_buckets = live::buckets_for(capacities.live_blocks);
-    let user_config = heapprof_common::Config {
-        live_buckets,
-        ..heapprof_common::Config::default()
-    };
+
     for (event, layout) in events {
         config.events[*event as usize] = *layout;
     }
     EbpfLoader::new()
         .override_global(kernel_names::KERNEL_CONFIG, &config, true)
-        .override_global(names::CONFIG, &user_config, true)
-        .map_max_entries(names::LIVE, live_buckets)
+        .map_max_entries(kernel_names::KERNEL_LIVE, capacities.live_blocks)
         .map_max_entries(kernel_names::KERNEL_SITES, capacities.sites)
         .map_max_entries(kernel_names::KERNEL_SITE_COUNTERS, capacities.sites)
+        .map_max_entries(kernel_names::KERNEL_SITE_IDS, capacities.sites)
+        .map_max_entries(names::LIVE, 1)
         .map_max_entries(kernel_names::KERNEL_STACKS, capacities.stacks)
         .map_max_entries(names::SITES, 1)
         .map_max_entries(names::SITE_COUNTERS, 1)
@@ -247,6 +243,24 @@ pub fn load_bpf_object(
         .map_max_entries(names::MAPPINGS_REQUESTED, 1)
         .load(BPF_OBJECT)
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
+        .and_then(|mut ebpf| {
+            fill_site_ids(&mut ebpf, capacities.sites)?;
+            Ok(ebpf)
+        })
+}
+
+/// Fills `KERNEL_SITE_IDS` with every site index, before any program is attached.
+fn fill_site_ids(ebpf: &mut Ebpf, sites: u32) -> Result<()> {
+    let map = ebpf
+        .map_mut(kernel_names::KERNEL_SITE_IDS)
+        .with_context(|| format!("BPF map {} missing", kernel_names::KERNEL_SITE_IDS))?;
+    let mut ids: Queue<_, heapprof_common::SiteId> = Queue::try_from(map)
+        .with_context(|| format!("BPF map {} is not a queue", kernel_names::KERNEL_SITE_IDS))?;
+    for id in 0..sites {
+        ids.push(&id, 0)
+            .with_context(|| format!("filling {}", kernel_names::KERNEL_SITE_IDS))?;
+    }
+    Ok(())
 }
 
 /// The first kernel with `bpf_get_func_arg()` and `bpf_loop()` (5.17).
