@@ -385,6 +385,36 @@ pub enum KernelSpace {
     Pages = 1,
 }
 
+/// The first kernel whose verifier takes atomic instructions that return a value
+/// (exchange, compare-and-exchange, fetch-and-add), which user mode's live-block
+/// table (`LIVE`) is changed with; before it a program holding one is refused.
+pub const ATOMICS_SINCE: (u32, u32) = (5, 12);
+
+/// The suffix of the copies of [`HASHED_PROGRAMS`] for kernels before
+/// [`ATOMICS_SINCE`], which keep the live objects in `KERNEL_LIVE`, a hash map.
+pub const HASHED_SUFFIX: &str = "_hashed";
+
+/// The programs that record or free objects, and so have a copy for kernels before
+/// [`ATOMICS_SINCE`] (named with [`HASHED_SUFFIX`]). The bulk-free programs have
+/// none: they need `bpf_loop()`, 5.17+.
+pub const HASHED_PROGRAMS: [&str; 15] = [
+    "kmalloc",
+    "kmalloc_node",
+    "kmem_cache_alloc",
+    "kmem_cache_alloc_node",
+    "mm_page_alloc",
+    "kfree",
+    "kmem_cache_free",
+    "mm_page_free",
+    "mm_page_free_batched",
+    names::PROG_KFREE_RAW,
+    names::PROG_KFREE_RAW_NESTED,
+    names::PROG_KMEM_CACHE_FREE_RAW,
+    names::PROG_KMEM_CACHE_FREE_RAW_NESTED,
+    names::PROG_RCU_FREE,
+    names::PROG_RCU_FREE_KPROBE,
+];
+
 /// Key of the live kernel-object table.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -455,7 +485,8 @@ pub mod names {
     /// before the programs are attached: popped without an atomic instruction that
     /// returns a value, which kernels before 5.12 refuse in any program.
     pub const KERNEL_SITE_IDS: &str = "KERNEL_SITE_IDS";
-    /// Live objects (`HashMap<KernelLiveKey, KernelLiveBlock>`).
+    /// Live objects on kernels before 5.12 (`HashMap<KernelLiveKey,
+    /// KernelLiveBlock>`); from 5.12 they are in `LIVE`, user mode's live-block table.
     pub const KERNEL_LIVE: &str = "KERNEL_LIVE";
     /// Kernel stacks (`HashMap<u64, KernelStack>`, by hash).
     pub const KERNEL_STACKS: &str = "KERNEL_STACKS";

@@ -26,15 +26,25 @@ use heapprof_common::{
         KernelSpace, KernelStack, MAX_KERNEL_STACK_DEPTH, pack_sizes, rcu_freed_object,
         unpack_sizes,
     },
+    live::LiveEntry,
 };
 
-use crate::{atomic::add_32, maps::count_kernel_drop, sampling::sampled_at};
+use crate::{
+    atomic::add_32,
+    live::{self, Inserted},
+    maps::count_kernel_drop,
+    sampling::sampled_at,
+};
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
-// No program here may hold an atomic instruction that returns a value (fetch-and-add,
-// exchange): kernels before 5.12 refuse a program holding one, even unreached. So
-// the live objects stay in a hash map, not in user mode's atomic array.
-/// Live objects, each with its site's index.
+// The live objects are in user mode's live-block table (`LIVE`: one array changed
+// with atomic exchanges, no bucket lock, free list or kernel call per insert and
+// removal as a hash map costs), each entry with its site's index. Kernels before
+// 5.12 refuse any program holding an atomic instruction that returns a value, even
+// unreached: for them every program that records or frees has a copy (its name with
+// `HASHED_SUFFIX`) keeping the live objects in `KERNEL_LIVE`, a hash map. The const
+// parameter `ARRAY` of the functions below chooses.
+/// Live objects, each with its site's index (kernels before 5.12).
 #[map(name = "KERNEL_LIVE")]
 static KERNEL_LIVE: HashMap<KernelLiveKey, KernelLiveBlock> = HashMap::with_max_entries(1 << 20, 0);
 /// Each site's index in `KERNEL_SITE_COUNTERS` (one hash lookup per allocation; a
@@ -424,11 +434,22 @@ fn count_in_filter(key: &KernelLiveKey, delta: u32) {
     }
 }
 
+/// The address an object is recorded at in `LIVE`: a slab object's own, a page's
+/// frame number shifted as if it were an address (the table's homes cover 32 bytes:
+/// unshifted, 32 neighbouring pages would share one home of 9 slots).
+#[inline(always)]
+fn array_address(addr: u64, space: KernelSpace) -> u64 {
+    match space {
+        KernelSpace::Slab => addr,
+        KernelSpace::Pages => addr << 12,
+    }
+}
+
 /// Credits the free of a tracked object (`addr` in `space`) to the site that
 /// allocated it; untracked objects (allocated before tracing, or not counted) are
 /// ignored. Returns whether the object was tracked.
 #[inline(always)]
-fn release(addr: u64, space: KernelSpace) -> bool {
+fn release<const ARRAY: bool>(addr: u64, space: KernelSpace) -> bool {
     let key = KernelLiveKey {
         addr,
         space: space as u32,
@@ -439,6 +460,15 @@ fn release(addr: u64, space: KernelSpace) -> bool {
         && unsafe { core::ptr::read_volatile(slot) } == 0
     {
         return false;
+    }
+    if ARRAY {
+        // None also when another CPU freed it first: counted once.
+        let Some(entry) = live::zeroed::remove(key.space, array_address(addr, space)) else {
+            return false;
+        };
+        count_in_filter(&key, u32::MAX);
+        credit_free(entry.site, entry.size);
+        return true;
     }
     // SAFETY: the value is copied out before the entry is removed.
     let Some(block) = (unsafe { KERNEL_LIVE.get(&key) }).copied() else {
@@ -454,7 +484,7 @@ fn release(addr: u64, space: KernelSpace) -> bool {
 }
 
 #[inline(always)]
-fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
+fn on_alloc<const ARRAY: bool>(ctx: &TracePointContext, event: KernelEvent) -> u32 {
     let tgid = (bpf_get_current_pid_tgid() >> 32) as u32;
     if !counted(tgid) {
         return 0;
@@ -540,11 +570,33 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
         _pad: 0,
         sizes: pack_sizes(bytes, requested),
     };
+    if ARRAY {
+        let entry = LiveEntry {
+            ptr: array_address(addr, space),
+            size: block.sizes,
+            tgid: key.space,
+            site: id,
+        };
+        match live::zeroed::insert(entry.tgid, &entry) {
+            Inserted::New => count_in_filter(&key, 1),
+            // Still recorded at this address: it was freed on a path without a
+            // tracepoint (bulk frees). Closed so its site's in-use stays right; the
+            // filter's count stands for the new entry.
+            Inserted::Replaced(old) => credit_free(old.site, old.size),
+            Inserted::Full => {
+                // Its free cannot be matched: released now, so in-use stays what is
+                // tracked.
+                count_kernel_drop(DropReason::LiveTableFull);
+                credit_free(id, block.sizes);
+            }
+        }
+        return 0;
+    }
     let mut inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     if inserted == Err(-EEXIST) {
         // Still recorded at this address: it was freed on a path without a tracepoint
         // (bulk frees). Closed so its site's in-use stays right.
-        let _ = release(addr, space);
+        let _ = release::<false>(addr, space);
         inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
     if inserted.is_ok() {
@@ -558,7 +610,11 @@ fn on_alloc(ctx: &TracePointContext, event: KernelEvent) -> u32 {
 }
 
 #[inline(always)]
-fn on_free(ctx: &TracePointContext, event: KernelEvent, space: KernelSpace) -> u32 {
+fn on_free<const ARRAY: bool>(
+    ctx: &TracePointContext,
+    event: KernelEvent,
+    space: KernelSpace,
+) -> u32 {
     // Frees count in every context: an object often dies in another process, an RCU
     // callback or a worker.
     let Some(addr) = field(ctx, layout(event).ptr) else {
@@ -567,43 +623,85 @@ fn on_free(ctx: &TracePointContext, event: KernelEvent, space: KernelSpace) -> u
     if addr == 0 && matches!(space, KernelSpace::Slab) {
         return 0;
     }
-    let _ = release(addr, space);
+    let _ = release::<ARRAY>(addr, space);
     0
 }
 
 #[tracepoint]
 pub fn kmalloc(ctx: TracePointContext) -> u32 {
-    on_alloc(&ctx, KernelEvent::Kmalloc)
+    on_alloc::<true>(&ctx, KernelEvent::Kmalloc)
+}
+
+/// [`kmalloc`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[tracepoint]
+pub fn kmalloc_hashed(ctx: TracePointContext) -> u32 {
+    on_alloc::<false>(&ctx, KernelEvent::Kmalloc)
 }
 
 #[tracepoint]
 pub fn kmalloc_node(ctx: TracePointContext) -> u32 {
-    on_alloc(&ctx, KernelEvent::KmallocNode)
+    on_alloc::<true>(&ctx, KernelEvent::KmallocNode)
+}
+
+/// [`kmalloc_node`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[tracepoint]
+pub fn kmalloc_node_hashed(ctx: TracePointContext) -> u32 {
+    on_alloc::<false>(&ctx, KernelEvent::KmallocNode)
 }
 
 #[tracepoint]
 pub fn kmem_cache_alloc(ctx: TracePointContext) -> u32 {
-    on_alloc(&ctx, KernelEvent::KmemCacheAlloc)
+    on_alloc::<true>(&ctx, KernelEvent::KmemCacheAlloc)
+}
+
+/// [`kmem_cache_alloc`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[tracepoint]
+pub fn kmem_cache_alloc_hashed(ctx: TracePointContext) -> u32 {
+    on_alloc::<false>(&ctx, KernelEvent::KmemCacheAlloc)
 }
 
 #[tracepoint]
 pub fn kmem_cache_alloc_node(ctx: TracePointContext) -> u32 {
-    on_alloc(&ctx, KernelEvent::KmemCacheAllocNode)
+    on_alloc::<true>(&ctx, KernelEvent::KmemCacheAllocNode)
+}
+
+/// [`kmem_cache_alloc_node`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[tracepoint]
+pub fn kmem_cache_alloc_node_hashed(ctx: TracePointContext) -> u32 {
+    on_alloc::<false>(&ctx, KernelEvent::KmemCacheAllocNode)
 }
 
 #[tracepoint]
 pub fn mm_page_alloc(ctx: TracePointContext) -> u32 {
-    on_alloc(&ctx, KernelEvent::PageAlloc)
+    on_alloc::<true>(&ctx, KernelEvent::PageAlloc)
+}
+
+/// [`mm_page_alloc`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[tracepoint]
+pub fn mm_page_alloc_hashed(ctx: TracePointContext) -> u32 {
+    on_alloc::<false>(&ctx, KernelEvent::PageAlloc)
 }
 
 #[tracepoint]
 pub fn kfree(ctx: TracePointContext) -> u32 {
-    on_free(&ctx, KernelEvent::Kfree, KernelSpace::Slab)
+    on_free::<true>(&ctx, KernelEvent::Kfree, KernelSpace::Slab)
+}
+
+/// [`kfree`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[tracepoint]
+pub fn kfree_hashed(ctx: TracePointContext) -> u32 {
+    on_free::<false>(&ctx, KernelEvent::Kfree, KernelSpace::Slab)
 }
 
 #[tracepoint]
 pub fn kmem_cache_free(ctx: TracePointContext) -> u32 {
-    on_free(&ctx, KernelEvent::KmemCacheFree, KernelSpace::Slab)
+    on_free::<true>(&ctx, KernelEvent::KmemCacheFree, KernelSpace::Slab)
+}
+
+/// [`kmem_cache_free`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[tracepoint]
+pub fn kmem_cache_free_hashed(ctx: TracePointContext) -> u32 {
+    on_free::<false>(&ctx, KernelEvent::KmemCacheFree, KernelSpace::Slab)
 }
 
 /// The object each first copy of a raw free program is freeing on this CPU, by
@@ -622,69 +720,109 @@ enum RawFree {
 /// `kmem:kfree` as a raw tracepoint: `ptr` is its second argument.
 #[raw_tracepoint(tracepoint = "kfree")]
 pub fn kfree_raw(ctx: RawTracePointContext) -> i32 {
-    first_free(ctx.arg::<u64>(1), RawFree::Kfree);
+    first_free::<true>(ctx.arg::<u64>(1), RawFree::Kfree);
+    0
+}
+
+/// [`kfree_raw`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[raw_tracepoint(tracepoint = "kfree")]
+pub fn kfree_raw_hashed(ctx: RawTracePointContext) -> i32 {
+    first_free::<false>(ctx.arg::<u64>(1), RawFree::Kfree);
     0
 }
 
 /// The second copy of [`kfree_raw`].
 #[raw_tracepoint(tracepoint = "kfree")]
 pub fn kfree_raw_nested(ctx: RawTracePointContext) -> i32 {
-    nested_free(ctx.arg::<u64>(1), RawFree::Kfree);
+    nested_free::<true>(ctx.arg::<u64>(1), RawFree::Kfree);
+    0
+}
+
+/// [`kfree_raw_nested`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[raw_tracepoint(tracepoint = "kfree")]
+pub fn kfree_raw_nested_hashed(ctx: RawTracePointContext) -> i32 {
+    nested_free::<false>(ctx.arg::<u64>(1), RawFree::Kfree);
     0
 }
 
 /// `kmem:kmem_cache_free` as a raw tracepoint: `ptr` is its second argument.
 #[raw_tracepoint(tracepoint = "kmem_cache_free")]
 pub fn kmem_cache_free_raw(ctx: RawTracePointContext) -> i32 {
-    first_free(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
+    first_free::<true>(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
+    0
+}
+
+/// [`kmem_cache_free_raw`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[raw_tracepoint(tracepoint = "kmem_cache_free")]
+pub fn kmem_cache_free_raw_hashed(ctx: RawTracePointContext) -> i32 {
+    first_free::<false>(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
     0
 }
 
 /// The second copy of [`kmem_cache_free_raw`].
 #[raw_tracepoint(tracepoint = "kmem_cache_free")]
 pub fn kmem_cache_free_raw_nested(ctx: RawTracePointContext) -> i32 {
-    nested_free(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
+    nested_free::<true>(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
+    0
+}
+
+/// [`kmem_cache_free_raw_nested`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[raw_tracepoint(tracepoint = "kmem_cache_free")]
+pub fn kmem_cache_free_raw_nested_hashed(ctx: RawTracePointContext) -> i32 {
+    nested_free::<false>(ctx.arg::<u64>(1), RawFree::KmemCacheFree);
     0
 }
 
 /// The first copy: notes the object, then frees it.
 #[inline(always)]
-fn first_free(addr: u64, slot: RawFree) {
+fn first_free<const ARRAY: bool>(addr: u64, slot: RawFree) {
     if let Some(seen) = KERNEL_FREE_SEEN.get_ptr_mut(slot as u32) {
         // SAFETY: this CPU's slot; written before the free, so a nested event sees it.
         unsafe { *seen = addr };
     }
-    release_slab_ptr(addr);
+    release_slab_ptr::<ARRAY>(addr);
 }
 
 /// The second copy: frees the object unless the first copy is freeing it.
 #[inline(always)]
-fn nested_free(addr: u64, slot: RawFree) {
+fn nested_free<const ARRAY: bool>(addr: u64, slot: RawFree) {
     if let Some(seen) = KERNEL_FREE_SEEN.get_ptr(slot as u32)
         // SAFETY: this CPU's slot.
         && unsafe { *seen } == addr
     {
         return;
     }
-    release_slab_ptr(addr);
+    release_slab_ptr::<ARRAY>(addr);
 }
 
 /// Releases the slab object a free event names (0 is ignored).
 #[inline(always)]
-fn release_slab_ptr(addr: u64) {
+fn release_slab_ptr<const ARRAY: bool>(addr: u64) {
     if addr != 0 {
-        let _ = release(addr, KernelSpace::Slab);
+        let _ = release::<ARRAY>(addr, KernelSpace::Slab);
     }
 }
 
 #[tracepoint]
 pub fn mm_page_free(ctx: TracePointContext) -> u32 {
-    on_free(&ctx, KernelEvent::PageFree, KernelSpace::Pages)
+    on_free::<true>(&ctx, KernelEvent::PageFree, KernelSpace::Pages)
+}
+
+/// [`mm_page_free`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[tracepoint]
+pub fn mm_page_free_hashed(ctx: TracePointContext) -> u32 {
+    on_free::<false>(&ctx, KernelEvent::PageFree, KernelSpace::Pages)
 }
 
 #[tracepoint]
 pub fn mm_page_free_batched(ctx: TracePointContext) -> u32 {
-    on_free(&ctx, KernelEvent::PageFreeBatched, KernelSpace::Pages)
+    on_free::<true>(&ctx, KernelEvent::PageFreeBatched, KernelSpace::Pages)
+}
+
+/// [`mm_page_free_batched`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[tracepoint]
+pub fn mm_page_free_batched_hashed(ctx: TracePointContext) -> u32 {
+    on_free::<false>(&ctx, KernelEvent::PageFreeBatched, KernelSpace::Pages)
 }
 
 /// The most objects one bulk free can release here (`bpf_loop`'s bound; the kernel's
@@ -694,11 +832,11 @@ const MAX_BULK_OBJECTS: u32 = 1 << 16;
 /// Releases the slab object at `addr` (0 is ignored) and counts it for `path` when
 /// it was tracked.
 #[inline(always)]
-fn release_slab(addr: u64, path: DeferredFreePath) {
+fn release_slab<const ARRAY: bool>(addr: u64, path: DeferredFreePath) {
     if addr == 0 {
         return;
     }
-    if release(addr, KernelSpace::Slab)
+    if release::<ARRAY>(addr, KernelSpace::Slab)
         && let Some(count) = KERNEL_DEFERRED_FREES.get_ptr_mut(path as u32)
     {
         // SAFETY: this CPU's slot of a per-CPU array.
@@ -736,7 +874,15 @@ fn raw_arg(ctx: &FEntryContext, n: u32) -> u64 {
 #[fentry(function = "kvfree_call_rcu")]
 pub fn rcu_free(ctx: FEntryContext) -> u32 {
     let object = rcu_freed_object(raw_arg(&ctx, 0), raw_arg(&ctx, 1));
-    release_slab(object, DeferredFreePath::Rcu);
+    release_slab::<true>(object, DeferredFreePath::Rcu);
+    0
+}
+
+/// [`rcu_free`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[fentry(function = "kvfree_call_rcu")]
+pub fn rcu_free_hashed(ctx: FEntryContext) -> u32 {
+    let object = rcu_freed_object(raw_arg(&ctx, 0), raw_arg(&ctx, 1));
+    release_slab::<false>(object, DeferredFreePath::Rcu);
     0
 }
 
@@ -754,7 +900,16 @@ pub fn bulk_free(ctx: FEntryContext) -> u32 {
 pub fn rcu_free_kprobe(ctx: ProbeContext) -> u32 {
     let head = ctx.arg::<u64>(0).unwrap_or(0);
     let arg = ctx.arg::<u64>(1).unwrap_or(0);
-    release_slab(rcu_freed_object(head, arg), DeferredFreePath::Rcu);
+    release_slab::<true>(rcu_freed_object(head, arg), DeferredFreePath::Rcu);
+    0
+}
+
+/// [`rcu_free_kprobe`] for kernels before 5.12 (see `KERNEL_LIVE`).
+#[kprobe(function = "kvfree_call_rcu")]
+pub fn rcu_free_kprobe_hashed(ctx: ProbeContext) -> u32 {
+    let head = ctx.arg::<u64>(0).unwrap_or(0);
+    let arg = ctx.arg::<u64>(1).unwrap_or(0);
+    release_slab::<false>(rcu_freed_object(head, arg), DeferredFreePath::Rcu);
     0
 }
 
@@ -795,7 +950,8 @@ extern "C" fn release_bulk_entry(index: u64, context: *mut c_void) -> i64 {
     // SAFETY: bpf_probe_read_kernel checks the kernel address.
     match unsafe { bpf_probe_read_kernel(entry as *const u64) } {
         Ok(addr) => {
-            release_slab(addr, DeferredFreePath::Bulk);
+            // bpf_loop (5.17+) implies the array's atomic instructions (5.12+).
+            release_slab::<true>(addr, DeferredFreePath::Bulk);
             0
         }
         Err(_) => 1,
