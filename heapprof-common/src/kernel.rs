@@ -385,6 +385,36 @@ pub enum KernelSpace {
     Pages = 1,
 }
 
+/// The first kernel whose verifier takes atomic instructions that return a value
+/// (exchange, compare-and-exchange, fetch-and-add), which user mode's live-block
+/// table (`LIVE`) is changed with; before it a program holding one is refused.
+pub const ATOMICS_SINCE: (u32, u32) = (5, 12);
+
+/// The suffix of the copies of [`HASHED_PROGRAMS`] for kernels before
+/// [`ATOMICS_SINCE`], which keep the live objects in `KERNEL_LIVE`, a hash map.
+pub const HASHED_SUFFIX: &str = "_hashed";
+
+/// The programs that record or free objects, and so have a copy for kernels before
+/// [`ATOMICS_SINCE`] (named with [`HASHED_SUFFIX`]). The bulk-free programs have
+/// none: they need `bpf_loop()`, 5.17+.
+pub const HASHED_PROGRAMS: [&str; 15] = [
+    "kmalloc",
+    "kmalloc_node",
+    "kmem_cache_alloc",
+    "kmem_cache_alloc_node",
+    "mm_page_alloc",
+    "kfree",
+    "kmem_cache_free",
+    "mm_page_free",
+    "mm_page_free_batched",
+    names::PROG_KFREE_RAW,
+    names::PROG_KFREE_RAW_NESTED,
+    names::PROG_KMEM_CACHE_FREE_RAW,
+    names::PROG_KMEM_CACHE_FREE_RAW_NESTED,
+    names::PROG_RCU_FREE,
+    names::PROG_RCU_FREE_KPROBE,
+];
+
 /// Key of the live kernel-object table.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -397,16 +427,36 @@ pub struct KernelLiveKey {
     pub _pad: u32,
 }
 
-/// A kernel object allocated while tracing and not yet freed.
+/// A kernel object allocated while tracing and not yet freed: 16 bytes, its site by
+/// index (a free credits the counters without looking the site's key up).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KernelLiveBlock {
-    /// The site that allocated it.
-    pub site: KernelSiteKey,
-    /// Bytes handed out.
-    pub bytes: u64,
-    /// Bytes asked for.
-    pub requested: u64,
+    /// The index of the site that allocated it (in `KERNEL_SITE_COUNTERS`).
+    pub site: crate::SiteId,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
+    /// Bytes handed out and asked for ([`pack_sizes`]).
+    pub sizes: u64,
+}
+
+/// A kernel object's handed-out and requested bytes, packed into one word of its
+/// live entry (32 bits each: no slab object nor page block comes near 4 GiB).
+#[inline(always)]
+pub const fn pack_sizes(bytes: u64, requested: u64) -> u64 {
+    let bytes = if bytes > u32::MAX as u64 {
+        u32::MAX as u64
+    } else {
+        bytes
+    };
+    let requested = if requested > bytes { bytes } else { requested };
+    bytes | requested << 32
+}
+
+/// The handed-out and requested bytes of [`pack_sizes`].
+#[inline(always)]
+pub const fn unpack_sizes(size: u64) -> (u64, u64) {
+    (size & 0xffff_ffff, size >> 32)
 }
 
 /// Maximum number of kernel frames recorded per stack.
@@ -426,9 +476,17 @@ pub struct KernelStack {
 
 /// Names of the kernel-mode maps.
 pub mod names {
-    /// Per-site counters (`PerCpuHashMap<KernelSiteKey, KernelCounters>`).
+    /// Each site's index in [`KERNEL_SITE_COUNTERS`] (`HashMap<KernelSiteKey, SiteId>`).
     pub const KERNEL_SITES: &str = "KERNEL_SITES";
-    /// Live objects (`HashMap<KernelLiveKey, KernelLiveBlock>`).
+    /// Per-site counters by index (`PerCpuArray<KernelCounters>`): a free finds its
+    /// site's counters by the index its live entry holds, without a hash lookup.
+    pub const KERNEL_SITE_COUNTERS: &str = "KERNEL_SITE_COUNTERS";
+    /// The site indices not handed out yet (`Queue<SiteId>`), filled by the daemon
+    /// before the programs are attached: popped without an atomic instruction that
+    /// returns a value, which kernels before 5.12 refuse in any program.
+    pub const KERNEL_SITE_IDS: &str = "KERNEL_SITE_IDS";
+    /// Live objects on kernels before 5.12 (`HashMap<KernelLiveKey,
+    /// KernelLiveBlock>`); from 5.12 they are in `LIVE`, user mode's live-block table.
     pub const KERNEL_LIVE: &str = "KERNEL_LIVE";
     /// Kernel stacks (`HashMap<u64, KernelStack>`, by hash).
     pub const KERNEL_STACKS: &str = "KERNEL_STACKS";
@@ -514,6 +572,21 @@ mod tests {
         allocator_frames_regex(&mut regex).expect("writes");
         assert!(regex.starts_with("(kmalloc|__kmalloc|"), "{regex}");
         assert!(regex.ends_with(").*|.*_noprof(\\..*)?"), "{regex}");
+    }
+
+    #[test]
+    fn live_entries_keep_both_sizes() {
+        assert_eq!(unpack_sizes(pack_sizes(192, 150)), (192, 150));
+        assert_eq!(
+            unpack_sizes(pack_sizes(4096 << 10, 4096 << 10)),
+            (4096 << 10, 4096 << 10)
+        );
+        // Never more requested than handed out, nor more than 32 bits of either.
+        assert_eq!(unpack_sizes(pack_sizes(64, 65)), (64, 64));
+        assert_eq!(
+            unpack_sizes(pack_sizes(1 << 40, 1)),
+            (u64::from(u32::MAX), 1)
+        );
     }
 
     #[test]

@@ -12,7 +12,12 @@ use std::{
     path::Path,
 };
 
-use heapprof_common::{kernel::KernelEvent, kernel::names as kernel_names, names};
+use heapprof_common::{
+    kernel::KernelEvent,
+    kernel::names as kernel_names,
+    kernel::{HASHED_PROGRAMS, HASHED_SUFFIX},
+    names,
+};
 use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SymbolKind};
 
 #[path = "common/bpf_object.rs"]
@@ -28,7 +33,7 @@ macro_rules! constants {
 }
 
 /// The constants that name maps.
-const MAPS: [(&str, &str); 37] = constants![
+const MAPS: [(&str, &str); 39] = constants![
     names::IN_FLIGHT,
     names::IN_FLIGHT_SLOTS,
     names::PROBES,
@@ -60,6 +65,8 @@ const MAPS: [(&str, &str); 37] = constants![
     names::REPORT_QUEUES,
     names::REPLIES,
     kernel_names::KERNEL_SITES,
+    kernel_names::KERNEL_SITE_COUNTERS,
+    kernel_names::KERNEL_SITE_IDS,
     kernel_names::KERNEL_LIVE,
     kernel_names::KERNEL_STACKS,
     kernel_names::TRACED,
@@ -110,12 +117,13 @@ const ATTACH_POINTS: [(&str, &str); 8] = constants![
 
 /// Maps that only the programs use, which the daemon never names: per-CPU scratch
 /// space, the remembered walks, the log's rate limit, and aya-log's buffer.
-const PRIVATE_MAPS: [&str; 16] = [
+const PRIVATE_MAPS: [&str; 17] = [
     "AYA_LOGS",
     "KERNEL_FREE_SEEN",
     "KERNEL_LIVE_FILTER",
     "KERNEL_RECORD_SCRATCH",
     "KERNEL_STACK_SCRATCH",
+    "LAST_TRACED",
     "LOGGED",
     "LOG_CLAIMS",
     "QUEUE_SCRATCH",
@@ -239,10 +247,23 @@ fn every_program_constant_names_a_program_and_every_program_has_one() {
         .chain(&events)
         .map(|(_, value)| *value)
         .collect();
+    // Each program of HASHED_PROGRAMS has its copy for kernels before 5.12.
+    let hashed: Vec<String> = HASHED_PROGRAMS
+        .iter()
+        .inspect(|base| assert!(named.contains(*base), "{base} is not a program's name"))
+        .map(|base| format!("{base}{HASHED_SUFFIX}"))
+        .collect();
+    for copy in &hashed {
+        assert!(
+            contents.programs.contains(copy),
+            "no program {copy} in the BPF object: {:?}",
+            contents.programs
+        );
+    }
     let unnamed: Vec<&String> = contents
         .programs
         .iter()
-        .filter(|program| !named.contains(program.as_str()))
+        .filter(|program| !named.contains(program.as_str()) && !hashed.contains(program))
         .collect();
     assert!(
         unnamed.is_empty(),

@@ -442,6 +442,57 @@ pub fn insert(tgid: u32, block: &LiveEntry) -> Inserted {
     }
 }
 
+/// [`insert`] and [`remove`] for kernel mode, whose out-parameter is zeroed first:
+/// some verifiers (Debian's 6.1, for fentry and kprobe programs) refuse a global
+/// function's read of stack memory not written yet (`invalid indirect read from stack`).
+pub mod zeroed {
+    use super::{
+        INSERTED_NEW, INSERTED_REPLACED, Inserted, LiveEntry, heapprof_live_insert,
+        heapprof_live_remove,
+    };
+
+    /// Zeroes every field of `entry`: volatile, as the compiler drops the stores of
+    /// fields the function overwrites before the program reads them.
+    ///
+    /// # Safety
+    /// `entry` points to a local of the program.
+    #[inline(always)]
+    unsafe fn clear(entry: *mut LiveEntry) {
+        // SAFETY: as the caller promises.
+        unsafe {
+            core::ptr::write_volatile(&raw mut (*entry).ptr, 0);
+            core::ptr::write_volatile(&raw mut (*entry).size, 0);
+            core::ptr::write_volatile(&raw mut (*entry).tgid, 0);
+            core::ptr::write_volatile(&raw mut (*entry).site, 0);
+        }
+    }
+
+    /// As [`super::insert`].
+    #[inline(always)]
+    pub fn insert(tgid: u32, block: &LiveEntry) -> Inserted {
+        let mut found = core::mem::MaybeUninit::<LiveEntry>::uninit();
+        // SAFETY: a local; every field is written.
+        unsafe { clear(found.as_mut_ptr()) };
+        match heapprof_live_insert(tgid, block, found.as_mut_ptr()) {
+            INSERTED_NEW => Inserted::New,
+            // SAFETY: written whole by `clear`, then by the insert.
+            INSERTED_REPLACED => Inserted::Replaced(unsafe { found.assume_init() }),
+            _ => Inserted::Full,
+        }
+    }
+
+    /// As [`super::remove`].
+    #[inline(always)]
+    pub fn remove(tgid: u32, ptr: u64) -> Option<LiveEntry> {
+        let mut found = core::mem::MaybeUninit::<LiveEntry>::uninit();
+        // SAFETY: a local; every field is written.
+        unsafe { clear(found.as_mut_ptr()) };
+        // SAFETY: written whole by `clear`, then by the removal.
+        (heapprof_live_remove(ptr, tgid, found.as_mut_ptr()) != 0)
+            .then(|| unsafe { found.assume_init() })
+    }
+}
+
 /// Removes the block at `ptr` of process `tgid`; returns it if it was recorded.
 #[inline(always)]
 pub fn remove(tgid: u32, ptr: u64) -> Option<LiveEntry> {

@@ -56,7 +56,7 @@ enum Cmd {
     Test,
     /// Only the VM tests: the static aarch64 heapprofd under Debian's arm64 6.1
     /// kernel in qemu, with and without BTF, and the static x86-64 heapprofd's kernel
-    /// mode under Debian's amd64 5.10, 6.1 and 6.12 kernels.
+    /// mode under Debian's amd64 5.10, 6.1, 6.12 and trixie-backports' (6.18+) kernels.
     VmTest,
     /// The load tests at full scale (8 threads x 1M allocations, 1M live blocks), with
     /// their figures. Needs root.

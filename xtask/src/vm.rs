@@ -205,8 +205,9 @@ impl PrivateApt {
             .output()?;
         String::from_utf8_lossy(&output.stdout)
             .lines()
-            .find_map(|l| l.trim().strip_prefix("Depends: "))
-            .filter(|p| p.starts_with("linux-image-"))
+            // Debian 13's metapackage depends on linux-base-amd64 first.
+            .filter_map(|l| l.trim().strip_prefix("Depends: "))
+            .find(|p| p.starts_with("linux-image-"))
             .map(str::to_owned)
             .with_context(|| format!("apt-cache depends {metapackage} names no kernel image"))
     }

@@ -1,5 +1,6 @@
 //! What the x86-64 VM test boots: Debian's own amd64 kernels (bullseye's 5.10,
-//! bookworm's 6.1, bookworm-backports' 6.12), each with its `brd.ko`, and busybox,
+//! bookworm's 6.1, bookworm-backports' 6.12, and trixie-backports' newest, 6.18 or
+//! later: the `kfree_rcu` sheaves), each with its `brd.ko`, and busybox,
 //! fetched as .debs under a private apt configuration (the machine's own sources
 //! list and state are neither read for suites nor changed) and unpacked into
 //! `target/x86-vm/assets`.
@@ -23,7 +24,12 @@ use crate::{
 
 /// The suites whose kernel the VM boots, oldest first: each suite's
 /// `linux-image-amd64` names the kernel image package.
-const SUITES: [&str; 3] = ["bullseye", "bookworm", "bookworm-backports"];
+const SUITES: [&str; 4] = [
+    "bullseye",
+    "bookworm",
+    "bookworm-backports",
+    "trixie-backports",
+];
 
 /// Where busybox comes from.
 const BUSYBOX: &str = "busybox-static/bookworm";
@@ -48,7 +54,10 @@ pub fn ensure_assets() -> Result<PathBuf> {
     {
         return Ok(assets);
     }
-    step("fetching Debian's amd64 kernels (5.10, 6.1, 6.12) and busybox for the x86-64 VM test");
+    step(
+        "fetching Debian's amd64 kernels (5.10, 6.1, 6.12, trixie-backports') and busybox for \
+         the x86-64 VM test",
+    );
     let (archive, signed_by) = debian_archive()?;
     let options = match &signed_by {
         Some(signed) => format!("[arch=amd64 {signed}]"),
@@ -86,18 +95,39 @@ pub fn ensure_assets() -> Result<PathBuf> {
             .context("a kernel package not named linux-image-*")?;
         let dir = assets.join("kernels").join(release);
         std::fs::create_dir_all(&dir)?;
-        let module = format!("./lib/modules/{release}/{BRD}*");
-        extract(
-            &deb,
-            &unpacked,
-            &[&format!("./boot/vmlinuz-{release}"), &module],
-        )?;
+        let vmlinuz = format!("./boot/vmlinuz-{release}");
+        // Debian 13's kernels (trixie and its backports) split the image package: the
+        // kernel is in linux-binary-*, the modules in linux-modules-*, under /usr/lib.
+        let (vmlinuz, modules) = if has_member(&deb, &vmlinuz)? {
+            extract(
+                &deb,
+                &unpacked,
+                &[&vmlinuz, &format!("./lib/modules/{release}/{BRD}*")],
+            )?;
+            (vmlinuz, format!("lib/modules/{release}"))
+        } else {
+            let binary = format!("linux-binary-{release}");
+            let modules = format!("linux-modules-{release}");
+            apt.download(&debs, &[&binary, &modules])?;
+            let vmlinuz = format!("./usr/lib/modules/{release}/vmlinuz");
+            extract(
+                &find_deb(&debs, &format!("{binary}_"))?,
+                &unpacked,
+                &[&vmlinuz],
+            )?;
+            extract(
+                &find_deb(&debs, &format!("{modules}_"))?,
+                &unpacked,
+                &[&format!("./usr/lib/modules/{release}/{BRD}*")],
+            )?;
+            (vmlinuz, format!("usr/lib/modules/{release}"))
+        };
         std::fs::copy(
-            unpacked.join(format!("boot/vmlinuz-{release}")),
+            unpacked.join(vmlinuz.trim_start_matches("./")),
             dir.join("vmlinuz"),
         )
-        .with_context(|| format!("{kernel} has no /boot/vmlinuz-{release}"))?;
-        let plain = unpacked.join(format!("lib/modules/{release}/{BRD}"));
+        .with_context(|| format!("{kernel} has no {vmlinuz}"))?;
+        let plain = unpacked.join(format!("{modules}/{BRD}"));
         let compressed = plain.with_extension("ko.xz");
         if plain.exists() {
             std::fs::copy(&plain, dir.join("brd.ko"))?;
@@ -135,6 +165,21 @@ fn find_deb(dir: &Path, prefix: &str) -> Result<PathBuf> {
                 .is_some_and(|n| n.starts_with(prefix) && n.ends_with(".deb"))
         })
         .with_context(|| format!("apt downloaded no {prefix}*.deb into {}", dir.display()))
+}
+
+/// Whether `deb` holds the file `member` (`./path`).
+fn has_member(deb: &Path, member: &str) -> Result<bool> {
+    let output = Command::new("dpkg-deb")
+        .arg("--contents")
+        .arg(deb)
+        .output()
+        .with_context(|| format!("listing {}", deb.display()))?;
+    if !output.status.success() {
+        bail!("dpkg-deb --contents {} failed", deb.display());
+    }
+    Ok(String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .any(|line| line.split_whitespace().nth(5) == Some(member)))
 }
 
 /// Unpacks the members of `deb` matching `patterns` (tar wildcards) into `into`:

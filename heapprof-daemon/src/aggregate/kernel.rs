@@ -5,10 +5,10 @@ use std::{collections::HashSet, os::fd::OwnedFd};
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
-    maps::{HashMap as BpfHashMap, MapData, PerCpuArray, PerCpuHashMap},
+    maps::{HashMap as BpfHashMap, MapData, PerCpuArray},
 };
 use heapprof_common::{
-    DropReason,
+    DropReason, SiteId,
     kernel::{
         CACHE_NAME_LEN, DeferredFreePath, KernelAllocKind, KernelCounters, KernelSiteKey,
         KernelStack, kmalloc_cache_limit, names as kernel_names,
@@ -17,8 +17,8 @@ use heapprof_common::{
 };
 
 use super::{
-    possible_cpus, read_missing_stacks, read_per_cpu, sampling::scale, stacks::StackStore, take,
-    take_with_fd,
+    batch, possible_cpus, read_entries, read_missing_stacks, sampling::scale, sites::array_fd,
+    stacks::StackStore, take, take_with_fd,
 };
 
 /// Counts of one kernel site, summed over CPUs.
@@ -85,7 +85,9 @@ impl KernelSite {
 
 /// Owns the kernel-mode maps the daemon reads.
 pub struct KernelMaps {
-    sites: PerCpuHashMap<MapData, KernelSiteKey, KernelCounters>,
+    /// Each site's index in `counters`.
+    sites: BpfHashMap<MapData, KernelSiteKey, SiteId>,
+    counters: PerCpuArray<MapData, KernelCounters>,
     stacks: BpfHashMap<MapData, u64, KernelStack>,
     traced: BpfHashMap<MapData, u32, u32>,
     comms: BpfHashMap<MapData, u32, [u8; 16]>,
@@ -95,8 +97,9 @@ pub struct KernelMaps {
     drops: PerCpuArray<MapData, u64>,
     /// Objects the fentry programs freed, by [`DeferredFreePath`].
     deferred_frees: PerCpuArray<MapData, u64>,
-    /// The site and stack tables again, for batch reads.
+    /// The site, counter and stack tables again, for batch reads.
     sites_fd: OwnedFd,
+    counters_fd: OwnedFd,
     stacks_fd: OwnedFd,
     /// Possible CPUs: the values per entry of the per-CPU site table.
     cpus: usize,
@@ -112,8 +115,11 @@ impl KernelMaps {
     pub fn new(ebpf: &mut Ebpf) -> Result<Self> {
         let (sites, sites_fd) = take_with_fd(ebpf, kernel_names::KERNEL_SITES)?;
         let (stacks, stacks_fd) = take_with_fd(ebpf, kernel_names::KERNEL_STACKS)?;
+        let counters_fd = array_fd(ebpf, kernel_names::KERNEL_SITE_COUNTERS)?;
         Ok(Self {
             sites,
+            counters: take(ebpf, kernel_names::KERNEL_SITE_COUNTERS)?,
+            counters_fd,
             stacks,
             traced: take(ebpf, kernel_names::TRACED)?,
             comms: take(ebpf, kernel_names::COMMS)?,
@@ -139,22 +145,69 @@ impl KernelMaps {
     /// Every site with its counters summed over CPUs, sorted by key; their stacks
     /// are read into [`KernelMaps::stacks`].
     pub fn read_sites(&mut self) -> Result<Vec<KernelSite>> {
-        let mut sites = Vec::new();
-        read_per_cpu(&self.sites_fd, self.cpus, &self.sites, |key, per_cpu| {
-            let mut total = KernelCounters::default();
-            for c in per_cpu {
-                total.alloc_objects += c.alloc_objects;
-                total.alloc_bytes += c.alloc_bytes;
-                total.alloc_requested += c.alloc_requested;
-                total.free_objects += c.free_objects;
-                total.free_bytes += c.free_bytes;
-                total.free_requested += c.free_requested;
+        let mut ids: Vec<(KernelSiteKey, SiteId)> = Vec::new();
+        let table = &self.sites;
+        read_entries(
+            &self.sites_fd,
+            None,
+            |key: KernelSiteKey, id: &[SiteId]| {
+                if let Some(&id) = id.first() {
+                    ids.push((key, id));
+                }
+            },
+            |each| {
+                for (key, id) in table.iter().filter_map(Result::ok) {
+                    each(key, &[id]);
+                }
+                Ok(())
+            },
+        )?;
+        let len = ids
+            .iter()
+            .map(|&(_, id)| id as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut totals = vec![KernelCounters::default(); len];
+        let add = |totals: &mut [KernelCounters], index: usize, per_cpu: &[KernelCounters]| {
+            if let Some(total) = totals.get_mut(index) {
+                for c in per_cpu {
+                    total.alloc_objects += c.alloc_objects;
+                    total.alloc_bytes += c.alloc_bytes;
+                    total.alloc_requested += c.alloc_requested;
+                    total.free_objects += c.free_objects;
+                    total.free_bytes += c.free_bytes;
+                    total.free_requested += c.free_requested;
+                }
             }
-            sites.push(KernelSite {
+        };
+        let cpus = self.cpus.max(1);
+        let batched = batch::for_each_batch_upto(
+            &self.counters_fd,
+            Some(cpus),
+            len,
+            |indices: &[u32], values: &[KernelCounters]| {
+                for (&index, per_cpu) in indices.iter().zip(values.chunks_exact(cpus)) {
+                    add(&mut totals, index as usize, per_cpu);
+                }
+            },
+        )
+        .context("reading the kernel site counters in batches")?;
+        if !batched {
+            for &(_, id) in &ids {
+                let per_cpu = self
+                    .counters
+                    .get(&id, 0)
+                    .context("reading the kernel site counters")?;
+                add(&mut totals, id as usize, &per_cpu);
+            }
+        }
+        let mut sites: Vec<KernelSite> = ids
+            .into_iter()
+            .map(|(key, id)| KernelSite {
                 key,
-                counters: total,
-            });
-        })?;
+                counters: totals.get(id as usize).copied().unwrap_or_default(),
+            })
+            .collect();
         sites.sort_by_key(|s| s.key);
         self.read_stacks(&sites)?;
         Ok(sites)

@@ -23,7 +23,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, Pod,
-    maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray, PerCpuHashMap},
+    maps::{HashMap as BpfHashMap, Map, MapData, PerCpuArray},
 };
 use heapprof_common::{
     DropReason, InFlight, InFlightSlot, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
@@ -180,23 +180,6 @@ pub(crate) fn read_entries<K: Pod, V: Pod>(
         return Ok(());
     }
     walk(&mut each)
-}
-
-/// Every entry of a per-CPU site table, `(key, values per CPU)`, batched where the
-/// kernel can, otherwise walked key by key.
-pub(crate) fn read_per_cpu<K: Pod, V: Pod>(
-    fd: &OwnedFd,
-    cpus: usize,
-    table: &PerCpuHashMap<MapData, K, V>,
-    each: impl FnMut(K, &[V]),
-) -> Result<()> {
-    read_entries(fd, Some(cpus), each, |each| {
-        for entry in table.iter() {
-            let (key, per_cpu) = entry.context("reading a site table")?;
-            each(key, &per_cpu);
-        }
-        Ok(())
-    })
 }
 
 /// Reads into `store` the stacks of `wanted` (the hashes of the sites' stacks; 0

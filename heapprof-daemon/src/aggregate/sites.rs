@@ -167,7 +167,7 @@ impl SiteTable {
 }
 
 /// A second descriptor of the array `name`, for batch reads.
-fn array_fd(ebpf: &Ebpf, name: &str) -> Result<OwnedFd> {
+pub(crate) fn array_fd(ebpf: &Ebpf, name: &str) -> Result<OwnedFd> {
     use std::os::fd::AsFd as _;
     match ebpf.map(name) {
         Some(aya::maps::Map::PerCpuArray(data) | aya::maps::Map::Array(data)) => data

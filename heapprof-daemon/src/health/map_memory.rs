@@ -21,6 +21,8 @@ const TABLES: [(&str, &[&str], &str); 5] = [
             names::SITES,
             names::SITE_COUNTERS,
             kernel_names::KERNEL_SITES,
+            kernel_names::KERNEL_SITE_COUNTERS,
+            kernel_names::KERNEL_SITE_IDS,
         ],
         "--max-sites",
     ),

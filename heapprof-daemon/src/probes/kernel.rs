@@ -5,14 +5,15 @@ use std::path::Path;
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Btf, Ebpf, EbpfLoader,
+    maps::Queue,
     programs::{FEntry, KProbe, ProgramError, RawTracePoint, TracePoint},
 };
 use heapprof_common::{
     kernel::{
-        DeferredFreePath, EventLayout, FieldRef, FuncArgs, KernelConfig, KernelEvent,
-        names as kernel_names,
+        ATOMICS_SINCE, DeferredFreePath, EventLayout, FieldRef, FuncArgs, HASHED_PROGRAMS,
+        HASHED_SUFFIX, KernelConfig, KernelEvent, names as kernel_names,
     },
-    names,
+    live, names,
 };
 use thiserror::Error;
 
@@ -216,15 +217,30 @@ pub fn load_bpf_object(
         sample_rate,
         ..KernelConfig::default()
     };
+
     for (event, layout) in events {
         config.events[*event as usize] = *layout;
     }
+    // The live objects go to user mode's live-block table, which reads its size from
+    // user mode's settings; or, before 5.12, to KERNEL_LIVE (see `program`).
+    let (live_buckets, hashed_blocks) = if live_array() {
+        (live::buckets_for(capacities.live_blocks), 1)
+    } else {
+        (1, capacities.live_blocks)
+    };
+    let user_config = heapprof_common::Config {
+        live_buckets,
+        ..heapprof_common::Config::default()
+    };
     EbpfLoader::new()
         .override_global(kernel_names::KERNEL_CONFIG, &config, true)
-        .map_max_entries(kernel_names::KERNEL_LIVE, capacities.live_blocks)
+        .override_global(names::CONFIG, &user_config, true)
+        .map_max_entries(names::LIVE, live_buckets)
+        .map_max_entries(kernel_names::KERNEL_LIVE, hashed_blocks)
         .map_max_entries(kernel_names::KERNEL_SITES, capacities.sites)
+        .map_max_entries(kernel_names::KERNEL_SITE_COUNTERS, capacities.sites)
+        .map_max_entries(kernel_names::KERNEL_SITE_IDS, capacities.sites)
         .map_max_entries(kernel_names::KERNEL_STACKS, capacities.stacks)
-        .map_max_entries(names::LIVE, 1)
         .map_max_entries(names::SITES, 1)
         .map_max_entries(names::SITE_COUNTERS, 1)
         .map_max_entries(names::SITE_IDS_FREE, 1)
@@ -239,6 +255,40 @@ pub fn load_bpf_object(
         .map_max_entries(names::MAPPINGS_REQUESTED, 1)
         .load(BPF_OBJECT)
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
+        .and_then(|mut ebpf| {
+            fill_site_ids(&mut ebpf, capacities.sites)?;
+            Ok(ebpf)
+        })
+}
+
+/// Whether the live objects go to user mode's live-block table, whose atomic
+/// instructions the kernel takes (5.12+; an unknown version is taken as new).
+fn live_array() -> bool {
+    running_kernel().is_none_or(|version| version >= ATOMICS_SINCE)
+}
+
+/// The program that does `name`'s work on this kernel: `name` itself, or before
+/// 5.12 its copy keeping the live objects in a hash map (`HASHED_PROGRAMS`).
+pub fn program(name: &str) -> std::borrow::Cow<'_, str> {
+    if !live_array() && HASHED_PROGRAMS.contains(&name) {
+        std::borrow::Cow::Owned(format!("{name}{HASHED_SUFFIX}"))
+    } else {
+        std::borrow::Cow::Borrowed(name)
+    }
+}
+
+/// Fills `KERNEL_SITE_IDS` with every site index, before any program is attached.
+fn fill_site_ids(ebpf: &mut Ebpf, sites: u32) -> Result<()> {
+    let map = ebpf
+        .map_mut(kernel_names::KERNEL_SITE_IDS)
+        .with_context(|| format!("BPF map {} missing", kernel_names::KERNEL_SITE_IDS))?;
+    let mut ids: Queue<_, heapprof_common::SiteId> = Queue::try_from(map)
+        .with_context(|| format!("BPF map {} is not a queue", kernel_names::KERNEL_SITE_IDS))?;
+    for id in 0..sites {
+        ids.push(&id, 0)
+            .with_context(|| format!("filling {}", kernel_names::KERNEL_SITE_IDS))?;
+    }
+    Ok(())
 }
 
 /// The first kernel with `bpf_get_func_arg()` and `bpf_loop()` (5.17).
@@ -334,6 +384,7 @@ pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
 
 /// Loads kprobe program `program` and attaches it to the entry of `function`.
 fn attach_kprobe(ebpf: &mut Ebpf, program: &str, function: &str) -> Result<()> {
+    let program = &*self::program(program);
     let kprobe: &mut KProbe = ebpf
         .program_mut(program)
         .with_context(|| format!("BPF program {program} missing from the object"))?
@@ -416,6 +467,7 @@ fn is_trace(line: &str) -> bool {
 /// error is one short reason (the verifier's own words, or what is missing). A
 /// refusal's whole verifier log goes to the debug log.
 fn attach_fentry(ebpf: &mut Ebpf, program: &str, function: &str, btf: &Btf) -> Result<(), String> {
+    let program = &*self::program(program);
     let fentry: &mut FEntry = ebpf
         .program_mut(program)
         .ok_or_else(|| format!("BPF program {program} missing from the object"))?
@@ -532,7 +584,7 @@ pub fn attach(ebpf: &mut Ebpf, events: &[(KernelEvent, EventLayout)]) -> Result<
                         event.name()
                     );
                     for program in raw {
-                        if let Some(program) = ebpf.program_mut(program)
+                        if let Some(program) = ebpf.program_mut(&self::program(program))
                             && let Ok(program) = <&mut RawTracePoint>::try_from(program)
                         {
                             // Detaches a copy that was attached.
@@ -542,7 +594,7 @@ pub fn attach(ebpf: &mut Ebpf, events: &[(KernelEvent, EventLayout)]) -> Result<
                 }
             }
         }
-        let name = event.name();
+        let name = &*program(event.name());
         let program: &mut TracePoint = ebpf
             .program_mut(name)
             .with_context(|| format!("BPF program {name} missing from the object"))?
@@ -566,6 +618,7 @@ pub fn attach(ebpf: &mut Ebpf, events: &[(KernelEvent, EventLayout)]) -> Result<
 
 /// Loads raw-tracepoint program `program` and attaches it to tracepoint `tracepoint`.
 fn attach_raw(ebpf: &mut Ebpf, program: &str, tracepoint: &str) -> Result<()> {
+    let program = &*self::program(program);
     let raw: &mut RawTracePoint = ebpf
         .program_mut(program)
         .with_context(|| format!("BPF program {program} missing from the object"))?

@@ -126,8 +126,10 @@ pub fn load_bpf_object(
         .map_max_entries(names::UNWIND_OBJECTS, tables.objects)
         .map_max_entries(names::MAPPINGS_REQUESTED, processes.max(16))
         // The kernel-mode tables are not used: one entry each.
-        .map_max_entries(kernel_names::KERNEL_LIVE, 1)
         .map_max_entries(kernel_names::KERNEL_SITES, 1)
+        .map_max_entries(kernel_names::KERNEL_SITE_COUNTERS, 1)
+        .map_max_entries(kernel_names::KERNEL_SITE_IDS, 1)
+        .map_max_entries(kernel_names::KERNEL_LIVE, 1)
         .map_max_entries(kernel_names::KERNEL_STACKS, 1)
         .map_max_entries(kernel_names::TRACED, 1)
         .map_max_entries(kernel_names::COMMS, 1)
