@@ -290,7 +290,12 @@ fn declared_names(source: &str, module: &str) -> BTreeSet<String> {
         .and_then(|(_, rest)| rest.split_once("\n}\n"))
         .map(|(block, _)| block)
         .expect("a `pub mod names` block");
-    block
+    declared_consts(block, module)
+}
+
+/// The `pub const NAME: &str` of `source` (a module's whole file), as `"module::NAME"`.
+fn declared_consts(source: &str, module: &str) -> BTreeSet<String> {
+    source
         .lines()
         .filter_map(|line| line.trim().strip_prefix("pub const "))
         .filter_map(|rest| rest.split_once(": &str"))
@@ -304,7 +309,7 @@ fn every_name_constant_is_checked_above() {
     let read = |file: &str| {
         std::fs::read_to_string(common.join(file)).unwrap_or_else(|err| panic!("{file}: {err}"))
     };
-    let mut declared = declared_names(&read("lib.rs"), "names");
+    let mut declared = declared_consts(&read("names.rs"), "names");
     declared.extend(declared_names(&read("kernel.rs"), "kernel_names"));
     let checked: BTreeMap<&str, &str> = MAPS
         .iter()
