@@ -35,6 +35,7 @@ fn program_names() -> Vec<&'static str> {
         names::PROG_THREAD_EXIT,
         names::PROG_SWITCH,
         names::PROG_FUTEX,
+        names::PROG_FUTEX_ENTRY,
         names::PROG_PRELOAD,
     ];
     let kernel = [
