@@ -28,7 +28,7 @@ use crate::{
     bench::{
         Bench,
         figures::{DaemonStats, joined_answer},
-        process::{cpu_seconds, interrupt},
+        process::{cpu_seconds, interrupt, rotated_rounds},
         summary::{number, spread},
     },
     step,
@@ -283,32 +283,14 @@ pub(super) fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String
         NginxMode::ALL.len()
     ));
     let root: PathBuf = bench.dir.join("nginx");
-    let mut passes: Vec<Vec<Pass>> = NginxMode::ALL.iter().map(|_| Vec::new()).collect();
-    let mut failures: Vec<Option<String>> = vec![None; NginxMode::ALL.len()];
-    for round in 0..runs {
-        for i in 0..NginxMode::ALL.len() {
-            let index = (i + round) % NginxMode::ALL.len();
-            let mode = NginxMode::ALL[index];
-            if failures[index].is_some() {
-                continue;
-            }
-            match pass(bench, &root, mode, requests) {
-                Ok(pass) => {
-                    eprintln!(
-                        "xtask:   round {} {:<32} {:9.0} requests/s",
-                        round + 1,
-                        mode.name(),
-                        pass.requests_per_second
-                    );
-                    passes[index].push(pass);
-                }
-                Err(err) => {
-                    eprintln!("xtask:   nginx, {} failed: {err:#}", mode.name());
-                    failures[index] = Some(format!("{err:#}"));
-                }
-            }
-        }
-    }
+    let (passes, failures) = rotated_rounds(
+        "nginx",
+        &NginxMode::ALL,
+        runs,
+        NginxMode::name,
+        |p: &Pass| p.requests_per_second,
+        |mode| pass(bench, &root, mode, requests),
+    );
     let median = |index: usize, f: fn(&Pass) -> f64| {
         spread(&passes[index].iter().map(f).collect::<Vec<_>>()).median
     };

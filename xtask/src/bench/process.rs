@@ -250,6 +250,48 @@ pub(super) fn cpu_seconds(pid: u32) -> Result<f64> {
     Ok((ticks(11)? + ticks(12)?) / hz)
 }
 
+/// Runs `runs` rounds of every mode in `modes`, interleaved in rotated order, so that
+/// the machine's drift hits all modes alike. Returns each mode's passes (by index in
+/// `modes`) and why a mode failed when it did: a failing mode is reported and left out
+/// of the later rounds.
+pub(super) fn rotated_rounds<M: Copy, P>(
+    section: &str,
+    modes: &[M],
+    runs: usize,
+    name: impl Fn(M) -> &'static str,
+    rate: impl Fn(&P) -> f64,
+    mut pass: impl FnMut(M) -> Result<P>,
+) -> (Vec<Vec<P>>, Vec<Option<String>>) {
+    let count = modes.len();
+    let mut passes: Vec<Vec<P>> = modes.iter().map(|_| Vec::new()).collect();
+    let mut failures: Vec<Option<String>> = vec![None; count];
+    for round in 0..runs {
+        for i in 0..count {
+            let index = (i + round) % count;
+            let mode = modes[index];
+            if failures[index].is_some() {
+                continue;
+            }
+            match pass(mode) {
+                Ok(done) => {
+                    eprintln!(
+                        "xtask:   round {} {:<32} {:9.0} requests/s",
+                        round + 1,
+                        name(mode),
+                        rate(&done)
+                    );
+                    passes[index].push(done);
+                }
+                Err(err) => {
+                    eprintln!("xtask:   {section}, {} failed: {err:#}", name(mode));
+                    failures[index] = Some(format!("{err:#}"));
+                }
+            }
+        }
+    }
+    (passes, failures)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

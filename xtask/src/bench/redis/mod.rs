@@ -32,7 +32,7 @@ use crate::{
     bench::{
         Bench,
         figures::{DaemonStats, joined_answer},
-        process::{cpu_seconds, interrupt},
+        process::{cpu_seconds, interrupt, rotated_rounds},
         summary::{number, spread},
     },
     step,
@@ -270,33 +270,14 @@ struct Passes {
 
 /// Runs `runs` rounds of every mode, interleaved in rotated order.
 fn run_passes(bench: &Bench, runs: usize, requests: u32) -> Passes {
-    let count = RedisMode::ALL.len();
-    let mut passes: Vec<Vec<Pass>> = RedisMode::ALL.iter().map(|_| Vec::new()).collect();
-    let mut failures: Vec<Option<String>> = vec![None; count];
-    for round in 0..runs {
-        for i in 0..count {
-            let index = (i + round) % count;
-            let mode = RedisMode::ALL[index];
-            if failures[index].is_some() {
-                continue;
-            }
-            match pass(bench, mode, requests) {
-                Ok(pass) => {
-                    eprintln!(
-                        "xtask:   round {} {:<32} {:9.0} requests/s",
-                        round + 1,
-                        mode.name(),
-                        pass.requests_per_second
-                    );
-                    passes[index].push(pass);
-                }
-                Err(err) => {
-                    eprintln!("xtask:   redis, {} failed: {err:#}", mode.name());
-                    failures[index] = Some(format!("{err:#}"));
-                }
-            }
-        }
-    }
+    let (passes, failures) = rotated_rounds(
+        "redis",
+        &RedisMode::ALL,
+        runs,
+        RedisMode::name,
+        |p: &Pass| p.requests_per_second,
+        |mode| pass(bench, mode, requests),
+    );
     Passes { passes, failures }
 }
 
