@@ -80,6 +80,19 @@ pub struct RunStats {
     /// User mode: the unwind tables at the end (what the log's `unwind tables:` line
     /// says).
     pub unwind_tables: Option<TableUsage>,
+    /// `--preload system`: how the processes were served.
+    pub system_preload: Option<SystemPreloadFigures>,
+}
+
+/// `--preload system`: how the processes of the run were served.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SystemPreloadFigures {
+    /// Processes the system-wide library joined.
+    pub joined: u64,
+    /// Processes whose copy asked but did not join (they got the probes).
+    pub declined: u64,
+    /// Processes that got their allocator's probes for themselves alone.
+    pub probed_alone: u64,
 }
 
 /// The stack lookups of a run, and their total.
@@ -324,8 +337,15 @@ mod tests {
                 objects: 3,
                 ..TableUsage::default()
             }),
+            system_preload: Some(SystemPreloadFigures {
+                joined: 7,
+                declined: 1,
+                probed_alone: 2,
+            }),
         };
         let value = serde_json::to_value(&stats).expect("serializable");
+        assert_eq!(value["system_preload"]["joined"], 7);
+        assert_eq!(value["system_preload"]["probed_alone"], 2);
         assert_eq!(value["joined"]["how"], "probes");
         assert_eq!(value["joined"]["reason"], "--inject off");
         assert_eq!(value["kernel_memory"]["total_bytes"], 4196);
