@@ -557,22 +557,29 @@ impl AllocatorProbes {
             joined.retain(|pid| !pids.contains(pid));
         }
         for pid in pids {
-            self.serving.remove(pid);
-            self.preload_fallbacks.remove(pid);
-            let Some(links) = self.process_links.remove(pid) else {
-                continue;
-            };
-            for (program, link) in links {
-                let detached = uprobe(ebpf, program).and_then(|p| {
-                    p.detach(link)
-                        .with_context(|| format!("detaching {program} from pid {pid}"))
-                });
-                if let Err(err) = detached {
-                    log::debug!("{err:#}");
-                }
-            }
-            self.attached.retain(|(_, only), _| only != pid);
+            self.drop_process_probes(ebpf, *pid);
         }
+    }
+
+    /// Detaches the probes attached for `pid` alone: it joined the system-wide library
+    /// (its calls are the library's from now on), or it exec'd (its new image is
+    /// looked at afresh; a pid-filtered probe would follow it into the new image).
+    pub fn drop_process_probes(&mut self, ebpf: &mut Ebpf, pid: u32) {
+        let Some(links) = self.process_links.remove(&pid) else {
+            return;
+        };
+        for (program, link) in links {
+            let detached = uprobe(ebpf, program).and_then(|p| {
+                p.detach(link)
+                    .with_context(|| format!("detaching {program} from pid {pid}"))
+            });
+            if let Err(err) = detached {
+                log::debug!("{err:#}");
+            }
+        }
+        self.attached.retain(|(_, only), _| *only != pid);
+        self.serving.remove(&pid);
+        self.preload_fallbacks.remove(&pid);
     }
 
     /// Finds the allocators of a process and probes those not probed yet: every
@@ -734,7 +741,9 @@ impl AllocatorProbes {
             } else {
                 &[Family::Vendor, Family::Custom]
             };
-            if let Err(err) = self.probe_object(ebpf, object, families, executable) {
+            // The system-wide preload probes a process's other objects for it alone.
+            let only = self.settings.per_process.map(|_| process.pid);
+            if let Err(err) = self.probe_object_for(ebpf, object, families, executable, only) {
                 log::debug!("pid {}: {}: {err:#}", process.pid, object.path);
             }
         }

@@ -494,7 +494,14 @@ fn probe_initial_allocators(
     allocators: &mut AllocatorProbes,
 ) -> Result<()> {
     let mut objects = ObjectCache::default();
+    // The system-wide preload probes each process it does not serve for itself alone,
+    // as it is read: nothing for every process (the C library's vendor functions, say,
+    // would trap in the joined processes too). `--libc`, named by the user, stays.
+    let system = cli.system_preload(target);
     for (path, executable) in initial_allocators(cli, target, program)? {
+        if system && cli.libc.as_deref() != Some(path.as_path()) {
+            continue;
+        }
         let label = path.display().to_string();
         let object = objects
             .open(&path, &label)

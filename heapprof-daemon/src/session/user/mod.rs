@@ -242,6 +242,8 @@ impl UserSession {
     /// `--preload system`: `pid` asks to be joined (and counts as served by the library
     /// from then on): its mappings and unwind tables are read now, while it waits.
     pub fn system_join_asked(&mut self, pid: u32) {
+        // Probed alone until now (read between its exec and its start's question).
+        self.allocators.drop_process_probes(&mut self.ebpf, pid);
         self.refresh_process(pid);
     }
 
@@ -373,6 +375,9 @@ impl UserSession {
 
     /// A traced process called exec: its new image is read shortly.
     pub fn exec_seen(&mut self, event: ExecEvent) {
+        // Probes attached for the process alone would follow it into its new image.
+        self.allocators
+            .drop_process_probes(&mut self.ebpf, event.tgid);
         self.images.exec_seen(event);
     }
 
