@@ -688,7 +688,10 @@ impl AllocatorProbes {
             return;
         }
         let program = process.exe.unwrap_or(process.comm);
-        let uses_custom = process.objects.iter().any(|o| self.is_probed(o.id));
+        let uses_custom = process
+            .objects
+            .iter()
+            .any(|o| self.attached.keys().any(|(id, _)| *id == o.id));
         let message = match static_program {
             Some((_, false)) => format!(
                 "pid {} ({}): {program} is a static binary without a symbol table \
