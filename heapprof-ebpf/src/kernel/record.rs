@@ -19,7 +19,7 @@ static KERNEL_RECORD_SCRATCH: PerCpuArray<[u64; RECORD_HEAD / 8]> =
 /// Bytes of an allocation record copied at once: every field the programs read of the
 /// kmem allocation events lies in them on 5.10 to 6.18 (the largest, 6.18's
 /// `kmem_cache_alloc`, ends its last read field at 48), and so does the cache's name
-/// (6.18's starts at 64, right after the fixed fields), whose hash is then computed
+/// (6.18's starts at 61, right after the fixed fields), whose hash is then computed
 /// from the copy instead of a string read per allocation.
 const RECORD_HEAD: usize = 96;
 
@@ -117,7 +117,7 @@ fn name_hash(name: &[u8; CACHE_NAME_LEN]) -> u64 {
 #[inline(always)]
 fn head_name_hash(head: *const u8, location: u64) -> Option<u64> {
     let offset = (location & 0xffff) as usize;
-    if offset > RECORD_HEAD - CACHE_NAME_LEN || !offset.is_multiple_of(8) {
+    if offset > RECORD_HEAD - CACHE_NAME_LEN {
         return None;
     }
     let kept = ((location >> 16) & 0xffff)
@@ -126,9 +126,10 @@ fn head_name_hash(head: *const u8, location: u64) -> Option<u64> {
     let mut hash = HASH_MULTIPLIER;
     for i in 0..CACHE_NAME_LEN / 8 {
         let start = 8 * i as u64;
-        // SAFETY: `offset + CACHE_NAME_LEN <= RECORD_HEAD` bytes of this CPU's slot,
-        // 8-byte aligned.
-        let word = unsafe { core::ptr::read(head.add(offset + 8 * i).cast::<u64>()) };
+        // SAFETY: `offset + CACHE_NAME_LEN <= RECORD_HEAD` bytes of this CPU's slot.
+        // Unaligned: the string follows the fixed fields, which end at any byte (at
+        // 61 on 6.18, after `bool accounted`).
+        let word = unsafe { core::ptr::read_unaligned(head.add(offset + 8 * i).cast::<u64>()) };
         let mask = if kept >= start + 8 {
             u64::MAX
         } else if kept <= start {
