@@ -267,6 +267,36 @@ pub const SAMPLE_RATE_ENV: &str = "HEAPPROFD_SAMPLE_RATE";
 /// sample rate, and whether forked children stay joined (1) or not (0). The new image's copy, preloaded from the library's descriptor, removes it.
 pub const FOLLOW_ENV: &str = "HEAPPROFD_FOLLOW";
 
+/// The system-wide preload (`heapprofd --all --preload system`): the socket where a
+/// running heapprofd answers each new process's copy of the library. A copy that
+/// cannot connect (no heapprofd, or one killed) stays inert; one that can joins as an
+/// injected copy does. The socket is of type `SOCK_SEQPACKET`, owned by root.
+pub const SYSTEM_SOCKET: &str = "/run/heapprofd/system.sock";
+
+/// Where `--preload system` installs its library (root-owned, readable by every
+/// program: not in the profiles' directory, which is private; it stays after heapprofd
+/// exits, inert, so that an entry left in `/etc/ld.so.preload` never names a missing
+/// file).
+pub const SYSTEM_LIBRARY: &str = "/var/lib/heapprofd-preload/libheapprofd-system.so";
+
+/// What heapprofd sends a system-preloaded copy that connects: the sample rate and
+/// the join's flags, with the answers' map and heapprofd's pidfd as `SCM_RIGHTS`
+/// descriptors; the copy answers with its join's result (an `i64`: slots redirected,
+/// or negative: why not).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SystemJoin {
+    /// Mean bytes between sampled allocations (0: every allocation).
+    pub sample_rate: u64,
+    /// [`SystemJoin::CHILDREN`] when forked children stay joined.
+    pub flags: u64,
+}
+
+impl SystemJoin {
+    /// Forked children stay joined (heapprofd traces them too).
+    pub const CHILDREN: u64 = 1;
+}
+
 /// The prefix under which the following library keeps an exec's own `LD_PRELOAD=...`:
 /// the new image's copy points the environment back at the text after it.
 pub const KEPT_PRELOAD_PREFIX: &str = "HEAPPROFD_KEPT_";

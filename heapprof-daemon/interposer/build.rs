@@ -9,11 +9,15 @@ use std::{fmt::Write as _, path::Path, process::Command};
 use anyhow::{Context as _, Result, bail};
 use heapprof_common::preload::{
     FOLLOW_ENV, FUNCTIONS, KEPT_PRELOAD_PREFIX, Kind, Meta, PROBE_SITE_SYMBOL, QUEUE_WORDS,
-    REPLIES_FD_ENV, REPLY_READS, REPLY_SLOTS, Record, ReportQueue, SAMPLE_RATE_ENV, StackReply,
+    REPLIES_FD_ENV, REPLY_READS, REPLY_SLOTS, Record, ReportQueue, SAMPLE_RATE_ENV, SYSTEM_SOCKET,
+    StackReply, SystemJoin,
 };
 
 /// The library's file name in `$OUT_DIR`.
 const OUTPUT: &str = "libheapprofd_preload.so";
+
+/// The system-wide preload's build of it (`-DHP_SYSTEM_PRELOAD`).
+const SYSTEM_OUTPUT: &str = "libheapprofd_system.so";
 
 /// The interposer's folder, from the daemon crate's root.
 const DIR: &str = "interposer";
@@ -29,7 +33,29 @@ pub fn build(manifest_dir: &Path) -> Result<()> {
     std::fs::write(out_dir.join("preload_abi.h"), header()).context("writing preload_abi.h")?;
     let arch = std::env::var("CARGO_CFG_TARGET_ARCH")?;
     let compiler = compiler(&arch)?;
-    let mut command = Command::new(&compiler);
+    compile(&compiler, &arch, &out_dir, &sources, &[], OUTPUT)?;
+    // The same parts, built for /etc/ld.so.preload: no allocation function is
+    // exported (the copy binds nothing until it joins a running heapprofd).
+    compile(
+        &compiler,
+        &arch,
+        &out_dir,
+        &sources,
+        &["-DHP_SYSTEM_PRELOAD=1"],
+        SYSTEM_OUTPUT,
+    )
+}
+
+/// Compiles `sources` into `$OUT_DIR/output`.
+fn compile(
+    compiler: &str,
+    arch: &str,
+    out_dir: &Path,
+    sources: &[std::path::PathBuf],
+    defines: &[&str],
+    output: &str,
+) -> Result<()> {
+    let mut command = Command::new(compiler);
     command
         .args(["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror"])
         .args(["-shared", "-fPIC", "-nostdlib", "-fvisibility=hidden"])
@@ -38,11 +64,12 @@ pub fn build(manifest_dir: &Path) -> Result<()> {
         .args(["-fasynchronous-unwind-tables", "-fno-exceptions"])
         .arg("-Wl,-z,nodelete")
         .arg("-Wl,--hash-style=both")
+        .args(defines)
         .arg("-I")
-        .arg(&out_dir)
-        .args(&sources)
+        .arg(out_dir)
+        .args(sources)
         .arg("-o")
-        .arg(out_dir.join(OUTPUT));
+        .arg(out_dir.join(output));
     if arch == "x86_64" {
         // The probe site is called from inline assembly: nothing below the stack
         // pointer may be live.
@@ -59,7 +86,7 @@ pub fn build(manifest_dir: &Path) -> Result<()> {
         )
     })?;
     if !status.success() {
-        bail!("{compiler} failed to build the preload library ({status})");
+        bail!("{compiler} failed to build the preload library {output} ({status})");
     }
     Ok(())
 }
@@ -114,9 +141,12 @@ fn header() -> String {
     let _ = writeln!(h, "#define HP_REPLY_KNOWN {}u", StackReply::KNOWN);
     let _ = writeln!(h, "#define HP_REPLY_SLOTS {REPLY_SLOTS}u");
     let _ = writeln!(h, "#define HP_REPLIES_FD_ENV \"{REPLIES_FD_ENV}\"");
+    let _ = writeln!(h, "#define HP_SYSTEM_SOCKET \"{SYSTEM_SOCKET}\"");
+    let _ = writeln!(h, "#define HP_JOIN_CHILDREN {}u", SystemJoin::CHILDREN);
     h.push_str(
         "struct hp_report_queue {\n    uint32_t len;\n    uint32_t generation;\n    \
          uint64_t words[HP_QUEUE_WORDS];\n};\n\
+         struct hp_system_join {\n    uint64_t sample_rate;\n    uint64_t flags;\n};\n\
          struct hp_stack_reply {\n    uint64_t hash;\n    uint32_t status;\n    \
          uint32_t reads;\n    uint32_t uses_fp;\n    uint32_t pad_;\n    \
          int32_t offsets[HP_REPLY_READS];\n};\n",
@@ -125,6 +155,7 @@ fn header() -> String {
     for (what, size) in [
         ("struct hp_report_queue", size_of::<ReportQueue>()),
         ("struct hp_stack_reply", size_of::<StackReply>()),
+        ("struct hp_system_join", size_of::<SystemJoin>()),
     ] {
         let _ = writeln!(
             h,

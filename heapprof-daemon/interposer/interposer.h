@@ -26,6 +26,8 @@
  * Its parts, one job each, each calling only the parts listed below it (no part
  * calls back up); this header is what they all share (the C library functions bound
  * at load, the macros, the linker's marks):
+ *   system.c          the system-wide build's start: asking a running heapprofd
+ *                     to join (--all --preload system)
  *   join.c            heapprofd_join: joining a running process (--pid)
  *   wrappers.c/.h     the C functions' and C++ operators' wrappers
  *   lifecycle.c/.h    start-up (the real functions, the program's answers) and exit
@@ -46,6 +48,14 @@
 #include <stdint.h>
 
 #define EXPORT __attribute__((visibility("default")))
+/* The allocation functions' wrappers: exported where LD_PRELOAD puts the library
+ * first (launch mode), hidden in the system-wide build (HP_SYSTEM_PRELOAD, system.c),
+ * which every program on the host loads and which binds nothing until it joins. */
+#ifdef HP_SYSTEM_PRELOAD
+#define WRAPPER __attribute__((visibility("hidden")))
+#else
+#define WRAPPER EXPORT
+#endif
 #define likely(x) __builtin_expect(!!(x), 1)
 #define unlikely(x) __builtin_expect(!!(x), 0)
 
@@ -77,6 +87,12 @@ extern int poll(void *fds, unsigned long count, int timeout);
 extern int close(int fd);
 extern int mprotect(void *address, size_t length, int prot);
 extern int getpid(void);
+extern int socket(int domain, int type, int protocol);
+extern int connect(int fd, const void *address, unsigned length);
+extern int getsockopt(int fd, int level, int name, void *value, unsigned *length);
+extern int setsockopt(int fd, int level, int name, const void *value, unsigned length);
+extern long send(int fd, const void *buffer, size_t length, int flags);
+extern int access(const char *path, int mode);
 #define RTLD_NEXT ((void *)-1L)
 #define RTLD_DEFAULT ((void *)0)
 #define SC_PAGESIZE 30 /* the same on glibc and musl */

@@ -11,6 +11,7 @@
 #include "fork.h"
 #include "got.h"
 #include "interposer.h"
+#include "join.h"
 #include "joined.h"
 #include "lifecycle.h"
 #include "preload_abi.h"
@@ -22,7 +23,10 @@
 static void choose_targets(void)
 {
     redirected_count = alloc_targets(redirected, REDIRECTED_MOST);
+#ifndef HP_SYSTEM_PRELOAD
+    /* The system-wide copy needs no following: every new image loads it again. */
     choose_exec_targets();
+#endif
 }
 
 static void *lookup_default(const char *name) { return dlsym(RTLD_DEFAULT, name); }
@@ -71,18 +75,6 @@ static int receive_descriptors(int socket, int *replies, int *pidfd, int *librar
     return 0;
 }
 
-/* heapprofd_join's flags: forked children stay joined (they are traced too). */
-#define JOIN_CHILDREN 1u
-
-/* Why heapprofd_join refused, as its negative results. */
-enum join_error {
-    JOIN_NOT_INJECTED = -1,   /* a launch-mode copy */
-    JOIN_ALREADY = -2,        /* joined now */
-    JOIN_NO_DESCRIPTORS = -3, /* nothing received */
-    JOIN_NO_ALLOCATOR = -4,   /* the process binds no malloc/free */
-    JOIN_NO_SLOTS = -5,       /* no slot could be redirected */
-};
-
 /*
  * Joins heapprofd: `socket` carries the answers' map and heapprofd's pidfd, and
  * `rate` is the sample rate (0: every allocation). Called by heapprofd through ptrace
@@ -99,6 +91,19 @@ EXPORT long heapprofd_join(int socket, uint64_t rate, uint64_t flags)
     int replies_received, pidfd, library;
     if (receive_descriptors(socket, &replies_received, &pidfd, &library) != 0)
         return JOIN_NO_DESCRIPTORS;
+    return hp_join_with(replies_received, pidfd, library, rate, flags);
+}
+
+long hp_join_with(int replies_received, int pidfd, int library, uint64_t rate, uint64_t flags)
+{
+    int now = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (now != UNINITIALIZED && now != INERT) {
+        close(replies_received);
+        close(pidfd);
+        if (library >= 0)
+            close(library);
+        return JOIN_ALREADY;
+    }
     if (now == UNINITIALIZED) {
         find_real_functions(lookup_default);
         if (!real.malloc || !real.free || !real.calloc || !real.realloc ||

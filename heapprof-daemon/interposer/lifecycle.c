@@ -230,11 +230,14 @@ void initialize(void)
     __atomic_store_n(&state, ACTIVE, __ATOMIC_RELEASE);
 }
 
+/* The system-wide build starts in system.c instead: it joins or stays inert. */
+#ifndef HP_SYSTEM_PRELOAD
 __attribute__((constructor)) static void on_load(void)
 {
     if (state == UNINITIALIZED)
         initialize();
 }
+#endif
 
 /* The thread calling exit() reports its last records and, from then on, each record
  * at once, its queue unknown to the program in between: kernels that run the exit

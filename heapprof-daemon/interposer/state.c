@@ -4,7 +4,11 @@
  */
 #include "state.h"
 
+#ifdef HP_SYSTEM_PRELOAD
+EXPORT volatile uint32_t heapprofd_injected = SYSTEM_MARK;
+#else
 EXPORT volatile uint32_t heapprofd_injected = LAUNCHED_MARK;
+#endif
 
 volatile int state = UNINITIALIZED;
 uint64_t sample_rate;

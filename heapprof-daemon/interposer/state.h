@@ -14,6 +14,8 @@
  * (`--pid`), where no LD_PRELOAD put it first: the constructor then does nothing, and
  * heapprofd_join starts it. Initialized, so that it is in the file. */
 #define LAUNCHED_MARK 0x4c41554eu /* "LAUN" */
+/* The system-wide build's mark: like an injected copy, it waits for a join. */
+#define SYSTEM_MARK 0x53595354u /* "SYST" */
 EXPORT extern volatile uint32_t heapprofd_injected;
 
 static inline int injected(void) { return heapprofd_injected != LAUNCHED_MARK; }

@@ -98,7 +98,7 @@ static inline int passes_through(struct thread_state *t, uint64_t ra)
         result_;                                                                           \
     })
 
-EXPORT void *malloc(size_t size)
+WRAPPER void *malloc(size_t size)
 {
     if (unlikely(!active()))
         return ready() ? real.malloc(size) : arena_alloc(size, 0);
@@ -110,7 +110,7 @@ EXPORT void *malloc(size_t size)
     return p;
 }
 
-EXPORT void *calloc(size_t count, size_t size)
+WRAPPER void *calloc(size_t count, size_t size)
 {
     if (unlikely(!active())) {
         if (ready())
@@ -149,7 +149,7 @@ static inline void moved(struct thread_state *t, unsigned function, void *old, v
     report_checked(t, function, p, size, ra, sp, fp);
 }
 
-EXPORT void *realloc(void *old, size_t size)
+WRAPPER void *realloc(void *old, size_t size)
 {
     if (unlikely(in_arena(old)))
         return from_arena(old, size);
@@ -163,7 +163,7 @@ EXPORT void *realloc(void *old, size_t size)
     return p;
 }
 
-EXPORT void *reallocarray(void *old, size_t count, size_t size)
+WRAPPER void *reallocarray(void *old, size_t count, size_t size)
 {
     size_t bytes;
     int overflow = __builtin_mul_overflow(count, size, &bytes);
@@ -182,7 +182,7 @@ EXPORT void *reallocarray(void *old, size_t count, size_t size)
     return p;
 }
 
-EXPORT int posix_memalign(void **out, size_t alignment, size_t size)
+WRAPPER int posix_memalign(void **out, size_t alignment, size_t size)
 {
     if (unlikely(!active()) || !real.posix_memalign) {
         if (ready() && real.posix_memalign)
@@ -202,7 +202,7 @@ EXPORT int posix_memalign(void **out, size_t alignment, size_t size)
 /* The aligned allocators with (alignment, size) arguments, or (size) for valloc and
  * pvalloc: pass through before start-up and inside allocator calls. */
 #define ALIGNED_WRAPPER(name, index, params, args, bytes)                                 \
-    EXPORT void *name params                                                               \
+    WRAPPER void *name params                                                               \
     {                                                                                      \
         if (unlikely(!active()) || !real.name)                                             \
             return ready() && real.name ? real.name args : NULL;                           \
@@ -223,7 +223,7 @@ ALIGNED_WRAPPER(valloc, HP_FN_VALLOC, (size_t size), (size), size)
 ALIGNED_WRAPPER(pvalloc, HP_FN_PVALLOC, (size_t size), (size),
                 size ? (size + page_size - 1) / page_size * page_size : page_size)
 
-EXPORT void free(void *p)
+WRAPPER void free(void *p)
 {
     if (unlikely(!p || in_arena(p)))
         return;
@@ -238,10 +238,10 @@ EXPORT void free(void *p)
     real.free(p);
 }
 
-EXPORT void cfree(void *p) { free(p); }
+WRAPPER void cfree(void *p) { free(p); }
 
 /* A thread ending the process without exit() reports its last frees first. */
-EXPORT __attribute__((noreturn)) void _exit(int status)
+WRAPPER __attribute__((noreturn)) void _exit(int status)
 {
     static void (*real_exit)(int);
     if (state == ACTIVE) {
@@ -281,7 +281,7 @@ static __attribute__((noinline)) int cxx_nested(uint64_t ra)
 }
 
 #define NEW_WRAPPER(name, slot, type, params, args)                                       \
-    EXPORT void *name params                                                               \
+    WRAPPER void *name params                                                               \
     {                                                                                      \
         type next_ = (type)real.cxx_new[slot];                                             \
         if (unlikely(!active()) || cxx_through_malloc || !next_)                           \
@@ -309,7 +309,7 @@ NEW_WRAPPER(_ZnamSt11align_val_tRKSt9nothrow_t, 7, new3_t, (size_t size, uint64_
             (size, a, b))
 
 #define DELETE_WRAPPER(name, slot, type, params, args)                                    \
-    EXPORT void name params                                                                \
+    WRAPPER void name params                                                                \
     {                                                                                      \
         type next_ = (type)real.cxx_delete[slot];                                          \
         if (unlikely(!active()) || cxx_through_malloc || !next_) {                         \

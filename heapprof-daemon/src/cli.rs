@@ -179,7 +179,11 @@ pub struct Cli {
     /// allocation at a stack already walked costs no probe, others one cheap probe;
     /// sampling is decided in the process); processes it cannot serve (static, setuid,
     /// LD_PRELOAD dropped) fall back to the allocator's probes. `off` uses those probes
-    /// only (an entry and a return trap per allocation).
+    /// only (an entry and a return trap per allocation). With --all, `system` adds the
+    /// interposer to /etc/ld.so.preload until heapprofd exits: every dynamic program
+    /// started meanwhile joins heapprofd in-process from its start (it costs what launch
+    /// mode costs), and each process it does not serve gets the allocator's probes for
+    /// itself alone. Left behind by a killed heapprofd, the entry is inert.
     #[arg(long, value_name = "MODE", value_enum, default_value_t = PreloadMode::Auto)]
     pub preload: PreloadMode,
 
@@ -303,11 +307,27 @@ impl Cli {
         }
         if self.cgroup.is_some() && target != Target::All {
             return Err(
-                "--cgroup restricts --all or --kernel (every process) to one cgroup;                  --pid and a command already name their process: drop --cgroup, or trace with --all"
+                "--cgroup restricts --all or --kernel (every process) to one cgroup; \
+                 --pid and a command already name their process: drop --cgroup, or trace with --all"
+                    .into(),
+            );
+        }
+        if self.preload == PreloadMode::System
+            && (self.kernel || target != Target::All || self.stacks_only || self.empty_programs)
+        {
+            return Err(
+                "--preload system applies to --all in user mode (it adds heapprofd's library \
+                 to /etc/ld.so.preload for every new program): trace with --all, or drop it \
+                 (launched commands get the library with --preload auto, --pid with --inject auto)"
                     .into(),
             );
         }
         Ok(target)
+    }
+
+    /// Whether `--all` installs the system-wide preload (`--preload system`).
+    pub fn system_preload(&self, target: &Target) -> bool {
+        matches!(target, Target::All) && !self.kernel && self.preload == PreloadMode::System
     }
 
     /// Whether launched commands get the preload library (launch mode, user space,

@@ -28,6 +28,7 @@ pub mod session;
 pub mod stats_file;
 pub mod symbolize;
 mod sys;
+pub mod system_preload;
 #[cfg(test)]
 mod test_rng;
 pub mod tracefs;

@@ -43,9 +43,9 @@ pub enum JoinedBy {
 /// What start-up learns that the stats file reports at exit.
 #[derive(Debug, Default)]
 pub struct StartFigures {
-    /// The names of the BPF object's programs (some are loaded only when their first
-    /// probe is attached, after start).
-    pub programs: Vec<String>,
+    /// The BPF object's programs: their names, and the kernel's id of each one loaded
+    /// by then (some are loaded only when their first probe is attached, after start).
+    pub programs: ProgramNames,
     /// The kernel memory of the BPF maps, as measured once everything was loaded.
     pub kernel_memory: Vec<TableMemory>,
     /// `--pid`: how the target was joined.
@@ -53,9 +53,49 @@ pub struct StartFigures {
 }
 
 impl StartFigures {
-    /// The names of `ebpf`'s programs.
-    pub fn programs_of(ebpf: &aya::Ebpf) -> Vec<String> {
-        ebpf.programs().map(|(name, _)| name.to_owned()).collect()
+    /// The names of `ebpf`'s programs, with the ids of those loaded.
+    pub fn programs_of(ebpf: &aya::Ebpf) -> ProgramNames {
+        ProgramNames {
+            by_id: ebpf
+                .programs()
+                .filter_map(|(name, program)| Some((program.info().ok()?.id(), name.to_owned())))
+                .collect(),
+            names: ebpf.programs().map(|(name, _)| name.to_owned()).collect(),
+        }
+    }
+}
+
+/// The longest program name the kernel keeps (`BPF_OBJ_NAME_LEN` less its NUL).
+const KERNEL_NAME_LEN: usize = 15;
+
+/// The BPF object's program names, to name the programs the kernel lists: the kernel
+/// keeps 15 characters of a name, so `kmem_cache_alloc` and `kmem_cache_alloc_node`
+/// are both `kmem_cache_allo` there, and a name is found by the program's id.
+#[derive(Debug, Default)]
+pub struct ProgramNames {
+    /// The loaded programs' names by their kernel ids.
+    pub by_id: BTreeMap<u32, String>,
+    /// Every program's name, loaded or not.
+    pub names: Vec<String>,
+}
+
+impl ProgramNames {
+    /// The object's name of program `id`, which the kernel calls `kernel_name`. A
+    /// program loaded after start has no id here: its name is the one the kernel's
+    /// stands for (itself when shorter than the kernel keeps, else the only name it
+    /// begins), or the kernel's own when several could be meant.
+    pub fn name_of(&self, id: u32, kernel_name: &str) -> String {
+        if let Some(name) = self.by_id.get(&id) {
+            return name.clone();
+        }
+        let mut meant = self.names.iter().filter(|name| {
+            name.as_str() == kernel_name
+                || (kernel_name.len() == KERNEL_NAME_LEN && name.starts_with(kernel_name))
+        });
+        match (meant.next(), meant.next()) {
+            (Some(name), None) => name.clone(),
+            _ => kernel_name.to_owned(),
+        }
     }
 }
 
@@ -80,6 +120,19 @@ pub struct RunStats {
     /// User mode: the unwind tables at the end (what the log's `unwind tables:` line
     /// says).
     pub unwind_tables: Option<TableUsage>,
+    /// `--preload system`: how the processes were served.
+    pub system_preload: Option<SystemPreloadFigures>,
+}
+
+/// `--preload system`: how the processes of the run were served.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SystemPreloadFigures {
+    /// Processes the system-wide library joined.
+    pub joined: u64,
+    /// Processes whose copy asked but did not join (they got the probes).
+    pub declined: u64,
+    /// Processes that got their allocator's probes for themselves alone.
+    pub probed_alone: u64,
 }
 
 /// The stack lookups of a run, and their total.
@@ -149,24 +202,17 @@ pub struct ProgramRunTime {
 
 impl BpfRunTime {
     /// The kernel's statistics of the BPF programs this process holds, read now, named
-    /// as in `names` (the object's; the kernel keeps 15 characters of a name). The
-    /// kernel counts only while statistics are enabled (`--bpf-stats`). Found through
-    /// the process's descriptors, not through the session that loaded them: programs
-    /// are loaded as their first probes are attached, some after start.
-    pub fn read(names: &[String]) -> Self {
+    /// as in `names` (the object's, by the programs' ids). The kernel counts only
+    /// while statistics are enabled (`--bpf-stats`). Found through the process's
+    /// descriptors, not through the session that loaded them: programs are loaded as
+    /// their first probes are attached, some after start.
+    pub fn read(names: &ProgramNames) -> Self {
         let ours = program_ids_of_this_process();
-        let full_name = |kernel: &str| {
-            names
-                .iter()
-                .find(|name| name.get(..kernel.len()) == Some(kernel))
-                .cloned()
-                .unwrap_or_else(|| kernel.to_owned())
-        };
         let mut found: Vec<ProgramRunTime> = aya::programs::loaded_programs()
             .filter_map(Result::ok)
             .filter(|info| ours.contains(&info.id()))
             .map(|info| ProgramRunTime {
-                name: full_name(info.name_as_str().unwrap_or("?")),
+                name: names.name_of(info.id(), info.name_as_str().unwrap_or("?")),
                 runs: info.run_count(),
                 run_time_ns: u64::try_from(info.run_time().as_nanos()).unwrap_or(u64::MAX),
             })
@@ -266,6 +312,50 @@ mod tests {
     use super::*;
 
     #[test]
+    fn programs_are_named_by_their_ids_not_by_a_prefix() {
+        // The kernel's names: 15 characters kept. An object's order that put the
+        // longer names first made a prefix match name `kmalloc` `kmalloc_hashed` and
+        // `kmem_cache_allo` `kmem_cache_alloc_node`.
+        let names = ProgramNames {
+            by_id: BTreeMap::from([
+                (11, "kmalloc".to_owned()),
+                (12, "kmem_cache_alloc".to_owned()),
+                (13, "kmem_cache_alloc_node".to_owned()),
+                (14, "kmem_cache_free_raw_nested".to_owned()),
+            ]),
+            names: [
+                "kmalloc_hashed",
+                "kmalloc",
+                "kmem_cache_alloc_node",
+                "kmem_cache_alloc",
+                "kmem_cache_free_raw",
+                "kmem_cache_free_raw_nested",
+                "alloc_return_multi",
+                "alloc_return",
+                "loader_state_multi",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+        };
+        assert_eq!(names.name_of(11, "kmalloc"), "kmalloc");
+        assert_eq!(names.name_of(12, "kmem_cache_allo"), "kmem_cache_alloc");
+        assert_eq!(
+            names.name_of(13, "kmem_cache_allo"),
+            "kmem_cache_alloc_node"
+        );
+        assert_eq!(
+            names.name_of(14, "kmem_cache_free"),
+            "kmem_cache_free_raw_nested"
+        );
+        // Loaded after start (no id known): a short name is whole, a cut one is named
+        // when only one name begins with it, and left as the kernel's when several do.
+        assert_eq!(names.name_of(99, "alloc_return"), "alloc_return");
+        assert_eq!(names.name_of(99, "loader_state_mu"), "loader_state_multi");
+        assert_eq!(names.name_of(99, "kmem_cache_allo"), "kmem_cache_allo");
+        assert_eq!(names.name_of(99, "kmem_cache_free"), "kmem_cache_free");
+    }
+
+    #[test]
     fn drops_are_keyed_by_the_reasons_names() {
         let comments: Vec<String> = vec![
             "heapprofd 0.1.0".into(),
@@ -324,8 +414,15 @@ mod tests {
                 objects: 3,
                 ..TableUsage::default()
             }),
+            system_preload: Some(SystemPreloadFigures {
+                joined: 7,
+                declined: 1,
+                probed_alone: 2,
+            }),
         };
         let value = serde_json::to_value(&stats).expect("serializable");
+        assert_eq!(value["system_preload"]["joined"], 7);
+        assert_eq!(value["system_preload"]["probed_alone"], 2);
         assert_eq!(value["joined"]["how"], "probes");
         assert_eq!(value["joined"]["reason"], "--inject off");
         assert_eq!(value["kernel_memory"]["total_bytes"], 4196);

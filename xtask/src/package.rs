@@ -545,7 +545,7 @@ mod tests {
             .filter(|l| !l.starts_with('#') && l.contains('='))
             .collect();
         for want in [
-            "ExecStart=/usr/bin/heapprofd --all -o /var/lib/heapprofd --interval 60s --keep 1440 --retain-exited 1h",
+            "ExecStart=/usr/bin/heapprofd --all -o /var/lib/heapprofd --interval 60s --keep 1440 --retain-exited 1h --sample-rate 512KiB",
             "StateDirectory=heapprofd",
             "ProtectSystem=strict",
             "ProtectHome=read-only",

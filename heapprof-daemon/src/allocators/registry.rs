@@ -18,7 +18,7 @@ use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf,
     maps::{Array, MapData},
-    programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeScope},
+    programs::uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
 };
 use std::os::unix::fs::MetadataExt as _;
 
@@ -91,6 +91,10 @@ pub struct ProbeSettings {
     pub method: AttachMethod,
     /// The one process probed (`--pid`), or `None` for every process.
     pub pid: Option<u32>,
+    /// `--all --preload system`: the system-wide library serves the processes it
+    /// joins, and each process it does not serve gets its allocator's probes for
+    /// itself alone (attached with `process_method`), so that no other process traps.
+    pub per_process: Option<AttachMethod>,
 }
 
 /// A process whose allocator was looked for.
@@ -117,8 +121,19 @@ pub struct AllocatorProbes {
     specs: Array<MapData, ProbeSpec>,
     settings: ProbeSettings,
     slots: Vec<SlotInfo>,
-    /// Per object, the file offsets of the functions attached.
-    attached: HashMap<(u64, u64), HashSet<u64>>,
+    /// Per object and process (0: every process), the file offsets of the functions
+    /// attached.
+    attached: HashMap<((u64, u64), u32), HashSet<u64>>,
+    /// The slot of each function probed, by object and file offset: a function probed
+    /// for several processes keeps one slot.
+    slot_of: HashMap<((u64, u64), u64), ProbeSlot>,
+    /// The links of the probes attached for one process, detached when it exits.
+    process_links: HashMap<u32, Vec<(&'static str, UProbeLinkId)>>,
+    /// Processes the system-wide library joined (`--preload system`), shared with the
+    /// thread that answers them.
+    system_joined: crate::system_preload::JoinedSet,
+    /// Processes that got probes for themselves alone, over the run.
+    processes_probed_alone: u64,
     scans: ScanCache,
     /// Objects each process's `malloc` binds to, by pid (for messages).
     serving: HashMap<u32, (u64, u64)>,
@@ -144,6 +159,10 @@ impl AllocatorProbes {
             settings,
             slots: Vec::new(),
             attached: HashMap::new(),
+            slot_of: HashMap::new(),
+            process_links: HashMap::new(),
+            system_joined: crate::system_preload::JoinedSet::default(),
+            processes_probed_alone: 0,
             scans: HashMap::new(),
             serving: HashMap::new(),
             probes: 0,
@@ -228,12 +247,12 @@ impl AllocatorProbes {
 
     /// Device and inode of every object with probes.
     pub fn probed_objects(&self) -> impl Iterator<Item = &(u64, u64)> {
-        self.attached.keys()
+        self.attached.keys().map(|(object, _)| object)
     }
 
     /// Whether `object` has probes: an allocator's, or the preload library's site.
     pub fn is_probed(&self, object: (u64, u64)) -> bool {
-        self.attached.contains_key(&object)
+        self.attached.keys().any(|(id, _)| *id == object)
             || self.preload.as_ref().is_some_and(|(_, id)| *id == object)
     }
 
@@ -302,20 +321,39 @@ impl AllocatorProbes {
         families: &[Family],
         executable: bool,
     ) -> Result<usize> {
+        self.probe_object_for(ebpf, object, families, executable, None)
+    }
+
+    /// [`Self::probe_object`] for process `only` alone, or for every process (`None`).
+    fn probe_object_for(
+        &mut self,
+        ebpf: &mut Ebpf,
+        object: &ObjectFile,
+        families: &[Family],
+        executable: bool,
+        only: Option<u32>,
+    ) -> Result<usize> {
         let scan = self
             .scan(object, executable)
             .map_err(|err| anyhow::anyhow!(err))?;
-        let attached = self.attached.get(&object.id);
+        let key = (object.id, only.unwrap_or(0));
+        let global = self.attached.get(&(object.id, 0));
+        let attached = self.attached.get(&key);
         let new: Vec<_> = scan
             .of_families(families)
             .filter(|f| attached.is_none_or(|offsets| !offsets.contains(&f.offset)))
+            .filter(|f| global.is_none_or(|offsets| !offsets.contains(&f.offset)))
             .cloned()
             .collect();
         if new.is_empty() {
             return Ok(0);
         }
         let first = self.slots.len();
-        if first + new.len() > MAX_PROBE_SLOTS as usize {
+        let fresh = new
+            .iter()
+            .filter(|f| !self.slot_of.contains_key(&(object.id, f.offset)))
+            .count();
+        if first + fresh > MAX_PROBE_SLOTS as usize {
             bail!(
                 "the probe table is full ({MAX_PROBE_SLOTS} functions): {} is not probed",
                 object.path
@@ -328,8 +366,23 @@ impl AllocatorProbes {
             );
         }
         let mut points = Vec::new();
-        for (index, function) in new.iter().enumerate() {
-            let slot = (first + index) as ProbeSlot;
+        let mut next_slot = first;
+        let mut fresh_slots = Vec::new();
+        for function in &new {
+            let slot = match self.slot_of.get(&(object.id, function.offset)) {
+                Some(slot) => {
+                    // Probed for another process already: its spec is in place.
+                    points.push(ProbePoints {
+                        slot: *slot,
+                        entry: function.probe_offset(),
+                        returns: return_offsets(function),
+                    });
+                    continue;
+                }
+                None => next_slot as ProbeSlot,
+            };
+            next_slot += 1;
+            fresh_slots.push((function, slot));
             let mut spec = function.signature.spec(
                 function.probe_offset(),
                 (function.placement.registers, function.placement.sp_adjust),
@@ -356,26 +409,15 @@ impl AllocatorProbes {
                     function.placement.reason
                 );
             }
-            let returns = if !function.signature.role.returns_a_block() {
-                Vec::new()
-            } else if function.placement.exits.is_empty() {
-                vec![function.probe_offset()]
-            } else {
-                function
-                    .placement
-                    .exits
-                    .iter()
-                    .map(|exit| function.offset + exit)
-                    .collect()
-            };
             points.push(ProbePoints {
                 slot,
                 entry: function.probe_offset(),
-                returns,
+                returns: return_offsets(function),
             });
         }
-        self.attach(ebpf, object, &points)?;
-        for function in &new {
+        self.attach(ebpf, object, &points, only)?;
+        for (function, slot) in fresh_slots {
+            self.slot_of.insert((object.id, function.offset), slot);
             self.slots.push(SlotInfo {
                 function: function.name.clone(),
                 object: object.id,
@@ -387,7 +429,7 @@ impl AllocatorProbes {
             }
         }
         self.attached
-            .entry(object.id)
+            .entry(key)
             .or_default()
             .extend(new.iter().map(|f| f.offset));
         Ok(new.len())
@@ -415,16 +457,26 @@ impl AllocatorProbes {
         self.probe_object(ebpf, object, families, executable)
     }
 
+    /// Attaches `points` of `object`, for process `only` alone (its links kept, to be
+    /// detached when it exits) or for the session's scope.
     fn attach(
         &mut self,
         ebpf: &mut Ebpf,
         object: &ObjectFile,
         points: &[ProbePoints],
+        only: Option<u32>,
     ) -> Result<()> {
-        let scope = match self.settings.pid.and_then(std::num::NonZeroU32::new) {
-            Some(pid) => UProbeScope::OneProcess(pid),
-            None => UProbeScope::AllProcesses,
+        let (scope, method) = match (
+            only.and_then(std::num::NonZeroU32::new),
+            self.settings.per_process,
+        ) {
+            (Some(pid), Some(method)) => (UProbeScope::OneProcess(pid), method),
+            _ => match self.settings.pid.and_then(std::num::NonZeroU32::new) {
+                Some(pid) => (UProbeScope::OneProcess(pid), self.settings.method),
+                None => (UProbeScope::AllProcesses, self.settings.method),
+            },
         };
+        let mut links: Vec<(&'static str, UProbeLinkId)> = Vec::new();
         let path = &object.open_path;
         let context = || format!("attaching uprobes to the allocator in {}", object.path);
         let entry = |slot: ProbeSlot, offset: u64| UProbeAttachPoint {
@@ -435,40 +487,99 @@ impl AllocatorProbes {
             .iter()
             .flat_map(|p| p.returns.iter().copied())
             .collect();
-        match self.settings.method {
+        match method {
             AttachMethod::MultiLink => {
                 let entries: Vec<_> = points.iter().map(|p| entry(p.slot, p.entry)).collect();
                 self.probes += entries.len() + returns.len();
-                uprobe(ebpf, names::PROG_ENTRY_MULTI)?
+                let link = uprobe(ebpf, names::PROG_ENTRY_MULTI)?
                     .attach(entries, path, scope)
                     .with_context(context)?;
+                links.push((names::PROG_ENTRY_MULTI, link));
                 if !returns.is_empty() {
                     let returns: Vec<UProbeAttachPoint> = returns
                         .iter()
                         .map(|o| UProbeAttachLocation::AbsoluteOffset(*o).into())
                         .collect();
-                    uprobe(ebpf, names::PROG_ALLOC_RETURN_MULTI)?
+                    let link = uprobe(ebpf, names::PROG_ALLOC_RETURN_MULTI)?
                         .attach(returns, path, scope)
                         .with_context(context)?;
+                    links.push((names::PROG_ALLOC_RETURN_MULTI, link));
                 }
             }
             AttachMethod::PerfEvents => {
                 for point in points {
                     self.probes += 1;
-                    uprobe(ebpf, names::PROG_ENTRY)?
+                    let link = uprobe(ebpf, names::PROG_ENTRY)?
                         .attach([entry(point.slot, point.entry)], path, scope)
                         .with_context(context)?;
+                    links.push((names::PROG_ENTRY, link));
                 }
                 for offset in returns {
                     self.probes += 1;
                     let at = UProbeAttachLocation::AbsoluteOffset(offset);
-                    uprobe(ebpf, names::PROG_ALLOC_RETURN)?
+                    let link = uprobe(ebpf, names::PROG_ALLOC_RETURN)?
                         .attach([at], path, scope)
                         .with_context(context)?;
+                    links.push((names::PROG_ALLOC_RETURN, link));
                 }
             }
         }
+        if let Some(pid) = only {
+            let process = self.process_links.entry(pid).or_default();
+            if process.is_empty() {
+                self.processes_probed_alone += 1;
+            }
+            process.extend(links);
+        }
         Ok(())
+    }
+
+    /// `--preload system`: the processes the system-wide library joins (its calls are
+    /// its), as the answering thread marks them.
+    pub fn system_joined(&self) -> crate::system_preload::JoinedSet {
+        std::sync::Arc::clone(&self.system_joined)
+    }
+
+    /// Processes that got probes for themselves alone over the run (`--preload system`).
+    pub fn processes_probed_alone(&self) -> u64 {
+        self.processes_probed_alone
+    }
+
+    /// Processes with probes attached for themselves alone (`--preload system`).
+    pub fn processes_with_own_probes(&self) -> impl Iterator<Item = u32> + '_ {
+        self.process_links.keys().copied()
+    }
+
+    /// Forgets processes that have exited: the probes attached for each alone are
+    /// detached (their links would otherwise stay until heapprofd exits).
+    pub fn forget_processes(&mut self, ebpf: &mut Ebpf, pids: &HashSet<u32>) {
+        if let Ok(mut joined) = self.system_joined.lock() {
+            joined.retain(|pid| !pids.contains(pid));
+        }
+        for pid in pids {
+            self.drop_process_probes(ebpf, *pid);
+        }
+    }
+
+    /// Detaches the probes attached for `pid` alone: it joined the system-wide library
+    /// (its calls are the library's from now on), or it exec'd (its new image is
+    /// looked at afresh; a pid-filtered probe would follow it into the new image).
+    pub fn drop_process_probes(&mut self, ebpf: &mut Ebpf, pid: u32) {
+        let Some(links) = self.process_links.remove(&pid) else {
+            return;
+        };
+        for (program, link) in links {
+            let detached = uprobe(ebpf, program).and_then(|p| {
+                p.detach(link)
+                    .with_context(|| format!("detaching {program} from pid {pid}"))
+            });
+            if let Err(err) = detached {
+                log::debug!("{err:#}");
+            }
+        }
+        self.attached.retain(|(_, only), _| *only != pid);
+        self.serving.remove(&pid);
+        self.preload_fallbacks.remove(&pid);
     }
 
     /// Finds the allocators of a process and probes those not probed yet: every
@@ -483,6 +594,32 @@ impl AllocatorProbes {
         // heapprofd's library is first in the LD_PRELOAD it sets (the environment may
         // be unreadable, or changed since): after the program, it binds first.
         let preload_mapped = preload_id.filter(|id| process.objects.iter().any(|o| o.id == *id));
+        // The system-wide library serves a process only once it has joined it; until
+        // its start has asked (it asks before the program's main), nothing is probed.
+        let only = self.settings.per_process.map(|_| process.pid);
+        if only.is_some() && process.exe.is_some_and(serving::is_valgrind_tool) {
+            // Valgrind runs the program's code by translating it: a probe's breakpoint
+            // would stop it with SIGTRAP. (With probes for every process there is no
+            // such choice; this mode has one.)
+            let program = process.exe.unwrap_or(process.comm).to_owned();
+            self.report(
+                &program,
+                format!(
+                    "pid {} ({}): runs under valgrind, whose translation would stop at a \
+                     probe's breakpoint: heapprofd leaves it alone",
+                    process.pid, process.comm
+                ),
+            );
+            return;
+        }
+        let preload_mapped = match (only, preload_mapped) {
+            (Some(pid), Some(id)) if crate::system_preload::contains(&self.system_joined, pid) => {
+                Some(id)
+            }
+            (Some(_), Some(_)) if !process.settled => return,
+            (Some(_), _) => None,
+            (None, mapped) => mapped,
+        };
         for object in &order {
             if serving::is_loader(object) || another_sessions_library(object, preload_id) {
                 continue;
@@ -518,7 +655,7 @@ impl AllocatorProbes {
             let serves = serving_object.as_ref().is_some_and(|s| s.id == object.id);
             let executable = process.exe == Some(object.path.as_str());
             let families: &[Family] = if serves { &all } else { &others };
-            match self.probe_object(ebpf, object, families, executable) {
+            match self.probe_object_for(ebpf, object, families, executable, only) {
                 Ok(0) => {}
                 Ok(added) => log::debug!(
                     "pid {}: {added} allocator functions of {} probed",
@@ -554,7 +691,7 @@ impl AllocatorProbes {
         let uses_custom = process
             .objects
             .iter()
-            .any(|o| self.attached.contains_key(&o.id));
+            .any(|o| self.attached.keys().any(|(id, _)| *id == o.id));
         let message = match static_program {
             Some((_, false)) => format!(
                 "pid {} ({}): {program} is a static binary without a symbol table \
@@ -607,7 +744,9 @@ impl AllocatorProbes {
             } else {
                 &[Family::Vendor, Family::Custom]
             };
-            if let Err(err) = self.probe_object(ebpf, object, families, executable) {
+            // The system-wide preload probes a process's other objects for it alone.
+            let only = self.settings.per_process.map(|_| process.pid);
+            if let Err(err) = self.probe_object_for(ebpf, object, families, executable, only) {
                 log::debug!("pid {}: {}: {err:#}", process.pid, object.path);
             }
         }
@@ -617,6 +756,15 @@ impl AllocatorProbes {
     /// past its start-up.
     fn note_preload_fallback(&mut self, process: &ProcessView<'_>, preload_id: Option<(u64, u64)>) {
         if preload_id.is_none() || !process.settled || !self.preload_fallbacks.insert(process.pid) {
+            return;
+        }
+        if self.settings.per_process.is_some() {
+            // The system-wide preload: every process running before heapprofd is one.
+            log::debug!(
+                "pid {} ({}): not served by the system-wide library; probed alone",
+                process.pid,
+                process.comm
+            );
             return;
         }
         let mapped = process.objects.iter().any(|o| Some(o.id) == preload_id);
@@ -655,5 +803,22 @@ impl AllocatorProbes {
         if self.notes.len() < MAX_NOTES {
             self.notes.push(message);
         }
+    }
+}
+
+/// The offsets where a function's return is probed: none for a free, else each exit
+/// its placement found (or the entry, for a return probe).
+fn return_offsets(function: &scan::FoundFunction) -> Vec<u64> {
+    if !function.signature.role.returns_a_block() {
+        Vec::new()
+    } else if function.placement.exits.is_empty() {
+        vec![function.probe_offset()]
+    } else {
+        function
+            .placement
+            .exits
+            .iter()
+            .map(|exit| function.offset + exit)
+            .collect()
     }
 }

@@ -40,6 +40,14 @@ impl AnySession {
         }
     }
 
+    /// `--preload system`: how the processes were served, for `--stats-json`.
+    fn system_figures(&self) -> Option<crate::stats_file::SystemPreloadFigures> {
+        match self {
+            AnySession::User(session) => Some(session.system_figures()),
+            AnySession::Kernel(_) => None,
+        }
+    }
+
     fn dump(&mut self) -> Result<crate::session::Written> {
         match self {
             AnySession::User(session) => session.dump(),
@@ -120,6 +128,30 @@ impl AnySession {
     fn read_due_images(&mut self) {
         if let AnySession::User(session) = self {
             session.read_due_images();
+        }
+    }
+
+    /// `--preload system`: what the system-wide preload has to say.
+    fn system_event(
+        &mut self,
+        system: &crate::system_preload::SystemPreload,
+        event: crate::system_preload::Event,
+    ) {
+        let AnySession::User(session) = self else {
+            return;
+        };
+        match event {
+            crate::system_preload::Event::Asking(pid, ready) => {
+                session.system_join_asked(pid);
+                let _ = ready.try_send(());
+            }
+            crate::system_preload::Event::Sent(asking) => system.await_answer(asking),
+            crate::system_preload::Event::Answered(pid, answer) => {
+                if !session.system_join_answered(pid, &answer) {
+                    system.declined(pid);
+                    session.probe_unjoined(pid);
+                }
+            }
         }
     }
 

@@ -65,6 +65,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         mut sigterm,
         mut bpf_log,
         figures,
+        mut system,
     } = started;
     // Before the ready file: a reader that waits for that finds this one made.
     let mut profiles_file = match &cli.profiles_json {
@@ -88,6 +89,13 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     loop {
         let next_exec_read = session.next_exec_read();
         tokio::select! {
+            // A program waiting in its start for the system-wide preload's join (not
+            // biased: a stream of exec events must not starve the signals).
+            event = async { match system.as_mut() { Some(system) => system.next().await, None => std::future::pending().await } } => {
+                if let Some(system) = system.as_ref() {
+                    session.system_event(system, event);
+                }
+            }
             events = async { match exec_events.as_mut() { Some(fd) => drain_ring::<ExecEvent>(fd).await, None => std::future::pending().await } } => {
                 for event in events {
                     session.exec_seen(event);
@@ -167,6 +175,17 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
             }
         }
     }
+    // New programs no longer load the library (those joined leave by themselves once
+    // heapprofd's pidfd says it has exited); the joins sent meanwhile are counted.
+    if let Some(mut system) = system.take() {
+        let removed = system.remove_entry();
+        for event in system.drain().await {
+            session.system_event(&system, event);
+        }
+        if let Err(err) = removed.and(system.remove()) {
+            log::error!("{err:#}");
+        }
+    }
     // The programs' last lines before the final profile's drop report.
     if let Some(log) = bpf_log.as_mut() {
         log.flush();
@@ -189,6 +208,10 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         .bpf_stats
         .then(|| stats_file::BpfRunTime::read(&figures.programs));
     let (stack_lookups, unwind_tables) = session.unwind_figures();
+    let system_preload = cli
+        .system_preload(target)
+        .then(|| session.system_figures())
+        .flatten();
     drop(session); // detaches every probe
     let written = written.context("writing the final profile")?;
     if let Some(stats_path) = &cli.stats_json {
@@ -196,6 +219,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
             bpf_run_time,
             stack_lookups,
             unwind_tables,
+            system_preload,
         };
         write_stats(stats_path, &written.path, figures, measured)
             .with_context(|| format!("--stats-json {}", stats_path.display()))?;
@@ -219,6 +243,7 @@ struct Measured {
     bpf_run_time: Option<stats_file::BpfRunTime>,
     stack_lookups: Option<stats_file::Lookups>,
     unwind_tables: Option<crate::unwind::table_upload::TableUsage>,
+    system_preload: Option<stats_file::SystemPreloadFigures>,
 }
 
 /// Writes `--stats-json`: the final profile at `profile`, read back, and the rest.
@@ -238,6 +263,7 @@ fn write_stats(
         bpf_run_time: measured.bpf_run_time,
         stack_lookups: measured.stack_lookups,
         unwind_tables: measured.unwind_tables,
+        system_preload: measured.system_preload,
     };
     stats_file::write(path, &stats)
 }

@@ -28,6 +28,7 @@ use crate::{
         kernel::{KernelSession, KernelSessionConfig},
     },
     stats_file::{JoinedBy, Joining, StartFigures},
+    system_preload::SystemPreload,
     tracefs,
     unwind::table_upload::TableCapacities,
 };
@@ -46,6 +47,9 @@ pub struct Started {
     pub(super) bpf_log: Option<BpfLog>,
     /// What `--stats-json` reports of the start.
     pub(super) figures: StartFigures,
+    /// `--preload system`: the entry in /etc/ld.so.preload and the socket processes
+    /// ask to join on.
+    pub(super) system: Option<SystemPreload>,
 }
 
 /// Everything that can fail on bad input or a missing requirement: checks, libc, load, attach.
@@ -61,7 +65,7 @@ pub fn start(
     preflight::check_bpf()?;
     // Before anything is attached: an address in use ends the run before it starts.
     let endpoint = cli.metrics.map(Endpoint::bind).transpose()?;
-    let (session, target_exit, bpf_log, figures) = if cli.kernel {
+    let (session, target_exit, bpf_log, figures, system) = if cli.kernel {
         let target_exit = watch_target(target, true)?;
         let (session, bpf_log, figures) = start_kernel(cli, target, child.as_ref(), endpoint)?;
         (
@@ -69,6 +73,7 @@ pub fn start(
             target_exit,
             bpf_log,
             figures,
+            None,
         )
     } else {
         // Decided first: what the trial uprobe's refusal means depends on it.
@@ -78,13 +83,14 @@ pub fn start(
         // Opened before anything is attached: a target that exits at any later moment is
         // then seen as an exit (final profile, status 0), never as a failure to find it.
         let target_exit = watch_target(target, false)?;
-        let (session, bpf_log, figures) =
+        let (session, bpf_log, figures, system) =
             start_user(cli, target, child.as_mut(), preload, endpoint, method)?;
         (
             AnySession::User(Box::new(session)),
             target_exit,
             bpf_log,
             figures,
+            system,
         )
     };
     Ok(Started {
@@ -95,6 +101,7 @@ pub fn start(
         sigterm,
         bpf_log,
         figures,
+        system,
     })
 }
 
@@ -116,7 +123,12 @@ fn start_user(
     preload: Option<PreloadLibrary>,
     endpoint: Option<Endpoint>,
     method: probes::AttachMethod,
-) -> Result<(UserSession, Option<BpfLog>, StartFigures)> {
+) -> Result<(
+    UserSession,
+    Option<BpfLog>,
+    StartFigures,
+    Option<SystemPreload>,
+)> {
     pprof::writer::prepare_output_dir(&cli.output)?;
     let sample_rate = cli.sample_rate.unwrap_or(0);
     let pid = user_pid(target, child.as_deref());
@@ -131,8 +143,21 @@ fn start_user(
             .and_then(|program| launch::resolve_program(program).ok()),
         _ => None,
     };
-    let loader = find_loader_hook(target, program.as_deref())?;
     let injecting = cli.injects(target);
+    let system = cli.system_preload(target);
+    // The system-wide preload probes no process it does not have to: the loader's hook
+    // would be a breakpoint in every process (valgrind stops at it). New objects' unwind
+    // tables then load when stacks meet them.
+    let loader = if system {
+        None
+    } else {
+        find_loader_hook(target, program.as_deref())?
+    };
+    let preload = if system {
+        Some(PreloadLibrary::install_system()?)
+    } else {
+        preload
+    };
     let mut preloading = preload.is_some();
     let mut ebpf = load_user_bpf(cli, pid, child.is_some(), preloading || injecting, tables)?;
     let bpf_log = BpfLog::init(&mut ebpf);
@@ -145,6 +170,9 @@ fn start_user(
         placement: cli.probe_placement,
         method,
         pid,
+        // Each process the system-wide library does not serve is probed alone, with
+        // links whose filter covers its threads where the kernel's does.
+        per_process: system.then(|| probes::attach_method(cli.attach, Some(std::process::id()))),
     };
     if let Some(name) = duplicate(&settings.custom) {
         bail!("--allocator names {name} twice; give each function once");
@@ -192,6 +220,7 @@ fn start_user(
     }
     probes::arm(&mut ebpf)?;
     let replies = loaded.as_ref().map(|_| replies_map(&ebpf)).transpose()?;
+    let system_replies = system.then(|| replies_map(&ebpf)).transpose()?;
     let config = UserSessionConfig {
         target: target.clone(),
         output: cli.output.clone(),
@@ -232,6 +261,21 @@ fn start_user(
     if let Some(endpoint) = endpoint {
         session.export_metrics(serve_metrics(cli, target, endpoint, &map_memory));
     }
+    // Last: from here on, new programs ask to join, and the session answers them.
+    let system = system_replies
+        .map(|replies| {
+            let started = SystemPreload::start(replies, sample_rate, session.system_joined())?;
+            log::info!(
+                "system-wide preload: {} is in {} until heapprofd exits; dynamic programs \
+                 started from now on join heapprofd in-process, and each process it does \
+                 not serve (running before, static, another mount namespace) gets its \
+                 allocator's probes for itself alone",
+                heapprof_common::preload::SYSTEM_LIBRARY,
+                crate::system_preload::PRELOAD_LIST
+            );
+            anyhow::Ok(started)
+        })
+        .transpose()?;
     // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).
     log::info!(
         "{} probes on {} ({}), profiles every {:?} in {}",
@@ -250,7 +294,7 @@ fn start_user(
         kernel_memory: map_memory,
         joining,
     };
-    Ok((session, bpf_log, figures))
+    Ok((session, bpf_log, figures, system))
 }
 
 /// The reason `--pid` uses the allocator's probes when it does not try to inject.
@@ -450,7 +494,14 @@ fn probe_initial_allocators(
     allocators: &mut AllocatorProbes,
 ) -> Result<()> {
     let mut objects = ObjectCache::default();
+    // The system-wide preload probes each process it does not serve for itself alone,
+    // as it is read: nothing for every process (the C library's vendor functions, say,
+    // would trap in the joined processes too). `--libc`, named by the user, stays.
+    let system = cli.system_preload(target);
     for (path, executable) in initial_allocators(cli, target, program)? {
+        if system && cli.libc.as_deref() != Some(path.as_path()) {
+            continue;
+        }
         let label = path.display().to_string();
         let object = objects
             .open(&path, &label)

@@ -26,6 +26,10 @@ use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
 /// The library, built for the target's architecture.
 static LIBRARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libheapprofd_preload.so"));
 
+/// The system-wide build of the library (`--preload system`): no allocation function
+/// exported, it joins a running heapprofd from its start or stays inert.
+static SYSTEM_BUILD: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/libheapprofd_system.so"));
+
 /// The library's file name.
 const FILE_NAME: &str = "libheapprofd_preload.so";
 
@@ -53,6 +57,9 @@ pub enum PreloadMode {
     Auto,
     /// The allocator's probes only (an entry and a return trap per allocation).
     Off,
+    /// `--all`: every dynamic program starting from now on loads heapprofd's library
+    /// (from /etc/ld.so.preload, removed at exit) and joins this heapprofd in-process.
+    System,
 }
 
 /// This session's copy of the library.
@@ -86,6 +93,48 @@ impl PreloadLibrary {
             .with_context(|| format!("writing the preload library to {}", path.display()))?;
         Ok(Self {
             dir: Some(dir),
+            path,
+            _held: None,
+            probe_offset,
+            functions,
+        })
+    }
+
+    /// `--preload system`: installs the system build at
+    /// [`SYSTEM_LIBRARY`](heapprof_common::preload::SYSTEM_LIBRARY) (root-owned, readable
+    /// by all). A file already there with the same bytes is kept (processes map it, and
+    /// the probe goes on it); another is replaced whole (written beside it, renamed).
+    pub fn install_system() -> Result<Self> {
+        use heapprof_common::preload::SYSTEM_LIBRARY;
+        let (probe_offset, functions) = symbol_offsets(SYSTEM_BUILD)?;
+        let path = PathBuf::from(SYSTEM_LIBRARY);
+        let context = || format!("installing the system-wide preload library at {SYSTEM_LIBRARY}");
+        if std::fs::read(&path).ok().as_deref() != Some(SYSTEM_BUILD) {
+            let dir = path.parent().with_context(context)?;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o755)
+                .create(dir)
+                .with_context(context)?;
+            let partial = dir.join(format!(".libheapprofd-system.so.{}", std::process::id()));
+            let written = (|| {
+                let mut file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o644)
+                    .open(&partial)?;
+                file.write_all(SYSTEM_BUILD)?;
+                file.sync_all()?;
+                std::fs::rename(&partial, &path)
+            })();
+            if written.is_err() {
+                let _ = std::fs::remove_file(&partial);
+            }
+            written.with_context(context)?;
+        }
+        Ok(Self {
+            dir: None,
             path,
             _held: None,
             probe_offset,
@@ -224,13 +273,27 @@ fn symbol_offsets(library: &[u8]) -> Result<(u64, Vec<(String, u64)>)> {
     };
     let mut probe = None;
     let mut functions = Vec::new();
+    // The system build's wrappers are hidden: found in the symbol table.
+    let wrapped = |name: &str| {
+        heapprof_common::preload::FUNCTIONS
+            .iter()
+            .any(|(function, _)| *function == name)
+    };
+    for symbol in file.symbols() {
+        let (Ok(name), Some(offset)) = (symbol.name(), file_offset(symbol.address())) else {
+            continue;
+        };
+        if symbol.is_definition() && wrapped(name) && !functions.iter().any(|(n, _)| n == name) {
+            functions.push((name.to_owned(), offset));
+        }
+    }
     for symbol in file.dynamic_symbols() {
         let (Ok(name), Some(offset)) = (symbol.name(), file_offset(symbol.address())) else {
             continue;
         };
         if name == PROBE_SITE_SYMBOL {
             probe = Some(offset);
-        } else if symbol.is_definition() {
+        } else if symbol.is_definition() && !functions.iter().any(|(n, _)| n == name) {
             functions.push((name.to_owned(), offset));
         }
     }

@@ -35,7 +35,7 @@ use crate::{
 /// What the kernel's skipped runs of the programs lose, one line; `None` when it
 /// skipped none that lose an event.
 fn skipped_runs(ebpf: &Ebpf) -> Option<String> {
-    describe_skipped(crate::probes::kernel::recursion_misses(ebpf))
+    describe_skipped(crate::health::skipped_runs::recursion_misses(ebpf))
 }
 
 /// [`skipped_runs`] from each program's skipped runs. The two copies of a raw free

@@ -521,8 +521,8 @@ impl Bench {
 
 /// Sections of the benchmark besides the workloads, which `--only` can also name
 /// (`none`: no section, the workloads named alone).
-const SECTIONS: [&str; 9] = [
-    "library", "dumps", "shutdown", "load", "redis", "nginx", "launch", "kernel", "none",
+const SECTIONS: [&str; 10] = [
+    "library", "dumps", "shutdown", "load", "redis", "nginx", "fleet", "launch", "kernel", "none",
 ];
 
 /// Runs the benchmark and writes target/bench/summary.{txt,json}.
@@ -612,6 +612,10 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
     if section("nginx") {
         note_foreign_tracers("nginx", &mut summary.warnings);
         json.nginx = nginx::section(&bench, options.runs, options.quick, &mut summary.text)?;
+    }
+    if section("fleet") {
+        note_foreign_tracers("fleet", &mut summary.warnings);
+        json.fleet = redis::fleet::section(&bench, options.runs, options.quick, &mut summary.text)?;
     }
     if section("load") {
         note_foreign_tracers("daemon load", &mut summary.warnings);

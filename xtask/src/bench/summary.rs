@@ -112,6 +112,9 @@ pub(super) struct SectionsJson {
     /// By attach method.
     pub(super) shutdown: Map<String, Value>,
     pub(super) redis: Value,
+    /// The fleet section (`--all` under the unit's flags, with and without the
+    /// system-wide preload).
+    pub(super) fleet: Value,
     /// The nginx section's modes and goal.
     pub(super) nginx: Value,
     /// The kernel section's modes and sampled totals.
@@ -128,6 +131,7 @@ impl Default for SectionsJson {
             dumps: Vec::new(),
             shutdown: Map::new(),
             redis: Value::Null,
+            fleet: Value::Null,
             nginx: Value::Null,
             kernel: Value::Null,
             load: (f64::NAN, f64::NAN, 0),
@@ -153,6 +157,7 @@ pub(super) fn write_summary(
         "dumps": sections.dumps,
         "shutdown": sections.shutdown,
         "redis": sections.redis,
+        "fleet": sections.fleet,
         "nginx": sections.nginx,
         "launch": sections.launch,
         "kernel": sections.kernel,

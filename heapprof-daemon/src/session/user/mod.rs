@@ -65,6 +65,8 @@ pub struct UserSession {
     /// `--pid` joined in-process: first, so that the process's calls are put back
     /// before the probe on the library goes.
     joined: JoinedProcess,
+    /// `--preload system`: processes joined and declined so far.
+    system_figures: crate::stats_file::SystemPreloadFigures,
     config: UserSessionConfig,
     ebpf: Ebpf,
     run_time_stats: Option<RunTimeStats>,
@@ -172,6 +174,7 @@ impl UserSession {
         let images = Images::new(config.target.clone(), unwinder);
         Ok(Self {
             joined: JoinedProcess(None),
+            system_figures: crate::stats_file::SystemPreloadFigures::default(),
             config,
             ebpf,
             run_time_stats,
@@ -229,6 +232,54 @@ impl UserSession {
     pub fn probe_instead_of_preload(&mut self, pid: u32) {
         self.allocators.forget_preload();
         self.refresh_process(pid);
+    }
+
+    /// `--preload system`: the processes the system-wide library joins.
+    pub fn system_joined(&self) -> crate::system_preload::JoinedSet {
+        self.allocators.system_joined()
+    }
+
+    /// `--preload system`: `pid` asks to be joined (and counts as served by the library
+    /// from then on): its mappings and unwind tables are read now, while it waits.
+    pub fn system_join_asked(&mut self, pid: u32) {
+        // Probed alone until now (read between its exec and its start's question).
+        self.allocators.drop_process_probes(&mut self.ebpf, pid);
+        self.refresh_process(pid);
+    }
+
+    /// `--preload system`: `pid`'s answer to its join. Returns false when it did not
+    /// join: the caller unmarks it, and its allocator's probes then count it.
+    pub fn system_join_answered(&mut self, pid: u32, answer: &anyhow::Result<i64>) -> bool {
+        let why = match answer {
+            Ok(slots) if *slots > 0 => {
+                self.system_figures.joined += 1;
+                log::debug!("pid {pid}: joined by the system-wide library ({slots} slots)");
+                return true;
+            }
+            Ok(-4) => "it binds no malloc/free of its own".to_owned(),
+            Ok(-5) => "none of its allocator slots could be redirected".to_owned(),
+            Ok(code) => format!("the library refused ({code})"),
+            Err(err) => format!("{err:#}"),
+        };
+        log::debug!(
+            "pid {pid}: the system-wide library did not join it ({why}); its allocator's \
+             probes count it"
+        );
+        self.system_figures.declined += 1;
+        false
+    }
+
+    /// Probes `pid`'s allocator for it alone (a process the library did not join).
+    pub fn probe_unjoined(&mut self, pid: u32) {
+        self.refresh_process(pid);
+    }
+
+    /// `--preload system`: how the processes were served so far.
+    pub fn system_figures(&self) -> crate::stats_file::SystemPreloadFigures {
+        crate::stats_file::SystemPreloadFigures {
+            probed_alone: self.allocators.processes_probed_alone(),
+            ..self.system_figures
+        }
     }
 
     /// Whether the target was joined in-process.
@@ -324,6 +375,9 @@ impl UserSession {
 
     /// A traced process called exec: its new image is read shortly.
     pub fn exec_seen(&mut self, event: ExecEvent) {
+        // Probes attached for the process alone would follow it into its new image.
+        self.allocators
+            .drop_process_probes(&mut self.ebpf, event.tgid);
         self.images.exec_seen(event);
     }
 
@@ -461,6 +515,13 @@ impl UserSession {
             }
         }
         self.images.mark_exited(&dead);
+        // Probes attached for one process alone (`--preload system`) go with it.
+        let gone: HashSet<u32> = self
+            .allocators
+            .processes_with_own_probes()
+            .filter(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists())
+            .collect();
+        self.allocators.forget_processes(&mut self.ebpf, &gone);
         // Their peaks, before their entries go.
         self.memory.take_peaks(&self.maps.process_usage());
         self.maps.retire_processes(&dead)?;

@@ -14,6 +14,7 @@
 //! then times one `redis-benchmark` pass. Figures per mode: requests per second over the
 //! whole pass, redis's own CPU per request, and ratios to bare of the medians.
 
+pub(super) mod fleet;
 mod keys;
 mod server;
 

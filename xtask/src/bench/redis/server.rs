@@ -46,7 +46,14 @@ pub(super) struct Redis {
 impl Redis {
     /// Starts a bare redis-server.
     pub(super) fn start() -> Result<Redis> {
-        let child = Command::new("taskset")
+        Self::start_with(Command::new("taskset"))
+    }
+
+    /// Starts a bare redis-server with `taskset`, which `command` runs (itself, or
+    /// `nsenter ... -- taskset` to start it in another mount namespace; whatever it is,
+    /// it execs taskset, which execs redis-server: the same pid).
+    pub(super) fn start_with(mut command: Command) -> Result<Redis> {
+        let child = command
             .args(["-c", "0", "redis-server"])
             .args(SERVER_ARGS)
             .stdout(Stdio::null())

@@ -1,0 +1,227 @@
+//! `--all --preload system`: the system-wide preload, tried as an operator uses it.
+//!
+//! It changes how every program on the machine starts, so each test runs heapprofd
+//! and its programs in a private mount namespace (`unshare -m`) whose `/etc` and
+//! `/var/lib` are overlays and whose `/run/heapprofd` is its own: the entry heapprofd
+//! adds to `/etc/ld.so.preload`, the library it installs and its socket vanish with
+//! the namespace, whatever happens, and the machine (or CI) never sees them.
+
+mod common;
+
+use std::{path::Path, process::Command};
+
+use common::{compile, counted, last_profile, require_root, samples, scratch, serial};
+
+/// The namespace's mounts, then `body` (bash), with `$D` the scratch directory and
+/// `$HEAPPROFD` the binary. Every heapprofd the body starts is killed when it ends.
+fn in_private_namespace(dir: &Path, body: &str) -> std::process::Output {
+    let script = format!(
+        r#"set -u
+D={dir}
+HEAPPROFD={heapprofd}
+mkdir -p $D/ns/etc-up $D/ns/etc-work $D/ns/var-up $D/ns/var-work
+mount -t overlay overlay -o lowerdir=/etc,upperdir=$D/ns/etc-up,workdir=$D/ns/etc-work /etc || exit 90
+mount -t overlay overlay -o lowerdir=/var/lib,upperdir=$D/ns/var-up,workdir=$D/ns/var-work /var/lib || exit 91
+mkdir -p /run/heapprofd && mount -t tmpfs tmpfs /run/heapprofd || exit 92
+trap 'pkill -KILL -f "^$HEAPPROFD " 2>/dev/null' EXIT
+# Starts heapprofd with the arguments given, waits until it is ready; its pid in $H.
+start() {{
+    rm -f $D/ready
+    $HEAPPROFD --ready-file $D/ready "$@" >>$D/heapprofd.log 2>&1 &
+    H=$!
+    for i in $(seq 600); do [ -f $D/ready ] && return 0; kill -0 $H 2>/dev/null || break; sleep 0.1; done
+    echo "heapprofd did not get ready" >&2; exit 93
+}}
+lists() {{ grep -c libheapprofd-system /etc/ld.so.preload 2>/dev/null || echo 0; }}
+{body}
+"#,
+        dir = dir.display(),
+        heapprofd = env!("CARGO_BIN_EXE_heapprofd"),
+    );
+    let path = dir.join("script.sh");
+    std::fs::write(&path, script).expect("writing the script");
+    Command::new("timeout")
+        .args(["300", "unshare", "-m", "--propagation", "private", "bash"])
+        .arg(&path)
+        .output()
+        .expect("running unshare (util-linux)")
+}
+
+/// The script's `key=value` lines.
+fn value<'a>(stdout: &'a str, key: &str) -> &'a str {
+    stdout
+        .lines()
+        .find_map(|line| line.strip_prefix(key)?.strip_prefix('='))
+        .unwrap_or_else(|| panic!("no {key}= line in:\n{stdout}"))
+}
+
+fn explain(output: &std::process::Output, dir: &Path) -> String {
+    format!(
+        "script status {:?}\nstdout:\n{}\nstderr:\n{}\nheapprofd's log:\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+        std::fs::read_to_string(dir.join("heapprofd.log")).unwrap_or_default()
+    )
+}
+
+/// The `system_preload` figures of a `--stats-json` file.
+fn system_figures(path: &Path) -> serde_json::Value {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let stats: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
+    stats["system_preload"].clone()
+}
+
+#[test]
+fn programs_started_under_the_system_preload_join_from_their_start_and_count_exactly() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O1"]);
+    let output = in_private_namespace(
+        dir.path(),
+        &format!(
+            r#"start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
+echo during=$(lists)
+[ -S /run/heapprofd/system.sock ] && echo socket=yes || echo socket=no
+{program} > $D/program.out; echo program_status=$?
+kill -TERM $H; wait $H; echo heapprofd_status=$?
+echo after=$(lists)
+[ -e /run/heapprofd/system.sock ] && echo socket_after=yes || echo socket_after=no
+[ -f /var/lib/heapprofd-preload/libheapprofd-system.so ] && echo library_after=yes || echo library_after=no
+"#,
+            program = program.display()
+        ),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let context = explain(&output, dir.path());
+    assert!(output.status.success(), "{context}");
+    assert_eq!(
+        value(&stdout, "during"),
+        "1",
+        "the entry is in the list while heapprofd runs\n{context}"
+    );
+    assert_eq!(value(&stdout, "socket"), "yes", "{context}");
+    assert_eq!(value(&stdout, "program_status"), "0", "{context}");
+    assert_eq!(
+        value(&stdout, "heapprofd_status"),
+        "0",
+        "a SIGTERM (systemctl stop) ends it cleanly\n{context}"
+    );
+    assert_eq!(
+        value(&stdout, "after"),
+        "0",
+        "the entry is removed at exit\n{context}"
+    );
+    assert_eq!(value(&stdout, "socket_after"), "no", "{context}");
+    assert_eq!(
+        value(&stdout, "library_after"),
+        "yes",
+        "the library stays, so that an entry left by a killed heapprofd names a file\n{context}"
+    );
+    let figures = system_figures(&dir.path().join("stats.json"));
+    assert!(
+        figures["joined"].as_u64().is_some_and(|joined| joined >= 1),
+        "the program joined: {figures}\n{context}"
+    );
+    let printed = std::fs::read_to_string(dir.path().join("program.out")).expect("program output");
+    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
+    counted::check_c_program(
+        "alloc_abc under the system-wide preload",
+        &log,
+        &printed,
+        &samples(&last_profile(&dir.path().join("out"))),
+    );
+}
+
+#[test]
+fn an_entry_left_by_a_killed_heapprofd_is_inert_and_the_next_heapprofd_takes_it_over() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O1"]);
+    let valgrind = "valgrind --run-libc-freeres=no -q --error-exitcode=99";
+    let output = in_private_namespace(
+        dir.path(),
+        &format!(
+            r#"start --all --preload system -o $D/first --interval 60s --sample-rate 512KiB
+kill -KILL $H; wait $H 2>/dev/null
+echo left=$(lists)
+# No heapprofd: the library is loaded, finds no one to join, and changes nothing.
+{program} > $D/inert.out; echo inert_status=$?
+{valgrind} {program} > $D/inert_valgrind.out; echo inert_valgrind_status=$?
+# The next heapprofd replaces the dead one's socket and keeps the one entry.
+start --all --preload system -o $D/second --interval 60s --stats-json $D/stats.json
+echo retaken=$(lists)
+{program} > $D/counted.out; echo counted_status=$?
+# Under valgrind a program is left alone: a breakpoint would stop its translation.
+{valgrind} {program} > $D/valgrind.out; echo valgrind_status=$?
+kill -TERM $H; wait $H; echo heapprofd_status=$?
+echo after=$(lists)
+"#,
+            program = program.display()
+        ),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let context = explain(&output, dir.path());
+    assert!(output.status.success(), "{context}");
+    assert_eq!(
+        value(&stdout, "left"),
+        "1",
+        "SIGKILL leaves the entry\n{context}"
+    );
+    for (key, file) in [
+        ("inert_status", "inert.out"),
+        ("inert_valgrind_status", "inert_valgrind.out"),
+        ("counted_status", "counted.out"),
+        ("valgrind_status", "valgrind.out"),
+    ] {
+        assert_eq!(value(&stdout, key), "0", "{key}\n{context}");
+        let printed = std::fs::read_to_string(dir.path().join(file)).expect("program output");
+        let inert = counted::parse_printed(&printed);
+        assert!(
+            inert.total[0] > 0,
+            "{file} counted its allocations:\n{printed}"
+        );
+    }
+    assert_eq!(
+        value(&stdout, "retaken"),
+        "1",
+        "one entry, not two\n{context}"
+    );
+    assert_eq!(value(&stdout, "heapprofd_status"), "0", "{context}");
+    assert_eq!(
+        value(&stdout, "after"),
+        "0",
+        "the entry is removed at exit\n{context}"
+    );
+    let figures = system_figures(&dir.path().join("stats.json"));
+    assert!(
+        figures["joined"].as_u64().is_some_and(|joined| joined >= 1),
+        "the program joined the second heapprofd: {figures}\n{context}"
+    );
+}
+
+#[test]
+fn the_system_preload_is_refused_outside_all_mode_with_one_line() {
+    require_root();
+    let dir = scratch();
+    for args in [
+        &["--pid", "1", "--preload", "system"][..],
+        &["--kernel", "--preload", "system"][..],
+        &["--preload", "system", "--", "true"][..],
+    ] {
+        let output = common::heapprofd(&dir.path().join("out"))
+            .args(args)
+            .output()
+            .expect("running heapprofd");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: one line: {stderr}");
+        assert!(
+            stderr.contains("--preload system"),
+            "{args:?} names the flag: {stderr}"
+        );
+    }
+}

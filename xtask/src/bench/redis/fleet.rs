@@ -1,0 +1,368 @@
+//! The fleet section: redis-server under the packaged unit's flags (`--all
+//! --sample-rate 512KiB`), each mode against bare redis in the same rounds:
+//!
+//! - `after`: `--preload system`, redis started after heapprofd (it joins in-process
+//!   from its start);
+//! - `before`: `--preload system`, redis started before heapprofd (probed alone);
+//! - `probes`: the unit's flags alone, redis on the allocator's probes;
+//! - `entry left`: the system-wide preload's entry and library left by a heapprofd
+//!   killed with SIGKILL, no heapprofd running (the library loaded, inert).
+//!
+//! The system-wide preload changes how every program starts, so those modes run
+//! heapprofd and redis in a private mount namespace (a holder process made by
+//! `unshare -m`, entered with `nsenter`) whose `/etc` and `/var/lib` are overlays and
+//! whose `/run/heapprofd` is its own: the machine's `/etc/ld.so.preload` is never
+//! touched.
+
+use std::{
+    fmt::Write as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use serde_json::{Map, Value, json};
+
+use super::{TESTS, client, server::Redis};
+use crate::{
+    bench::{
+        Bench,
+        process::{cpu_seconds, interrupt, rotated_rounds},
+        summary::{number, spread},
+    },
+    step,
+};
+
+/// The unit's flags that matter here (its output directory and retention aside).
+const UNIT_FLAGS: [&str; 5] = ["--all", "--interval", "60s", "--sample-rate", "512KiB"];
+
+/// The goal for a redis joined by the system-wide preload (after or before the
+/// daemon), as a fraction of bare's requests/s.
+const JOINED_GOAL: f64 = 0.95;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum FleetMode {
+    Bare,
+    After,
+    Before,
+    Probes,
+    EntryLeft,
+}
+
+impl FleetMode {
+    const ALL: [FleetMode; 5] = [
+        FleetMode::Bare,
+        FleetMode::After,
+        FleetMode::Before,
+        FleetMode::Probes,
+        FleetMode::EntryLeft,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            FleetMode::Bare => "bare",
+            FleetMode::After => "--preload system, redis after",
+            FleetMode::Before => "--preload system, redis before",
+            FleetMode::Probes => "unit flags, probes",
+            FleetMode::EntryLeft => "entry left, no heapprofd",
+        }
+    }
+
+    fn key(self) -> &'static str {
+        match self {
+            FleetMode::Bare => "bare",
+            FleetMode::After => "system_preload_started_after",
+            FleetMode::Before => "system_preload_started_before",
+            FleetMode::Probes => "unit_flags_probes",
+            FleetMode::EntryLeft => "entry_left_inert",
+        }
+    }
+
+    fn index(self) -> usize {
+        FleetMode::ALL
+            .iter()
+            .position(|m| *m == self)
+            .unwrap_or_default()
+    }
+}
+
+/// A private mount namespace, held by a `sleep` that `unshare` started.
+struct Namespace {
+    holder: Child,
+}
+
+impl Namespace {
+    /// Makes one under `dir` (overlays' upper layers there).
+    fn new(dir: &Path) -> Result<Namespace> {
+        let _ = std::fs::remove_dir_all(dir);
+        for sub in ["etc-up", "etc-work", "var-up", "var-work"] {
+            std::fs::create_dir_all(dir.join(sub))
+                .with_context(|| format!("creating {}", dir.join(sub).display()))?;
+        }
+        let ready = dir.join("ready");
+        let d = dir.display();
+        let script = format!(
+            "mount -t overlay overlay -o lowerdir=/etc,upperdir={d}/etc-up,workdir={d}/etc-work /etc && \
+             mount -t overlay overlay -o lowerdir=/var/lib,upperdir={d}/var-up,workdir={d}/var-work /var/lib && \
+             mkdir -p /run/heapprofd && mount -t tmpfs tmpfs /run/heapprofd && \
+             touch {ready} && exec sleep infinity",
+            ready = ready.display()
+        );
+        let holder = Command::new("unshare")
+            .args(["-m", "--propagation", "private", "sh", "-c", &script])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("running unshare -m (util-linux)")?;
+        let mut namespace = Namespace { holder };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !ready.exists() {
+            if Instant::now() > deadline || namespace.holder.try_wait()?.is_some() {
+                bail!("the private mount namespace could not be set up (overlayfs, tmpfs)");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(namespace)
+    }
+
+    /// `program` run inside the namespace.
+    fn command(&self, program: &str) -> Command {
+        let mut command = Command::new("nsenter");
+        command
+            .args(["-t", &self.holder.id().to_string(), "-m", "--"])
+            .arg(program);
+        command
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}
+
+/// A heapprofd of the section, ready.
+struct Daemon {
+    child: Child,
+    stats: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `heapprofd FLAGS` (in `namespace` if given) and waits until it is ready.
+    fn start(bench: &Bench, namespace: Option<&Namespace>, flags: &[&str]) -> Result<Daemon> {
+        let stats = bench.stats_path();
+        let ready = stats.with_extension("ready");
+        let _ = std::fs::remove_file(&ready);
+        let heapprofd = bench.heapprofd.display().to_string();
+        let mut command = match namespace {
+            Some(namespace) => namespace.command(&heapprofd),
+            None => Command::new(&heapprofd),
+        };
+        let mut child = command
+            .args(flags)
+            .arg("-o")
+            .arg(bench.dir.join("profiles").join("fleet"))
+            .arg("--stats-json")
+            .arg(&stats)
+            .arg("--ready-file")
+            .arg(&ready)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting heapprofd")?;
+        // --all reads every process's tables at start: give it time.
+        let deadline = Instant::now() + Duration::from_secs(180);
+        while !ready.exists() {
+            if let Some(status) = child.try_wait()? {
+                bail!(
+                    "heapprofd {} ended before it was ready: {status}",
+                    flags.join(" ")
+                );
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                bail!("heapprofd {} was not ready within 180 s", flags.join(" "));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Daemon { child, stats })
+    }
+
+    /// SIGINT, then its `system_preload.joined` figure (`None` without one).
+    fn stop(mut self) -> Result<Option<u64>> {
+        interrupt(&self.child);
+        let status = self.child.wait()?;
+        if !status.success() {
+            bail!("heapprofd ended with {status}");
+        }
+        let text = std::fs::read_to_string(&self.stats)
+            .with_context(|| format!("reading {}", self.stats.display()))?;
+        let stats: Value = serde_json::from_str(&text).context("reading --stats-json")?;
+        Ok(stats["system_preload"]["joined"].as_u64())
+    }
+
+    /// SIGKILL: what a crash leaves behind.
+    fn kill(mut self) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+}
+
+/// One timed pass.
+struct Pass {
+    requests_per_second: f64,
+    cpu_us_per_request: f64,
+    /// `--preload system` modes: processes the library joined over the run.
+    joined: Option<u64>,
+}
+
+/// One pass in `mode`.
+fn pass(bench: &Bench, mode: FleetMode, requests: u32) -> Result<Pass> {
+    let system: Vec<&str> = UNIT_FLAGS
+        .iter()
+        .copied()
+        .chain(["--preload", "system"])
+        .collect();
+    let namespace = match mode {
+        FleetMode::After | FleetMode::Before | FleetMode::EntryLeft => {
+            Some(Namespace::new(&bench.dir.join("fleet-namespace"))?)
+        }
+        FleetMode::Bare | FleetMode::Probes => None,
+    };
+    let taskset = || match &namespace {
+        Some(namespace) => namespace.command("taskset"),
+        None => Command::new("taskset"),
+    };
+    let (redis, daemon) = match mode {
+        FleetMode::Bare => (Redis::start()?, None),
+        FleetMode::After => {
+            let daemon = Daemon::start(bench, namespace.as_ref(), &system)?;
+            (Redis::start_with(taskset())?, Some(daemon))
+        }
+        FleetMode::Before => {
+            let redis = Redis::start_with(taskset())?;
+            (
+                redis,
+                Some(Daemon::start(bench, namespace.as_ref(), &system)?),
+            )
+        }
+        FleetMode::Probes => {
+            let redis = Redis::start()?;
+            (redis, Some(Daemon::start(bench, None, &UNIT_FLAGS)?))
+        }
+        FleetMode::EntryLeft => {
+            Daemon::start(bench, namespace.as_ref(), &system)?.kill()?;
+            (Redis::start_with(taskset())?, None)
+        }
+    };
+    client("set,get", requests / 5)?;
+    let cpu_before = cpu_seconds(redis.pid())?;
+    let started = Instant::now();
+    client(TESTS, requests)?;
+    let wall = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds(redis.pid())? - cpu_before;
+    drop(redis);
+    let joined = match daemon {
+        Some(daemon) => daemon.stop()?,
+        None => None,
+    };
+    let total = f64::from(requests) * TESTS.split(',').count() as f64;
+    Ok(Pass {
+        requests_per_second: total / wall,
+        cpu_us_per_request: cpu / total * 1e6,
+        joined,
+    })
+}
+
+/// Runs the section; appends its table to `text` and returns its JSON object.
+pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Result<Value> {
+    let requests = if quick { 20_000 } else { 100_000 };
+    step(&format!(
+        "fleet: redis-benchmark -t {TESTS} -n {requests} under the unit's flags, {runs} runs x {} modes",
+        FleetMode::ALL.len()
+    ));
+    let (passes, failures) = rotated_rounds(
+        "fleet",
+        &FleetMode::ALL,
+        runs,
+        FleetMode::name,
+        |p: &Pass| p.requests_per_second,
+        |mode| pass(bench, mode, requests),
+    );
+    let median = |mode: FleetMode, f: fn(&Pass) -> f64| {
+        spread(&passes[mode.index()].iter().map(f).collect::<Vec<_>>()).median
+    };
+    let bare_rps = median(FleetMode::Bare, |p| p.requests_per_second);
+    let _ = writeln!(
+        text,
+        "\n## The fleet daemon: redis-server under `heapprofd {}` ({runs} runs)\n",
+        UNIT_FLAGS.join(" ")
+    );
+    let _ = writeln!(
+        text,
+        "{:<34} {:>12} {:>14} {:>10} {:>10} {:>8}",
+        "mode", "requests/s", "min-max", "x bare", "cpu us/req", "joined"
+    );
+    let mut json = Map::new();
+    for mode in FleetMode::ALL {
+        let mode_passes = &passes[mode.index()];
+        let rates = spread(
+            &mode_passes
+                .iter()
+                .map(|p| p.requests_per_second)
+                .collect::<Vec<_>>(),
+        );
+        let cpu = median(mode, |p| p.cpu_us_per_request);
+        let joined = mode_passes.iter().filter_map(|p| p.joined).min();
+        let line = match failures[mode.index()].as_deref() {
+            Some(failure) if mode_passes.is_empty() => {
+                format!("{:<34} failed: {failure}", mode.name())
+            }
+            _ => format!(
+                "{:<34} {:>12.0} {:>6.0}-{:<7.0} {:>10.3} {:>10.2} {:>8}",
+                mode.name(),
+                rates.median,
+                rates.min,
+                rates.max,
+                rates.median / bare_rps,
+                cpu,
+                joined.map_or("-".into(), |n| n.to_string())
+            ),
+        };
+        let _ = writeln!(text, "{line}");
+        json.insert(
+            mode.key().to_owned(),
+            json!({
+                "runs": mode_passes.len(),
+                "requests_per_second": number(rates.median),
+                "to_bare": number(rates.median / bare_rps),
+                "cpu_us_per_request": number(cpu),
+                "processes_joined": joined,
+                "failed": failures[mode.index()],
+            }),
+        );
+    }
+    let ratio = |mode: FleetMode| median(mode, |p| p.requests_per_second) / bare_rps;
+    let goal = |value: f64| value.is_finite().then_some(value >= JOINED_GOAL);
+    let _ = writeln!(
+        text,
+        "goals (figures, not pass/fail): started after {:.3}x, started before {:.3}x (goal >= {JOINED_GOAL:.2}x each); probes {:.3}x; entry left {:.3}x (goal >= 0.99x)",
+        ratio(FleetMode::After),
+        ratio(FleetMode::Before),
+        ratio(FleetMode::Probes),
+        ratio(FleetMode::EntryLeft)
+    );
+    json.insert(
+        "goals".to_owned(),
+        json!({
+            "started_after_met": goal(ratio(FleetMode::After)),
+            "started_before_met": goal(ratio(FleetMode::Before)),
+            "entry_left_met": ratio(FleetMode::EntryLeft).is_finite().then(|| ratio(FleetMode::EntryLeft) >= 0.99),
+        }),
+    );
+    Ok(Value::Object(json))
+}
