@@ -218,6 +218,13 @@ pub struct Cli {
     #[arg(long, hide = true, value_name = "FILE")]
     pub stats_json: Option<PathBuf>,
 
+    /// For programs that follow the profiles written (`cargo xtask bench`, soak,
+    /// tests): create FILE at start and append one JSON line per profile as it is
+    /// written (its path, `interval` or `final`, when, its sites and totals, the
+    /// dump's times), so that they need not read the log's `wrote` lines.
+    #[arg(long, hide = true, value_name = "FILE")]
+    pub profiles_json: Option<PathBuf>,
+
     /// For programs that wait for heapprofd (`cargo xtask bench`, tests): create FILE
     /// once the probes are attached and armed (before a launched command starts), so
     /// that they need not watch the log for it.

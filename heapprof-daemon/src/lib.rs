@@ -20,6 +20,7 @@ pub mod preflight;
 pub mod preload;
 pub mod probes;
 pub mod procmaps;
+pub mod profiles_file;
 #[cfg(test)]
 mod proptests;
 pub mod report;

@@ -97,10 +97,11 @@ scenarios() {
     waiter=$!
     exec 3> /tmp/fifo
     # (without fd 3: holding the fifo open would keep the waiter from ever seeing its end)
-    /heapprofd -o $out/pid --interval 200ms --inject auto --pid $waiter > /tmp/pid.log 2>&1 3>&- &
+    rm -f /tmp/pid.ready
+    /heapprofd -o $out/pid --interval 200ms --inject auto --ready-file /tmp/pid.ready --stats-json /tmp/pid.json --pid $waiter > /tmp/pid.log 2>&1 3>&- &
     heapprofd=$!
     tries=0
-    until grep -q "probes on" /tmp/pid.log || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
+    until [ -e /tmp/pid.ready ] || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
     echo go >&3
     tries=0
     until grep -q done /tmp/waiter.out || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
@@ -108,6 +109,9 @@ scenarios() {
     wait $heapprofd
     echo "==STATUS $round pid $?"
     cat /tmp/pid.log
+    echo "==PIDSTATS $round"
+    cat /tmp/pid.json
+    echo "==PIDSTATS-END"
     # CFI unwinding: the true-stacks programs built without frame pointers. Their
     # stdout goes to a file, as the host's DHAT run gives them a pipe: stdio sizes a
     # stream's buffer by its st_blksize, 4096 for a file, a pipe (and this console),
@@ -154,10 +158,11 @@ done
 # (the 1st maps the stub's pages) until a run makes fewer calls; then, N = 1, 2, ...,
 # into one that has the library from an earlier session.
 kill_in_call() { # N PID: 0 if heapprofd died in its Nth call, 1 if it made fewer
-    HEAPPROFD_TEST_KILL_IN_REMOTE_CALL=$1 /heapprofd -o /tmp/out/kill --interval 1h --inject auto --pid $2 > /tmp/kill.log 2>&1 4>&- &
+    rm -f /tmp/kill.ready
+    HEAPPROFD_TEST_KILL_IN_REMOTE_CALL=$1 /heapprofd -o /tmp/out/kill --interval 1h --inject auto --ready-file /tmp/kill.ready --pid $2 > /tmp/kill.log 2>&1 4>&- &
     k=$!
     tries=0
-    until ! kill -0 $k 2>/dev/null || grep -q "probes on" /tmp/kill.log || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
+    until ! kill -0 $k 2>/dev/null || [ -e /tmp/kill.ready ] || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
     if kill -0 $k 2>/dev/null; then
         kill -INT $k
         wait $k
@@ -438,7 +443,7 @@ fn last<'a>(
 }
 
 /// The reason heapprofd counts a stack under when its unwinder stopped before the end.
-const CUT_STACKS: &str = "stacks not unwound to their end";
+const CUT_STACKS: heapprof_common::DropReason = heapprof_common::DropReason::StackIncomplete;
 
 /// The dynamic loader, in the VM and in the assets.
 const LOADER: &str = "lib/aarch64-linux-gnu/ld-linux-aarch64.so.1";
@@ -612,14 +617,19 @@ fn check_round(
     check_abc(profiles, round, &["stacks-O0", "stacks-O2"]);
 
     // --pid joins the waiter in-process (the preload library injected by ptrace, the
-    // arm64 remote calls), and counts as the probes would.
+    // arm64 remote calls), as its --stats-json says, and counts as the probes would.
     let pid_log = console
         .split_once(&format!("==STATUS {round} pid "))
         .map(|(_, after)| after.split("==STATUS").next().unwrap_or(after))
         .unwrap_or_default();
+    let pid_stats = console
+        .split_once(&format!("==PIDSTATS {round}"))
+        .and_then(|(_, after)| after.split_once("==PIDSTATS-END"))
+        .map(|(stats, _)| stats)
+        .unwrap_or_default();
     assert!(
-        pid_log.contains("joined in-process"),
-        "{round}: --pid did not join the waiter in-process:\n{pid_log}"
+        pid_stats.contains("\"how\": \"injected\""),
+        "{round}: --pid did not join the waiter in-process:\n{pid_stats}\n{pid_log}"
     );
     // --pid: work() made 1000 allocations of 48 bytes and freed every other one.
     let pid = samples(last(profiles, round, "pid"));

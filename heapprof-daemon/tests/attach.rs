@@ -309,7 +309,7 @@ fn launch_mode_beside_an_all_session_keeps_its_stacks() {
         );
     }
     assert_eq!(
-        drop_count(&profile, "stacks not unwound to their end"),
+        drop_count(&profile, heapprof_common::DropReason::StackIncomplete),
         0,
         "no stack cut short beside the --all session; heapprofd's log:\n{}",
         lines.join("\n")

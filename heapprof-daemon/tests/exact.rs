@@ -424,7 +424,10 @@ fn the_first_drop_of_a_kind_is_logged_once_by_the_bpf_programs() {
     );
     // Hundreds of drops were counted, and reported by the daemon as before.
     assert!(
-        drop_count(&last_profile(&out), "live-block table full") > 100,
+        drop_count(
+            &last_profile(&out),
+            heapprof_common::DropReason::LiveTableFull
+        ) > 100,
         "drops counted"
     );
 }

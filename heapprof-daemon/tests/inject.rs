@@ -52,13 +52,14 @@ fn by_site(samples: &[Sample], pid: u32) -> Sites {
 }
 
 /// Attaches with `args`, sends `commands` (each answered "done"), detaches; returns
-/// the final profile's sites of the process and heapprofd's log.
+/// the final profile's sites of the process, whether heapprofd joined it in-process
+/// (its `--stats-json`) and its log after attaching.
 fn session(
     joined: &mut Driven,
     out: &Path,
     args: &[&str],
     commands: &[&str],
-) -> (Sites, Vec<String>) {
+) -> (Sites, bool, Vec<String>) {
     let pid = joined.child.id();
     // Joined unless the case says how.
     let join = if args.contains(&"--inject") {
@@ -66,41 +67,33 @@ fn session(
     } else {
         &["--inject", "auto"][..]
     };
-    let mut heapprofd = heapprofd(out)
-        .args(["--interval", "1h", "--pid", &pid.to_string()])
-        .args(join)
-        .args(args)
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting heapprofd");
-    let log = forward_lines(heapprofd.stderr.take().expect("stderr"));
-    let mut lines = Vec::new();
-    loop {
-        let line = log
-            .recv_timeout(std::time::Duration::from_secs(60))
-            .unwrap_or_else(|e| panic!("heapprofd did not get ready: {e}\n{}", lines.join("\n")));
-        let ready = line.contains("probes on");
-        lines.push(line);
-        if ready {
-            break;
-        }
-    }
+    let stats = stats_file(out);
+    let (mut heapprofd, log) = start_heapprofd(
+        heapprofd(out)
+            .args(["--interval", "1h", "--pid", &pid.to_string()])
+            .arg("--stats-json")
+            .arg(&stats)
+            .args(join)
+            .args(args),
+    );
     for command in commands {
         joined.command(command, "done");
     }
     signal(&heapprofd, libc::SIGINT);
     let status = heapprofd.wait().expect("waiting for heapprofd");
-    lines.extend(log.iter());
+    // The stderr reader ends at EOF, which follows the exit.
+    let lines: Vec<String> = log.iter().collect();
     assert!(
         status.success(),
         "heapprofd {args:?}: {status}\n{}",
         lines.join("\n")
     );
-    (by_site(&samples(&last_profile(out)), pid), lines)
-}
-
-fn joined_line(log: &[String]) -> bool {
-    log.iter().any(|l| l.contains("joined in-process"))
+    let in_process = joined_in_process(&stats).is_ok();
+    (
+        by_site(&samples(&last_profile(out)), pid),
+        in_process,
+        lines,
+    )
 }
 
 #[test]
@@ -112,9 +105,10 @@ fn a_joined_process_counts_every_path_as_the_probes_do() {
     // The plugin is loaded before either session: both see the same objects.
     joined.command("work 1", "done");
     let work = format!("work {ROUNDS}");
-    let (injected, log) = session(&mut joined, &dir.path().join("injected"), &[], &[&work]);
+    let (injected, in_process, log) =
+        session(&mut joined, &dir.path().join("injected"), &[], &[&work]);
     assert!(
-        joined_line(&log),
+        in_process,
         "the process was not joined:\n{}",
         log.join("\n")
     );
@@ -123,17 +117,13 @@ fn a_joined_process_counts_every_path_as_the_probes_do() {
         "the library did not leave:\n{}",
         log.join("\n")
     );
-    let (probed, log) = session(
+    let (probed, in_process, log) = session(
         &mut joined,
         &dir.path().join("probed"),
         &["--inject", "off"],
         &[&work],
     );
-    assert!(
-        !joined_line(&log),
-        "--inject off joined:\n{}",
-        log.join("\n")
-    );
+    assert!(!in_process, "--inject off joined:\n{}", log.join("\n"));
     assert_eq!(
         injected, probed,
         "per (caller, allocator) [allocated objects, bytes, in-use objects, bytes]: \
@@ -176,14 +166,14 @@ fn a_plugin_dlopened_after_the_join_is_redirected_too() {
     let mut joined = start_joined(dir.path());
     // dlopen during the session: the library redirects the plugin's slots within a
     // few hundred allocations of the thread; what came before is not counted.
-    let (sites, log) = session(
+    let (sites, in_process, log) = session(
         &mut joined,
         &dir.path().join("profiles"),
         &[],
         &["work 1", &format!("work {ROUNDS}")],
     );
     assert!(
-        joined_line(&log),
+        in_process,
         "the process was not joined:\n{}",
         log.join("\n")
     );
@@ -210,9 +200,9 @@ fn frees_through_a_pointer_saved_before_the_join_are_closed_by_reuse_and_counted
     let dir = scratch();
     let mut joined = start_joined(dir.path());
     let out = dir.path().join("p");
-    let (sites, log) = session(&mut joined, &out, &[], &["saved 100", "mixed 50"]);
+    let (sites, in_process, log) = session(&mut joined, &out, &[], &["saved 100", "mixed 50"]);
     assert!(
-        joined_line(&log),
+        in_process,
         "the process was not joined:\n{}",
         log.join("\n")
     );
@@ -229,7 +219,7 @@ fn frees_through_a_pointer_saved_before_the_join_are_closed_by_reuse_and_counted
     );
     // 99 saved-pointer frees seen by reuse (the last block is still in use), then 50
     // (the first mixed block takes the last saved one's address: one more).
-    let unseen = drop_count(&last_profile(&out), "free_unseen");
+    let unseen = drop_count(&last_profile(&out), heapprof_common::DropReason::FreeUnseen);
     assert!(
         (149..=150).contains(&unseen),
         "frees not seen, as the profile counts them: {unseen}"
@@ -248,17 +238,13 @@ fn attaching_and_detaching_fifty_times_leaves_the_process_working_and_one_librar
         .expect("fds")
         .count();
     for round in 0..50 {
-        let (sites, log) = session(
+        let (sites, in_process, log) = session(
             &mut joined,
             &dir.path().join(format!("p{round}")),
             &[],
             &["work 20"],
         );
-        assert!(
-            joined_line(&log),
-            "round {round}: not joined:\n{}",
-            log.join("\n")
-        );
+        assert!(in_process, "round {round}: not joined:\n{}", log.join("\n"));
         assert_eq!(
             sites[&("plt_paths".to_owned(), "calloc".to_owned())][..2],
             [20, 20 * 48],
@@ -288,6 +274,8 @@ fn attaching_and_detaching_fifty_times_leaves_the_process_working_and_one_librar
 /// process (HEAPPROFD_TEST_KILL_IN_REMOTE_CALL); false if it made fewer calls (it is
 /// then ended with SIGINT).
 fn killed_in_call(out: &Path, pid: u32, call: u32) -> bool {
+    let ready = ready_file(out);
+    let _ = std::fs::remove_file(&ready);
     let mut heapprofd = heapprofd(out)
         .args([
             "--interval",
@@ -298,16 +286,12 @@ fn killed_in_call(out: &Path, pid: u32, call: u32) -> bool {
             &pid.to_string(),
         ])
         .env("HEAPPROFD_TEST_KILL_IN_REMOTE_CALL", call.to_string())
-        .stderr(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
         .spawn()
         .expect("starting heapprofd");
-    let log = forward_lines(heapprofd.stderr.take().expect("stderr"));
     // Ready (it made all its calls) or gone: whichever comes first.
-    while let Ok(line) = log.recv_timeout(std::time::Duration::from_secs(60)) {
-        if line.contains("probes on") {
-            signal(&heapprofd, libc::SIGINT);
-            break;
-        }
+    if let Start::Ready = wait_ready(&mut heapprofd, &ready, std::time::Duration::from_secs(60)) {
+        signal(&heapprofd, libc::SIGINT);
     }
     let status = heapprofd.wait().expect("waiting for heapprofd");
     std::os::unix::process::ExitStatusExt::signal(&status) == Some(libc::SIGKILL)
@@ -389,8 +373,8 @@ fn heapprofd_killed_in_the_middle_of_each_remote_call_leaves_the_process_working
     let mut joined = start_joined(dir.path());
     let pid = joined.child.id();
     // A session that joins and leaves: the library stays, inert.
-    let (_, log) = session(&mut joined, &dir.path().join("first"), &[], &["work 1"]);
-    assert!(joined_line(&log), "not joined:\n{}", log.join("\n"));
+    let (_, in_process, log) = session(&mut joined, &dir.path().join("first"), &[], &["work 1"]);
+    assert!(in_process, "not joined:\n{}", log.join("\n"));
     for call in 1.. {
         let out = dir.path().join(format!("loaded-{call}"));
         if !killed_in_call(&out, pid, call) {
@@ -401,9 +385,10 @@ fn heapprofd_killed_in_the_middle_of_each_remote_call_leaves_the_process_working
     // A session killed in the join may have left the library joined to a dead
     // heapprofd: it sees the pidfd and leaves within a few hundred allocations.
     joined.command("work 200", "done");
-    let (sites, log) = session(&mut joined, &dir.path().join("after"), &[], &["work 20"]);
+    let (sites, in_process, log) =
+        session(&mut joined, &dir.path().join("after"), &[], &["work 20"]);
     assert!(
-        joined_line(&log),
+        in_process,
         "not joined after the kills:\n{}",
         log.join("\n")
     );

@@ -9,8 +9,8 @@
 //! while joined, stopped inside malloc in a signal handler at the attach, and with
 //! heapprofd SIGKILLed at random moments of its start-up.
 //!
-//! After every cycle: heapprofd exited cleanly within a bound, said whether it joined
-//! (and why not), the target answers rightly, no thread is left traced, it handles
+//! After every cycle: heapprofd exited cleanly within a bound, said in its `--stats-json`
+//! whether it joined (and why not), the target answers rightly, no thread is left traced, it handles
 //! the signals it handled before (SigCgt), its descriptors are those it had before (sockets at the end, once the load stopped),
 //! and one copy of the library (`/memfd:heapprofd-preload`) is mapped. Each test
 //! prints its tally ("inject_stress TARGET: ...").
@@ -138,10 +138,9 @@ impl Tally {
 struct Session {
     child: Child,
     log: mpsc::Receiver<String>,
-    lines: Vec<String>,
-    /// `Ok(())` joined, `Err(reason)` fell back to the probes.
-    joined: Result<(), String>,
-    /// From start to "probes on".
+    /// Its `--stats-json`, which says at its exit how it joined the process.
+    stats: PathBuf,
+    /// From start to its `--ready-file`.
     took: Duration,
 }
 
@@ -152,8 +151,10 @@ impl Drop for Session {
     }
 }
 
-/// heapprofd on `pid`, started (not yet attached).
+/// heapprofd on `pid`, started (not yet attached), with its `--stats-json` at
+/// [`stats_file`]`(out)`.
 fn spawn_heapprofd(pid: u32, out: &Path) -> Child {
+    let _ = std::fs::remove_file(ready_file(out));
     heapprofd(out)
         .args([
             "--interval",
@@ -163,79 +164,54 @@ fn spawn_heapprofd(pid: u32, out: &Path) -> Child {
             "--pid",
             &pid.to_string(),
         ])
+        .arg("--stats-json")
+        .arg(stats_file(out))
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
         .expect("starting heapprofd")
 }
 
-/// Starts heapprofd on `pid` and waits (bounded) until it is attached.
+/// Starts heapprofd on `pid` and waits (bounded) until it is attached (its
+/// `--ready-file`).
 fn attach(pid: u32, out: &Path) -> Result<Session, String> {
     let started = Instant::now();
     let mut child = spawn_heapprofd(pid, out);
     let log = forward_lines(child.stderr.take().expect("stderr"));
-    let mut lines = Vec::new();
-    let deadline = started + HEAPPROFD_BOUND;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match log.recv_timeout(left) {
-            Ok(line) => {
-                let ready = line.contains("probes on");
-                let failed = line.contains("heapprofd: error");
-                lines.push(line);
-                if failed {
-                    let _ = wait_bounded(&mut child, Duration::from_secs(10));
-                    return Err(format!("heapprofd failed:\n{}", lines.join("\n")));
-                }
-                if ready {
-                    break;
-                }
-            }
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!(
-                    "heapprofd did not attach within {HEAPPROFD_BOUND:?} (hang):\n{}",
-                    lines.join("\n")
-                ));
-            }
+    let failure = match wait_ready(&mut child, &ready_file(out), HEAPPROFD_BOUND) {
+        Start::Ready => {
+            return Ok(Session {
+                child,
+                log,
+                stats: stats_file(out),
+                took: started.elapsed(),
+            });
         }
-    }
-    let joined = if lines.iter().any(|l| l.contains("joined in-process")) {
-        Ok(())
-    } else {
-        Err(lines
-            .iter()
-            .find_map(|l| {
-                let at = l.find("cannot join it in-process (")?;
-                let rest = &l[at + "cannot join it in-process (".len()..];
-                Some(
-                    rest.rsplit_once("); using")
-                        .map_or(rest, |(reason, _)| reason)
-                        .to_owned(),
-                )
-            })
-            .unwrap_or_else(|| "no line said why".to_owned()))
+        Start::Exited(status) => format!("heapprofd exited ({status}) before attaching"),
+        Start::TimedOut => {
+            let _ = child.kill();
+            let _ = child.wait();
+            format!("heapprofd did not attach within {HEAPPROFD_BOUND:?} (hang)")
+        }
     };
-    Ok(Session {
-        child,
-        log,
-        lines,
-        joined,
-        took: started.elapsed(),
-    })
+    // The stderr reader ends at EOF, which follows the exit.
+    let lines: Vec<String> = log.iter().collect();
+    Err(format!("{failure}:\n{}", lines.join("\n")))
 }
 
 impl Session {
     /// SIGINT, and a bounded wait for a clean exit; a joined session must have left.
-    fn detach(mut self) -> Result<(), String> {
+    /// Returns how it joined the process, as its `--stats-json` says: `Ok(())` in-process,
+    /// `Err(why not)` on the allocator's probes.
+    fn detach(mut self) -> Result<Result<(), String>, String> {
         signal(&self.child, libc::SIGINT);
         let status = wait_bounded(&mut self.child, HEAPPROFD_BOUND);
         // The log ends with heapprofd's exit (or its kill).
+        let mut lines = Vec::new();
         while let Ok(line) = self.log.recv_timeout(Duration::from_secs(5)) {
-            self.lines.push(line);
+            lines.push(line);
         }
-        let log = self.lines.join("\n");
+        let log = lines.join("\n");
         match status {
             None => {
                 return Err(format!(
@@ -247,12 +223,14 @@ impl Session {
             }
             Some(_) => {}
         }
-        if self.joined.is_ok() && !self.lines.iter().any(|l| l.contains("left in-process")) {
+        let joined = joined_in_process(&self.stats);
+        // What heapprofd says to people of leaving: the message itself is checked.
+        if joined.is_ok() && !lines.iter().any(|l| l.contains("left in-process")) {
             return Err(format!(
                 "joined, but the log says nothing of leaving:\n{log}"
             ));
         }
-        Ok(())
+        Ok(joined)
     }
 }
 
@@ -468,23 +446,27 @@ fn cycle(
             return false;
         }
     };
-    match &session.joined {
-        Ok(()) => tally.joined += 1,
-        Err(reason) => *tally.fell_back.entry(reason.clone()).or_default() += 1,
-    }
-    if session.joined.is_ok() && library_copies(pid) != 1 {
-        tally.problem(format!(
-            "cycle {round}: {} copies of the library mapped while joined",
-            library_copies(pid)
-        ));
-    }
+    // Counted now, judged once heapprofd has said how it joined (at its exit).
+    let copies_while_attached = library_copies(pid);
     let joined_at = session.took;
     if let Err(err) = during(round) {
         tally.problem(format!("cycle {round} while attached: {err}"));
     }
-    if let Err(err) = session.detach() {
-        tally.problem(format!("cycle {round} detaching: {err}"));
-        return false;
+    match session.detach() {
+        Ok(Ok(())) => {
+            tally.joined += 1;
+            if copies_while_attached != 1 {
+                tally.problem(format!(
+                    "cycle {round}: {copies_while_attached} copies of the library mapped while \
+                     joined"
+                ));
+            }
+        }
+        Ok(Err(reason)) => *tally.fell_back.entry(reason).or_default() += 1,
+        Err(err) => {
+            tally.problem(format!("cycle {round} detaching: {err}"));
+            return false;
+        }
     }
     if let Err(err) = alive_and_untraced(pid) {
         tally.problem(format!("cycle {round}: {err}"));
@@ -1387,27 +1369,29 @@ fn heapprofd_sigkilled_mid_attach_leaves_the_process_working() {
     // How long a start-up takes here: the kills fall within it, and a bit after.
     let first = attach(pid, &out.join("first")).expect("a first session");
     let startup = first.took;
-    assert!(first.joined.is_ok(), "not joined: {:?}", first.joined);
-    first.detach().expect("the first session ends");
+    let joined = first.detach().expect("the first session ends");
+    assert!(joined.is_ok(), "not joined: {joined:?}");
     tally.cycles += 1;
     tally.joined += 1;
     let kills = cycles(12, 110);
     let mut seed = 0x2545_f491_u64 ^ u64::from(pid);
-    let mut killed_joined = 0;
+    let mut killed_ready = 0;
     for kill in 0..kills {
         seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         let delay = startup.mul_f64(1.2 * ((seed >> 33) as f64 / (1u64 << 31) as f64));
-        let mut child = spawn_heapprofd(pid, &out.join(format!("k{kill}")));
+        let killed_out = out.join(format!("k{kill}"));
+        let mut child = spawn_heapprofd(pid, &killed_out);
         let log = forward_lines(child.stderr.take().expect("stderr"));
         std::thread::sleep(delay);
         // SIGKILL: nothing of heapprofd runs after it.
         let _ = child.kill();
         let _ = child.wait();
         let lines: Vec<String> = log.iter().collect();
-        let was_joined = lines.iter().any(|l| l.contains("joined in-process"));
-        killed_joined += usize::from(was_joined);
+        // Ready: it had joined (or, where it could not, attached its probes).
+        let was_ready = ready_file(&killed_out).exists();
+        killed_ready += usize::from(was_ready);
         let result = (|| {
             alive_and_untraced(pid)?;
             target.check()?;
@@ -1434,7 +1418,7 @@ fn heapprofd_sigkilled_mid_attach_leaves_the_process_working() {
         })();
         if let Err(err) = result {
             tally.problem(format!(
-                "kill {kill} after {delay:?} (joined: {was_joined}): {err}\nheapprofd's log:\n{}",
+                "kill {kill} after {delay:?} (ready: {was_ready}): {err}\nheapprofd's log:\n{}",
                 lines.join("\n")
             ));
             if alive_and_untraced(pid).is_err() {
@@ -1460,7 +1444,7 @@ fn heapprofd_sigkilled_mid_attach_leaves_the_process_working() {
     }
     eprintln!(
         "inject_stress sigkill: {kills} heapprofd killed (start-up {startup:?}), \
-         {killed_joined} of them after joining"
+         {killed_ready} of them once ready"
     );
     if let Err(err) = target.works() {
         tally.problem(format!("at the end: {err}"));

@@ -419,7 +419,7 @@ fn a_full_live_table_is_counted_and_reported() {
         "no warning about the full live table in:\n{log}"
     );
     let profile = read_profiles(&out).pop().expect("a profile").1;
-    let dropped = drop_count(&profile, "live-block table full");
+    let dropped = drop_count(&profile, heapprof_common::DropReason::LiveTableFull);
     assert!(
         dropped > 0,
         "live-table drops in the profile comments: {dropped}"

@@ -55,7 +55,7 @@ struct LoadRun {
 
 impl LoadRun {
     /// The drop counter of a reason as the profile's comments give it.
-    fn dropped(&self, reason: &str) -> i64 {
+    fn dropped(&self, reason: heapprof_common::DropReason) -> i64 {
         drop_count(&self.profile, reason)
     }
 }
@@ -180,7 +180,7 @@ fn tiny_tables_count_what_they_drop_and_stay_consistent() {
     // 64 distinct stacks into a 16-entry site table: allocations at the sites that do
     // not fit are not counted, each one counted as a drop instead.
     let full_sites = run(&["stacks", "20000"], &["--max-sites", "16"]);
-    let dropped = full_sites.dropped("site table full");
+    let dropped = full_sites.dropped(heapprof_common::DropReason::SiteTableFull);
     let counted = churn_totals(&full_sites);
     assert!(dropped > 0, "a 16-entry site table overflows");
     assert_eq!(
@@ -220,7 +220,7 @@ fn tiny_tables_count_what_they_drop_and_stay_consistent() {
     // Into a 16-entry stack table: every allocation is counted, exactly, some
     // under an unknown stack.
     let full_stacks = run(&["stacks", "20000"], &["--max-stacks", "16"]);
-    assert!(full_stacks.dropped("stack table full") > 0);
+    assert!(full_stacks.dropped(heapprof_common::DropReason::StackTableFull) > 0);
     assert_eq!(churn_totals(&full_stacks), full_stacks.expected);
     let unknown = samples(&full_stacks.profile)
         .iter()
@@ -239,7 +239,7 @@ fn tiny_tables_count_what_they_drop_and_stay_consistent() {
         &["threads", "64", "2000"],
         &["--max-threads", "16", "--inject", "off"],
     );
-    assert!(full_threads.dropped("in-flight table full") > 0);
+    assert!(full_threads.dropped(heapprof_common::DropReason::InFlightFull) > 0);
     let counted = totals(&samples(&full_threads.profile), |s| {
         s.stack.get(1).is_some_and(|f| f == "thread_work")
     });

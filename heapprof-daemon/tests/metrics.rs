@@ -102,9 +102,10 @@ impl Drop for Launched {
     }
 }
 
-/// Starts `heapprofd ARGS -- COMMAND` and waits until it is attached; the pid of the
-/// command comes from its "N probes on ... (`COMMAND`, pid PID)" line.
+/// Starts `heapprofd ARGS -- COMMAND` and waits until it is attached (its
+/// `--ready-file`); the pid of the command is heapprofd's child's.
 fn launch(cmd: &mut Command) -> Launched {
+    let ready = ready_file_of(cmd);
     let mut child = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -114,32 +115,39 @@ fn launch(cmd: &mut Command) -> Launched {
     let log = forward_lines(child.stderr.take().expect("stderr"));
     let program_out = forward_lines(child.stdout.take().expect("stdout"));
     let program_in = child.stdin.take();
+    let started = wait_ready(&mut child, &ready, Duration::from_secs(60));
     let mut launched = Launched {
+        pid: children_of(child.id()).first().copied().unwrap_or(0),
         child,
         program_in,
         program_out,
         log,
-        pid: 0,
     };
-    let mut seen = Vec::new();
-    launched.pid = loop {
-        let line = launched
-            .log
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|e| panic!("heapprofd did not attach ({e}): {seen:#?}"));
-        if line.contains("probes on") {
-            break line
-                .rsplit_once(", pid ")
-                .and_then(|(_, rest)| rest.split(')').next()?.parse().ok())
-                .unwrap_or_else(|| panic!("no pid in {line:?}"));
-        }
-        assert!(
-            !line.contains("heapprofd: error"),
-            "heapprofd failed: {line}"
-        );
-        seen.push(line);
-    };
+    if !matches!(started, Start::Ready) || launched.pid == 0 {
+        let _ = launched.child.kill();
+        let _ = launched.child.wait();
+        let seen: Vec<String> = launched.log.iter().collect();
+        panic!("heapprofd did not attach to a command of its own ({started:?}): {seen:#?}");
+    }
     launched
+}
+
+/// The children of process `pid` (of any of its threads).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut children = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let listed = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+        children.extend(
+            listed
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok()),
+        );
+    }
+    children
 }
 
 impl Launched {
@@ -385,7 +393,10 @@ fn a_metrics_port_in_use_stops_heapprofd_before_it_profiles() {
         )) && errors[0].contains("choose another address or port"),
         "{stderr}"
     );
-    assert!(!stderr.contains("probes on"), "{stderr}");
+    assert!(
+        !ready_file(&dir.path().join("profiles")).exists(),
+        "it got ready: {stderr}"
+    );
     assert!(
         !dir.path().join("profiles").exists()
             || read_profiles(&dir.path().join("profiles")).is_empty(),

@@ -15,12 +15,22 @@ use heapprof_daemon::pprof::{
     writer::{parse_profile_file_name, profile_file_name},
 };
 
-/// The paths heapprofd logged as written (`wrote PATH: ...`), in order.
-fn written(output: &Output) -> Vec<PathBuf> {
-    String::from_utf8_lossy(&output.stderr)
+/// The `--profiles-json` of a heapprofd writing into `out`.
+fn profiles_file(out: &Path) -> PathBuf {
+    out.with_extension("jsonl")
+}
+
+/// The paths heapprofd wrote into `out`, in order, as its `--profiles-json` lists them.
+fn written(out: &Path) -> Vec<PathBuf> {
+    let file = profiles_file(out);
+    std::fs::read_to_string(&file)
+        .unwrap_or_else(|e| panic!("heapprofd wrote no --profiles-json {}: {e}", file.display()))
         .lines()
-        .filter_map(|line| line.strip_prefix("heapprofd: wrote ")?.split_once(": "))
-        .map(|(path, _)| PathBuf::from(path))
+        .map(|line| {
+            let record: serde_json::Value =
+                serde_json::from_str(line).expect("a JSON line per profile");
+            PathBuf::from(record["path"].as_str().expect("a path"))
+        })
         .collect()
 }
 
@@ -47,6 +57,8 @@ fn run_on_waiter(dir: &Path, out: &Path, duration: &str, args: &[&str]) -> Outpu
     let waiter = Driven::start(&binary, &["100", "32"]);
     let output = run_ok(
         heapprofd(out)
+            .arg("--profiles-json")
+            .arg(profiles_file(out))
             .args(["--interval", "100ms", "--duration", duration, "--pid"])
             .arg(waiter.pid())
             .args(args),
@@ -64,7 +76,7 @@ fn keep_leaves_exactly_the_newest_profiles() {
     std::fs::write(out.join("notes.txt"), "not a profile").expect("write");
 
     let output = run_on_waiter(dir.path(), &out, "2500ms", &["--keep", "3"]);
-    let written = written(&output);
+    let written = written(&out);
     assert!(
         written.len() >= 11,
         "10 intervals and the final profile, got {}: {}",
@@ -118,8 +130,8 @@ fn keep_for_deletes_old_profiles_and_never_the_newest() {
     let link = profile_file_name(old_time, 3);
     std::os::unix::fs::symlink(&victim, out.join(&link)).expect("symlink");
 
-    let output = run_on_waiter(dir.path(), &out, "600ms", &["--keep-for", "1h"]);
-    let mut expected: Vec<String> = written(&output).iter().map(|p| file_name(p)).collect();
+    run_on_waiter(dir.path(), &out, "600ms", &["--keep-for", "1h"]);
+    let mut expected: Vec<String> = written(&out).iter().map(|p| file_name(p)).collect();
     assert!(!expected.is_empty());
     expected.push(recent.clone());
     expected.push(link.clone());
@@ -132,8 +144,8 @@ fn keep_for_deletes_old_profiles_and_never_the_newest() {
     assert_eq!(std::fs::read_to_string(&victim).expect("read"), "precious");
 
     // A tiny --keep-for: only the newest profile is left.
-    let output = run_on_waiter(dir.path(), &out, "500ms", &["--keep-for", "1ms"]);
-    let last = file_name(written(&output).last().expect("a profile written"));
+    run_on_waiter(dir.path(), &out, "500ms", &["--keep-for", "1ms"]);
+    let last = file_name(written(&out).last().expect("a profile written"));
     let mut expected = vec![last.clone(), link];
     expected.sort();
     assert_eq!(names_in(&out), expected);

@@ -74,7 +74,7 @@ fn cxx_stl_at_o2_has_dhat_stacks() {
     // emergency pool included, whose outermost frame is the loader's entry code.
     let profile = last_profile(&dir.path().join("profiles"));
     assert_eq!(
-        drop_count(&profile, "stacks not unwound to their end"),
+        drop_count(&profile, heapprof_common::DropReason::StackIncomplete),
         0,
         "{:?}",
         comments(&profile)

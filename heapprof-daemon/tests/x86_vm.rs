@@ -122,10 +122,11 @@ USER_MODE_KERNEL*)
     waiter=$!
     exec 3> /tmp/fifo
     # (without fd 3: holding the fifo open would keep the waiter from ever seeing its end)
-    /heapprofd -o $out/pid --interval 200ms --inject auto --pid $waiter > /tmp/pid.log 2>&1 3>&- &
+    rm -f /tmp/pid.ready
+    /heapprofd -o $out/pid --interval 200ms --inject auto --ready-file /tmp/pid.ready --stats-json /tmp/pid.json --pid $waiter > /tmp/pid.log 2>&1 3>&- &
     heapprofd=$!
     tries=0
-    until grep -q "probes on" /tmp/pid.log || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
+    until [ -e /tmp/pid.ready ] || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
     echo go >&3
     tries=0
     until grep -q done /tmp/waiter.out || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
@@ -135,6 +136,9 @@ USER_MODE_KERNEL*)
     echo "==PIDLOG"
     cat /tmp/pid.log
     echo "==PIDLOG-END"
+    echo "==PIDSTATS"
+    cat /tmp/pid.json
+    echo "==PIDSTATS-END"
     ;;
 esac
 # Without BTF (an empty file over it): the deferred frees through kprobes.
@@ -552,9 +556,15 @@ fn check_user_mode(release: &str, console: &str, profiles: &BTreeMap<String, Pro
         .and_then(|(_, after)| after.split_once("==PIDLOG-END"))
         .map(|(log, _)| log)
         .unwrap_or_default();
+    // How it joined, as its --stats-json says.
+    let pid_stats = console
+        .split_once("==PIDSTATS")
+        .and_then(|(_, after)| after.split_once("==PIDSTATS-END"))
+        .map(|(stats, _)| stats)
+        .unwrap_or_default();
     assert!(
-        pid_log.contains("joined in-process"),
-        "{release}: --pid did not join the waiter in-process:\n{pid_log}"
+        pid_stats.contains("\"how\": \"injected\""),
+        "{release}: --pid did not join the waiter in-process:\n{pid_stats}\n{pid_log}"
     );
     // work() made 1000 allocations of 48 bytes and freed every other one.
     let pid = samples(last(profiles, "pid"));

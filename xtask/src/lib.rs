@@ -8,6 +8,7 @@ pub mod cross;
 #[cfg(test)]
 mod docs;
 pub mod package;
+pub mod profiles_json;
 pub mod remote;
 pub mod setup;
 pub mod soak;

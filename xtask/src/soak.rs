@@ -8,9 +8,9 @@
 //!
 //! The workload (heapprof-daemon/tests/programs/load.c, `churn`) replaces blocks of a
 //! fixed pool through 64 call stacks in threads that come and go, so everything the
-//! daemon tracks is bounded: its memory must be too. Each interval's profile line
-//! gives the table occupancy (sites; live blocks = blocks in use), and the daemon's
-//! resident memory is read at that moment. The verdict is on its anonymous memory
+//! daemon tracks is bounded: its memory must be too. Each interval profile's line in
+//! heapprofd's `--profiles-json` gives the table occupancy (sites; live blocks =
+//! blocks in use), and the daemon's resident memory is read as soon as it appears. The verdict is on its anonymous memory
 //! (heap and stacks): resident file pages also grow as symbolization touches more of
 //! the mapped ELF files, and the kernel can drop them again at will, so they say
 //! nothing of a leak (they are reported beside it). It compares the last quarter
@@ -18,15 +18,18 @@
 
 use std::{
     fmt::Write as _,
-    io::{BufRead as _, BufReader},
     path::Path,
     process::{Command, Stdio},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{is_root, step, workspace_root};
+use crate::{
+    is_root,
+    profiles_json::{Follower, Kind},
+    step, workspace_root,
+};
 
 /// Growth of the resident memory still called flat: the larger of these.
 const FLAT_BYTES: u64 = 1 << 20;
@@ -44,20 +47,6 @@ struct Sample {
     allocated: u64,
     live_blocks: u64,
     dump_ms: f64,
-}
-
-/// Reads heapprofd's "wrote PATH: N sites, A blocks / B bytes allocated, C blocks /
-/// D bytes in use; X ms (...)" line.
-fn parse_wrote(line: &str) -> Option<(u64, u64, u64, f64)> {
-    let rest = line.split_once("wrote ")?.1;
-    let rest = rest.split_once(": ")?.1;
-    let words: Vec<&str> = rest.split_whitespace().collect();
-    let number = |i: usize| words.get(i)?.trim_end_matches([',', ';']).parse().ok();
-    let sites = number(0)?;
-    let allocated = number(2)?;
-    let live = number(8)?;
-    let ms: f64 = words.get(15)?.parse().ok()?;
-    Some((sites, allocated, live, ms))
 }
 
 /// A memory figure of `/proc/PID/status` in KiB (`field` with its colon).
@@ -191,10 +180,13 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
     // About 60 readings, at most one a second and at least one every 30 s.
     let interval = (u64::from(minutes)).clamp(1, 30);
     let seconds = u64::from(minutes) * 60;
+    let profiles = out.join("profiles.jsonl");
     let mut command = Command::new(heapprofd);
     command
         .args(["--interval", &format!("{interval}s"), "-o"])
-        .arg(out.join("profiles"));
+        .arg(out.join("profiles"))
+        .arg("--profiles-json")
+        .arg(&profiles);
     let _coming_and_going = if all {
         step(&format!(
             "soak: {minutes} min of processes coming and going under heapprofd --all \
@@ -221,49 +213,56 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
             .args(["churn", &seconds.to_string()]);
         None
     };
+    let log_path = out.join("heapprofd.log");
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
     let mut daemon = command
         .env("RUST_LOG", "info")
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
+        .stderr(log)
         .spawn()
         .with_context(|| format!("starting {}", heapprofd.display()))?;
     let pid = daemon.id();
     let started = Instant::now();
-    let stderr = daemon.stderr.take().context("heapprofd's stderr")?;
+    let mut follower = Follower::new(&profiles);
     let mut samples = Vec::new();
-    let mut log = String::new();
-    for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-        let _ = writeln!(log, "{line}");
-        if let Some((sites, allocated, live_blocks, dump_ms)) = parse_wrote(&line) {
+    let status = loop {
+        let exited = daemon.try_wait().context("waiting for heapprofd")?;
+        for written in follower.new_lines()? {
+            // The final profile is taken after the workload's exit: not a steady-state
+            // reading. A line found only once heapprofd is gone has no memory to read.
+            if written.kind != Kind::Interval || exited.is_some() {
+                continue;
+            }
             let sample = Sample {
                 seconds: started.elapsed().as_secs_f64(),
                 rss_kib: status_kib(pid, "RssAnon:"),
                 total_rss_kib: status_kib(pid, "VmRSS:"),
-                sites,
-                allocated,
-                live_blocks,
-                dump_ms,
+                sites: written.sites,
+                allocated: written.allocated_blocks,
+                live_blocks: written.inuse_blocks,
+                dump_ms: written.dump_ms,
             };
             eprintln!(
                 "xtask: soak {:>7.1} s: heapprofd anonymous RSS {:>6} KiB (all {:>6} KiB), {} sites, {} live blocks, {} allocations counted, dump {:.1} ms",
                 sample.seconds,
                 sample.rss_kib,
                 sample.total_rss_kib,
-                sites,
-                live_blocks,
-                allocated,
-                dump_ms
+                sample.sites,
+                sample.live_blocks,
+                sample.allocated,
+                sample.dump_ms
             );
             samples.push(sample);
         }
-    }
-    let status = daemon.wait()?;
-    std::fs::write(out.join("heapprofd.log"), &log)?;
+        if let Some(status) = exited {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
     if !status.success() {
         bail!("heapprofd failed ({status}); its log is in target/soak/heapprofd.log");
     }
-    // The final profile is taken after the workload's exit: not a steady-state reading.
-    samples.pop();
     if samples.len() < 4 {
         bail!("only {} interval readings: soak longer", samples.len());
     }
@@ -309,14 +308,6 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn reads_the_profile_line() {
-        let line = "heapprofd: wrote /x/heap-1.pb.gz: 64 sites, 1000 blocks / 5000 bytes allocated, \
-                    4096 blocks / 900 bytes in use; 3.5 ms (read+symbolize 1.0, build+compress 2.0, write 0.5)";
-        assert_eq!(parse_wrote(line), Some((64, 1000, 4096, 3.5)));
-        assert_eq!(parse_wrote("heapprofd: the command exited"), None);
-    }
 
     #[test]
     fn growth_beyond_the_margin_is_not_flat() {

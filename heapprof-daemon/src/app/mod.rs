@@ -48,7 +48,7 @@ impl AnySession {
         }
     }
 
-    fn dump(&mut self) -> Result<std::path::PathBuf> {
+    fn dump(&mut self) -> Result<crate::session::Written> {
         match self {
             AnySession::User(session) => session.dump(),
             AnySession::Kernel(session) => session.dump(),

@@ -12,6 +12,7 @@ use crate::{
     cli::{Cli, Target},
     launch::{ChildEvent, PausedChild, Relayed, SignalRelay},
     pprof::retention::Pruner,
+    profiles_file::{Kind, ProfilesFile},
     stats_file::{self, StartFigures},
 };
 
@@ -66,6 +67,11 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         figures,
         mut system,
     } = started;
+    // Before the ready file: a reader that waits for that finds this one made.
+    let mut profiles_file = match &cli.profiles_json {
+        Some(path) => Some(ProfilesFile::create(path).context("--profiles-json")?),
+        None => None,
+    };
     if let Some(path) = &cli.ready_file {
         say_ready(path).with_context(|| format!("--ready-file {}", path.display()))?;
     }
@@ -109,8 +115,11 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
                     log.flush();
                 }
                 match session.dump() {
-                    Ok(path) => {
-                        pruner.after_write(&path);
+                    Ok(written) => {
+                        pruner.after_write(&written.path);
+                        if let Some(file) = profiles_file.as_mut() {
+                            file.append(&written, Kind::Interval);
+                        }
                     }
                     Err(err) => log::error!("cannot write a profile: {err:#}"),
                 }
@@ -182,12 +191,15 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         log.flush();
     }
     let written = session.dump();
-    if let Ok(path) = &written {
-        pruner.after_write(path);
+    if let Ok(written) = &written {
+        pruner.after_write(&written.path);
+        if let Some(file) = profiles_file.as_mut() {
+            file.append(written, Kind::Final);
+        }
     }
     if cli.top > 0
-        && let Ok(path) = &written
-        && let Err(err) = print_top(path, cli.top)
+        && let Ok(written) = &written
+        && let Err(err) = print_top(&written.path, cli.top)
     {
         log::warn!("cannot summarize the sites: {err:#}");
     }
@@ -209,7 +221,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
             unwind_tables,
             system_preload,
         };
-        write_stats(stats_path, &written, figures, measured)
+        write_stats(stats_path, &written.path, figures, measured)
             .with_context(|| format!("--stats-json {}", stats_path.display()))?;
     }
     Ok(exit_code)

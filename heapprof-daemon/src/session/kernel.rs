@@ -13,8 +13,8 @@ use heapprof_common::kernel::{
 };
 
 use super::{
-    DropLog, Drops, DumpTimes, ProfileToWrite, column_totals, comment_drops, program_figures,
-    write_profile,
+    Contents, DropLog, Drops, DumpTimes, ProfileToWrite, Written, column_totals, comment_drops,
+    program_figures, write_profile,
 };
 use crate::{
     aggregate::kernel::{KernelMaps, KernelSite},
@@ -268,8 +268,8 @@ impl KernelSession {
         }
     }
 
-    /// Writes one profile of everything counted so far; returns its path.
-    pub fn dump(&mut self) -> Result<PathBuf> {
+    /// Writes one profile of everything counted so far; returns what it wrote.
+    pub fn dump(&mut self) -> Result<Written> {
         let started = Instant::now();
         self.refresh_symbols();
         let sites = self.maps.read_sites()?;
@@ -303,21 +303,28 @@ impl KernelSession {
                         .iter()
                         .map(|site| site.scaled_values(self.config.sample_rate)),
                 );
-                format!(
-                    "{} kernel sites, {} objects / {} bytes allocated ({} requested), \
-                     {} objects / {} bytes in use ({} requested)",
-                    sites.len(),
-                    totals[0],
-                    totals[1],
-                    totals[4],
-                    totals[2],
-                    totals[3],
-                    totals[5],
-                )
+                Contents {
+                    sites: sites.len(),
+                    allocated_blocks: totals[0],
+                    allocated_bytes: totals[1],
+                    inuse_blocks: totals[2],
+                    inuse_bytes: totals[3],
+                    words: format!(
+                        "{} kernel sites, {} objects / {} bytes allocated ({} requested), \
+                         {} objects / {} bytes in use ({} requested)",
+                        sites.len(),
+                        totals[0],
+                        totals[1],
+                        totals[4],
+                        totals[2],
+                        totals[3],
+                        totals[5],
+                    ),
+                }
             },
         );
         self.metrics = metrics;
-        let path = result?;
+        let written = result?;
         if let Some(freed) = self.describe_deferred_frees(&deferred) {
             log::info!("deferred and bulk frees seen: {freed}");
         }
@@ -329,7 +336,7 @@ impl KernelSession {
         {
             log::info!("{}", stats::describe(&stats.read(&self.ebpf)));
         }
-        Ok(path)
+        Ok(written)
     }
 
     /// The objects each attached fentry program freed: `kvfree_call_rcu 12 objects,

@@ -101,9 +101,61 @@ struct ProfileToWrite<'a> {
     profile: &'a [u8],
 }
 
+/// What a written profile holds, as its session counts it: the `wrote` line's words
+/// and, for programs, the same figures as numbers (`--profiles-json`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Contents {
+    /// Its sites (one sample each, with its labels).
+    pub sites: usize,
+    /// Objects (blocks) allocated since tracing began (estimates when sampled).
+    pub allocated_blocks: u64,
+    /// Bytes allocated.
+    pub allocated_bytes: u64,
+    /// Objects in use now.
+    pub inuse_blocks: u64,
+    /// Bytes in use now.
+    pub inuse_bytes: u64,
+    /// How the log words it (`N sites, A blocks / B bytes allocated, ...`).
+    pub words: String,
+}
+
+/// A profile a dump wrote: where, when, what it holds and how long each stage took.
+#[derive(Debug, Clone)]
+pub struct Written {
+    /// The file.
+    pub path: PathBuf,
+    /// When the file was in place.
+    pub at: SystemTime,
+    /// What it holds.
+    pub contents: Contents,
+    /// The whole dump, from its start to the file in place.
+    pub total: Duration,
+    /// Reading the maps and symbolizing.
+    pub read: Duration,
+    /// Building and compressing the profile.
+    pub build: Duration,
+    /// Writing the file.
+    pub write: Duration,
+}
+
+impl Written {
+    /// The dump's times as the log gives them: `X ms (read+symbolize A, build+compress
+    /// B, write C)`.
+    pub fn describe_times(&self) -> String {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        format!(
+            "{:.1} ms (read+symbolize {:.1}, build+compress {:.1}, write {:.1})",
+            ms(self.total),
+            ms(self.read),
+            ms(self.build),
+            ms(self.write),
+        )
+    }
+}
+
 /// The end both sessions' dumps share: writes the profile, publishes the figures to
 /// `metrics` (taking the `snapshot` only then), and logs
-/// `wrote PATH: SUMMARY; TIMES`, where `summary` says what the profile holds.
+/// `wrote PATH: CONTENTS; TIMES`, where `contents` says what the profile holds.
 ///
 /// The figures are published even when the write failed (a full disk), so that
 /// monitoring goes on; the error is returned after.
@@ -112,26 +164,31 @@ fn write_profile(
     times: DumpTimes,
     metrics: Option<&mut Exporter>,
     snapshot: impl FnOnce() -> Snapshot,
-    summary: impl FnOnce() -> String,
-) -> Result<PathBuf> {
+    contents: impl FnOnce() -> Contents,
+) -> Result<Written> {
     let name = writer::profile_file_name(SystemTime::now(), to_write.sequence);
     let result = writer::write_compressed(to_write.output, &name, to_write.profile);
-    let written = times.started.elapsed();
+    let total = times.started.elapsed();
+    let at = SystemTime::now();
     if let Some(exporter) = metrics {
-        exporter.publish(snapshot(), result.is_ok().then_some(written));
+        exporter.publish(snapshot(), result.is_ok().then_some(total));
     }
-    let path = result?;
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let written = Written {
+        path: result?,
+        at,
+        contents: contents(),
+        total,
+        read: times.read,
+        build: times.built.saturating_sub(times.read),
+        write: total.saturating_sub(times.built),
+    };
     log::info!(
-        "wrote {}: {}; {:.1} ms (read+symbolize {:.1}, build+compress {:.1}, write {:.1})",
-        path.display(),
-        summary(),
-        ms(written),
-        ms(times.read),
-        ms(times.built - times.read),
-        ms(written - times.built),
+        "wrote {}: {}; {}",
+        written.path.display(),
+        written.contents.words,
+        written.describe_times(),
     );
-    Ok(path)
+    Ok(written)
 }
 
 /// The first `N` columns of `rows` summed, as the logged totals of a profile's sites.

@@ -263,17 +263,14 @@ pub fn comments(profile: &Profile) -> Vec<&str> {
 }
 
 /// The drop counter of `reason` as the profile's comments give it ("dropped: TEXT
-/// [NAME] = N"): `reason` is the reason's stable name or the start of its text.
-pub fn drop_count(profile: &Profile, reason: &str) -> i64 {
-    let by_name = format!("[{reason}] = ");
+/// [NAME] = N"), found by the reason's stable name, never by its wording.
+pub fn drop_count(profile: &Profile, reason: heapprof_common::DropReason) -> i64 {
+    let by_name = format!("[{}] = ", reason.name());
     comments(profile)
         .iter()
         .filter_map(|c| c.strip_prefix("dropped: "))
-        .find_map(|c| {
-            c.strip_prefix(reason)
-                .or_else(|| c.contains(&by_name).then_some(c))
-        })
-        .and_then(|rest| rest.rsplit("= ").next()?.parse().ok())
+        .find_map(|c| Some(c.split_once(&by_name)?.1))
+        .and_then(|count| count.trim().parse().ok())
         .unwrap_or_else(|| panic!("no drop counter for {reason:?}: {:?}", comments(profile)))
 }
 
@@ -303,42 +300,104 @@ pub fn forward_lines(stream: impl std::io::Read + Send + 'static) -> mpsc::Recei
     receive
 }
 
-/// Starts heapprofd and waits until its probes are attached: until it creates the
-/// `--ready-file` its command names ([`heapprofd`] names one). The lines it logs
-/// meanwhile are dropped; a heapprofd that exits first fails the test with them.
-pub fn start_heapprofd(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
+/// How a heapprofd's start ended, as [`wait_ready`] saw it.
+#[derive(Debug)]
+pub enum Start {
+    /// It created its `--ready-file`: its probes are attached and armed.
+    Ready,
+    /// It exited first.
+    Exited(std::process::ExitStatus),
+    /// Neither within the time given.
+    TimedOut,
+}
+
+/// Waits up to `within` until heapprofd `child` creates its `--ready-file` `ready`,
+/// or exits.
+pub fn wait_ready(child: &mut Child, ready: &Path, within: Duration) -> Start {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if ready.exists() {
+            return Start::Ready;
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            // It may have got ready just before it exited.
+            return if ready.exists() {
+                Start::Ready
+            } else {
+                Start::Exited(status)
+            };
+        }
+        if std::time::Instant::now() >= deadline {
+            return Start::TimedOut;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The `--ready-file` that `cmd` names ([`heapprofd`] names one), removed if an earlier
+/// run left it.
+pub fn ready_file_of(cmd: &Command) -> PathBuf {
     let ready = cmd
         .get_args()
         .skip_while(|arg| *arg != "--ready-file")
         .nth(1)
         .map(PathBuf::from)
-        .expect("start_heapprofd needs a command with --ready-file (see heapprofd())");
+        .expect("a heapprofd command with --ready-file (see heapprofd())");
     let _ = std::fs::remove_file(&ready);
+    ready
+}
+
+/// Starts heapprofd and waits until its probes are attached: until it creates the
+/// `--ready-file` its command names ([`heapprofd`] names one). The lines it logs
+/// meanwhile are dropped; a heapprofd that exits first fails the test with them.
+pub fn start_heapprofd(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
+    let ready = ready_file_of(cmd);
     let mut child = cmd
         .stderr(Stdio::piped())
         .spawn()
         .expect("starting heapprofd");
     let lines = forward_lines(child.stderr.take().expect("stderr"));
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let mut seen = Vec::new();
-    let failure = loop {
-        seen.extend(lines.try_iter());
-        if ready.exists() {
-            return (child, lines);
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            // The stderr reader ends at EOF, which follows the exit.
-            seen.extend(lines.iter());
-            break format!("heapprofd exited ({status}) before attaching");
-        }
-        if std::time::Instant::now() >= deadline {
-            break "heapprofd did not report attaching within 60 s".to_owned();
-        }
-        std::thread::sleep(Duration::from_millis(2));
+    let failure = match wait_ready(&mut child, &ready, Duration::from_secs(60)) {
+        Start::Ready => return (child, lines),
+        Start::Exited(status) => format!("heapprofd exited ({status}) before attaching"),
+        Start::TimedOut => "heapprofd did not report attaching within 60 s".to_owned(),
     };
     let _ = child.kill();
     let _ = child.wait();
+    // The stderr reader ends at EOF, which follows the exit.
+    let seen: Vec<String> = lines.iter().collect();
     panic!("{failure}; its log:\n{}", seen.join("\n"));
+}
+
+/// The `--stats-json` file of a heapprofd writing into `out`, beside it (a test that
+/// reads it adds `--stats-json` with this path).
+pub fn stats_file(out: &Path) -> PathBuf {
+    out.with_extension("stats.json")
+}
+
+/// The `--stats-json` file at `path`, which heapprofd writes at its exit.
+pub fn read_stats(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("heapprofd wrote no --stats-json {}: {e}", path.display()));
+    serde_json::from_str(&text).expect("--stats-json is JSON")
+}
+
+/// How the `--stats-json` at `path` says heapprofd joined its `--pid` target:
+/// `Ok(())` in-process (`injected`), or `Err(why not)` on the allocator's probes.
+pub fn joined_in_process(path: &Path) -> Result<(), String> {
+    let stats = read_stats(path);
+    let joined = &stats["joined"];
+    match joined["how"].as_str() {
+        Some("injected") => Ok(()),
+        Some("probes") => Err(joined["reason"]
+            .as_str()
+            .unwrap_or("no reason given")
+            .to_owned()),
+        _ => panic!(
+            "no `joined` in the --stats-json {}: {stats}",
+            path.display()
+        ),
+    }
 }
 
 /// Sends `signal` to our child `child`.

@@ -26,7 +26,7 @@ use std::{
     io::Write as _,
     path::{Path, PathBuf},
     process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{Context as _, Result, bail};
@@ -41,7 +41,10 @@ use self::{
     programs::{Programs, ensure_gxx, ensure_tracefs},
     summary::{SectionsJson, Summary, write_summary},
 };
-use crate::workspace_root;
+use crate::{
+    profiles_json::{self, Follower, Kind, Written},
+    workspace_root,
+};
 
 mod baselines;
 mod figures;
@@ -219,6 +222,11 @@ fn ready_file(stats: &Path) -> PathBuf {
     stats.with_extension("ready")
 }
 
+/// The `--profiles-json` of the heapprofd run writing its figures to `stats`.
+fn profiles_file(stats: &Path) -> PathBuf {
+    stats.with_extension("profiles.jsonl")
+}
+
 struct Bench {
     heapprofd: PathBuf,
     dir: PathBuf,
@@ -235,8 +243,9 @@ impl Bench {
         self.dir.join("stats").join(format!("{n}.json"))
     }
 
-    /// `heapprofd --pid PID` with `extra` flags, writing its figures to `stats` and
-    /// creating [`ready_file`] of it once its probes are on.
+    /// `heapprofd --pid PID` with `extra` flags, writing its figures to `stats`, a line
+    /// per profile to [`profiles_file`] of it, and creating [`ready_file`] of it once
+    /// its probes are on.
     fn heapprofd_command(&self, extra: &[&str], pid: u32, stats: &Path) -> Command {
         let mut command = Command::new(&self.heapprofd);
         command
@@ -246,6 +255,8 @@ impl Bench {
             .arg(stats)
             .arg("--ready-file")
             .arg(ready_file(stats))
+            .arg("--profiles-json")
+            .arg(profiles_file(stats))
             .args(extra)
             .args(["--pid", &pid.to_string()])
             .env("RUST_LOG", "info")
@@ -268,6 +279,7 @@ impl Bench {
             child,
             lines,
             log,
+            profiles: profiles_file(&stats),
             stats,
         })
     }
@@ -380,9 +392,9 @@ impl Bench {
             .context("heapprofd --bpf-stats wrote no BPF run time")
     }
 
-    /// Profile dumps with `stacks` distinct stacks: the first (cold symbolization) and
-    /// a later one (cached), with heapprofd's peak RSS.
-    fn dump_times(&self, program: &Path, stacks: u32) -> Result<(String, String, u64)> {
+    /// Profile dumps with `stacks` distinct stacks: the first interval profile holding
+    /// them all (cold symbolization) and the next (cached), with heapprofd's peak RSS.
+    fn dump_times(&self, program: &Path, stacks: u32) -> Result<(Written, Written, u64)> {
         let mut target = start_workload(
             Command::new(program)
                 .arg(stacks.to_string())
@@ -393,6 +405,7 @@ impl Bench {
             child,
             lines,
             mut log,
+            profiles,
             ..
         } = self.start_heapprofd(
             &[
@@ -415,31 +428,30 @@ impl Bench {
             .recv_timeout(Duration::from_secs(120))
             .context("the stacks workload did not finish allocating")?;
         // Two interval dumps with every stack: the first symbolizes, the second is cached.
-        let sites_of = |line: &str| -> Option<u32> {
-            let before = line.split(" sites,").next()?;
-            before.rsplit(' ').next()?.parse().ok()
-        };
+        let mut follower = Follower::new(&profiles);
         let mut dumps = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(180);
         while dumps.len() < 2 && Instant::now() < deadline {
-            if let Ok(line) = lines.recv_timeout(Duration::from_secs(1)) {
-                if line.contains(" wrote ") && sites_of(&line).is_some_and(|n| n >= stacks) {
-                    dumps.push(line.clone());
-                }
-                log.push(line);
-            }
+            dumps.extend(follower.new_lines()?.into_iter().filter(|written| {
+                written.kind == Kind::Interval && written.sites >= u64::from(stacks)
+            }));
+            log.extend(lines.try_iter());
+            std::thread::sleep(Duration::from_millis(50));
         }
         drop(stdin);
         target.wait()?;
         let (_, rss) = wait_with_usage(child.id())?;
-        if dumps.len() < 2 {
-            bail!(
-                "heapprofd did not write two profiles with {stacks} sites:\n{}",
-                log.join("\n")
-            );
+        let mut dumps = dumps.into_iter();
+        match (dumps.next(), dumps.next()) {
+            (Some(first), Some(next)) => Ok((first, next, rss)),
+            _ => {
+                log.extend(lines.try_iter());
+                bail!(
+                    "heapprofd did not write two profiles with {stacks} sites:\n{}",
+                    log.join("\n")
+                )
+            }
         }
-        let timing = |line: &str| line.rsplit("; ").next().unwrap_or(line).to_owned();
-        Ok((timing(&dumps[0]), timing(&dumps[1]), rss))
     }
 
     /// Shutdown with `--attach METHOD`: (end-to-end seconds of `heapprofd -- true`,
@@ -464,19 +476,29 @@ impl Bench {
             child,
             lines,
             mut log,
+            profiles,
             ..
         } = self.start_heapprofd(
             &["--interval", "1h", "--inject", "off", "--attach", method],
             target.id(),
         )?;
         interrupt(&child);
-        wait_for_line(&lines, " wrote ", &mut log)?;
-        let written = Instant::now();
         wait_with_usage(child.id())?;
-        let after_write = written.elapsed().as_secs_f64();
+        let exited = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .context("the clock is before 1970")?
+            .as_secs_f64();
         send_go(&mut target)?;
         target.wait()?;
-        Ok((end_to_end, after_write))
+        let written = profiles_json::read(&profiles)?;
+        let Some(last) = written.iter().find(|written| written.kind == Kind::Final) else {
+            log.extend(lines.try_iter());
+            bail!(
+                "heapprofd --attach {method} wrote no final profile:\n{}",
+                log.join("\n")
+            );
+        };
+        Ok((end_to_end, (exited - last.unix_time).max(0.0)))
     }
 
     /// heapprofd's own CPU share over a long churn at the default 10 s interval.

@@ -233,6 +233,8 @@ pub(super) struct Daemon {
     pub(super) log: Vec<String>,
     /// Where it writes its figures at exit (`--stats-json`).
     pub(super) stats: PathBuf,
+    /// Where it appends a line per profile written (`--profiles-json`).
+    pub(super) profiles: PathBuf,
 }
 
 /// CPU seconds (user + system) of process `pid` so far.

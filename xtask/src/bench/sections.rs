@@ -53,23 +53,16 @@ pub(super) fn dumps(
         for _ in 0..runs {
             timed.push(bench.dump_times(stacks, count)?);
         }
-        let ms = |timing: &str| -> f64 {
-            timing
-                .split(" ms")
-                .next()
-                .and_then(|n| n.trim().parse().ok())
-                .unwrap_or(f64::NAN)
-        };
-        let first = spread(&timed.iter().map(|r| ms(&r.0)).collect::<Vec<_>>());
-        let cached = spread(&timed.iter().map(|r| ms(&r.1)).collect::<Vec<_>>());
+        let first = spread(&timed.iter().map(|r| r.0.dump_ms).collect::<Vec<_>>());
+        let cached = spread(&timed.iter().map(|r| r.1.dump_ms).collect::<Vec<_>>());
         let rss = spread(
             &timed
                 .iter()
                 .map(|r| r.2 as f64 / 1024.0)
                 .collect::<Vec<_>>(),
         );
-        timed.sort_by(|a, b| ms(&a.0).total_cmp(&ms(&b.0)));
-        let median_run = &timed[timed.len() / 2];
+        timed.sort_by(|a, b| a.0.dump_ms.total_cmp(&b.0.dump_ms));
+        let median_first = timed[timed.len() / 2].0.describe_times();
         let _ = writeln!(
             text,
             "{count:>7} stacks: first dump {:.0} ms ({:.0}-{:.0}); next dump {:.0} ms ({:.0}-{:.0}); heapprofd peak RSS {:.1} MiB ({:.1}-{:.1})\n         median first dump: {}",
@@ -82,7 +75,7 @@ pub(super) fn dumps(
             rss.median,
             rss.min,
             rss.max,
-            median_run.0
+            median_first
         );
         json_dumps.push(json!({
             "stacks": count,
@@ -90,7 +83,7 @@ pub(super) fn dumps(
             "first_dump_ms": number(first.median),
             "cached_dump_ms": number(cached.median),
             "daemon_peak_rss_mib": number(rss.median),
-            "median_first_dump": median_run.0,
+            "median_first_dump": median_first,
         }));
     }
     Ok(json_dumps)

@@ -32,7 +32,7 @@ use self::{
     images::{Image, Images, SpaceNumbers},
     memory::MemoryRecords,
 };
-use super::{DropLog, DumpTimes, ProfileToWrite, column_totals, write_profile};
+use super::{Contents, DropLog, DumpTimes, ProfileToWrite, Written, column_totals, write_profile};
 use crate::{
     aggregate::{Maps, Site, stacks::NodeMarks},
     allocators::{AllocatorProbes, ProcessView},
@@ -585,8 +585,8 @@ impl UserSession {
         log::debug!("{left} threads with allocator call state");
     }
 
-    /// Writes one profile of everything counted so far; returns its path.
-    pub fn dump(&mut self) -> Result<PathBuf> {
+    /// Writes one profile of everything counted so far; returns what it wrote.
+    pub fn dump(&mut self) -> Result<Written> {
         let started = Instant::now();
         let mut sites = self.maps.read_sites()?;
         self.retire_replaced_images(&mut sites)?;
@@ -616,23 +616,28 @@ impl UserSession {
             metrics.as_mut(),
             || self.metrics_snapshot(&sites, &drops),
             || {
-                let totals: [u64; 4] = column_totals(
-                    sites
-                        .iter()
-                        .map(|site| site.values(self.config.sample_rate)),
-                );
-                format!(
-                    "{} sites, {} blocks / {} bytes allocated, {} blocks / {} bytes in use",
-                    sites.len(),
-                    totals[0],
-                    totals[1],
-                    totals[2],
-                    totals[3],
-                )
+                let [allocated_blocks, allocated_bytes, inuse_blocks, inuse_bytes]: [u64; 4] =
+                    column_totals(
+                        sites
+                            .iter()
+                            .map(|site| site.values(self.config.sample_rate)),
+                    );
+                Contents {
+                    sites: sites.len(),
+                    allocated_blocks,
+                    allocated_bytes,
+                    inuse_blocks,
+                    inuse_bytes,
+                    words: format!(
+                        "{} sites, {allocated_blocks} blocks / {allocated_bytes} bytes allocated, \
+                         {inuse_blocks} blocks / {inuse_bytes} bytes in use",
+                        sites.len(),
+                    ),
+                }
             },
         );
         self.metrics = metrics;
-        let path = result?;
+        let written = result?;
         if let Some(stats) = &self.run_time_stats
             && self.config.bpf_stats
         {
@@ -649,7 +654,7 @@ impl UserSession {
                 self.logged_usage = usage;
             }
         }
-        Ok(path)
+        Ok(written)
     }
 
     /// The stack lookups (with `--bpf-stats`; `None` if they cannot be read) and the
