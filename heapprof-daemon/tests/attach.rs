@@ -266,12 +266,13 @@ fn launch_mode_beside_an_all_session_keeps_its_stacks() {
     let _serial = serial();
     let dir = scratch();
     let binary = compile(dir.path(), "busy", "busy", &["-O2"]);
-    let (mut all_session, all_log) =
+    let (all_session, all_log) =
         start_heapprofd(heapprofd(&dir.path().join("all-profiles")).args([
             "--interval",
             "1h",
             "--all",
         ]));
+    let mut all_session = common::KillOnDrop(all_session);
     let out = dir.path().join("profiles");
     let (mut launched, launched_log) = start_heapprofd(
         heapprofd(&out)
@@ -295,8 +296,8 @@ fn launch_mode_beside_an_all_session_keeps_its_stacks() {
         "heapprofd exits with the command's status; its log:\n{}",
         lines.join("\n")
     );
-    signal(&all_session, libc::SIGINT);
-    wait_success(&mut all_session, &all_log, "the --all session");
+    signal(&all_session.0, libc::SIGINT);
+    wait_success(&mut all_session.0, &all_log, "the --all session");
     let profile = last_profile(&out);
     let samples = samples(&profile);
     for function in ["busy_0", "busy_1"] {

@@ -566,3 +566,17 @@ pub fn go_pprof_top(profile: &Path, sample_index: &str) -> String {
     );
     String::from_utf8_lossy(&output.stdout).into_owned()
 }
+
+/// A heapprofd that is killed if the test ends (or panics) while it still runs: an
+/// `--all` session left behind would trap every process of the machine, and break the
+/// tests that follow (valgrind's stop at its breakpoints).
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
