@@ -145,6 +145,7 @@ fn start_user(
         placement: cli.probe_placement,
         method,
         pid,
+        sampled: sample_rate > 0,
     };
     if let Some(name) = duplicate(&settings.custom) {
         bail!("--allocator names {name} twice; give each function once");
