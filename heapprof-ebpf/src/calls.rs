@@ -41,6 +41,7 @@
 //!   caller's next call or push overwrites that word; a later frame that leaves it
 //!   untouched would have to place a call from the allocator's object within a
 //!   kilobyte below it.
+//!
 //! Anything else ends it, as any entry ends an abandoned call. It counts nothing: the
 //! thread's last block is cleared at the entry, as an unsampled call's return did.
 //!

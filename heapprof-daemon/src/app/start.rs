@@ -392,7 +392,8 @@ fn log_sampling(sample_rate: u64, preloading: bool) {
         log::info!(
             "sampling about one allocation per {sample_rate} bytes: every allocator call \
              still traps into the kernel, where the probes decide; sampling saves the stack \
-             walk and table updates of the calls it skips, not the traps"
+             walk and table updates of the calls it skips, and their return trap where the \
+             kernel has uprobe session links (said below)"
         );
     }
 }
