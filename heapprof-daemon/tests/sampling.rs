@@ -84,7 +84,10 @@ fn relayed_bytes(rate: Option<&str>) -> (i64, serde_json::Value) {
 /// Whether this kernel has uprobe session links (6.12+) and heapprofd uses them here.
 fn session_links_expected() -> bool {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-    let mut parts = release.trim().split(['.', '-']).map(|p| p.parse::<u32>().unwrap_or(0));
+    let mut parts = release
+        .trim()
+        .split(['.', '-'])
+        .map(|p| p.parse::<u32>().unwrap_or(0));
     let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
     cfg!(target_arch = "x86_64") && version >= (6, 12)
 }
@@ -108,7 +111,10 @@ fn sampled_bytes_on_the_probes_count_forwarded_calls_once() {
     if session_links_expected() {
         assert_eq!(session_links, true, "this kernel has uprobe session links");
     } else {
-        assert_ne!(session_links, true, "session links on a kernel without them");
+        assert_ne!(
+            session_links, true,
+            "session links on a kernel without them"
+        );
     }
 }
 

@@ -137,8 +137,9 @@ pub fn load_bpf_object(
         .map_max_entries(kernel_names::COMMS, 1)
         .load(BPF_OBJECT)
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")?;
-    // Sampled: the uprobe session program, while every map is still in `ebpf`.
-    if sample_rate > 0 && !unwind.empty_programs {
+    // Sampled: the uprobe session program, while every map is still in `ebpf`. x86-64
+    // only: there an unsampled call's frame is known by its return address's slot.
+    if cfg!(target_arch = "x86_64") && sample_rate > 0 && !unwind.empty_programs {
         session::prepare(BPF_OBJECT, &ebpf);
     }
     Ok(ebpf)
