@@ -275,14 +275,29 @@ pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
     if empty_programs() {
         return 0;
     }
-    let ctx = ProbeContext::new(ctx);
-    let (ip, _) = regs::at_entry(&ctx);
+    let (ip, _) = regs::at_entry(&ProbeContext::new(ctx));
     // SAFETY: the helper reads the probe's address from the program's run context.
-    if ip != unsafe { bpf_get_func_ip(ctx.as_ptr()) } {
-        on_return(&RetProbeContext::new(ctx.as_ptr()));
+    if ip != unsafe { bpf_get_func_ip(ctx) } {
+        session_return(ctx);
         return 0;
     }
+    session_entry(ctx)
+}
+
+/// [`entry_session`] at an entry: 1 when the return has nothing to do. A function of
+/// its own (a BPF-to-BPF call), as is [`session_return`]: the two paths inlined in one
+/// frame would exceed the 512 bytes of stack the verifier allows a chain of calls
+/// before 6.18 ("combined stack size of 3 calls is 560" on 6.12).
+#[inline(never)]
+fn session_entry(ctx: *mut core::ffi::c_void) -> u32 {
+    let ctx = ProbeContext::new(ctx);
     u32::from(!on_entry(&ctx, cookie_slot(&ctx)))
+}
+
+/// [`entry_session`] at a return.
+#[inline(never)]
+fn session_return(ctx: *mut core::ffi::c_void) {
+    on_return(&RetProbeContext::new(ctx));
 }
 
 #[uretprobe]
