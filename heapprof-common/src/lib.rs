@@ -127,7 +127,7 @@ pub struct ProbeSpec {
     /// adds them back. Such a function's return probes sit on its exits.
     pub sp_adjust: u32,
     /// Nonzero when the function's entry and return run one program through a uprobe
-    /// session link (`BPF_TRACE_UPROBE_SESSION`, Linux 6.12+), whose entry may skip the
+    /// session link (`BPF_TRACE_UPROBE_SESSION`, Linux 6.13+), whose entry may skip the
     /// return of a call it does not record (an unsampled allocation, a nested call).
     /// Set only for plain allocation functions (not resizes, not out-pointers, not
     /// `--allocator` ones) on x86-64, where a skipped call's frame can be recognised

@@ -74,7 +74,7 @@ pub struct RunStats {
     /// Probes placed where the kernel single-steps them (each logged as a warning).
     pub single_stepped_probes: usize,
     /// Sampled user mode with multi-uprobe links: whether the allocators were attached
-    /// through uprobe session links (Linux 6.12+; unsampled allocations then skip their
+    /// through uprobe session links (Linux 6.13+; unsampled allocations then skip their
     /// return probe), `false` when the kernel refused them; `None` when not tried.
     pub session_links: Option<bool>,
     /// `--bpf-stats`: the programs' run time since they were loaded; `None` without it.

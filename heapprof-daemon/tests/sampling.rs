@@ -81,7 +81,7 @@ fn relayed_bytes(rate: Option<&str>) -> (i64, serde_json::Value) {
     (bytes, json["session_links"].clone())
 }
 
-/// Whether this kernel has uprobe session links (6.12+) and heapprofd uses them here.
+/// Whether this kernel has uprobe session links (6.13+) and heapprofd uses them here.
 fn session_links_expected() -> bool {
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let mut parts = release
@@ -89,7 +89,7 @@ fn session_links_expected() -> bool {
         .split(['.', '-'])
         .map(|p| p.parse::<u32>().unwrap_or(0));
     let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
-    cfg!(target_arch = "x86_64") && version >= (6, 12)
+    cfg!(target_arch = "x86_64") && version >= (6, 13)
 }
 
 /// On the probes, sampled: an unsampled call's return is skipped through a session

@@ -4,7 +4,7 @@
 //! the attach cookie (a [`ProbeSlot`]) whose [`ProbeSpec`] says what the function does
 //! and where its arguments are. Kernels with multi-uprobe links (6.6+) attach it once
 //! per object; older ones one perf event per function. Both forms run [`on_entry`].
-//! Sampled sessions on kernels with uprobe session links (6.12+) attach
+//! Sampled sessions on kernels with uprobe session links (6.13+) attach
 //! [`entry_session`] instead, one program for the entries and the returns, whose entry
 //! skips the return probe of the calls it does not record.
 
@@ -256,7 +256,7 @@ pub fn entry_multi(ctx: ProbeContext) -> u32 {
 }
 
 /// The entries and returns of an object's functions through one uprobe session link
-/// (`BPF_TRACE_UPROBE_SESSION`, Linux 6.12+; sampled sessions only). The kernel runs
+/// (`BPF_TRACE_UPROBE_SESSION`, Linux 6.13+; sampled sessions only). The kernel runs
 /// it at a call's entry and, unless the entry returned nonzero, again at its return.
 /// A return is told from an entry by the instruction pointer: at an entry it is the
 /// probe's address (`bpf_get_func_ip`, which a session program gets at both), at a

@@ -1,4 +1,4 @@
-//! Uprobe session links (`BPF_TRACE_UPROBE_SESSION`, Linux 6.12+) for sampled sessions.
+//! Uprobe session links (`BPF_TRACE_UPROBE_SESSION`, Linux 6.13+) for sampled sessions.
 //!
 //! A session link runs one program at a probed function's entry and, unless the entry
 //! returned nonzero, at its return: the entry program decides per call whether the
@@ -36,7 +36,7 @@ const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_LINK_CREATE: libc::c_long = 28;
 /// `BPF_PROG_TYPE_KPROBE` (uapi `enum bpf_prog_type`): uprobe programs are of this type.
 const BPF_PROG_TYPE_KPROBE: u32 = 2;
-/// `BPF_TRACE_UPROBE_SESSION` (uapi `enum bpf_attach_type`, Linux 6.12+).
+/// `BPF_TRACE_UPROBE_SESSION` (uapi `enum bpf_attach_type`, Linux 6.13+).
 const BPF_TRACE_UPROBE_SESSION: u32 = 57;
 /// Bytes of verifier log kept when a load fails.
 const LOG_SIZE: usize = 1 << 20;
@@ -198,7 +198,7 @@ fn prepare_program(object: &[u8], ebpf: &Ebpf, name: &str) -> Result<Prepared, R
     // The maps as parsed (relocation borrows them while it changes a second copy).
     let parsed = parse()?;
     let mut obj = parse()?;
-    // Session links exist from 6.12 on, which has every BTF kind aya would sanitize.
+    // Session links exist from 6.13 on, which has every BTF kind aya would sanitize.
     let btf = obj
         .fixup_and_sanitize_btf(|| Some(|_| true))
         .map_err(|err| fault(format!("preparing the object's BTF: {err}")))?
