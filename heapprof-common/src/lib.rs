@@ -126,6 +126,13 @@ pub struct ProbeSpec {
     /// spot (arm64: a probe placed after `stp x29, x30, [sp, #-N]!`); the entry program
     /// adds them back. Such a function's return probes sit on its exits.
     pub sp_adjust: u32,
+    /// Nonzero when the function's entry and return run one program through a uprobe
+    /// session link (`BPF_TRACE_UPROBE_SESSION`, Linux 6.13+), whose entry may skip the
+    /// return of a call it does not record (an unsampled allocation, a nested call).
+    /// Set only for plain allocation functions (not resizes, not out-pointers, not
+    /// `--allocator` ones) on x86-64, where a skipped call's frame can be recognised
+    /// by its return address ([`InFlight::return_address`]).
+    pub session: u32,
 }
 
 /// Per-thread state of the allocator call in progress, keyed by `pid_tgid`.
@@ -158,7 +165,9 @@ pub struct InFlight {
     /// function that a nested call jumps to (a tail call) enters at the same stack
     /// pointer, with a return address a return probe may have replaced.
     pub nested_sp: u64,
-    /// 1 while the call is in progress, 0 once it returned (or was found abandoned).
+    /// [`CALL_ACTIVE`] while the call is in progress, [`CALL_DONE`] once it returned (or
+    /// was found abandoned), [`CALL_UNRECORDED`] for an unsampled call whose return a
+    /// session link skips (see [`InFlight::return_address`]).
     pub active: u32,
     /// The called function's [`ProbeSlot`].
     pub slot: u32,
@@ -171,7 +180,27 @@ pub struct InFlight {
     /// The block of the thread's last allocation, until it is freed or the thread
     /// allocates again (0: none): a free of it is a temporary allocation's.
     pub last_block: u64,
+    /// [`CALL_UNRECORDED`]: the call's return address, read at its entry (x86-64: the
+    /// word at `entry_sp`). No return probe says when such a call ends, so a later
+    /// probe hit is taken as nested in it only while that word is still there (the
+    /// call's frame is live), and as its tail call only with that same return address.
+    pub return_address: u64,
 }
+
+/// [`InFlight::active`]: no call in progress.
+pub const CALL_DONE: u32 = 0;
+/// [`InFlight::active`]: a call in progress whose return probe will complete it.
+pub const CALL_ACTIVE: u32 = 1;
+/// [`InFlight::active`]: an unsampled call whose return probe was skipped (uprobe
+/// session links): it counts nothing, and matters only to tell its nested and tail
+/// calls, which must not be taken for the user's, while its frame is live.
+pub const CALL_UNRECORDED: u32 = 2;
+
+/// How deep below an unsampled call whose return was skipped ([`CALL_UNRECORDED`]) a
+/// call can still be nested in it: the known allocators' functions that call another
+/// probed function (mimalloc's `mi_new` calling `mi_malloc`) do so from a frame or two
+/// down.
+pub const MAX_UNRECORDED_NESTING_SPAN: u64 = 1 << 10;
 
 /// A thread's call record in `IN_FLIGHT_SLOTS`, the array slot its thread id picks
 /// (the id modulo the array's size), with the thread owning it (0: free). A thread

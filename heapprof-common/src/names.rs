@@ -128,3 +128,6 @@ pub const PROG_ENTRY: &str = "entry";
 pub const PROG_ENTRY_MULTI: &str = "entry_multi";
 /// The multi-uprobe form of [`PROG_ALLOC_RETURN`].
 pub const PROG_ALLOC_RETURN_MULTI: &str = "alloc_return_multi";
+/// The uprobe session program (sampled sessions, Linux 6.13+): an object's entries and
+/// returns in one link, loaded by the daemon itself with the session attach type.
+pub const PROG_ENTRY_SESSION: &str = "entry_session";

@@ -148,7 +148,9 @@ pub struct Cli {
     /// library decides in the process, so skipped calls cost nothing; in attach mode (and
     /// with --preload off) every allocator call still traps into the kernel (the probes
     /// decide in there): sampling saves the stack walk and table updates of the calls it
-    /// skips, about half of heapprofd's cost, not the traps. With --kernel the tracepoint
+    /// skips, about half of heapprofd's cost, and, on Linux 6.13+ (uprobe session links,
+    /// x86-64), the return trap of the allocations it skips; the entry traps stay. With
+    /// --kernel the tracepoint
     /// programs decide before taking the stack, and frees are matched for the sampled
     /// objects only.
     #[arg(long, value_name = "BYTES", value_parser = parse_sample_rate)]

@@ -113,6 +113,10 @@ pub struct RunStats {
     pub kernel_memory: KernelMemory,
     /// Probes placed where the kernel single-steps them (each logged as a warning).
     pub single_stepped_probes: usize,
+    /// Sampled user mode with multi-uprobe links: whether the allocators were attached
+    /// through uprobe session links (Linux 6.13+; unsampled allocations then skip their
+    /// return probe), `false` when the kernel refused them; `None` when not tried.
+    pub session_links: Option<bool>,
     /// `--bpf-stats`: the programs' run time since they were loaded; `None` without it.
     pub bpf_run_time: Option<BpfRunTime>,
     /// `--bpf-stats`, user mode: how the stacks of the allocations were looked up.
@@ -401,6 +405,7 @@ mod tests {
                 },
             ]),
             single_stepped_probes: 0,
+            session_links: Some(true),
             bpf_run_time: None,
             stack_lookups: Some(
                 StackLookups {
@@ -432,5 +437,6 @@ mod tests {
         assert_eq!(value["stack_lookups"]["remembered"], 5);
         assert_eq!(value["unwind_tables"]["objects"], 3);
         assert_eq!(value["unwind_tables"]["build_ms"], 0);
+        assert_eq!(value["session_links"], true);
     }
 }

@@ -77,7 +77,7 @@ const MAPS: [(&str, &str); 39] = constants![
 
 /// The constants that name programs (the kernel-mode tracepoint programs are named by
 /// [`KernelEvent::name`]).
-const PROGRAMS: [(&str, &str); 20] = constants![
+const PROGRAMS: [(&str, &str); 21] = constants![
     names::PROG_EXEC,
     names::PROG_LOADER_STATE_MULTI,
     names::PROG_LOADER_STATE,
@@ -90,6 +90,7 @@ const PROGRAMS: [(&str, &str); 20] = constants![
     names::PROG_ENTRY,
     names::PROG_ENTRY_MULTI,
     names::PROG_ALLOC_RETURN_MULTI,
+    names::PROG_ENTRY_SESSION,
     kernel_names::PROG_RCU_FREE,
     kernel_names::PROG_BULK_FREE,
     kernel_names::PROG_RCU_FREE_KPROBE,

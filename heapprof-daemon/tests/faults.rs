@@ -29,6 +29,7 @@ fn program_names() -> Vec<&'static str> {
         names::PROG_ENTRY_MULTI,
         names::PROG_ALLOC_RETURN,
         names::PROG_ALLOC_RETURN_MULTI,
+        names::PROG_ENTRY_SESSION,
         names::PROG_LOADER_STATE,
         names::PROG_LOADER_STATE_MULTI,
         names::PROG_EXEC,

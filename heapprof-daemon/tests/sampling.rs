@@ -55,6 +55,69 @@ fn sampled_totals_are_close_to_exact_ones() {
     );
 }
 
+/// Allocated bytes of relay.c's sites (`relay` in the stack) on the allocator's probes
+/// (`--preload off`), exact and at `rate`, and the run's `session_links`.
+fn relayed_bytes(rate: Option<&str>) -> (i64, serde_json::Value) {
+    let dir = scratch();
+    let program = compile(dir.path(), "relay", "relay", &["-O1"]);
+    let out = dir.path().join("profiles");
+    let stats = dir.path().join("stats.json");
+    let mut command = heapprofd(&out);
+    if let Some(rate) = rate {
+        command.args(["--sample-rate", rate]);
+    }
+    run_ok(
+        command
+            .args(["--preload", "off", "--stats-json"])
+            .arg(&stats)
+            .arg("--")
+            .arg(&program)
+            .arg("20000"),
+    );
+    let samples = samples(&last_profile(&out));
+    let [_, bytes, _, _] = totals(&samples, |s| s.stack.iter().any(|f| f == "relay"));
+    let text = std::fs::read_to_string(&stats).expect("heapprofd wrote no --stats-json");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
+    (bytes, json["session_links"].clone())
+}
+
+/// Whether this kernel has uprobe session links (6.13+) and heapprofd uses them here.
+fn session_links_expected() -> bool {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release
+        .trim()
+        .split(['.', '-'])
+        .map(|p| p.parse::<u32>().unwrap_or(0));
+    let version = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    cfg!(target_arch = "x86_64") && version >= (6, 13)
+}
+
+/// On the probes, sampled: an unsampled call's return is skipped through a session
+/// link, and the calls its function forwards to (glibc's memalign jumping to malloc)
+/// must not be drawn a second time, nor strdup's malloc be missed. 22.9 MB are
+/// allocated, about 22,000 samples at 1 KiB: 5% is several standard deviations.
+#[test]
+fn sampled_bytes_on_the_probes_count_forwarded_calls_once() {
+    require_root();
+    let (exact, _) = relayed_bytes(None);
+    assert_eq!(exact, 20_000 * (200 + 300 + 500 + 44 + 100), "exact bytes");
+    let (sampled, session_links) = relayed_bytes(Some("1KiB"));
+    let error = (sampled - exact).abs() as f64 / exact as f64;
+    assert!(
+        error <= 0.05,
+        "sampled estimate {sampled} is {:.1}% from the exact {exact}",
+        error * 100.0
+    );
+    if session_links_expected() {
+        assert_eq!(session_links, true, "this kernel has uprobe session links");
+    } else {
+        assert_ne!(
+            session_links, true,
+            "session links on a kernel without them"
+        );
+    }
+}
+
 /// The programs that ran in a launched run of family.c (4 threads, each waking the
 /// others through futexes), from `--stats-json` with `--bpf-stats`: name to runs.
 fn programs_that_ran(rate: Option<&str>) -> std::collections::BTreeMap<String, u64> {

@@ -29,12 +29,31 @@
 //! - **free below the recorded entry, from the allocator's code:** realloc's internal
 //!   free, not counted (the realloc is).
 //!
+//! **Unsampled calls through a session link** (`ProbeSpec::session`, sampling only):
+//! the entry skips the return of a plain allocation it does not sample, so no return
+//! says when the call ends. Its record stays as [`CALL_UNRECORDED`], with the call's
+//! return address, and only to recognise what happens inside it:
+//! - an entry at the same stack pointer, with the same arguments and return address,
+//!   of another function is its tail call (glibc's `memalign` jumping to `malloc`);
+//! - an entry or free a little below it ([`MAX_UNRECORDED_NESTING_SPAN`]), called from
+//!   the recorded call's object, is nested in it **if the call's return address is
+//!   still in its slot**: the call's frame is live. Once the call has returned, its
+//!   caller's next call or push overwrites that word; a later frame that leaves it
+//!   untouched would have to place a call from the allocator's object within a
+//!   kilobyte below it.
+//!
+//! Anything else ends it, as any entry ends an abandoned call. It counts nothing: the
+//! thread's last block is cleared at the entry, as an unsampled call's return did.
+//!
 //! Besides, the programs stay inert until the daemon has attached every probe (the
 //! `CONTROL` flag), so that attaching to a busy process starts with whole calls only,
 //! and a thread's record is removed when the thread exits.
 
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
-use heapprof_common::{DropReason, InFlight, MAX_NESTING_SPAN, ProbeSlot, ProbeSpec};
+use heapprof_common::{
+    CALL_ACTIVE, CALL_DONE, CALL_UNRECORDED, DropReason, InFlight, MAX_NESTING_SPAN,
+    MAX_UNRECORDED_NESTING_SPAN, NO_REGISTER, ProbeRole, ProbeSlot, ProbeSpec,
+};
 
 use crate::{
     maps::{EXEC_GEN, armed, count_drop, ignored, probe_spec},
@@ -86,12 +105,47 @@ fn nested(ctx: &ProbeContext, sp: u64, state: &mut InFlight) -> bool {
     false
 }
 
-/// An allocator function's entry probe in thread `tid`: records the call if it is the
-/// user's.
+/// Whether an entry (`call`, or a free: `None`) at `sp` is inside the unsampled call
+/// recorded in `state` ([`CALL_UNRECORDED`]; see the module documentation).
 #[inline(always)]
-pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) {
+fn inside_unrecorded(
+    ctx: &ProbeContext,
+    sp: u64,
+    call: Option<&Call>,
+    state: &mut InFlight,
+) -> bool {
+    if sp == state.entry_sp {
+        // A tail call forwards the arguments to another function, returning where the
+        // unsampled call returns. A new call from the same frame after the unsampled
+        // one returned has its own return address, or is the same function again.
+        return call.is_some_and(|call| {
+            call.slot != state.slot
+                && call.size == state.size
+                && call.old_ptr == state.old_ptr
+                && regs::return_address_at_entry(ctx, sp) == state.return_address
+        });
+    }
+    if sp > state.entry_sp || state.entry_sp - sp > MAX_UNRECORDED_NESTING_SPAN {
+        return false;
+    }
+    if sp != state.nested_sp && !called_by_recorded_object(ctx, sp, state) {
+        return false;
+    }
+    // The unsampled call's frame is live while its return address is in its slot.
+    if regs::return_address_at_entry(ctx, state.entry_sp) != state.return_address {
+        return false;
+    }
+    state.nested_sp = sp;
+    true
+}
+
+/// An allocator function's entry probe in thread `tid`: records the call if it is the
+/// user's. Returns whether the call's return probe has anything to do: a session link
+/// (`spec.session`) then skips the return of the calls it has not.
+#[inline(always)]
+pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool {
     if ignored(tid) || !armed() {
-        return;
+        return false;
     }
     let (ip, sp) = regs::at_entry(ctx);
     // The stack pointer at the function's entry, before the pushes the probe follows.
@@ -104,16 +158,26 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) {
         let state = unsafe { &mut *state };
         exec_gen = state.exec_gen;
         last_block = state.last_block;
-        if state.active != 0 {
+        if state.active == CALL_ACTIVE {
             if sp == state.entry_sp {
                 if call.size == state.size && call.old_ptr == state.old_ptr {
-                    return; // a tail call forwarding the recorded call's arguments
+                    return false; // a tail call forwarding the recorded call's arguments
                 }
             } else if nested(ctx, sp, state) {
-                return;
+                return false;
             }
+        } else if state.active == CALL_UNRECORDED && inside_unrecorded(ctx, sp, Some(&call), state)
+        {
+            return false;
         }
     }
+    let sampled = sampled(call.size);
+    // A plain allocation through a session link that is not sampled: its return has
+    // nothing to count (an unsampled return only cleared the thread's last block).
+    let unrecorded = !sampled
+        && spec.session != 0
+        && spec.role == ProbeRole::Alloc as u32
+        && spec.out_reg == NO_REGISTER;
     let state = InFlight {
         size: call.size,
         old_ptr: call.old_ptr,
@@ -121,11 +185,20 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) {
         entry_sp: sp,
         object_base: ip.wrapping_sub(spec.probe_offset),
         nested_sp: 0,
-        active: 1,
+        active: if unrecorded {
+            CALL_UNRECORDED
+        } else {
+            CALL_ACTIVE
+        },
         slot: call.slot,
-        sampled: sampled(call.size) as u32,
+        sampled: sampled as u32,
         exec_gen,
-        last_block,
+        last_block: if unrecorded { 0 } else { last_block },
+        return_address: if unrecorded {
+            regs::return_address_at_entry(ctx, sp)
+        } else {
+            0
+        },
     };
     match existing {
         // SAFETY: as above.
@@ -142,6 +215,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) {
             }
         }
     }
+    !unrecorded
 }
 
 /// The shared return probe: the recorded call, if this is its return.
@@ -150,7 +224,7 @@ pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
     let state = threads::record(pid_tgid)?;
     // SAFETY: this thread's own entry.
     let state = unsafe { &mut *state };
-    if state.active == 0 {
+    if state.active != CALL_ACTIVE {
         return None; // a call that entered before the probes were armed
     }
     let (_, _, sp) = regs::at_return(ctx);
@@ -158,11 +232,11 @@ pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
     if sp != expected {
         if sp > expected {
             // The recorded call's frame is gone: its return was missed.
-            state.active = 0;
+            state.active = CALL_DONE;
         }
         return None; // a nested call's return, or one whose entry was not seen
     }
-    state.active = 0;
+    state.active = CALL_DONE;
     let call = *state;
     // The thread allocates again: its last block, if still in use, was not temporary.
     state.last_block = 0;
@@ -198,15 +272,20 @@ pub fn free_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64, ptr: u64) 
     };
     // SAFETY: this thread's own entry.
     let state = unsafe { &mut *state };
-    if state.active != 0 {
+    if state.active != CALL_DONE {
         let (_, sp) = regs::at_entry(ctx);
         let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
-        if nested(ctx, sp, state) {
+        let inside = if state.active == CALL_ACTIVE {
+            nested(ctx, sp, state)
+        } else {
+            inside_unrecorded(ctx, sp, None, state)
+        };
+        if inside {
             return FreeCall::Nested;
         }
         if sp >= state.entry_sp {
             // A call from the recorded call's frame or above: the recorded call is over.
-            state.active = 0;
+            state.active = CALL_DONE;
         }
     }
     if ptr != 0 && state.last_block == ptr {
@@ -227,7 +306,8 @@ pub fn report_is_nested(pid_tgid: u64, ra: u64, sp: u64) -> bool {
     };
     // SAFETY: this thread's own entry.
     let state = unsafe { &*state };
-    if state.active == 0 || sp >= state.entry_sp || state.entry_sp - sp > MAX_NESTING_SPAN {
+    if state.active != CALL_ACTIVE || sp >= state.entry_sp || state.entry_sp - sp > MAX_NESTING_SPAN
+    {
         return false;
     }
     let Some(spec) = probe_spec(state.slot) else {
@@ -244,7 +324,7 @@ pub fn exec(pid_tgid: u64, exec_gen: u32) {
     if let Some(state) = threads::record(pid_tgid) {
         // SAFETY: this thread's own entry.
         unsafe {
-            (*state).active = 0;
+            (*state).active = CALL_DONE;
             (*state).exec_gen = exec_gen;
         }
     }

@@ -55,7 +55,7 @@ pub fn forget(pid_tgid: u64) {
         // SAFETY: as in `record`; the slot is given up with an atomic store.
         unsafe {
             if core::ptr::read_volatile(&raw const (*slot).owner) == pid_tgid {
-                (*slot).state.active = 0;
+                (*slot).state.active = heapprof_common::CALL_DONE;
                 exchange(&raw mut (*slot).owner, 0);
                 return;
             }

@@ -4,11 +4,14 @@
 //! the attach cookie (a [`ProbeSlot`]) whose [`ProbeSpec`] says what the function does
 //! and where its arguments are. Kernels with multi-uprobe links (6.6+) attach it once
 //! per object; older ones one perf event per function. Both forms run [`on_entry`].
+//! Sampled sessions on kernels with uprobe session links (6.13+) attach
+//! [`entry_session`] instead, one program for the entries and the returns, whose entry
+//! skips the return probe of the calls it does not record.
 
 use aya_ebpf::{
     EbpfContext as _,
     helpers::{
-        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_probe_read_user,
+        bpf_get_attach_cookie, bpf_get_current_pid_tgid, bpf_get_func_ip, bpf_probe_read_user,
         bpf_send_signal_thread,
     },
     macros::{raw_tracepoint, tracepoint, uprobe, uretprobe},
@@ -86,23 +89,24 @@ fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) -> bool {
 }
 
 /// The entry probe of the function in `slot`: free's accounting, or the call matching.
-/// The thread's id is read once, here: each read is a helper call.
+/// The thread's id is read once, here: each read is a helper call. Returns whether the
+/// call's return probe has anything to do (see [`calls::enter`]).
 #[inline(always)]
-fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
+fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) -> bool {
     let pid_tgid = bpf_get_current_pid_tgid();
     let Some(spec) = probe_spec(slot) else {
-        return;
+        return false;
     };
     let Some(role) = ProbeRole::from_u32(spec.role) else {
-        return;
+        return false;
     };
     if preload_call(ctx, spec, pid_tgid) {
-        return;
+        return false;
     }
     let registers = regs::value_registers(ctx);
     if role == ProbeRole::Free {
         on_free(ctx, spec, pid_tgid, reg(&registers, spec.ptr_reg));
-        return;
+        return false;
     }
     let old_ptr = reg(&registers, spec.ptr_reg);
     let out_ptr = reg(&registers, spec.out_reg);
@@ -116,7 +120,7 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) {
             old_ptr,
             out_ptr,
         },
-    );
+    )
 }
 
 /// A free function's probe: credits the block to its site, unless an allocator call
@@ -249,6 +253,51 @@ pub fn entry_multi(ctx: ProbeContext) -> u32 {
     }
     on_entry(&ctx, cookie_slot(&ctx));
     0
+}
+
+/// The entries and returns of an object's functions through one uprobe session link
+/// (`BPF_TRACE_UPROBE_SESSION`, Linux 6.13+; sampled sessions only). The kernel runs
+/// it at a call's entry and, unless the entry returned nonzero, again at its return.
+/// A return is told from an entry by the instruction pointer: at an entry it is the
+/// probe's address (`bpf_get_func_ip`, which a session program gets at both), at a
+/// return the caller's return address, which follows a call instruction and so is
+/// never a probed function's first instruction or a placement past one. (The kfunc
+/// `bpf_session_is_return` says the same; this needs no kernel BTF.)
+///
+/// Loaded by the daemon itself (aya loads multi-uprobe programs for
+/// `BPF_TRACE_UPROBE_MULTI` only), never by aya: `bpf_get_func_ip` does not exist
+/// before 5.15, and the other programs must load everywhere. Written out instead of
+/// with `#[uprobe(multi)]`, whose wrapper returns 0 whatever the program returns: the
+/// return value is the whole point here (in the section aya's macro would give it).
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "uprobe.multi")]
+pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
+    if empty_programs() {
+        return 0;
+    }
+    let (ip, _) = regs::at_entry(&ProbeContext::new(ctx));
+    // SAFETY: the helper reads the probe's address from the program's run context.
+    if ip != unsafe { bpf_get_func_ip(ctx) } {
+        session_return(ctx);
+        return 0;
+    }
+    session_entry(ctx)
+}
+
+/// [`entry_session`] at an entry: 1 when the return has nothing to do. A function of
+/// its own (a BPF-to-BPF call), as is [`session_return`]: the two paths inlined in one
+/// frame would exceed the 512 bytes of stack the verifier allows a chain of calls
+/// before 6.18 ("combined stack size of 3 calls is 560" on 6.12).
+#[inline(never)]
+fn session_entry(ctx: *mut core::ffi::c_void) -> u32 {
+    let ctx = ProbeContext::new(ctx);
+    u32::from(!on_entry(&ctx, cookie_slot(&ctx)))
+}
+
+/// [`entry_session`] at a return.
+#[inline(never)]
+fn session_return(ctx: *mut core::ffi::c_void) {
+    on_return(&RetProbeContext::new(ctx));
 }
 
 #[uretprobe]

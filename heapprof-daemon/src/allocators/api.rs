@@ -150,6 +150,7 @@ impl Signature {
             in_use: 1,
             in_library: 0,
             sp_adjust,
+            session: 0,
         }
     }
 }

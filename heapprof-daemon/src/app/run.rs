@@ -260,6 +260,7 @@ fn write_stats(
         joined: figures.joining,
         kernel_memory: stats_file::KernelMemory::of(&figures.kernel_memory),
         single_stepped_probes: crate::allocators::registry::single_stepped_probes(),
+        session_links: crate::allocators::registry::session_links(),
         bpf_run_time: measured.bpf_run_time,
         stack_lookups: measured.stack_lookups,
         unwind_tables: measured.unwind_tables,

@@ -173,6 +173,7 @@ fn start_user(
         // Each process the system-wide library does not serve is probed alone, with
         // links whose filter covers its threads where the kernel's does.
         per_process: system.then(|| probes::attach_method(cli.attach, Some(std::process::id()))),
+        sampled: sample_rate > 0,
     };
     if let Some(name) = duplicate(&settings.custom) {
         bail!("--allocator names {name} twice; give each function once");
@@ -435,7 +436,8 @@ fn log_sampling(sample_rate: u64, preloading: bool) {
         log::info!(
             "sampling about one allocation per {sample_rate} bytes: every allocator call \
              still traps into the kernel, where the probes decide; sampling saves the stack \
-             walk and table updates of the calls it skips, not the traps"
+             walk and table updates of the calls it skips, and their return trap where the \
+             kernel has uprobe session links (said below)"
         );
     }
 }

@@ -3,6 +3,7 @@
 pub mod kernel;
 pub mod ldso_hook;
 pub mod libc;
+pub mod session;
 
 use std::num::NonZeroU32;
 
@@ -21,7 +22,8 @@ pub use self::ldso_hook::DynamicLoader;
 use crate::{cgroup::CgroupFilter, unwind::table_upload::TableCapacities};
 
 /// The BPF object built by aya-build from heapprof-ebpf.
-static BPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
+pub(crate) static BPF_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/heapprof"));
 
 /// Capacities of the BPF maps (from the command line).
 #[derive(Debug, Clone, Copy)]
@@ -99,7 +101,7 @@ pub fn load_bpf_object(
         Some(_) => 1,
         None => unwind.processes,
     };
-    EbpfLoader::new()
+    let ebpf = EbpfLoader::new()
         .override_global(names::CONFIG, &config, true)
         .map_max_entries(names::LIVE, config.live_buckets)
         .map_max_entries(names::SITES, capacities.sites)
@@ -134,7 +136,13 @@ pub fn load_bpf_object(
         .map_max_entries(kernel_names::TRACED, 1)
         .map_max_entries(kernel_names::COMMS, 1)
         .load(BPF_OBJECT)
-        .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
+        .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")?;
+    // Sampled: the uprobe session program, while every map is still in `ebpf`. x86-64
+    // only: there an unsampled call's frame is known by its return address's slot.
+    if cfg!(target_arch = "x86_64") && sample_rate > 0 && !unwind.empty_programs {
+        session::prepare(BPF_OBJECT, &ebpf);
+    }
+    Ok(ebpf)
 }
 
 /// The uprobe program `name`, loaded into the kernel on first use.
