@@ -8,8 +8,11 @@
 //! - `entry left`: the system-wide preload's entry and library left by a heapprofd
 //!   killed with SIGKILL, no heapprofd running (the library loaded, inert).
 //!
+//! The client, `redis-benchmark`, runs beside redis and is traced too, as on a host
+//! of the fleet (joined when it starts under the system-wide preload).
+//!
 //! The system-wide preload changes how every program starts, so those modes run
-//! heapprofd and redis in a private mount namespace (a holder process made by
+//! heapprofd, redis and the client in a private mount namespace (a holder process made by
 //! `unshare -m`, entered with `nsenter`) whose `/etc` and `/var/lib` are overlays and
 //! whose `/run/heapprofd` is its own: the machine's `/etc/ld.so.preload` is never
 //! touched.
@@ -24,7 +27,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use serde_json::{Map, Value, json};
 
-use super::{TESTS, client, server::Redis};
+use super::{TESTS, client_with, server::Redis};
 use crate::{
     bench::{
         Bench,
@@ -259,10 +262,12 @@ fn pass(bench: &Bench, mode: FleetMode, requests: u32) -> Result<Pass> {
             (Redis::start_with(taskset())?, None)
         }
     };
-    client("set,get", requests / 5)?;
+    // The client runs where redis runs: in the namespace it is a program started
+    // after heapprofd too (joined, with the preload), as on a host of the fleet.
+    client_with(taskset(), "set,get", requests / 5)?;
     let cpu_before = cpu_seconds(redis.pid())?;
     let started = Instant::now();
-    client(TESTS, requests)?;
+    client_with(taskset(), TESTS, requests)?;
     let wall = started.elapsed().as_secs_f64();
     let cpu = cpu_seconds(redis.pid())? - cpu_before;
     drop(redis);

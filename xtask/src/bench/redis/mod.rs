@@ -188,7 +188,12 @@ fn through_zmalloc(profile: &Path) -> Option<bool> {
 
 /// `redis-benchmark` on CPU 1: `requests` of each of [`TESTS`] (or `tests`).
 fn client(tests: &str, requests: u32) -> Result<()> {
-    let status = Command::new("taskset")
+    client_with(Command::new("taskset"), tests, requests)
+}
+
+/// [`client`] run by `command` (`taskset` itself, or `nsenter ... -- taskset`).
+fn client_with(mut command: Command, tests: &str, requests: u32) -> Result<()> {
+    let status = command
         .args([
             "-c",
             "1",
