@@ -6,12 +6,16 @@
 //! its runs. Objects join as processes are read (at start, at exec, at loader events),
 //! each function's spec written before its probes are attached.
 
+mod per_process;
+mod process_check;
+mod session_links;
+
 use std::{
     collections::{HashMap, HashSet},
     os::fd::OwnedFd,
     sync::{
         Arc,
-        atomic::{AtomicU8, AtomicUsize, Ordering},
+        atomic::{AtomicUsize, Ordering},
     },
 };
 
@@ -25,16 +29,18 @@ use std::os::unix::fs::MetadataExt as _;
 
 use heapprof_common::{MAX_PROBE_SLOTS, NO_REGISTER, ProbeSlot, ProbeSpec, names, preload};
 
+pub use self::session_links::session_links;
+use self::session_links::{SessionProgram, session_eligible};
+
 use super::{
     api::Family,
     scan::{self, ObjectScan},
-    serving,
     spec::CustomFunction,
 };
 use crate::{
     placement::PlacementMode,
     preload::PreloadLibrary,
-    probes::{AttachMethod, session, uprobe},
+    probes::{AttachMethod, uprobe},
     procmaps::ObjectFile,
 };
 
@@ -45,46 +51,6 @@ static SINGLE_STEPPED: AtomicUsize = AtomicUsize::new(0);
 /// How many probes were placed where the kernel single-steps them, so far.
 pub fn single_stepped_probes() -> usize {
     SINGLE_STEPPED.load(Ordering::Relaxed)
-}
-
-/// Whether this process's sampled session attaches through uprobe session links: 0 not
-/// tried (exact mode, no multi-uprobe links, nothing attached yet), 1 used, 2 refused by
-/// the kernel. Kept here, as [`SINGLE_STEPPED`], for `--stats-json` at exit.
-static SESSION_LINKS: AtomicU8 = AtomicU8::new(0);
-
-/// Whether the allocator probes went through uprobe session links: `None` if they were
-/// never tried, else whether the kernel took them.
-pub fn session_links() -> Option<bool> {
-    match SESSION_LINKS.load(Ordering::Relaxed) {
-        1 => Some(true),
-        2 => Some(false),
-        _ => None,
-    }
-}
-
-/// Whether `function`'s entry may skip the return probe of a call it does not sample
-/// (`ProbeSpec::session`): a plain allocation (not a resize, whose return frees the old
-/// block; not an out-pointer's, whose block is read at the return) of a known allocator
-/// (an `--allocator` pool gets its chunks from `malloc`, nested deep below its entry),
-/// with its return probe at its entry, on x86-64 (where the call's return address is in
-/// its stack slot while the call runs, which tells its nested calls from later ones).
-fn session_eligible(function: &scan::FoundFunction) -> bool {
-    cfg!(target_arch = "x86_64")
-        && function.signature.role == heapprof_common::ProbeRole::Alloc
-        && function.signature.out.is_none()
-        && function.family != Family::Custom
-        && function.placement.exits.is_empty()
-        && function.placement.sp_adjust == 0
-}
-
-/// The session program, once tried.
-enum SessionProgram {
-    /// Not needed yet (or not wanted: exact mode, perf events).
-    Untried,
-    /// Loaded: sampled objects attach through it.
-    Loaded(OwnedFd),
-    /// The kernel refused it or its link: objects get the entry and return links.
-    Refused,
 }
 
 /// Whether `object` is the preload library of another heapprofd session (one that
@@ -588,328 +554,6 @@ impl AllocatorProbes {
             process.extend(links);
         }
         Ok(())
-    }
-
-    /// `--preload system`: the processes the system-wide library joins (its calls are
-    /// its), as the answering thread marks them.
-    pub fn system_joined(&self) -> crate::system_preload::JoinedSet {
-        std::sync::Arc::clone(&self.system_joined)
-    }
-
-    /// Processes that got probes for themselves alone over the run (`--preload system`).
-    pub fn processes_probed_alone(&self) -> u64 {
-        self.processes_probed_alone
-    }
-
-    /// Processes with probes attached for themselves alone (`--preload system`).
-    pub fn processes_with_own_probes(&self) -> impl Iterator<Item = u32> + '_ {
-        self.process_links.keys().copied()
-    }
-
-    /// Forgets processes that have exited: the probes attached for each alone are
-    /// detached (their links would otherwise stay until heapprofd exits).
-    pub fn forget_processes(&mut self, ebpf: &mut Ebpf, pids: &HashSet<u32>) {
-        if let Ok(mut joined) = self.system_joined.lock() {
-            joined.retain(|pid| !pids.contains(pid));
-        }
-        for pid in pids {
-            self.drop_process_probes(ebpf, *pid);
-        }
-    }
-
-    /// Detaches the probes attached for `pid` alone: it joined the system-wide library
-    /// (its calls are the library's from now on), or it exec'd (its new image is
-    /// looked at afresh; a pid-filtered probe would follow it into the new image).
-    pub fn drop_process_probes(&mut self, ebpf: &mut Ebpf, pid: u32) {
-        let Some(links) = self.process_links.remove(&pid) else {
-            return;
-        };
-        for (program, link) in links {
-            let detached = uprobe(ebpf, program).and_then(|p| {
-                p.detach(link)
-                    .with_context(|| format!("detaching {program} from pid {pid}"))
-            });
-            if let Err(err) = detached {
-                log::debug!("{err:#}");
-            }
-        }
-        self.attached.retain(|(_, only), _| *only != pid);
-        self.serving.remove(&pid);
-        self.preload_fallbacks.remove(&pid);
-    }
-
-    /// Sampled sessions: attaches `points` of `object` through one uprobe session link,
-    /// whose entry skips the return probe of the calls it does not record. Returns
-    /// whether it did; if not (exact mode, a function whose return probes sit on its
-    /// exits, a kernel without session links), the caller attaches the entry and
-    /// return links. The kernel's first refusal is logged once and ends the attempts.
-    fn attach_session(&mut self, object: &ObjectFile, points: &[ProbePoints]) -> bool {
-        if !self.settings.sampled {
-            return false;
-        }
-        if matches!(self.session_program, SessionProgram::Untried) {
-            self.session_program = match session::take_prepared() {
-                Some(Ok(fd)) => SessionProgram::Loaded(fd),
-                Some(Err(refusal)) => {
-                    self.session_refused(&refusal.to_string(), refusal.errno);
-                    SessionProgram::Refused
-                }
-                None => SessionProgram::Refused,
-            };
-        }
-        let SessionProgram::Loaded(program) = &self.session_program else {
-            return false;
-        };
-        // Session links are multi-uprobe links (`--attach perf-events` asked for none),
-        // and run the return program where the entry's probe is.
-        if self.settings.method != AttachMethod::MultiLink
-            || points
-                .iter()
-                .any(|p| !p.returns.is_empty() && p.returns != [p.entry])
-        {
-            return false;
-        }
-        let offsets: Vec<u64> = points.iter().map(|p| p.entry).collect();
-        let cookies: Vec<u64> = points.iter().map(|p| u64::from(p.slot)).collect();
-        let pid = self.settings.pid.unwrap_or(0);
-        match session::attach(program, &object.open_path, &offsets, &cookies, pid) {
-            Ok(link) => {
-                if self.session_links.is_empty() {
-                    SESSION_LINKS.store(1, Ordering::Relaxed);
-                    log::info!(
-                        "uprobe session links: unsampled allocations skip their return probe"
-                    );
-                }
-                self.session_links.push(link);
-                self.probes +=
-                    points.len() + points.iter().filter(|p| !p.returns.is_empty()).count();
-                true
-            }
-            Err(err) if self.session_links.is_empty() => {
-                self.session_refused(
-                    &format!("attaching a session link to {}: {err}", object.path),
-                    err.raw_os_error(),
-                );
-                self.session_program = SessionProgram::Refused;
-                false
-            }
-            Err(err) => {
-                log::debug!(
-                    "{}: no session link ({err}); entry and return links instead",
-                    object.path
-                );
-                false
-            }
-        }
-    }
-
-    /// The kernel refused the session program or its first link: said once.
-    fn session_refused(&mut self, why: &str, errno: Option<i32>) {
-        SESSION_LINKS.store(2, Ordering::Relaxed);
-        let errno = errno.map_or_else(String::new, |e| format!(" (errno {e})"));
-        log::info!(
-            "uprobe session links unavailable{errno}: unsampled allocations still take their \
-             return probe ({why})"
-        );
-    }
-
-    /// Finds the allocators of a process and probes those not probed yet: every
-    /// function of the object its `malloc` binds to, and the vendor and custom
-    /// functions of all its objects. Says once when its allocator cannot be seen.
-    pub fn check_process(&mut self, ebpf: &mut Ebpf, process: &ProcessView<'_>) {
-        let preloads = serving::preloads(process.pid);
-        let order = serving::binding_order(process.objects, process.exe, &preloads);
-        let mut serving_object = None;
-        let mut static_program = None;
-        let preload_id = self.preload.as_ref().map(|(_, id)| *id);
-        // heapprofd's library is first in the LD_PRELOAD it sets (the environment may
-        // be unreadable, or changed since): after the program, it binds first.
-        let preload_mapped = preload_id.filter(|id| process.objects.iter().any(|o| o.id == *id));
-        // The system-wide library serves a process only once it has joined it; until
-        // its start has asked (it asks before the program's main), nothing is probed.
-        let only = self.settings.per_process.map(|_| process.pid);
-        if only.is_some() && process.exe.is_some_and(serving::is_valgrind_tool) {
-            // Valgrind runs the program's code by translating it: a probe's breakpoint
-            // would stop it with SIGTRAP. (With probes for every process there is no
-            // such choice; this mode has one.)
-            let program = process.exe.unwrap_or(process.comm).to_owned();
-            self.report(
-                &program,
-                format!(
-                    "pid {} ({}): runs under valgrind, whose translation would stop at a \
-                     probe's breakpoint: heapprofd leaves it alone",
-                    process.pid, process.comm
-                ),
-            );
-            return;
-        }
-        let preload_mapped = match (only, preload_mapped) {
-            (Some(pid), Some(id)) if crate::system_preload::contains(&self.system_joined, pid) => {
-                Some(id)
-            }
-            (Some(_), Some(_)) if !process.settled => return,
-            (Some(_), _) => None,
-            (None, mapped) => mapped,
-        };
-        for object in &order {
-            if serving::is_loader(object) || another_sessions_library(object, preload_id) {
-                continue;
-            }
-            let executable = process.exe == Some(object.path.as_str());
-            if let Some(id) = preload_mapped
-                && !executable
-            {
-                // The preload library serves the standard names: probe the rest only.
-                self.probe_others(ebpf, process, preload_id);
-                self.serving.insert(process.pid, id);
-                return;
-            }
-            match self.scan(object, executable) {
-                Ok(scan) => {
-                    if executable && scan.static_executable {
-                        static_program = Some((Arc::clone(object), scan.has_symbol_table));
-                    }
-                    if scan.defines_malloc {
-                        serving_object = Some(Arc::clone(object));
-                        break;
-                    }
-                }
-                Err(err) => log::debug!("pid {}: {err}", process.pid),
-            }
-        }
-        let all = [Family::Standard, Family::Vendor, Family::Custom];
-        let others = [Family::Vendor, Family::Custom];
-        for object in process.objects {
-            if serving::is_loader(object) || another_sessions_library(object, preload_id) {
-                continue;
-            }
-            let serves = serving_object.as_ref().is_some_and(|s| s.id == object.id);
-            let executable = process.exe == Some(object.path.as_str());
-            let families: &[Family] = if serves { &all } else { &others };
-            match self.probe_object_for(ebpf, object, families, executable, only) {
-                Ok(0) => {}
-                Ok(added) => log::debug!(
-                    "pid {}: {added} allocator functions of {} probed",
-                    process.pid,
-                    object.path
-                ),
-                Err(err) => self.report(
-                    &object.path,
-                    format!(
-                        "pid {} ({}): cannot probe the allocator in {}: {err:#}; heapprofd \
-                         does not see its allocations there (name other functions with \
-                         --allocator)",
-                        process.pid, process.comm, object.path
-                    ),
-                ),
-            }
-        }
-        if let Some(object) = &serving_object {
-            self.serving.insert(process.pid, object.id);
-            self.note_preload_fallback(process, preload_id);
-            return;
-        }
-        // A dynamic program whose loader has mapped nothing else yet is still loading.
-        let loading = static_program.is_none()
-            && process
-                .objects
-                .iter()
-                .all(|o| process.exe == Some(o.path.as_str()) || serving::is_loader(o));
-        if loading || (!process.settled && static_program.is_none()) {
-            return;
-        }
-        let program = process.exe.unwrap_or(process.comm);
-        let uses_custom = process
-            .objects
-            .iter()
-            .any(|o| self.attached.keys().any(|(id, _)| *id == o.id));
-        let message = match static_program {
-            Some((_, false)) => format!(
-                "pid {} ({}): {program} is a static binary without a symbol table \
-                 (stripped), so heapprofd cannot find its allocator and counts nothing \
-                 in it: profile an unstripped build, or name exported allocator \
-                 functions with --allocator",
-                process.pid, process.comm
-            ),
-            Some((_, true)) if uses_custom => return,
-            Some((_, true)) => format!(
-                "pid {} ({}): {program} is a static binary that defines no malloc \
-                 heapprofd knows: name its allocator's functions with --allocator",
-                process.pid, process.comm
-            ),
-            None if uses_custom => return,
-            None => format!(
-                "pid {} ({}): none of the objects it maps defines malloc, so heapprofd \
-                 sees no allocator in it: name its allocator's functions with --allocator",
-                process.pid, process.comm
-            ),
-        };
-        self.report(program, message);
-    }
-
-    /// Probes the vendor and custom functions of a process's objects (not the preload
-    /// library's).
-    fn probe_others(
-        &mut self,
-        ebpf: &mut Ebpf,
-        process: &ProcessView<'_>,
-        preload_id: Option<(u64, u64)>,
-    ) {
-        for object in process.objects {
-            if serving::is_loader(object)
-                || Some(object.id) == preload_id
-                || another_sessions_library(object, preload_id)
-            {
-                continue;
-            }
-            let executable = process.exe == Some(object.path.as_str());
-            // A library defining malloc is the allocator behind the preload library:
-            // its vendor functions run inside the calls the library reports (mimalloc's
-            // realloc jumps to mi_heap_realloc), and a probe there could not tell.
-            let behind = !executable
-                && self
-                    .scan(object, executable)
-                    .is_ok_and(|scan| scan.defines_malloc);
-            let families: &[Family] = if behind {
-                &[Family::Custom]
-            } else {
-                &[Family::Vendor, Family::Custom]
-            };
-            // The system-wide preload probes a process's other objects for it alone.
-            let only = self.settings.per_process.map(|_| process.pid);
-            if let Err(err) = self.probe_object_for(ebpf, object, families, executable, only) {
-                log::debug!("pid {}: {}: {err:#}", process.pid, object.path);
-            }
-        }
-    }
-
-    /// Says once per process that the preload library does not serve it, once it is
-    /// past its start-up.
-    fn note_preload_fallback(&mut self, process: &ProcessView<'_>, preload_id: Option<(u64, u64)>) {
-        if preload_id.is_none() || !process.settled || !self.preload_fallbacks.insert(process.pid) {
-            return;
-        }
-        if self.settings.per_process.is_some() {
-            // The system-wide preload: every process running before heapprofd is one.
-            log::debug!(
-                "pid {} ({}): not served by the system-wide library; probed alone",
-                process.pid,
-                process.comm
-            );
-            return;
-        }
-        let mapped = process.objects.iter().any(|o| Some(o.id) == preload_id);
-        let why = if mapped {
-            "its program binds malloc ahead of it"
-        } else {
-            "the library is not loaded: a static or setuid program, or LD_PRELOAD dropped"
-        };
-        log::info!(
-            "pid {} ({}): heapprofd's preload library does not serve it ({why}); its \
-             allocator's probes count its calls instead (an entry and a return trap each)",
-            process.pid,
-            process.comm
-        );
     }
 
     /// Custom functions not found in any object so far.

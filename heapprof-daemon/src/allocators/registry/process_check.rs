@@ -1,0 +1,211 @@
+//! Reading a process for its allocators: which object serves its `malloc` (the preload
+//! library, an allocator library, the program), what to probe there and in its other
+//! objects, and the notes when its allocator cannot be seen.
+
+use std::sync::Arc;
+
+use aya::Ebpf;
+
+use super::{AllocatorProbes, ProcessView, another_sessions_library};
+use crate::allocators::{api::Family, serving};
+
+impl AllocatorProbes {
+    /// Finds the allocators of a process and probes those not probed yet: every
+    /// function of the object its `malloc` binds to, and the vendor and custom
+    /// functions of all its objects. Says once when its allocator cannot be seen.
+    pub fn check_process(&mut self, ebpf: &mut Ebpf, process: &ProcessView<'_>) {
+        let preloads = serving::preloads(process.pid);
+        let order = serving::binding_order(process.objects, process.exe, &preloads);
+        let mut serving_object = None;
+        let mut static_program = None;
+        let preload_id = self.preload.as_ref().map(|(_, id)| *id);
+        // heapprofd's library is first in the LD_PRELOAD it sets (the environment may
+        // be unreadable, or changed since): after the program, it binds first.
+        let preload_mapped = preload_id.filter(|id| process.objects.iter().any(|o| o.id == *id));
+        // The system-wide library serves a process only once it has joined it; until
+        // its start has asked (it asks before the program's main), nothing is probed.
+        let only = self.settings.per_process.map(|_| process.pid);
+        if only.is_some() && process.exe.is_some_and(serving::is_valgrind_tool) {
+            // Valgrind runs the program's code by translating it: a probe's breakpoint
+            // would stop it with SIGTRAP. (With probes for every process there is no
+            // such choice; this mode has one.)
+            let program = process.exe.unwrap_or(process.comm).to_owned();
+            self.report(
+                &program,
+                format!(
+                    "pid {} ({}): runs under valgrind, whose translation would stop at a \
+                     probe's breakpoint: heapprofd leaves it alone",
+                    process.pid, process.comm
+                ),
+            );
+            return;
+        }
+        let preload_mapped = match (only, preload_mapped) {
+            (Some(pid), Some(id)) if crate::system_preload::contains(&self.system_joined, pid) => {
+                Some(id)
+            }
+            (Some(_), Some(_)) if !process.settled => return,
+            (Some(_), _) => None,
+            (None, mapped) => mapped,
+        };
+        for object in &order {
+            if serving::is_loader(object) || another_sessions_library(object, preload_id) {
+                continue;
+            }
+            let executable = process.exe == Some(object.path.as_str());
+            if let Some(id) = preload_mapped
+                && !executable
+            {
+                // The preload library serves the standard names: probe the rest only.
+                self.probe_others(ebpf, process, preload_id);
+                self.serving.insert(process.pid, id);
+                return;
+            }
+            match self.scan(object, executable) {
+                Ok(scan) => {
+                    if executable && scan.static_executable {
+                        static_program = Some((Arc::clone(object), scan.has_symbol_table));
+                    }
+                    if scan.defines_malloc {
+                        serving_object = Some(Arc::clone(object));
+                        break;
+                    }
+                }
+                Err(err) => log::debug!("pid {}: {err}", process.pid),
+            }
+        }
+        let all = [Family::Standard, Family::Vendor, Family::Custom];
+        let others = [Family::Vendor, Family::Custom];
+        for object in process.objects {
+            if serving::is_loader(object) || another_sessions_library(object, preload_id) {
+                continue;
+            }
+            let serves = serving_object.as_ref().is_some_and(|s| s.id == object.id);
+            let executable = process.exe == Some(object.path.as_str());
+            let families: &[Family] = if serves { &all } else { &others };
+            match self.probe_object_for(ebpf, object, families, executable, only) {
+                Ok(0) => {}
+                Ok(added) => log::debug!(
+                    "pid {}: {added} allocator functions of {} probed",
+                    process.pid,
+                    object.path
+                ),
+                Err(err) => self.report(
+                    &object.path,
+                    format!(
+                        "pid {} ({}): cannot probe the allocator in {}: {err:#}; heapprofd \
+                         does not see its allocations there (name other functions with \
+                         --allocator)",
+                        process.pid, process.comm, object.path
+                    ),
+                ),
+            }
+        }
+        if let Some(object) = &serving_object {
+            self.serving.insert(process.pid, object.id);
+            self.note_preload_fallback(process, preload_id);
+            return;
+        }
+        // A dynamic program whose loader has mapped nothing else yet is still loading.
+        let loading = static_program.is_none()
+            && process
+                .objects
+                .iter()
+                .all(|o| process.exe == Some(o.path.as_str()) || serving::is_loader(o));
+        if loading || (!process.settled && static_program.is_none()) {
+            return;
+        }
+        let program = process.exe.unwrap_or(process.comm);
+        let uses_custom = process
+            .objects
+            .iter()
+            .any(|o| self.attached.keys().any(|(id, _)| *id == o.id));
+        let message = match static_program {
+            Some((_, false)) => format!(
+                "pid {} ({}): {program} is a static binary without a symbol table \
+                 (stripped), so heapprofd cannot find its allocator and counts nothing \
+                 in it: profile an unstripped build, or name exported allocator \
+                 functions with --allocator",
+                process.pid, process.comm
+            ),
+            Some((_, true)) if uses_custom => return,
+            Some((_, true)) => format!(
+                "pid {} ({}): {program} is a static binary that defines no malloc \
+                 heapprofd knows: name its allocator's functions with --allocator",
+                process.pid, process.comm
+            ),
+            None if uses_custom => return,
+            None => format!(
+                "pid {} ({}): none of the objects it maps defines malloc, so heapprofd \
+                 sees no allocator in it: name its allocator's functions with --allocator",
+                process.pid, process.comm
+            ),
+        };
+        self.report(program, message);
+    }
+
+    /// Probes the vendor and custom functions of a process's objects (not the preload
+    /// library's).
+    fn probe_others(
+        &mut self,
+        ebpf: &mut Ebpf,
+        process: &ProcessView<'_>,
+        preload_id: Option<(u64, u64)>,
+    ) {
+        for object in process.objects {
+            if serving::is_loader(object)
+                || Some(object.id) == preload_id
+                || another_sessions_library(object, preload_id)
+            {
+                continue;
+            }
+            let executable = process.exe == Some(object.path.as_str());
+            // A library defining malloc is the allocator behind the preload library:
+            // its vendor functions run inside the calls the library reports (mimalloc's
+            // realloc jumps to mi_heap_realloc), and a probe there could not tell.
+            let behind = !executable
+                && self
+                    .scan(object, executable)
+                    .is_ok_and(|scan| scan.defines_malloc);
+            let families: &[Family] = if behind {
+                &[Family::Custom]
+            } else {
+                &[Family::Vendor, Family::Custom]
+            };
+            // The system-wide preload probes a process's other objects for it alone.
+            let only = self.settings.per_process.map(|_| process.pid);
+            if let Err(err) = self.probe_object_for(ebpf, object, families, executable, only) {
+                log::debug!("pid {}: {}: {err:#}", process.pid, object.path);
+            }
+        }
+    }
+
+    /// Says once per process that the preload library does not serve it, once it is
+    /// past its start-up.
+    fn note_preload_fallback(&mut self, process: &ProcessView<'_>, preload_id: Option<(u64, u64)>) {
+        if preload_id.is_none() || !process.settled || !self.preload_fallbacks.insert(process.pid) {
+            return;
+        }
+        if self.settings.per_process.is_some() {
+            // The system-wide preload: every process running before heapprofd is one.
+            log::debug!(
+                "pid {} ({}): not served by the system-wide library; probed alone",
+                process.pid,
+                process.comm
+            );
+            return;
+        }
+        let mapped = process.objects.iter().any(|o| Some(o.id) == preload_id);
+        let why = if mapped {
+            "its program binds malloc ahead of it"
+        } else {
+            "the library is not loaded: a static or setuid program, or LD_PRELOAD dropped"
+        };
+        log::info!(
+            "pid {} ({}): heapprofd's preload library does not serve it ({why}); its \
+             allocator's probes count its calls instead (an entry and a return trap each)",
+            process.pid,
+            process.comm
+        );
+    }
+}
