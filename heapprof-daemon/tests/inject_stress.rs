@@ -252,6 +252,20 @@ fn descriptors(pid: u32) -> BTreeMap<String, String> {
         .unwrap_or_default()
 }
 
+/// `pid`'s descriptors once two readings 200 ms apart agree (at most 10 s).
+fn settled_descriptors(pid: u32) -> BTreeMap<String, String> {
+    let mut last = descriptors(pid);
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(200));
+        let now = descriptors(pid);
+        if now == last {
+            return now;
+        }
+        last = now;
+    }
+    last
+}
+
 /// Those that are not sockets or files nginx serves (a server's connections, and the
 /// file it is sending, come and go with the load).
 fn non_sockets(pid: u32) -> BTreeMap<String, String> {
@@ -842,7 +856,10 @@ fn nginx_under_ab_stays_right_over_attach_detach_cycles() {
     };
     let mut targets = workers.clone();
     targets.push(master.pid());
-    let fds_at_start: Vec<_> = targets.iter().map(|&p| descriptors(p)).collect();
+    // A worker seen right after its fork is still setting up (its epoll and eventfd,
+    // closing the other workers' channels): the descriptors heapprofd must leave as
+    // they are are those of a worker that has settled.
+    let fds_at_start: Vec<_> = targets.iter().map(|&p| settled_descriptors(p)).collect();
     let url = format!("http://127.0.0.1:{port}/index.html");
     let load = LoadLoop::start(
         root,
