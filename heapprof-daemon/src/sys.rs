@@ -23,6 +23,44 @@ fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
     Some((major, minor))
 }
 
+/// Sends `payload` with `fds` as `SCM_RIGHTS` descriptors on `socket` (one message),
+/// with `flags` (`MSG_NOSIGNAL`, ...).
+pub fn send_with_descriptors(
+    socket: std::os::fd::RawFd,
+    payload: &[u8],
+    fds: &[std::os::fd::RawFd],
+    flags: i32,
+) -> std::io::Result<()> {
+    let mut io = libc::iovec {
+        iov_base: payload.as_ptr().cast_mut().cast(),
+        iov_len: payload.len(),
+    };
+    let bytes = std::mem::size_of_val(fds);
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE(bytes as u32) } as usize;
+    let mut control = vec![0u8; space];
+    // SAFETY: a zeroed msghdr is valid; the fields set below point at live buffers.
+    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
+    message.msg_iov = &raw mut io;
+    message.msg_iovlen = 1;
+    message.msg_control = control.as_mut_ptr().cast();
+    // usize on glibc, u32 on musl.
+    message.msg_controllen = space as _;
+    // SAFETY: the control buffer holds one header with room for `fds`.
+    unsafe {
+        let header = libc::CMSG_FIRSTHDR(&raw const message);
+        (*header).cmsg_level = libc::SOL_SOCKET;
+        (*header).cmsg_type = libc::SCM_RIGHTS;
+        (*header).cmsg_len = libc::CMSG_LEN(bytes as u32) as _;
+        std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(header), bytes);
+    }
+    // SAFETY: the message points at live buffers; sendmsg only reads the payload.
+    if unsafe { libc::sendmsg(socket, &raw const message, flags) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -606,41 +606,8 @@ fn send_descriptors(
     let socket = unsafe { OwnedFd::from_raw_fd(socket as i32) };
     let mut fds = vec![replies.as_raw_fd(), ours.as_raw_fd()];
     fds.extend(library.map(|fd| fd.as_raw_fd()));
-    let mut byte = [0u8; 1];
-    let mut io = libc::iovec {
-        iov_base: byte.as_mut_ptr().cast(),
-        iov_len: 1,
-    };
-    // SAFETY: CMSG_SPACE is a pure computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds.as_slice()) as u32) } as usize;
-    let mut control = vec![0u8; space];
-    // SAFETY: a zeroed msghdr is valid; the fields set below point at live buffers.
-    let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-    message.msg_iov = &raw mut io;
-    message.msg_iovlen = 1;
-    message.msg_control = control.as_mut_ptr().cast();
-    // usize on glibc, u32 on musl.
-    message.msg_controllen = space as _;
-    // SAFETY: the control buffer holds one header with room for `fds`.
-    unsafe {
-        let header = libc::CMSG_FIRSTHDR(&raw const message);
-        (*header).cmsg_level = libc::SOL_SOCKET;
-        (*header).cmsg_type = libc::SCM_RIGHTS;
-        (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds.as_slice()) as u32) as _;
-        std::ptr::copy_nonoverlapping(
-            fds.as_ptr().cast::<u8>(),
-            libc::CMSG_DATA(header),
-            std::mem::size_of_val(fds.as_slice()),
-        );
-    }
-    // SAFETY: the message points at live buffers.
-    if unsafe { libc::sendmsg(socket.as_raw_fd(), &raw const message, 0) } < 0 {
-        return Err(not_joined(format!(
-            "sending descriptors to the process: {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    Ok(())
+    crate::sys::send_with_descriptors(socket.as_raw_fd(), &[0], &fds, 0)
+        .map_err(|err| not_joined(format!("sending descriptors to the process: {err}")))
 }
 
 /// The library's entry points in `image`.

@@ -154,44 +154,14 @@ impl Asking {
         pidfd: BorrowedFd<'_>,
     ) -> Result<()> {
         let fds = [replies.as_raw_fd(), pidfd.as_raw_fd()];
-        let mut payload = join;
-        let mut io = libc::iovec {
-            iov_base: (&raw mut payload).cast(),
-            iov_len: std::mem::size_of::<SystemJoin>(),
-        };
-        // SAFETY: CMSG_SPACE is a pure computation.
-        let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(&fds) as u32) } as usize;
-        let mut control = vec![0u8; space];
-        // SAFETY: a zeroed msghdr is valid; the fields set below point at live buffers.
-        let mut message: libc::msghdr = unsafe { std::mem::zeroed() };
-        message.msg_iov = &raw mut io;
-        message.msg_iovlen = 1;
-        message.msg_control = control.as_mut_ptr().cast();
-        message.msg_controllen = space as _;
-        // SAFETY: the control buffer holds one header with room for `fds`.
-        unsafe {
-            let header = libc::CMSG_FIRSTHDR(&raw const message);
-            (*header).cmsg_level = libc::SOL_SOCKET;
-            (*header).cmsg_type = libc::SCM_RIGHTS;
-            (*header).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(&fds) as u32) as _;
-            std::ptr::copy_nonoverlapping(
-                fds.as_ptr().cast::<u8>(),
-                libc::CMSG_DATA(header),
-                std::mem::size_of_val(&fds),
-            );
-        }
-        // SAFETY: the message points at live buffers.
-        let sent = unsafe {
-            libc::sendmsg(
-                self.connection.as_raw_fd(),
-                &raw const message,
-                libc::MSG_NOSIGNAL,
-            )
-        };
-        if sent < 0 {
-            return Err(io::Error::last_os_error()).context("sending the join");
-        }
-        Ok(())
+        let payload = [join.sample_rate.to_ne_bytes(), join.flags.to_ne_bytes()].concat();
+        crate::sys::send_with_descriptors(
+            self.connection.as_raw_fd(),
+            &payload,
+            &fds,
+            libc::MSG_NOSIGNAL,
+        )
+        .context("sending the join")
     }
 
     /// The copy's answer: the slots it redirected, or why it did not join (negative,
