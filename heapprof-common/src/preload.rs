@@ -297,6 +297,104 @@ impl SystemJoin {
     pub const CHILDREN: u64 = 1;
 }
 
+/// Why the library did not join: the negative results of `heapprofd_join`, of a
+/// system-wide copy's answer on [`SYSTEM_SOCKET`] and of `heapprofd_system_ask` (the
+/// interposer's `join_error`, generated from this).
+#[repr(i64)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum JoinRefused {
+    /// A copy launched with the program (`LD_PRELOAD`), not one waiting for a join.
+    NotInjected = -1,
+    /// The copy is joined already.
+    Already = -2,
+    /// The answers' map and heapprofd's pidfd did not arrive.
+    NoDescriptors = -3,
+    /// The process binds no `malloc` and `free` of its own.
+    NoAllocator = -4,
+    /// None of the process's allocator slots (GOT entries) could be redirected.
+    NoSlots = -5,
+    /// `heapprofd_system_ask` only: the copy never asked (no socket, one that refuses
+    /// or is not root's, or a program under valgrind); never sent on the socket.
+    NotAsked = -6,
+    /// `heapprofd_system_ask` only: the copy's start is asking at this very moment.
+    Asking = -7,
+}
+
+impl JoinRefused {
+    /// Every reason, for the generated C header.
+    pub const ALL: [JoinRefused; 7] = [
+        JoinRefused::NotInjected,
+        JoinRefused::Already,
+        JoinRefused::NoDescriptors,
+        JoinRefused::NoAllocator,
+        JoinRefused::NoSlots,
+        JoinRefused::NotAsked,
+        JoinRefused::Asking,
+    ];
+
+    /// The reason a negative join result stands for, if it is one of these.
+    pub fn from_result(result: i64) -> Option<JoinRefused> {
+        Self::ALL
+            .into_iter()
+            .find(|reason| *reason as i64 == result)
+    }
+
+    /// Its name in the interposer's C code.
+    pub const fn c_name(self) -> &'static str {
+        match self {
+            JoinRefused::NotInjected => "JOIN_NOT_INJECTED",
+            JoinRefused::Already => "JOIN_ALREADY",
+            JoinRefused::NoDescriptors => "JOIN_NO_DESCRIPTORS",
+            JoinRefused::NoAllocator => "JOIN_NO_ALLOCATOR",
+            JoinRefused::NoSlots => "JOIN_NO_SLOTS",
+            JoinRefused::NotAsked => "JOIN_NOT_ASKED",
+            JoinRefused::Asking => "JOIN_ASKING",
+        }
+    }
+
+    /// Why, in words for the user.
+    pub const fn describe(self) -> &'static str {
+        match self {
+            JoinRefused::NotInjected => {
+                "the library in the process was launched with it, not injected"
+            }
+            JoinRefused::Already => {
+                "heapprofd's library in the process is joined to another heapprofd"
+            }
+            JoinRefused::NoDescriptors => "the library received no descriptors",
+            JoinRefused::NoAllocator => "the process binds no malloc and free",
+            JoinRefused::NoSlots => {
+                "none of the process's allocator calls could be redirected (no GOT slot names \
+                 malloc or free, or their pages could not be made writable)"
+            }
+            JoinRefused::NotAsked => {
+                "the system-wide library did not ask heapprofd (it found no socket it could \
+                 join, or the program runs under valgrind)"
+            }
+            JoinRefused::Asking => "the system-wide library was asking to join at that moment",
+        }
+    }
+}
+
 /// The prefix under which the following library keeps an exec's own `LD_PRELOAD=...`:
 /// the new image's copy points the environment back at the text after it.
 pub const KEPT_PRELOAD_PREFIX: &str = "HEAPPROFD_KEPT_";
+
+#[cfg(test)]
+mod tests {
+    use super::JoinRefused;
+
+    #[test]
+    fn every_join_refusal_reads_back_from_its_code_and_has_its_own_c_name() {
+        for (index, reason) in JoinRefused::ALL.into_iter().enumerate() {
+            assert_eq!(JoinRefused::from_result(reason as i64), Some(reason));
+            for other in &JoinRefused::ALL[index + 1..] {
+                assert_ne!(reason.c_name(), other.c_name());
+            }
+        }
+        // Slots redirected are positive; 0 and unknown codes are no reason.
+        assert_eq!(JoinRefused::from_result(3), None);
+        assert_eq!(JoinRefused::from_result(0), None);
+        assert_eq!(JoinRefused::from_result(-100), None);
+    }
+}

@@ -8,9 +8,9 @@ use std::{fmt::Write as _, path::Path, process::Command};
 
 use anyhow::{Context as _, Result, bail};
 use heapprof_common::preload::{
-    FOLLOW_ENV, FUNCTIONS, KEPT_PRELOAD_PREFIX, Kind, Meta, PROBE_SITE_SYMBOL, QUEUE_WORDS,
-    REPLIES_FD_ENV, REPLY_READS, REPLY_SLOTS, Record, ReportQueue, SAMPLE_RATE_ENV, SYSTEM_SOCKET,
-    StackReply, SystemJoin,
+    FOLLOW_ENV, FUNCTIONS, JoinRefused, KEPT_PRELOAD_PREFIX, Kind, Meta, PROBE_SITE_SYMBOL,
+    QUEUE_WORDS, REPLIES_FD_ENV, REPLY_READS, REPLY_SLOTS, Record, ReportQueue, SAMPLE_RATE_ENV,
+    SYSTEM_SOCKET, StackReply, SystemJoin,
 };
 
 /// The library's file name in `$OUT_DIR`.
@@ -143,6 +143,11 @@ fn header() -> String {
     let _ = writeln!(h, "#define HP_REPLIES_FD_ENV \"{REPLIES_FD_ENV}\"");
     let _ = writeln!(h, "#define HP_SYSTEM_SOCKET \"{SYSTEM_SOCKET}\"");
     let _ = writeln!(h, "#define HP_JOIN_CHILDREN {}u", SystemJoin::CHILDREN);
+    h.push_str("/* Why a join was refused, as its negative results. */\nenum join_error {\n");
+    for reason in JoinRefused::ALL {
+        let _ = writeln!(h, "    {} = {},", reason.c_name(), reason as i64);
+    }
+    h.push_str("};\n");
     h.push_str(
         "struct hp_report_queue {\n    uint32_t len;\n    uint32_t generation;\n    \
          uint64_t words[HP_QUEUE_WORDS];\n};\n\

@@ -10,14 +10,8 @@
 /* heapprofd_join's flags: forked children stay joined (they are traced too). */
 #define JOIN_CHILDREN HP_JOIN_CHILDREN
 
-/* Why a join was refused, as its negative results. */
-enum join_error {
-    JOIN_NOT_INJECTED = -1,   /* a launch-mode copy */
-    JOIN_ALREADY = -2,        /* joined now */
-    JOIN_NO_DESCRIPTORS = -3, /* nothing received */
-    JOIN_NO_ALLOCATOR = -4,   /* the process binds no malloc/free */
-    JOIN_NO_SLOTS = -5,       /* no slot could be redirected */
-};
+/* Why a join was refused: enum join_error, generated into preload_abi.h from
+ * heapprof-common's JoinRefused. */
 
 #pragma GCC visibility push(hidden)
 
