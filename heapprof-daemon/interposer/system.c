@@ -10,6 +10,8 @@
  */
 #include "interposer.h"
 #include "join.h"
+#include "joined.h"
+#include "state.h"
 #include "preload_abi.h"
 
 #ifdef HP_SYSTEM_PRELOAD
@@ -88,14 +90,15 @@ static int under_valgrind(void)
 }
 
 /* Asks heapprofd to join; the program's start waits for the answer (at most
- * ANSWER_WAIT_SECONDS), so that its first allocations are counted. */
-static void ask_to_join(void)
+ * ANSWER_WAIT_SECONDS), so that its first allocations are counted. Returns the join's
+ * result (sent back to heapprofd too), or JOIN_NOT_ASKED. */
+static long ask_to_join(void)
 {
     if (access(HP_SYSTEM_SOCKET, 0 /* F_OK */) != 0 || under_valgrind())
-        return;
+        return JOIN_NOT_ASKED;
     int fd = socket(AF_UNIX_, SOCK_SEQPACKET_ | SOCK_CLOEXEC_, 0);
     if (fd < 0)
-        return;
+        return JOIN_NOT_ASKED;
     struct {
         long seconds;
         long microseconds;
@@ -113,16 +116,67 @@ static void ask_to_join(void)
     unsigned peer_length = sizeof peer;
     struct hp_system_join join;
     int replies, pidfd;
+    long result = JOIN_NOT_ASKED;
     /* Only root's heapprofd is answered: anyone else could have bound the name. */
     if (connect(fd, &address, sizeof address) == 0 &&
-        getsockopt(fd, SOL_SOCKET_, SO_PEERCRED_, &peer, &peer_length) == 0 && peer.uid == 0 &&
-        receive_join(fd, &join, &replies, &pidfd) == 0) {
-        long result = hp_join_with(replies, pidfd, -1, join.sample_rate, join.flags);
+        getsockopt(fd, SOL_SOCKET_, SO_PEERCRED_, &peer, &peer_length) == 0 && peer.uid == 0) {
+        if (receive_join(fd, &join, &replies, &pidfd) == 0)
+            result = hp_join_with(replies, pidfd, -1, join.sample_rate, join.flags);
+        else
+            result = JOIN_NO_DESCRIPTORS;
         send(fd, &result, sizeof result, MSG_NOSIGNAL_);
     }
     close(fd);
+    return result;
 }
 
-__attribute__((constructor)) static void on_system_load(void) { ask_to_join(); }
+/* An ask in progress: heapprofd may hold this very thread meanwhile (it joins the
+ * processes that ran before it through ptrace) and must not ask again inside it. */
+static volatile int asking;
+/* The last ask's result. */
+static long last_answer = JOIN_NOT_ASKED;
+
+static long ask_once(void)
+{
+    __atomic_store_n(&asking, 1, __ATOMIC_RELEASE);
+    long result = ask_to_join();
+    last_answer = result;
+    __atomic_store_n(&asking, 0, __ATOMIC_RELEASE);
+    return result;
+}
+
+__attribute__((constructor)) static void on_system_load(void) { ask_once(); }
+
+/* Whether the heapprofd this copy joined has exited (its pidfd is readable); the
+ * wrappers notice it only at their next look, which an idle process may not reach. */
+static int joined_daemon_gone(void)
+{
+    struct {
+        int fd;
+        short events;
+        short revents;
+    } watch = { daemon_pidfd, 1 /* POLLIN */, 0 };
+    return watch.fd >= 0 && poll(&watch, 1, 0) > 0;
+}
+
+/*
+ * Called by heapprofd through ptrace in a process that ran before it. With `again` 0,
+ * after heapprofd has dlopen'd this copy, whose start asked already: that answer.
+ * With `again` 1, for a copy loaded earlier (inert, or joined to a heapprofd that has
+ * exited since): asks now. Returns the slots redirected, or a join_error.
+ */
+EXPORT long heapprofd_system_ask(uint64_t again)
+{
+    if (__atomic_load_n(&asking, __ATOMIC_ACQUIRE))
+        return JOIN_ASKING;
+    if (!again)
+        return last_answer;
+    if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) == ACTIVE) {
+        if (!joined_daemon_gone())
+            return JOIN_ALREADY;
+        heapprofd_leave_now();
+    }
+    return ask_once();
+}
 
 #endif

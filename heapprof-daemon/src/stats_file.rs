@@ -137,6 +137,12 @@ pub struct SystemPreloadFigures {
     pub declined: u64,
     /// Processes that got their allocator's probes for themselves alone.
     pub probed_alone: u64,
+    /// Processes that ran before heapprofd whose copy of the library (loaded by
+    /// ptrace) asked to join: their answers count in `joined` or `declined`.
+    pub running_asked: u64,
+    /// Processes that ran before heapprofd and could not be asked (they got the
+    /// probes).
+    pub running_not_asked: u64,
 }
 
 /// The stack lookups of a run, and their total.
@@ -423,6 +429,8 @@ mod tests {
                 joined: 7,
                 declined: 1,
                 probed_alone: 2,
+                running_asked: 3,
+                running_not_asked: 1,
             }),
         };
         let value = serde_json::to_value(&stats).expect("serializable");

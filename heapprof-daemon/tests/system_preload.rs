@@ -136,6 +136,58 @@ echo after=$(lists)
 }
 
 #[test]
+fn a_program_running_before_heapprofd_is_joined_through_the_library_and_counts_exactly() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O1"]);
+    // The program waits in read() (and the script's bash in its own waits) when
+    // heapprofd starts: both are asked to join through a copy loaded by ptrace.
+    let output = in_private_namespace(
+        dir.path(),
+        &format!(
+            r#"mkfifo $D/in
+{program} wait < $D/in > $D/program.out &
+P=$!
+exec 3>$D/in
+for i in $(seq 100); do grep -q ready $D/program.out && break; sleep 0.1; done
+start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
+grep -c libheapprofd-system /proc/$P/maps >/dev/null && echo mapped=yes || echo mapped=no
+echo go >&3
+for i in $(seq 100); do grep -q done $D/program.out && break; sleep 0.1; done
+# The final profile is taken while the program's blocks are still live.
+kill -TERM $H; wait $H; echo heapprofd_status=$?
+exec 3>&-
+wait $P; echo program_status=$?
+"#,
+            program = program.display()
+        ),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let context = explain(&output, dir.path());
+    assert!(output.status.success(), "{context}");
+    assert_eq!(value(&stdout, "mapped"), "yes", "{context}");
+    assert_eq!(value(&stdout, "heapprofd_status"), "0", "{context}");
+    assert_eq!(value(&stdout, "program_status"), "0", "{context}");
+    let figures = system_figures(&dir.path().join("stats.json"));
+    assert!(
+        figures["running_asked"]
+            .as_u64()
+            .is_some_and(|asked| asked >= 2)
+            && figures["joined"].as_u64().is_some_and(|joined| joined >= 2),
+        "the program and the script's shell were asked and joined: {figures}\n{context}"
+    );
+    let printed = std::fs::read_to_string(dir.path().join("program.out")).expect("program output");
+    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
+    counted::check_c_program(
+        "alloc_abc running before heapprofd",
+        &log,
+        &printed,
+        &samples(&last_profile(&dir.path().join("out"))),
+    );
+}
+
+#[test]
 fn an_entry_left_by_a_killed_heapprofd_is_inert_and_the_next_heapprofd_takes_it_over() {
     require_root();
     let _serial = serial();

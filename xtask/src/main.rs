@@ -83,7 +83,7 @@ enum Cmd {
         quick: bool,
         /// Only this workload or section (repeatable): workloads pairs, churn, perl,
         /// cxx_stl, python3 (the sections run too unless some are named); sections
-        /// library, dumps, shutdown, load, redis, nginx, launch, kernel, and none (the
+        /// library, dumps, shutdown, load, redis, nginx, fleet, launch, kernel, and none (the
         /// workloads named alone).
         #[arg(long, value_name = "WORKLOAD")]
         only: Vec<String>,

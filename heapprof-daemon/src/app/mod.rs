@@ -152,6 +152,18 @@ impl AnySession {
                     session.probe_unjoined(pid);
                 }
             }
+            crate::system_preload::Event::NotAsked(pid, reason) => {
+                session.system_not_asked(pid, &reason);
+                system.declined(pid);
+                session.probe_unjoined(pid);
+            }
+            crate::system_preload::Event::RunningAsked { asked, tried } => {
+                session.system_running_asked(asked);
+                log::info!(
+                    "system-wide preload: {asked} of the {tried} processes running before \
+                     heapprofd asked to join; the others get their allocator's probes"
+                );
+            }
         }
     }
 

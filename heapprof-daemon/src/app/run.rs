@@ -72,8 +72,14 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         Some(path) => Some(ProfilesFile::create(path).context("--profiles-json")?),
         None => None,
     };
-    if let Some(path) = &cli.ready_file {
-        say_ready(path).with_context(|| format!("--ready-file {}", path.display()))?;
+    // Ready once every process is served: with the system-wide preload, once those
+    // running before heapprofd have been asked to join.
+    let mut ready_file = cli.ready_file.as_deref();
+    if !system
+        .as_ref()
+        .is_some_and(crate::system_preload::SystemPreload::asks_running)
+    {
+        say_ready_once(&mut ready_file)?;
     }
     let child_pid = child.as_ref().map(|c| c.pid);
     let mut child_events = child.map(PausedChild::release);
@@ -94,6 +100,9 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
             event = async { match system.as_mut() { Some(system) => system.next().await, None => std::future::pending().await } } => {
                 if let Some(system) = system.as_ref() {
                     session.system_event(system, event);
+                    if !system.asks_running() {
+                        say_ready_once(&mut ready_file)?;
+                    }
                 }
             }
             events = async { match exec_events.as_mut() { Some(fd) => drain_ring::<ExecEvent>(fd).await, None => std::future::pending().await } } => {
@@ -225,6 +234,14 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
             .with_context(|| format!("--stats-json {}", stats_path.display()))?;
     }
     Ok(exit_code)
+}
+
+/// Creates `--ready-file` if it is still to be made (then forgets it).
+fn say_ready_once(ready_file: &mut Option<&std::path::Path>) -> Result<()> {
+    match ready_file.take() {
+        Some(path) => say_ready(path).with_context(|| format!("--ready-file {}", path.display())),
+        None => Ok(()),
+    }
 }
 
 /// Creates `--ready-file` (whole at once: written beside it, then renamed), holding

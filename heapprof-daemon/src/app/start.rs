@@ -232,6 +232,14 @@ fn start_user(
     };
     let programs = StartFigures::programs_of(&ebpf);
     let mut session = UserSession::new(config, ebpf, allocators)?;
+    // The processes running now are asked to join once the socket listens: until their
+    // copy asks, the session leaves them alone (they count from their join).
+    let running = system.then(|| {
+        crate::system_preload::running::candidates(heapprof_common::preload::SYSTEM_LIBRARY)
+    });
+    if let Some(pids) = &running {
+        session.await_system_ask(pids);
+    }
     session.prime_processes();
     // Joined once the process's mappings and unwind tables are in place, so that its
     // first reports are unwound whole.
@@ -265,12 +273,14 @@ fn start_user(
     // Last: from here on, new programs ask to join, and the session answers them.
     let system = system_replies
         .map(|replies| {
-            let started = SystemPreload::start(replies, sample_rate, session.system_joined())?;
+            let mut started = SystemPreload::start(replies, sample_rate, session.system_joined())?;
+            started.ask_running(running.unwrap_or_default())?;
             log::info!(
                 "system-wide preload: {} is in {} until heapprofd exits; dynamic programs \
-                 started from now on join heapprofd in-process, and each process it does \
-                 not serve (running before, static, another mount namespace) gets its \
-                 allocator's probes for itself alone",
+                 join heapprofd in-process (those running now once heapprofd has loaded it \
+                 into them), and each process it does not serve (static, another mount \
+                 namespace, one it cannot load into) gets its allocator's probes for \
+                 itself alone",
                 heapprof_common::preload::SYSTEM_LIBRARY,
                 crate::system_preload::PRELOAD_LIST
             );

@@ -25,6 +25,8 @@
 
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod regs;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub mod system;
 
 use regs::Guards;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
@@ -44,6 +46,8 @@ use std::{
 #[cfg(target_arch = "x86_64")]
 use object::ObjectSection as _;
 use object::{Object as _, ObjectSegment as _, ObjectSymbol as _};
+
+use heapprof_common::preload::JoinRefused;
 
 use crate::procmaps::parse_maps_line;
 
@@ -306,17 +310,9 @@ impl Injection {
         self.close_guarded(theirs);
         let result = result? as i64;
         if result < 0 {
-            return Err(not_joined(match result {
-                -1 => "the library in the process was launched with it, not injected".to_owned(),
-                -2 => {
-                    "heapprofd's library in the process is joined to another heapprofd".to_owned()
-                }
-                -3 => "the library received no descriptors".to_owned(),
-                -4 => "the process binds no malloc and free".to_owned(),
-                -5 => "none of the process's allocator calls could be redirected (no GOT slot \
-                       names malloc or free, or their pages could not be made writable)"
-                    .to_owned(),
-                other => format!("the library refused to join ({other})"),
+            return Err(not_joined(match JoinRefused::from_result(result) {
+                Some(reason) => reason.describe().to_owned(),
+                None => format!("the library refused to join ({result})"),
             }));
         }
         Ok(Joined {
@@ -613,16 +609,18 @@ fn send_descriptors(
 /// The library's entry points in `image`.
 pub fn entries(image: &[u8]) -> Option<Entries> {
     let file = object::File::parse(image).ok()?;
-    let find = |wanted: &str| {
-        file.dynamic_symbols()
-            .find(|s| s.name() == Ok(wanted))
-            .map(|s| s.address() - lowest_load(&file))
-    };
     Some(Entries {
-        join: find("heapprofd_join")?,
-        leave: find("heapprofd_leave")?,
-        resume_area: find("heapprofd_resume_area"),
+        join: symbol_offset(&file, "heapprofd_join")?,
+        leave: symbol_offset(&file, "heapprofd_leave")?,
+        resume_area: symbol_offset(&file, "heapprofd_resume_area"),
     })
+}
+
+/// Where the dynamic symbol `wanted` is, as an offset from the object's first byte.
+fn symbol_offset(file: &object::File<'_>, wanted: &str) -> Option<u64> {
+    file.dynamic_symbols()
+        .find(|s| s.name() == Ok(wanted))
+        .map(|s| s.address() - lowest_load(file))
 }
 
 #[cfg(test)]

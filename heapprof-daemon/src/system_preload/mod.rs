@@ -17,13 +17,17 @@
 //! find no socket to join and stay inert.
 
 pub mod entry;
+pub mod running;
 pub mod socket;
 
 use std::{
     collections::HashSet,
     os::fd::{AsFd as _, FromRawFd as _, OwnedFd},
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -53,6 +57,17 @@ pub enum Event {
     Sent(socket::Asking),
     /// A process's copy answered its join: slots redirected, or why it did not join.
     Answered(u32, Result<i64>),
+    /// A process that ran before heapprofd could not be asked to join (why): its
+    /// allocator's probes must count it.
+    NotAsked(u32, String),
+    /// Every process that ran before heapprofd was asked (`asked` of `tried` reached
+    /// the socket; their answers come as [`Event::Answered`]).
+    RunningAsked {
+        /// Processes whose copy asked.
+        asked: usize,
+        /// Processes heapprofd tried.
+        tried: usize,
+    },
 }
 
 /// How long a process asking waits for the session to read its mappings before its
@@ -70,6 +85,10 @@ pub struct SystemPreload {
     joined: JoinedSet,
     /// Answers awaited in the background, not heard of yet.
     awaiting: std::cell::Cell<usize>,
+    /// The thread asking the processes that ran before heapprofd, and its stop.
+    asking_running: Option<std::thread::JoinHandle<()>>,
+    stop_asking_running: Arc<AtomicBool>,
+    running_pending: std::cell::Cell<bool>,
     removed: bool,
 }
 
@@ -119,6 +138,9 @@ impl SystemPreload {
             answers: sender,
             joined,
             awaiting: std::cell::Cell::new(0),
+            asking_running: None,
+            stop_asking_running: Arc::new(AtomicBool::new(false)),
+            running_pending: std::cell::Cell::new(false),
             removed: false,
         };
         if !added? {
@@ -128,6 +150,27 @@ impl SystemPreload {
             );
         }
         Ok(started)
+    }
+
+    /// Asks each of `pids` (processes that ran before heapprofd, marked in the joined
+    /// set before the session first read them: see [`running`]) to join, in a thread of
+    /// its own; the event loop meanwhile reads each one's mappings as it asks.
+    pub fn ask_running(&mut self, pids: Vec<u32>) -> Result<()> {
+        let stop = Arc::clone(&self.stop_asking_running);
+        let events = self.answers.clone();
+        let thread = std::thread::Builder::new()
+            .name("system-running".into())
+            .spawn(move || running::ask_all(&pids, SYSTEM_LIBRARY, &stop, &events))
+            .context("starting the thread that joins the processes running before heapprofd")?;
+        self.asking_running = Some(thread);
+        self.running_pending.set(true);
+        Ok(())
+    }
+
+    /// Whether processes that ran before heapprofd are being asked still (until the
+    /// session hears [`Event::RunningAsked`]).
+    pub fn asks_running(&self) -> bool {
+        self.running_pending.get()
     }
 
     /// The next thing the session must hear of.
@@ -140,8 +183,10 @@ impl SystemPreload {
 
     /// Counts an answer awaited in the background as heard.
     fn heard(&self, event: Event) -> Event {
-        if matches!(event, Event::Answered(..)) {
-            self.awaiting.set(self.awaiting.get().saturating_sub(1));
+        match event {
+            Event::Answered(..) => self.awaiting.set(self.awaiting.get().saturating_sub(1)),
+            Event::RunningAsked { .. } => self.running_pending.set(false),
+            _ => {}
         }
         event
     }
@@ -159,6 +204,11 @@ impl SystemPreload {
     /// The events not heard of yet, at the session's end: each join sent is followed by
     /// its answer (awaited here), so that the last figures count every process.
     pub async fn drain(&mut self) -> Vec<Event> {
+        self.stop_asking_running.store(true, Ordering::Release);
+        // The process it asks now is answered meanwhile (or in the copy's own time).
+        if let Some(thread) = self.asking_running.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        }
         let mut drained = Vec::new();
         loop {
             let event = match self.events.try_recv() {
@@ -193,6 +243,7 @@ impl SystemPreload {
     /// Removes the entry from the preload list: new programs no longer load the
     /// library. (Done again by [`Self::remove`], which finds it gone.)
     pub fn remove_entry(&self) -> Result<()> {
+        self.stop_asking_running.store(true, Ordering::Release);
         entry::remove(&self.list, SYSTEM_LIBRARY)
             .with_context(|| format!("removing {SYSTEM_LIBRARY} from {PRELOAD_LIST}"))
     }
@@ -209,6 +260,10 @@ impl SystemPreload {
     }
 
     fn stop_answering(&mut self) {
+        self.stop_asking_running.store(true, Ordering::Release);
+        if let Some(thread) = self.asking_running.take() {
+            let _ = thread.join();
+        }
         self.closer.close();
         if let Some(thread) = self.answering.take() {
             let _ = thread.join();

@@ -142,6 +142,9 @@ pub struct AllocatorProbes {
     /// Processes the system-wide library joined (`--preload system`), shared with the
     /// thread that answers them.
     system_joined: crate::system_preload::JoinedSet,
+    /// `--preload system`: processes that ran before heapprofd, left alone until their
+    /// copy of the library asks to join (or cannot be asked).
+    awaiting_ask: HashSet<u32>,
     /// Processes that got probes for themselves alone, over the run.
     processes_probed_alone: u64,
     scans: ScanCache,
@@ -176,6 +179,7 @@ impl AllocatorProbes {
             slot_of: HashMap::new(),
             process_links: HashMap::new(),
             system_joined: crate::system_preload::JoinedSet::default(),
+            awaiting_ask: HashSet::new(),
             processes_probed_alone: 0,
             scans: HashMap::new(),
             serving: HashMap::new(),

@@ -17,6 +17,13 @@ impl AllocatorProbes {
         std::sync::Arc::clone(&self.system_joined)
     }
 
+    /// `--preload system`: leaves `pids` (processes that ran before heapprofd) alone
+    /// until their copy of the library asks to join, they exec or exit, or
+    /// [`Self::drop_process_probes`] is called for them.
+    pub fn await_ask(&mut self, pids: impl IntoIterator<Item = u32>) {
+        self.awaiting_ask.extend(pids);
+    }
+
     /// Processes that got probes for themselves alone over the run (`--preload system`).
     pub fn processes_probed_alone(&self) -> u64 {
         self.processes_probed_alone
@@ -40,8 +47,10 @@ impl AllocatorProbes {
 
     /// Detaches the probes attached for `pid` alone: it joined the system-wide library
     /// (its calls are the library's from now on), or it exec'd (its new image is
-    /// looked at afresh; a pid-filtered probe would follow it into the new image).
+    /// looked at afresh; a pid-filtered probe would follow it into the new image). It
+    /// is no longer awaiting its ask either (see [`Self::await_ask`]).
     pub fn drop_process_probes(&mut self, ebpf: &mut Ebpf, pid: u32) {
+        self.awaiting_ask.remove(&pid);
         let Some(links) = self.process_links.remove(&pid) else {
             return;
         };

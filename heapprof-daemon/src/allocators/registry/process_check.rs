@@ -40,6 +40,11 @@ impl AllocatorProbes {
             );
             return;
         }
+        // A process that ran before heapprofd, not asked yet: its join comes, or its
+        // probes do if it cannot be asked.
+        if only.is_some() && self.awaiting_ask.contains(&process.pid) {
+            return;
+        }
         let preload_mapped = match (only, preload_mapped) {
             (Some(pid), Some(id)) if crate::system_preload::contains(&self.system_joined, pid) => {
                 Some(id)

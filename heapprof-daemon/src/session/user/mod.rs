@@ -256,9 +256,10 @@ impl UserSession {
                 log::debug!("pid {pid}: joined by the system-wide library ({slots} slots)");
                 return true;
             }
-            Ok(-4) => "it binds no malloc/free of its own".to_owned(),
-            Ok(-5) => "none of its allocator slots could be redirected".to_owned(),
-            Ok(code) => format!("the library refused ({code})"),
+            Ok(code) => match heapprof_common::preload::JoinRefused::from_result(*code) {
+                Some(reason) => reason.describe().to_owned(),
+                None => format!("the library refused ({code})"),
+            },
             Err(err) => format!("{err:#}"),
         };
         log::debug!(
@@ -267,6 +268,24 @@ impl UserSession {
         );
         self.system_figures.declined += 1;
         false
+    }
+
+    /// `--preload system`: `pids` ran before heapprofd and are asked to join; until
+    /// then (or until they cannot be), they are left alone.
+    pub fn await_system_ask(&mut self, pids: &[u32]) {
+        self.allocators.await_ask(pids.iter().copied());
+    }
+
+    /// `--preload system`: `pid` ran before heapprofd and could not be asked to join.
+    pub fn system_not_asked(&mut self, pid: u32, reason: &str) {
+        self.allocators.drop_process_probes(&mut self.ebpf, pid);
+        log::debug!("pid {pid}: cannot ask it to join ({reason}); its allocator's probes count it");
+        self.system_figures.running_not_asked += 1;
+    }
+
+    /// `--preload system`: `asked` processes that ran before heapprofd asked to join.
+    pub fn system_running_asked(&mut self, asked: usize) {
+        self.system_figures.running_asked += asked as u64;
     }
 
     /// Probes `pid`'s allocator for it alone (a process the library did not join).

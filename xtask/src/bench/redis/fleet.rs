@@ -3,7 +3,8 @@
 //!
 //! - `after`: `--preload system`, redis started after heapprofd (it joins in-process
 //!   from its start);
-//! - `before`: `--preload system`, redis started before heapprofd (probed alone);
+//! - `before`: `--preload system`, redis started before heapprofd (joined through the
+//!   library heapprofd loads into it at its start);
 //! - `probes`: the unit's flags alone, redis on the allocator's probes;
 //! - `entry left`: the system-wide preload's entry and library left by a heapprofd
 //!   killed with SIGKILL, no heapprofd running (the library loaded, inert).

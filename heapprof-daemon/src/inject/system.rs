@@ -1,0 +1,125 @@
+//! `--all --preload system` for the processes that ran before heapprofd: the
+//! system-wide library (the copy new programs get from `/etc/ld.so.preload`) loaded
+//! into each by ptrace, from its path. Its start asks heapprofd on the socket, as a new
+//! program's does, and the join follows the same road (see `crate::system_preload`).
+//!
+//! A copy already mapped (loaded while an earlier heapprofd ran, or while a killed
+//! one's entry stayed) is asked again instead of loaded. Only processes in heapprofd's
+//! mount namespace are asked: the path is heapprofd's.
+
+use std::os::unix::fs::MetadataExt as _;
+
+use heapprof_common::preload::JoinRefused;
+
+use super::{Injection, NotJoined, mapped_base, not_joined, symbol_offset};
+use crate::procmaps::parse_maps_line;
+
+/// Why a process that ran before heapprofd was not asked to join.
+#[derive(Debug)]
+pub enum SystemAskError {
+    /// It was not: nothing reached the socket, and its allocator's probes must count it.
+    NotAsked(NotJoined),
+    /// A call in it failed after its copy may have asked (it exited or exec'd, most
+    /// likely): the socket's answer, if one came, says what happened.
+    Unknown(NotJoined),
+}
+
+impl Injection {
+    /// Has the system-wide library at `path` ask heapprofd to join: loads it (`dlopen`
+    /// of the path) unless a copy is mapped already, which is asked again. Returns the
+    /// copy's answer: the slots redirected, or a [`JoinRefused`] code.
+    pub fn ask_system(mut self, path: &str) -> Result<i64, SystemAskError> {
+        let (base, ask, resume_area, again) = match mapped_copy(self.pid, path) {
+            Some((base, image)) => {
+                let (ask, resume_area) = ask_entry(&image).map_err(SystemAskError::NotAsked)?;
+                (base, ask, resume_area, true)
+            }
+            None => {
+                let image = std::fs::read(path).map_err(|err| {
+                    SystemAskError::NotAsked(not_joined(format!("reading {path}: {err}")))
+                })?;
+                let (ask, resume_area) = ask_entry(&image).map_err(SystemAskError::NotAsked)?;
+                let base = self.dlopen_system(path)?;
+                (base, ask, resume_area, false)
+            }
+        };
+        if let Some(area) = resume_area
+            && let Err(err) = self.thread.stub_in(base + area)
+        {
+            log::debug!("pid {}: no return stub: {err}", self.pid);
+        }
+        let asked = self.call(base + ask, &[u64::from(again)]);
+        let answer = asked.map_err(|err| {
+            // A copy asked again may have asked before failing; a fresh one did in dlopen.
+            SystemAskError::Unknown(err)
+        })? as i64;
+        Ok(answer)
+    }
+
+    /// Loads the library at `path` into the process; returns where it starts. Its
+    /// start asks heapprofd to join, inside the `dlopen`.
+    fn dlopen_system(&mut self, path: &str) -> Result<u64, SystemAskError> {
+        let id = std::fs::metadata(path)
+            .map(|m| (m.dev(), m.ino()))
+            .map_err(|err| SystemAskError::NotAsked(not_joined(format!("{path}: {err}"))))?;
+        self.protect_calls();
+        let scratch = self.thread.scratch();
+        let mut name = path.as_bytes().to_vec();
+        name.push(0);
+        self.write(scratch, &name)
+            .map_err(SystemAskError::NotAsked)?;
+        const RTLD_NOW: u64 = 2;
+        let handle = self
+            .call(self.functions.dlopen, &[scratch, RTLD_NOW])
+            .map_err(SystemAskError::Unknown)?;
+        if handle == 0 {
+            return Err(SystemAskError::NotAsked(not_joined(format!(
+                "dlopen of {path} failed in the process: {}",
+                self.dlerror()
+            ))));
+        }
+        mapped_base(self.pid, id).ok_or_else(|| {
+            SystemAskError::Unknown(not_joined(format!("{path} is not in its mappings")))
+        })
+    }
+}
+
+/// `heapprofd_system_ask`'s and the resume area's offsets in the library `image`.
+fn ask_entry(image: &[u8]) -> Result<(u64, Option<u64>), NotJoined> {
+    let file = object::File::parse(image)
+        .map_err(|err| not_joined(format!("the system-wide library: {err}")))?;
+    let ask = symbol_offset(&file, "heapprofd_system_ask").ok_or_else(|| {
+        not_joined("its copy of the system-wide library has no heapprofd_system_ask (an older heapprofd's)")
+    })?;
+    Ok((ask, symbol_offset(&file, "heapprofd_resume_area")))
+}
+
+/// A copy of the library at `path` that `pid` maps already (the file may have been
+/// replaced since: its own bytes, read through `map_files`, give its entries): where it
+/// starts, and its bytes.
+fn mapped_copy(pid: u32, path: &str) -> Option<(u64, Vec<u8>)> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    let deleted = format!("{path} (deleted)");
+    maps.lines()
+        .filter_map(|l| parse_maps_line(l).ok())
+        .filter(|line| line.offset == 0 && (line.path == path || line.path == deleted))
+        .find_map(|line| {
+            let mapped = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
+            std::fs::read(mapped).ok().map(|image| (line.start, image))
+        })
+}
+
+impl SystemAskError {
+    /// The reason, for the log.
+    pub fn reason(&self) -> &NotJoined {
+        match self {
+            SystemAskError::NotAsked(reason) | SystemAskError::Unknown(reason) => reason,
+        }
+    }
+}
+
+/// Whether a copy's answer to `heapprofd_system_ask` means heapprofd's socket never
+/// heard of it (so its allocator's probes must count it).
+pub fn never_asked(answer: i64) -> bool {
+    JoinRefused::from_result(answer) == Some(JoinRefused::NotAsked)
+}
