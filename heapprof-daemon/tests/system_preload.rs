@@ -253,6 +253,14 @@ echo after=$(lists)
         figures["joined"].as_u64().is_some_and(|joined| joined >= 1),
         "the program joined the second heapprofd: {figures}\n{context}"
     );
+    // The script's shell ran before both: the first heapprofd loaded the library into
+    // it, and the second asks that copy again (its heapprofd is dead).
+    assert!(
+        figures["running_asked"]
+            .as_u64()
+            .is_some_and(|asked| asked >= 1),
+        "the shell's copy, joined to the killed heapprofd, was asked again: {figures}\n{context}"
+    );
 }
 
 #[test]
