@@ -21,6 +21,7 @@ use std::{
 use anyhow::{Context as _, Result};
 use serde::{Deserialize, Serialize};
 
+pub use crate::session::ImageRead;
 use crate::session::Written;
 
 /// Why a profile was written.
@@ -92,20 +93,6 @@ pub struct WriteFailure {
     pub failures: u64,
     /// Why, as the log says it (for people: a reader keys by the kind, not by this).
     pub error: String,
-}
-
-/// The mappings of a process's new image, read after an exec (kind `image_read`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ImageRead {
-    /// The process.
-    pub pid: u32,
-    /// Which image: the process's execs seen since tracing began (the first image
-    /// traced is 0).
-    pub exec_generation: u32,
-    /// Whether a probed allocator is mapped in it. `false` on a read that is tried
-    /// again later (the loader may not have mapped the allocator yet), and on the
-    /// last read of an image that has none.
-    pub probed_allocator: bool,
 }
 
 /// Seconds since the Unix epoch at `at`, with a fraction.

@@ -135,7 +135,7 @@ impl AnySession {
     }
 
     /// Reads the exec'd images whose time has come; returns those read.
-    fn read_due_images(&mut self) -> Vec<crate::profiles_file::ImageRead> {
+    fn read_due_images(&mut self) -> Vec<crate::session::ImageRead> {
         match self {
             AnySession::User(session) => session.read_due_images(),
             AnySession::Kernel(_) => Vec::new(),

@@ -395,7 +395,7 @@ impl UserSession {
     }
 
     /// Reads the mappings of exec'd images whose time has come.
-    pub fn read_due_images(&mut self) -> Vec<crate::profiles_file::ImageRead> {
+    pub fn read_due_images(&mut self) -> Vec<super::ImageRead> {
         let allocators = &self.allocators;
         let read = self
             .images
@@ -403,7 +403,7 @@ impl UserSession {
         read.into_iter()
             .map(|read| {
                 self.check_allocators(read.image, read.settled);
-                crate::profiles_file::ImageRead {
+                super::ImageRead {
                     pid: read.image.pid,
                     exec_generation: read.image.exec_gen,
                     probed_allocator: read.probed_allocator,
