@@ -391,12 +391,14 @@ fn check_kernel(release: &str, console: &str, profiles: &BTreeMap<String, Profil
          say: {notes:?}\nconsole:\n{console}"
     );
     // Where the bulk program is missing (it needs bpf_loop), the profile says its
-    // frees are undercounted.
-    assert_eq!(
-        losses::frees_undercounted(&notes.iter().map(|c| (*c).to_owned()).collect::<Vec<_>>()),
-        !new_enough,
-        "{release}: {notes:?}"
-    );
+    // frees are undercounted (where every path is seen, the watches above say so).
+    if !new_enough {
+        let notes: Vec<String> = notes.iter().map(|c| (*c).to_owned()).collect();
+        assert!(
+            losses::frees_undercounted(&notes),
+            "{release}: the missing bulk program is not said: {notes:?}"
+        );
+    }
     let freed = freed_by(deferred);
     let rcu_freed = freed.get("kvfree_call_rcu").copied().unwrap_or(0);
     assert!(
