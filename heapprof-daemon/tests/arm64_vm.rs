@@ -632,8 +632,11 @@ fn check_round(
         .and_then(|(_, after)| after.split_once("==PIDSTATS-END"))
         .map(|(stats, _)| stats)
         .unwrap_or_default();
-    assert!(
-        pid_stats.contains("\"how\": \"injected\""),
+    let joined: serde_json::Value = serde_json::from_str(pid_stats).unwrap_or_else(|e| {
+        panic!("{round}: the --stats-json is not JSON ({e}):\n{pid_stats}\n{pid_log}")
+    });
+    assert_eq!(
+        joined["joined"]["how"], "injected",
         "{round}: --pid did not join the waiter in-process:\n{pid_stats}\n{pid_log}"
     );
     // --pid: work() made 1000 allocations of 48 bytes and freed every other one.
