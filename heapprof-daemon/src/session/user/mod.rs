@@ -17,7 +17,6 @@ use std::{
     time::{Duration, Instant, SystemTime},
 };
 
-use crate::stats_file::Leaving;
 use anyhow::{Context as _, Result};
 use aya::{
     Ebpf,
@@ -40,6 +39,7 @@ use crate::{
     cli::Target,
     health::stats::{self, RunTimeStats, StackLookups},
     metrics::Exporter,
+    stats_file::Leaving,
     symbolize::Symbolizer,
     unwind::table_upload::{TableCapacities, TableUploader, TableUsage},
 };
