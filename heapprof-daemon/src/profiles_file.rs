@@ -3,22 +3,29 @@
 //! benchmark's dump and shutdown timings, the soak, tests). The log keeps saying the
 //! same to people; these lines are the interface, and their keys are what must not
 //! change.
+//!
+//! Every line has a `kind`. `interval` and `final` are profiles written ([`Record`]);
+//! two more kinds say, as they happen, what a program watching a session otherwise
+//! had to read out of the log's wording: `write_failed`, a profile that could not be
+//! written ([`WriteFailure`]), and `image_read`, the mappings of a process's new image
+//! read after an exec ([`ImageRead`]). A reader of profiles takes the first two kinds
+//! and passes over the others.
 
 use std::{
     fs::File,
     io::Write as _,
     path::{Path, PathBuf},
-    time::UNIX_EPOCH,
+    time::{SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::{Context as _, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
+pub use crate::session::ImageRead;
 use crate::session::Written;
 
 /// Why a profile was written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     /// On `--interval`.
     Interval,
@@ -26,13 +33,35 @@ pub enum Kind {
     Final,
 }
 
-/// One line of the file.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One line of the file, told apart by its `kind`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Line {
+    /// A profile written on `--interval`.
+    Interval(Record),
+    /// The last profile, written as the session ended.
+    Final(Record),
+    /// A profile that could not be written (the session goes on).
+    WriteFailed(WriteFailure),
+    /// A process's new image read after an exec.
+    ImageRead(ImageRead),
+}
+
+impl Line {
+    /// The profile written, for a line that says one was.
+    pub fn written(&self) -> Option<&Record> {
+        match self {
+            Line::Interval(record) | Line::Final(record) => Some(record),
+            Line::WriteFailed(_) | Line::ImageRead(_) => None,
+        }
+    }
+}
+
+/// A profile written (lines of kind `interval` and `final`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     /// The profile's file.
     pub path: PathBuf,
-    /// Why it was written.
-    pub kind: Kind,
     /// When the file was in place, in seconds since the Unix epoch (with a fraction).
     pub unix_time: f64,
     /// Its sites (samples).
@@ -55,18 +84,31 @@ pub struct Record {
     pub write_ms: f64,
 }
 
+/// A profile that could not be written (kind `write_failed`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WriteFailure {
+    /// When the write was given up, in seconds since the Unix epoch.
+    pub unix_time: f64,
+    /// The session's failed writes so far, this one included.
+    pub failures: u64,
+    /// Why, as the log says it (for people: a reader keys by the kind, not by this).
+    pub error: String,
+}
+
+/// Seconds since the Unix epoch at `at`, with a fraction.
+fn unix_time(at: SystemTime) -> f64 {
+    at.duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 impl Record {
-    /// The line for `written`, written for `kind`.
-    pub fn of(written: &Written, kind: Kind) -> Self {
+    /// The record of `written`.
+    pub fn of(written: &Written) -> Self {
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let contents = &written.contents;
         Record {
             path: written.path.clone(),
-            kind,
-            unix_time: written
-                .at
-                .duration_since(UNIX_EPOCH)
-                .map_or(0.0, |d| d.as_secs_f64()),
+            unix_time: unix_time(written.at),
             sites: contents.sites,
             allocated_blocks: contents.allocated_blocks,
             allocated_bytes: contents.allocated_bytes,
@@ -85,6 +127,8 @@ impl Record {
 pub struct ProfilesFile {
     path: PathBuf,
     file: File,
+    /// Profiles not written so far.
+    failures: u64,
 }
 
 impl ProfilesFile {
@@ -94,6 +138,7 @@ impl ProfilesFile {
         Ok(ProfilesFile {
             path: path.to_owned(),
             file,
+            failures: 0,
         })
     }
 
@@ -101,16 +146,54 @@ impl ProfilesFile {
     /// that takes whole lines only never sees part of one). A failure is logged: the
     /// profile itself was written.
     pub fn append(&mut self, written: &Written, kind: Kind) {
-        if let Err(err) = self.try_append(&Record::of(written, kind)) {
+        let record = Record::of(written);
+        self.append_line(&match kind {
+            Kind::Interval => Line::Interval(record),
+            Kind::Final => Line::Final(record),
+        });
+    }
+
+    /// Appends the line of a profile that could not be written, for `error`.
+    pub fn append_failure(&mut self, error: &anyhow::Error) {
+        self.failures += 1;
+        self.append_line(&Line::WriteFailed(WriteFailure {
+            unix_time: unix_time(SystemTime::now()),
+            failures: self.failures,
+            error: format!("{error:#}"),
+        }));
+    }
+
+    /// Appends the line of an image read.
+    pub fn append_image_read(&mut self, read: ImageRead) {
+        self.append_line(&Line::ImageRead(read));
+    }
+
+    fn append_line(&mut self, line: &Line) {
+        if let Err(err) = self.try_append(line) {
             log::warn!("--profiles-json {}: {err:#}", self.path.display());
         }
     }
 
-    fn try_append(&mut self, record: &Record) -> Result<()> {
+    fn try_append(&mut self, record: &Line) -> Result<()> {
         let mut line = serde_json::to_vec(record).context("encoding the record")?;
         line.push(b'\n');
         self.file.write_all(&line).context("writing")
     }
+}
+
+/// Every whole line of the file at `path` (one a writer is still writing, without its
+/// newline, is left out), for programs that follow a session.
+pub fn read(path: &Path) -> Result<Vec<Line>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let whole = text.rfind('\n').map_or("", |end| &text[..end]);
+    whole
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line)
+                .with_context(|| format!("{}: a line that is not a record: {line}", path.display()))
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -165,5 +248,65 @@ mod tests {
         assert_eq!(lines[0]["read_ms"], 7.0);
         assert_eq!(lines[0]["build_ms"], 4.0);
         assert_eq!(lines[0]["write_ms"], 1.0);
+    }
+
+    #[test]
+    fn failed_writes_and_images_read_are_lines_of_their_own_kinds_read_back() {
+        let dir = tempfile::tempdir().expect("scratch");
+        let path = dir.path().join("profiles.jsonl");
+        let mut file = ProfilesFile::create(&path).expect("created");
+        file.append_image_read(ImageRead {
+            pid: 42,
+            exec_generation: 1,
+            probed_allocator: true,
+        });
+        file.append_failure(&anyhow::anyhow!("no space left on device"));
+        file.append(&written("/p/heap-1.pb.gz", 100), Kind::Interval);
+        file.append_failure(&anyhow::anyhow!("no space left on device"));
+        let text = std::fs::read_to_string(&path).expect("read");
+        let kinds: Vec<serde_json::Value> = text
+            .lines()
+            .map(|line| {
+                serde_json::from_str::<serde_json::Value>(line).expect("JSON")["kind"].clone()
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            ["image_read", "write_failed", "interval", "write_failed"]
+        );
+        let lines = read(&path).expect("read back");
+        assert_eq!(
+            lines[0],
+            Line::ImageRead(ImageRead {
+                pid: 42,
+                exec_generation: 1,
+                probed_allocator: true
+            })
+        );
+        let failures: Vec<u64> = lines
+            .iter()
+            .filter_map(|line| match line {
+                Line::WriteFailed(failure) => Some(failure.failures),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(failures, [1, 2], "each failure counts those before it");
+        let written: Vec<&Record> = lines.iter().filter_map(Line::written).collect();
+        assert_eq!(written.len(), 1);
+        assert_eq!(written[0].path, PathBuf::from("/p/heap-1.pb.gz"));
+    }
+
+    #[test]
+    fn a_line_still_being_written_is_not_read() {
+        let dir = tempfile::tempdir().expect("scratch");
+        let path = dir.path().join("profiles.jsonl");
+        let mut file = ProfilesFile::create(&path).expect("created");
+        file.append(&written("/p/heap-1.pb.gz", 100), Kind::Interval);
+        let mut partial = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .expect("open");
+        partial.write_all(b"{\"kind\":\"fin").expect("write");
+        assert_eq!(read(&path).expect("read").len(), 1);
     }
 }

@@ -40,6 +40,29 @@ pub enum JoinedBy {
     Probes,
 }
 
+/// How heapprofd left a `--pid` target it had joined in-process, as the session ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "how", rename_all = "snake_case")]
+pub enum Leaving {
+    /// The library put the process's allocator slots back.
+    SlotsRestored {
+        /// How many.
+        slots: u64,
+    },
+    /// The process had exec'd since it was joined: the image joined was gone, so
+    /// nothing was called; the library in its new image stops by itself once heapprofd
+    /// has exited.
+    Replaced,
+    /// The process had exited.
+    Exited,
+    /// It could not be reached (the library puts its calls back by itself once it sees
+    /// heapprofd gone).
+    NotLeft {
+        /// What stood in the way.
+        reason: String,
+    },
+}
+
 /// What start-up learns that the stats file reports at exit.
 #[derive(Debug, Default)]
 pub struct StartFigures {
@@ -109,6 +132,8 @@ pub struct RunStats {
     pub dropped: BTreeMap<&'static str, u64>,
     /// `--pid`: how the target was joined.
     pub joined: Option<Joining>,
+    /// `--pid` joined in-process: how it was left at the end.
+    pub left: Option<Leaving>,
     /// The BPF maps' kernel memory at start: bytes by table, and their total.
     pub kernel_memory: KernelMemory,
     /// Probes placed where the kernel single-steps them (each logged as a warning).
@@ -126,6 +151,9 @@ pub struct RunStats {
     pub unwind_tables: Option<TableUsage>,
     /// `--preload system`: how the processes were served.
     pub system_preload: Option<SystemPreloadFigures>,
+    /// Interval profiles that could not be written (each said in the log, and as a
+    /// `write_failed` line of `--profiles-json`); the session went on.
+    pub failed_profile_writes: u64,
 }
 
 /// `--preload system`: how the processes of the run were served.
@@ -398,6 +426,7 @@ mod tests {
                 how: JoinedBy::Probes,
                 reason: Some("--inject off".into()),
             }),
+            left: Some(Leaving::SlotsRestored { slots: 12 }),
             kernel_memory: KernelMemory::of(&[
                 TableMemory {
                     table: "live_blocks",
@@ -432,8 +461,12 @@ mod tests {
                 running_asked: 3,
                 running_not_asked: 1,
             }),
+            failed_profile_writes: 3,
         };
         let value = serde_json::to_value(&stats).expect("serializable");
+        assert_eq!(value["failed_profile_writes"], 3);
+        assert_eq!(value["left"]["how"], "slots_restored");
+        assert_eq!(value["left"]["slots"], 12);
         assert_eq!(value["system_preload"]["joined"], 7);
         assert_eq!(value["system_preload"]["probed_alone"], 2);
         assert_eq!(value["joined"]["how"], "probes");

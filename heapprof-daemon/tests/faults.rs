@@ -18,6 +18,7 @@ use std::{
 
 use common::*;
 use heapprof_common::{kernel::KernelEvent, kernel::names as kernel_names, names};
+use heapprof_daemon::profiles_file::Line;
 
 /// Longest program name the kernel keeps (`BPF_OBJ_NAME_LEN` less the terminating 0).
 const KERNEL_NAME_LEN: usize = 15;
@@ -415,8 +416,16 @@ fn a_full_disk_keeps_earlier_profiles_and_writing_resumes() {
     let mut waiter = start_waiter(dir.path());
     let out = dir.path().join("small");
     let _fs = SmallFs::mount(&out, "512k");
+    // Both files beside the small filesystem, so that they can be written when it is
+    // full.
+    let profiles = profiles_json(&dir.path().join("small"));
+    let stats = stats_file(&dir.path().join("small"));
     let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
+            .arg("--profiles-json")
+            .arg(&profiles)
+            .arg("--stats-json")
+            .arg(&stats)
             .args(["--interval", "200ms", "--pid"])
             .arg(waiter.pid()),
     );
@@ -431,14 +440,8 @@ fn a_full_disk_keeps_earlier_profiles_and_writing_resumes() {
         while file.write_all(&block).is_ok() {}
         let _ = file.sync_all();
     }
-    let mut errors = 0;
-    wait_until("an error about the full disk", || {
-        while let Ok(line) = log.try_recv() {
-            if line.contains("cannot write a profile") {
-                errors += 1;
-            }
-        }
-        errors > 0
+    let (_, failed_at) = wait_for_profiles_line(&profiles, 0, "failed write", |line| {
+        matches!(line, Line::WriteFailed(_))
     });
     // Every profile written before is intact, and no temp file is left behind.
     let before = read_profiles(&out);
@@ -456,12 +459,22 @@ fn a_full_disk_keeps_earlier_profiles_and_writing_resumes() {
 
     // Space returns: profiles are written again; the daemon never stopped.
     std::fs::remove_file(&filler).expect("removing the filler");
-    let count = before.len();
-    wait_until("a profile after space returned", || {
-        profile_count(&out) > count
+    wait_for_profiles_line(&profiles, failed_at, "profile after the failure", |line| {
+        matches!(line, Line::Interval(_))
     });
+    assert!(profile_count(&out) > before.len(), "no new profile on disk");
     signal(&heapprofd, libc::SIGINT);
     wait_success(&mut heapprofd, &log, "full disk");
+    let failures = heapprof_daemon::profiles_file::read(&profiles)
+        .expect("--profiles-json")
+        .iter()
+        .filter(|line| matches!(line, Line::WriteFailed(_)))
+        .count();
+    assert_eq!(
+        read_stats(&stats)["failed_profile_writes"],
+        failures,
+        "the failed writes the --stats-json counts, against the --profiles-json's lines"
+    );
     let work = totals(&samples(&last_profile(&out)), |s| {
         s.stack.get(1).is_some_and(|f| f == "work")
     });

@@ -13,6 +13,7 @@ mod common;
 use std::{collections::BTreeMap, path::Path, process::Command};
 
 use common::*;
+use heapprof_daemon::profiles_file::{ImageRead, Line};
 
 const ROUNDS: i64 = 300;
 
@@ -112,9 +113,11 @@ fn a_joined_process_counts_every_path_as_the_probes_do() {
         "the process was not joined:\n{}",
         log.join("\n")
     );
-    assert!(
-        log.iter().any(|l| l.contains("left in-process")),
-        "the library did not leave:\n{}",
+    let left = &read_stats(&stats_file(&dir.path().join("injected")))["left"];
+    assert_eq!(
+        left["how"],
+        "slots_restored",
+        "the library did not leave ({left}):\n{}",
         log.join("\n")
     );
     let (probed, in_process, log) = session(
@@ -414,14 +417,16 @@ fn a_joined_process_is_followed_through_every_exec_function() {
     let mut chain = Driven::spawn(Command::new(&binary).env("LD_PRELOAD", "libm.so.6"));
     let pid = chain.child.id();
     let out = dir.path().join("profiles");
+    let (profiles, stats) = (profiles_json(&out), stats_file(&out));
     let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
-            // Its reading of each new image is logged at debug level.
-            .env("RUST_LOG", "info,heapprof_daemon::session::user=debug")
+            .arg("--profiles-json")
+            .arg(&profiles)
+            .arg("--stats-json")
+            .arg(&stats)
             .args(["--interval", "1h", "--inject", "auto", "--pid"])
             .arg(pid.to_string()),
     );
-    let mut lines = Vec::new();
     for image in (0..=7).rev() {
         assert_eq!(
             chain.step_reading(),
@@ -444,32 +449,36 @@ fn a_joined_process_is_followed_through_every_exec_function() {
             assert_eq!(chain.step_reading(), format!("exec'd {}", image - 1));
             // The next image allocates once heapprofd knows its mappings, so that its
             // frames are named although it is gone when the profile is written.
-            let read = format!("(exec generation {}): mappings read", 8 - image);
-            loop {
-                let line = log
-                    .recv_timeout(std::time::Duration::from_secs(30))
-                    .unwrap_or_else(|e| panic!("no {read:?}: {e}\n{}", lines.join("\n")));
-                let done = line.contains(&read) && line.contains("with a probed allocator");
-                lines.push(line);
-                if done {
-                    break;
-                }
-            }
+            let generation = 8 - image;
+            wait_for_profiles_line(
+                &profiles,
+                0,
+                &format!("read of exec generation {generation} with its allocator"),
+                |line| {
+                    *line
+                        == Line::ImageRead(ImageRead {
+                            pid,
+                            exec_generation: generation,
+                            probed_allocator: true,
+                        })
+                },
+            );
         }
     }
     signal(&heapprofd, libc::SIGINT);
     let status = heapprofd.wait().expect("waiting for heapprofd");
-    lines.extend(log.iter());
+    let lines: Vec<String> = log.iter().collect();
     assert!(
         status.success(),
         "heapprofd: {status}\n{}",
         lines.join("\n")
     );
-    assert!(
-        lines
-            .iter()
-            .any(|l| l.contains("exec'd since it was joined")),
-        "heapprofd did not see the exec:\n{}",
+    // The image joined was gone: heapprofd called nothing into the last one.
+    let left = &read_stats(&stats)["left"];
+    assert_eq!(
+        left["how"],
+        "replaced",
+        "heapprofd did not see the exec ({left}):\n{}",
         lines.join("\n")
     );
     let sites = by_site(&samples(&last_profile(&out)), pid);

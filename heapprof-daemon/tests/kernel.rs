@@ -12,7 +12,11 @@ use std::{
 };
 
 use common::*;
-use heapprof_daemon::pprof::proto::Profile;
+use heapprof_common::kernel::DeferredFreePath;
+use heapprof_daemon::{
+    pprof::{keyed_comments, proto::Profile},
+    probes::kernel::{DeferredFreeWatch, watch_key},
+};
 
 /// Pipes the workload opens: each one allocates a pipe_inode_info, a buffer array,
 /// an inode, a dentry, two files and (after a one-byte write) a page. Kept well under
@@ -470,10 +474,13 @@ fn objects_freed_after_a_grace_period_are_freed_in_the_profile() {
         epoll(0)
     );
     let notes = comments(&profile);
-    if notes
-        .iter()
-        .any(|c| c.starts_with("deferred and bulk frees seen at"))
-    {
+    // Seen when the kvfree_call_rcu program is attached (the profile's keyed comment).
+    let rcu_watch = keyed_comments::value(&notes, &watch_key(DeferredFreePath::Rcu))
+        .and_then(DeferredFreeWatch::from_name);
+    if matches!(
+        rcu_watch,
+        Some(DeferredFreeWatch::Fentry | DeferredFreeWatch::Kprobe)
+    ) {
         assert!(
             in_use * 20 <= allocated,
             "do_epoll_ctl holds {in_use} of {allocated} bytes after everything was freed"

@@ -5,6 +5,7 @@ mod common;
 use std::{collections::BTreeMap, process::Command, time::Duration};
 
 use common::*;
+use heapprof_daemon::profiles_file::{ImageRead, Line};
 
 #[test]
 fn attaches_to_a_running_process_and_ends_with_it() {
@@ -278,9 +279,6 @@ fn assert_usage_error(output: &std::process::Output, case: &str, message: &str) 
     );
 }
 
-/// heapprofd's log filter for the exec tests: its reading of new images is logged at debug level.
-const EXEC_LOG: &str = "info,heapprof_daemon::session::user=debug";
-
 /// Waits for a line of heapprofd's log containing `start` and `rest`; returns it.
 fn wait_for_line(log: &std::sync::mpsc::Receiver<String>, start: &str, rest: &str) -> String {
     loop {
@@ -317,10 +315,14 @@ fn traces_through_fork_and_exec(inject: &str) {
     let dir = scratch();
     let binary = compile(dir.path(), "execer", "execer", &["-O0"]);
     let out = dir.path().join("profiles");
+    let (profiles, stats) = (profiles_json(&out), stats_file(&out));
     let mut execer = Driven::start(&binary, &["parent", binary.to_str().expect("utf-8 path")]);
     let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
-            .env("RUST_LOG", EXEC_LOG)
+            .arg("--profiles-json")
+            .arg(&profiles)
+            .arg("--stats-json")
+            .arg(&stats)
             .args(["--interval", "1h", "--inject", inject, "--pid"])
             .arg(execer.pid()),
     );
@@ -328,21 +330,29 @@ fn traces_through_fork_and_exec(inject: &str) {
     execer.step("done");
     // The new image is read in the background; an image that exits first (faster
     // than heapprofd can react) is still counted, with its frames as addresses.
-    wait_for_line(
-        &log,
-        &format!("pid {} (exec generation 1): mappings read", execer.pid()),
-        "with a probed allocator",
-    );
+    let pid: u32 = execer.pid().parse().expect("a pid");
+    wait_for_profiles_line(&profiles, 0, "read of the exec'd image", |line| {
+        *line
+            == Line::ImageRead(ImageRead {
+                pid,
+                exec_generation: 1,
+                probed_allocator: true,
+            })
+    });
     if inject == "auto" {
         execer.command("env", "LD_PRELOAD=- HEAPPROFD_FOLLOW=-");
         signal(&heapprofd, libc::SIGINT);
-        // The image joined is gone, so heapprofd calls nothing at its addresses.
-        wait_for_line(&log, "exec'd since it was joined", "stops by itself");
+        wait_success(&mut heapprofd, &log, "--pid through exec");
+        // The image joined is gone, so heapprofd called nothing at its addresses.
+        let left = &read_stats(&stats)["left"];
+        assert_eq!(left["how"], "replaced", "how heapprofd left: {left}");
         // Still running, and answering, after heapprofd left.
         execer.command("env", "LD_PRELOAD=- HEAPPROFD_FOLLOW=-");
+        execer.finish();
+    } else {
+        execer.finish();
+        wait_success(&mut heapprofd, &log, "--pid through exec");
     }
-    execer.finish();
-    wait_success(&mut heapprofd, &log, "--pid through exec");
 
     let samples = samples(&last_profile(&out));
     // Counted and named although the image that made them was gone before the

@@ -15,22 +15,12 @@ use heapprof_daemon::pprof::{
     writer::{parse_profile_file_name, profile_file_name},
 };
 
-/// The `--profiles-json` of a heapprofd writing into `out`.
-fn profiles_file(out: &Path) -> PathBuf {
-    out.with_extension("jsonl")
-}
-
 /// The paths heapprofd wrote into `out`, in order, as its `--profiles-json` lists them.
 fn written(out: &Path) -> Vec<PathBuf> {
-    let file = profiles_file(out);
-    std::fs::read_to_string(&file)
-        .unwrap_or_else(|e| panic!("heapprofd wrote no --profiles-json {}: {e}", file.display()))
-        .lines()
-        .map(|line| {
-            let record: serde_json::Value =
-                serde_json::from_str(line).expect("a JSON line per profile");
-            PathBuf::from(record["path"].as_str().expect("a path"))
-        })
+    heapprof_daemon::profiles_file::read(&profiles_json(out))
+        .unwrap_or_else(|e| panic!("heapprofd's --profiles-json: {e:#}"))
+        .iter()
+        .filter_map(|line| Some(line.written()?.path.clone()))
         .collect()
 }
 
@@ -58,7 +48,7 @@ fn run_on_waiter(dir: &Path, out: &Path, duration: &str, args: &[&str]) -> Outpu
     let output = run_ok(
         heapprofd(out)
             .arg("--profiles-json")
-            .arg(profiles_file(out))
+            .arg(profiles_json(out))
             .args(["--interval", "100ms", "--duration", duration, "--pid"])
             .arg(waiter.pid())
             .args(args),

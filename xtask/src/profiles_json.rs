@@ -1,6 +1,7 @@
 //! heapprofd's `--profiles-json` file, read as heapprofd writes it: one JSON line per
 //! profile written (the daemon's `profiles_file.rs`), which the benchmark and the
-//! soak follow instead of the log's `wrote` lines.
+//! soak follow instead of the log's `wrote` lines. Lines of the other kinds are
+//! passed over.
 
 use std::{
     io::Read as _,
@@ -96,12 +97,29 @@ impl Follower {
     }
 }
 
-/// Every record of a whole file's contents.
+/// The kinds of line that are profiles written; heapprofd writes lines of other kinds
+/// too (a failed write, an image read), which xtask does not follow.
+const PROFILE_KINDS: [&str; 2] = ["interval", "final"];
+
+/// Any line's kind.
+#[derive(Deserialize)]
+struct LineKind {
+    kind: String,
+}
+
+/// Every profile's record of a whole file's contents.
 fn parse(text: &[u8]) -> Result<Vec<Written>> {
-    text.split(|&b| b == b'\n')
-        .filter(|line| !line.is_empty())
-        .map(|line| serde_json::from_slice(line).context("a line that is not a profile's record"))
-        .collect()
+    let mut records = Vec::new();
+    for line in text.split(|&b| b == b'\n').filter(|line| !line.is_empty()) {
+        let LineKind { kind } =
+            serde_json::from_slice(line).context("a line that is not a JSON object of a kind")?;
+        if PROFILE_KINDS.contains(&kind.as_str()) {
+            records.push(
+                serde_json::from_slice(line).context("a line that is not a profile's record")?,
+            );
+        }
+    }
+    Ok(records)
 }
 
 /// Every record of the file at `path` (heapprofd has exited).
@@ -163,5 +181,21 @@ mod tests {
         assert!(follower.new_lines().expect("nothing new").is_empty());
         assert_eq!(read(&path).expect("whole file").len(), 2);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn lines_of_other_kinds_are_passed_over() {
+        let text = [
+            "{\"kind\":\"image_read\",\"pid\":7,\"exec_generation\":1,\"probed_allocator\":true}\n"
+                .to_owned(),
+            line("/p/1.pb.gz", "interval", 3),
+            "{\"kind\":\"write_failed\",\"unix_time\":1.0,\"failures\":1,\"error\":\"full\"}\n"
+                .to_owned(),
+            line("/p/2.pb.gz", "final", 4),
+        ]
+        .concat();
+        let records = parse(text.as_bytes()).expect("parsed");
+        let kinds: Vec<Kind> = records.iter().map(|r| r.kind).collect();
+        assert_eq!(kinds, [Kind::Interval, Kind::Final]);
     }
 }

@@ -40,6 +40,15 @@ impl AnySession {
         }
     }
 
+    /// `--pid --inject auto`: leaves the process joined in-process; how, for
+    /// `--stats-json`.
+    fn leave_joined(&mut self) -> Option<crate::stats_file::Leaving> {
+        match self {
+            AnySession::User(session) => session.leave_joined(),
+            AnySession::Kernel(_) => None,
+        }
+    }
+
     /// `--preload system`: how the processes were served, for `--stats-json`.
     fn system_figures(&self) -> Option<crate::stats_file::SystemPreloadFigures> {
         match self {
@@ -125,9 +134,11 @@ impl AnySession {
         }
     }
 
-    fn read_due_images(&mut self) {
-        if let AnySession::User(session) = self {
-            session.read_due_images();
+    /// Reads the exec'd images whose time has come; returns those read.
+    fn read_due_images(&mut self) -> Vec<crate::session::ImageRead> {
+        match self {
+            AnySession::User(session) => session.read_due_images(),
+            AnySession::Kernel(_) => Vec::new(),
         }
     }
 

@@ -91,6 +91,8 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     let mut exec_events = session.take_exec_events();
     let mut mapping_requests = session.take_mapping_requests();
     let mut pruner = Pruner::new(&cli.output, cli.retention());
+    // Interval profiles not written (the final one's failure ends the run).
+    let mut failed_writes = 0u64;
 
     loop {
         let next_exec_read = session.next_exec_read();
@@ -116,7 +118,12 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
                 }
             }
             _ = tokio::time::sleep_until(next_exec_read.unwrap_or(far_future)), if next_exec_read.is_some() => {
-                session.read_due_images();
+                let read = session.read_due_images();
+                if let Some(file) = profiles_file.as_mut() {
+                    for image in read {
+                        file.append_image_read(image);
+                    }
+                }
             }
             () = async { match bpf_log.as_mut() { Some(log) => log.forward().await, None => std::future::pending().await } } => {}
             _ = ticks.tick() => {
@@ -130,7 +137,13 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
                             file.append(&written, Kind::Interval);
                         }
                     }
-                    Err(err) => log::error!("cannot write a profile: {err:#}"),
+                    Err(err) => {
+                        log::error!("cannot write a profile: {err:#}");
+                        failed_writes += 1;
+                        if let Some(file) = profiles_file.as_mut() {
+                            file.append_failure(&err);
+                        }
+                    }
                 }
                 session.tidy(target);
             }
@@ -221,6 +234,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         .system_preload(target)
         .then(|| session.system_figures())
         .flatten();
+    let left = session.leave_joined();
     drop(session); // detaches every probe
     let written = written.context("writing the final profile")?;
     if let Some(stats_path) = &cli.stats_json {
@@ -229,6 +243,8 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
             stack_lookups,
             unwind_tables,
             system_preload,
+            failed_writes,
+            left,
         };
         write_stats(stats_path, &written.path, figures, measured)
             .with_context(|| format!("--stats-json {}", stats_path.display()))?;
@@ -261,6 +277,8 @@ struct Measured {
     stack_lookups: Option<stats_file::Lookups>,
     unwind_tables: Option<crate::unwind::table_upload::TableUsage>,
     system_preload: Option<stats_file::SystemPreloadFigures>,
+    failed_writes: u64,
+    left: Option<stats_file::Leaving>,
 }
 
 /// Writes `--stats-json`: the final profile at `profile`, read back, and the rest.
@@ -275,6 +293,7 @@ fn write_stats(
         final_profile: totals,
         dropped: stats_file::dropped(&comments),
         joined: figures.joining,
+        left: measured.left,
         kernel_memory: stats_file::KernelMemory::of(&figures.kernel_memory),
         single_stepped_probes: crate::allocators::registry::single_stepped_probes(),
         session_links: crate::allocators::registry::session_links(),
@@ -282,6 +301,7 @@ fn write_stats(
         stack_lookups: measured.stack_lookups,
         unwind_tables: measured.unwind_tables,
         system_preload: measured.system_preload,
+        failed_profile_writes: measured.failed_writes,
     };
     stats_file::write(path, &stats)
 }

@@ -41,10 +41,10 @@ impl Loss {
 
 /// The profile comment of `count` drops for `reason`.
 pub fn drop_comment(reason: DropReason, count: u64) -> String {
-    format!(
-        "dropped: {} [{}] = {count}",
-        reason.describe(),
-        reason.name()
+    crate::pprof::keyed_comments::keyed(
+        &format!("dropped: {}", reason.describe()),
+        reason.name(),
+        count,
     )
 }
 

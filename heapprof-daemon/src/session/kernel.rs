@@ -21,11 +21,12 @@ use crate::{
     cli::Target,
     health::stats::{self, RunTimeStats},
     metrics::{Exporter, ProcessFigures, Snapshot, TableFigure},
+    pprof::keyed_comments::keyed,
     pprof::{
         LabelValue, MappingKey, ProfileBuilder,
         builder::{AddressSpace, KERNEL_SAMPLE_TYPES},
     },
-    probes::kernel::DeferredFrees,
+    probes::kernel::{DeferredFreeWatch, DeferredFrees, freed_key, watch_key},
     symbolize::{
         Frame,
         kallsyms::{KERNEL_MODULE, KernelSymbols},
@@ -408,20 +409,21 @@ impl KernelSession {
             .map(|e| format!("{}:{}", e.category(), e.name()))
             .collect();
         builder.comment(&format!("tracepoints: {}", events.join(" ")));
-        if !self.deferred_frees.seen.is_empty() {
-            builder.comment(&format!(
-                "deferred and bulk frees seen at: {}",
-                self.deferred_frees.seen.join(" ")
+        // Keyed by stable names: the VM tests and any other reader find them so.
+        for &(path, watch) in &self.deferred_frees.watches {
+            let function = path.function();
+            builder.comment(&keyed(
+                &format!("deferred frees through {function} seen by"),
+                &watch_key(path),
+                watch.name(),
             ));
-        }
-        if !self.deferred_frees.kprobes.is_empty() {
-            builder.comment(&format!(
-                "deferred and bulk frees seen through kprobes (fentry not usable): {}",
-                self.deferred_frees.kprobes.join(" ")
-            ));
-        }
-        if let Some(freed) = self.describe_deferred_frees(deferred) {
-            builder.comment(&format!("deferred and bulk frees counted: {freed}"));
+            if matches!(watch, DeferredFreeWatch::Fentry | DeferredFreeWatch::Kprobe) {
+                builder.comment(&keyed(
+                    &format!("objects freed through {function}"),
+                    &freed_key(path),
+                    deferred[path as usize],
+                ));
+            }
         }
         if let Some(undercounted) = self.deferred_frees.undercounted() {
             builder.comment(&format!("undercounted: {undercounted}"));

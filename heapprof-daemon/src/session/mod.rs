@@ -15,6 +15,7 @@ use std::{
 
 use anyhow::Result;
 use heapprof_common::DropReason;
+use serde::{Deserialize, Serialize};
 
 pub use user::{UserSession, UserSessionConfig};
 
@@ -117,6 +118,21 @@ pub struct Contents {
     pub inuse_bytes: u64,
     /// How the log words it (`N sites, A blocks / B bytes allocated, ...`).
     pub words: String,
+}
+
+/// The mappings of a process's new image, read after an exec (what an `image_read`
+/// line of `--profiles-json` says).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ImageRead {
+    /// The process.
+    pub pid: u32,
+    /// Which image: the process's execs seen since tracing began (the first image
+    /// traced is 0).
+    pub exec_generation: u32,
+    /// Whether a probed allocator is mapped in it. `false` on a read that is tried
+    /// again later (the loader may not have mapped the allocator yet), and on the
+    /// last read of an image that has none.
+    pub probed_allocator: bool,
 }
 
 /// A profile a dump wrote: where, when, what it holds and how long each stage took.

@@ -375,6 +375,41 @@ pub fn stats_file(out: &Path) -> PathBuf {
     out.with_extension("stats.json")
 }
 
+/// The `--profiles-json` file of a heapprofd writing into `out`, beside it (a test that
+/// follows it adds `--profiles-json` with this path).
+pub fn profiles_json(out: &Path) -> PathBuf {
+    out.with_extension("jsonl")
+}
+
+/// Waits up to a minute for a line of the `--profiles-json` at `path` that `wanted`
+/// picks, among the lines from the `from`th on (0-based); returns it and its index.
+/// `what` names it in the failure, which lists every line read.
+pub fn wait_for_profiles_line(
+    path: &Path,
+    from: usize,
+    what: &str,
+    wanted: impl Fn(&heapprof_daemon::profiles_file::Line) -> bool,
+) -> (heapprof_daemon::profiles_file::Line, usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        // The file exists once heapprofd is ready; a line is read only when whole.
+        let lines = match heapprof_daemon::profiles_file::read(path) {
+            Ok(lines) => lines,
+            Err(_) if !path.exists() => Vec::new(),
+            Err(err) => panic!("{err:#}"),
+        };
+        if let Some((index, line)) = lines.iter().enumerate().skip(from).find(|(_, l)| wanted(l)) {
+            return (line.clone(), index);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {what} in --profiles-json {} within 60 s: {lines:#?}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The `--stats-json` file at `path`, which heapprofd writes at its exit.
 pub fn read_stats(path: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(path)

@@ -15,9 +15,61 @@ use super::{
 };
 use crate::sys::running_kernel;
 
+/// How a session sees the frees through one deferred path, under a stable name that
+/// the profile's comments give (`frees through F seen by [deferred_free_program.F] =
+/// NAME`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeferredFreeWatch {
+    /// An fentry program.
+    Fentry,
+    /// A kprobe program (fentry not usable).
+    Kprobe,
+    /// Not seen: the bulk program needs `bpf_loop()`, which the kernel lacks.
+    NeedsBpfLoop,
+    /// Not seen: neither program could be attached (why is said in `missing`).
+    NotAttached,
+}
+
+impl DeferredFreeWatch {
+    /// Every watch.
+    pub const ALL: [DeferredFreeWatch; 4] = [
+        DeferredFreeWatch::Fentry,
+        DeferredFreeWatch::Kprobe,
+        DeferredFreeWatch::NeedsBpfLoop,
+        DeferredFreeWatch::NotAttached,
+    ];
+
+    /// Its stable name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DeferredFreeWatch::Fentry => "fentry",
+            DeferredFreeWatch::Kprobe => "kprobe",
+            DeferredFreeWatch::NeedsBpfLoop => "needs_bpf_loop",
+            DeferredFreeWatch::NotAttached => "not_attached",
+        }
+    }
+
+    /// The watch named `name`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|watch| watch.name() == name)
+    }
+}
+
+/// The profile comment's name for how the frees through `path` are seen.
+pub fn watch_key(path: DeferredFreePath) -> String {
+    format!("deferred_free_program.{}", path.function())
+}
+
+/// The profile comment's name for the objects freed through `path`.
+pub fn freed_key(path: DeferredFreePath) -> String {
+    format!("deferred_freed.{}", path.function())
+}
+
 /// The frees no tracepoint shows, and whether this session sees them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DeferredFrees {
+    /// How each path's frees are seen, in [`DeferredFreePath::ALL`]'s order.
+    pub watches: Vec<(DeferredFreePath, DeferredFreeWatch)>,
     /// The kernel functions whose programs are attached (fentry, or kprobes).
     pub seen: Vec<&'static str>,
     /// Those of them seen through kprobes (where fentry cannot be used).
@@ -76,6 +128,7 @@ pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
                  {major}.{minor}; {}",
                 unseen(path)
             ));
+            frees.watches.push((path, DeferredFreeWatch::NeedsBpfLoop));
             continue;
         }
         let fentry = match &btf {
@@ -84,6 +137,7 @@ pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
         };
         let Err(reason) = fentry else {
             frees.seen.push(function);
+            frees.watches.push((path, DeferredFreeWatch::Fentry));
             continue;
         };
         // Kprobes need no BTF nor trampolines (but the kernel skips them, as
@@ -93,11 +147,15 @@ pub fn attach_deferred_frees(ebpf: &mut Ebpf) -> DeferredFrees {
                 log::info!("{function}: fentry not usable ({reason}); a kprobe sees its frees");
                 frees.seen.push(function);
                 frees.kprobes.push(function);
+                frees.watches.push((path, DeferredFreeWatch::Kprobe));
             }
-            Err(kprobe) => frees.missing.push(format!(
-                "{function}: {reason}; its kprobe: {kprobe:#}; {}",
-                unseen(path)
-            )),
+            Err(kprobe) => {
+                frees.missing.push(format!(
+                    "{function}: {reason}; its kprobe: {kprobe:#}; {}",
+                    unseen(path)
+                ));
+                frees.watches.push((path, DeferredFreeWatch::NotAttached));
+            }
         }
     }
     frees

@@ -14,7 +14,7 @@ mod verifier_log;
 
 pub use self::{
     attach::attach,
-    deferred::{DeferredFrees, attach_deferred_frees},
+    deferred::{DeferredFreeWatch, DeferredFrees, attach_deferred_frees, freed_key, watch_key},
     events::{EventSelection, LayoutError, event_layout, resolve_events},
     load::{load_bpf_object, program},
     verifier_log::verifier_reason,

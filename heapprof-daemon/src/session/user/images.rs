@@ -26,6 +26,17 @@ pub(super) struct Image {
     pub exec_gen: u32,
 }
 
+/// An exec'd image whose mappings were read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ExecImageRead {
+    pub image: Image,
+    /// Whether a probed allocator is mapped in it.
+    pub probed_allocator: bool,
+    /// Whether this was its last read, after which an allocator still missing is
+    /// missing.
+    pub settled: bool,
+}
+
 impl Image {
     /// The image a site's allocations were made in.
     pub fn of(key: &heapprof_common::StackKey) -> Self {
@@ -337,13 +348,12 @@ impl Images {
 
     /// Reads the mappings of exec'd images whose time has come, reading again later
     /// while none of their objects is `probed` (the loader may not have mapped the
-    /// allocator yet). Returns the images read, each with whether it is settled: its
-    /// last read, after which an allocator still missing is missing.
+    /// allocator yet). Returns the images read.
     pub fn read_due(
         &mut self,
         maps: &Maps,
         probed: impl Fn((u64, u64)) -> bool,
-    ) -> Vec<(Image, bool)> {
+    ) -> Vec<ExecImageRead> {
         let now = Instant::now();
         let (due, later): (Vec<ExecRead>, Vec<ExecRead>) =
             self.exec_reads.drain(..).partition(|r| r.due <= now);
@@ -373,7 +383,11 @@ impl Images {
                 }
             );
             let next = EXEC_READ_DELAYS.get(read.attempt + 1);
-            read_images.push((image, uses_probed || next.is_none()));
+            read_images.push(ExecImageRead {
+                image,
+                probed_allocator: uses_probed,
+                settled: uses_probed || next.is_none(),
+            });
             if let (false, Some(delay)) = (uses_probed, next) {
                 self.exec_reads.push(ExecRead {
                     due: now + *delay,

@@ -39,6 +39,7 @@ use crate::{
     cli::Target,
     health::stats::{self, RunTimeStats, StackLookups},
     metrics::Exporter,
+    stats_file::Leaving,
     symbolize::Symbolizer,
     unwind::table_upload::{TableCapacities, TableUploader, TableUsage},
 };
@@ -227,6 +228,13 @@ impl UserSession {
         self.joined = JoinedProcess(joined);
     }
 
+    /// `--pid --inject auto`: leaves the process joined in-process (its calls put
+    /// back), before the session ends; returns how, for `--stats-json` (`None` when
+    /// none was joined).
+    pub fn leave_joined(&mut self) -> Option<Leaving> {
+        self.joined.leave()
+    }
+
     /// The preload library loaded into `pid` could not join it: forgotten, and the
     /// process's allocator probed instead.
     pub fn probe_instead_of_preload(&mut self, pid: u32) {
@@ -406,14 +414,21 @@ impl UserSession {
     }
 
     /// Reads the mappings of exec'd images whose time has come.
-    pub fn read_due_images(&mut self) {
+    pub fn read_due_images(&mut self) -> Vec<super::ImageRead> {
         let allocators = &self.allocators;
         let read = self
             .images
             .read_due(&self.maps, |object| allocators.is_probed(object));
-        for (image, settled) in read {
-            self.check_allocators(image, settled);
-        }
+        read.into_iter()
+            .map(|read| {
+                self.check_allocators(read.image, read.settled);
+                super::ImageRead {
+                    pid: read.image.pid,
+                    exec_generation: read.image.exec_gen,
+                    probed_allocator: read.probed_allocator,
+                }
+            })
+            .collect()
     }
 
     /// Reads the mappings of every process with sites whose stacks are not all mapped.
@@ -690,32 +705,47 @@ impl UserSession {
     }
 }
 
-/// The process the preload library joined; when dropped, the library puts its calls
-/// back (if heapprofd cannot reach it, the library leaves by itself once it sees
+/// The process the preload library joined; when left, or dropped, the library puts its
+/// calls back (if heapprofd cannot reach it, the library leaves by itself once it sees
 /// heapprofd gone).
 struct JoinedProcess(Option<crate::inject::Joined>);
 
-impl Drop for JoinedProcess {
-    fn drop(&mut self) {
-        let Some(joined) = self.0.take() else {
-            return;
-        };
+impl JoinedProcess {
+    /// Leaves the process, once; says how in the log and returns it (`None` when
+    /// nothing was joined, or it was left already).
+    fn leave(&mut self) -> Option<Leaving> {
+        let joined = self.0.take()?;
         let pid = joined.pid();
         if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
-            return;
+            return Some(Leaving::Exited);
         }
-        match joined.leave() {
-            Ok(crate::inject::Left::SlotsRestored(restored)) => {
-                log::info!("pid {pid}: left in-process: {restored} allocator slots put back")
+        Some(match joined.leave() {
+            Ok(crate::inject::Left::SlotsRestored(slots)) => {
+                log::info!("pid {pid}: left in-process: {slots} allocator slots put back");
+                Leaving::SlotsRestored { slots }
             }
-            Ok(crate::inject::Left::Replaced) => log::info!(
-                "pid {pid}: exec'd since it was joined; heapprofd's library in its new image \
-                 stops by itself now that heapprofd leaves"
-            ),
-            Err(reason) => log::warn!(
-                "pid {pid}: cannot leave it in-process now ({reason}); heapprofd's library \
-                 there puts its calls back by itself within a few thousand allocations"
-            ),
-        }
+            Ok(crate::inject::Left::Replaced) => {
+                log::info!(
+                    "pid {pid}: exec'd since it was joined; heapprofd's library in its new \
+                     image stops by itself now that heapprofd leaves"
+                );
+                Leaving::Replaced
+            }
+            Err(reason) => {
+                log::warn!(
+                    "pid {pid}: cannot leave it in-process now ({reason}); heapprofd's library \
+                     there puts its calls back by itself within a few thousand allocations"
+                );
+                Leaving::NotLeft {
+                    reason: reason.to_string(),
+                }
+            }
+        })
+    }
+}
+
+impl Drop for JoinedProcess {
+    fn drop(&mut self) {
+        self.leave();
     }
 }
