@@ -195,7 +195,8 @@ pub struct Cli {
     /// calls back when it exits. Where it cannot (a static or Go program, ptrace
     /// refused, no thread ever waiting), it says why on one line and uses the
     /// allocator's probes. A program the process execs is followed. `off` uses the
-    /// probes only (an entry and a return trap per allocation).
+    /// probes only (an entry and a return trap per allocation). With `--all --preload
+    /// system` it says the same of the processes running before heapprofd.
     #[arg(long, value_name = "MODE", value_enum, default_value_t = InjectMode::Auto)]
     pub inject: InjectMode,
 

@@ -234,7 +234,8 @@ fn start_user(
     let mut session = UserSession::new(config, ebpf, allocators)?;
     // The processes running now are asked to join once the socket listens: until their
     // copy asks, the session leaves them alone (they count from their join).
-    let running = system.then(|| {
+    // `--inject off` keeps them on their allocator's probes.
+    let running = (system && cli.inject == inject::InjectMode::Auto).then(|| {
         crate::system_preload::running::candidates(heapprof_common::preload::SYSTEM_LIBRARY)
     });
     if let Some(pids) = &running {
