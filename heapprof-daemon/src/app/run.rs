@@ -13,6 +13,7 @@ use crate::{
     launch::{ChildEvent, PausedChild, Relayed, SignalRelay},
     pprof::retention::Pruner,
     profiles_file::{Kind, ProfilesFile},
+    push::{PushConfig, PushMetrics, Pusher},
     stats_file::{self, StartFigures},
 };
 
@@ -56,7 +57,12 @@ async fn drain_ring<T: Copy>(fd: &mut AsyncFd<RingBuf<MapData>>) -> Vec<T> {
 }
 
 /// Runs a started session until it ends; returns the exit status.
-pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCode> {
+pub async fn run(
+    cli: &Cli,
+    target: &Target,
+    started: Started,
+    push: Option<PushConfig>,
+) -> Result<ExitCode> {
     let Started {
         mut session,
         child,
@@ -72,6 +78,17 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         Some(path) => Some(ProfilesFile::create(path).context("--profiles-json")?),
         None => None,
     };
+    let mut pusher = match push {
+        Some(config) => {
+            log::info!("pushing profiles to {}", config.describe());
+            Some(Pusher::start(
+                config,
+                PushMetrics::shared(),
+                cli.push_only(),
+            )?)
+        }
+        None => None,
+    };
     if let Some(path) = &cli.ready_file {
         say_ready(path).with_context(|| format!("--ready-file {}", path.display()))?;
     }
@@ -84,7 +101,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     let mut relay = child_pid.map(SignalRelay::new);
     let mut exec_events = session.take_exec_events();
     let mut mapping_requests = session.take_mapping_requests();
-    let mut pruner = Pruner::new(&cli.output, cli.retention());
+    let mut pruner = Pruner::new(&cli.output_dir(), cli.retention());
 
     loop {
         let next_exec_read = session.next_exec_read();
@@ -116,10 +133,13 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
                 }
                 match session.dump() {
                     Ok(written) => {
-                        pruner.after_write(&written.path);
                         if let Some(file) = profiles_file.as_mut() {
                             file.append(&written, Kind::Interval);
                         }
+                        if let Some(pusher) = pusher.as_mut() {
+                            pusher.offer(&written.path);
+                        }
+                        pruner.after_write(&written.path);
                     }
                     Err(err) => log::error!("cannot write a profile: {err:#}"),
                 }
@@ -192,10 +212,10 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     }
     let written = session.dump();
     if let Ok(written) = &written {
-        pruner.after_write(&written.path);
         if let Some(file) = profiles_file.as_mut() {
             file.append(written, Kind::Final);
         }
+        pruner.after_write(&written.path);
     }
     if cli.top > 0
         && let Ok(written) = &written
@@ -213,17 +233,33 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         .then(|| session.system_figures())
         .flatten();
     drop(session); // detaches every probe
-    let written = written.context("writing the final profile")?;
-    if let Some(stats_path) = &cli.stats_json {
-        let measured = Measured {
-            bpf_run_time,
-            stack_lookups,
-            unwind_tables,
-            system_preload,
-        };
-        write_stats(stats_path, &written.path, figures, measured)
-            .with_context(|| format!("--stats-json {}", stats_path.display()))?;
+    let written = written.context("writing the final profile");
+    let stats = match (&written, &cli.stats_json) {
+        (Ok(written), Some(stats_path)) => {
+            let measured = Measured {
+                bpf_run_time,
+                stack_lookups,
+                unwind_tables,
+                system_preload,
+            };
+            write_stats(stats_path, &written.path, figures, measured)
+                .with_context(|| format!("--stats-json {}", stats_path.display()))
+        }
+        _ => Ok(()),
+    };
+    // Last, once the final profile has been read back (with --push alone, handing it
+    // over deletes it); the pushes still waiting get the push timeout to go out.
+    if let Some(mut pusher) = pusher {
+        if let Ok(written) = &written {
+            pusher.offer(&written.path);
+        }
+        pusher.finish();
+        if cli.push_only() {
+            let _ = std::fs::remove_dir(cli.output_dir());
+        }
     }
+    written?;
+    stats?;
     Ok(exit_code)
 }
 
