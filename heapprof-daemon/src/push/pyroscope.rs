@@ -15,10 +15,21 @@ use super::series::Upload;
 /// and is vanishingly unlikely in a gzip stream; each upload is checked for it anyway.
 const BOUNDARY_STEM: &str = "heapprofd-pprof-boundary";
 
-/// heapprofd's sample types as Pyroscope should read them: the allocated ones are
-/// counted since tracing began (cumulative), the in-use ones are a level (averaged
-/// over a time range, never summed).
-pub const SAMPLE_TYPE_CONFIG: &str = r#"{"alloc_objects":{"units":"objects","aggregation":"sum","cumulative":true},"alloc_space":{"units":"bytes","aggregation":"sum","cumulative":true},"inuse_objects":{"units":"objects","aggregation":"average"},"inuse_space":{"units":"bytes","aggregation":"average"}}"#;
+/// heapprofd's sample types as Pyroscope should read them: those counted since
+/// tracing began are cumulative (allocated, temporary); the others are a level
+/// (in use, in use at the peak), averaged over a time range, never summed.
+pub const SAMPLE_TYPE_CONFIG: &str = concat!(
+    r#"{"alloc_objects":{"units":"objects","aggregation":"sum","cumulative":true},"#,
+    r#""alloc_space":{"units":"bytes","aggregation":"sum","cumulative":true},"#,
+    r#""temp_objects":{"units":"objects","aggregation":"sum","cumulative":true},"#,
+    r#""temp_space":{"units":"bytes","aggregation":"sum","cumulative":true},"#,
+    r#""alloc_requested_space":{"units":"bytes","aggregation":"sum","cumulative":true},"#,
+    r#""inuse_objects":{"units":"objects","aggregation":"average"},"#,
+    r#""inuse_space":{"units":"bytes","aggregation":"average"},"#,
+    r#""inuse_requested_space":{"units":"bytes","aggregation":"average"},"#,
+    r#""peak_inuse_objects":{"units":"objects","aggregation":"average"},"#,
+    r#""peak_inuse_space":{"units":"bytes","aggregation":"average"}}"#,
+);
 
 /// One `/ingest` request.
 #[derive(Debug)]
