@@ -536,7 +536,7 @@ fn the_spool_cap_holds_when_the_backend_never_comes_back() {
 }
 
 #[test]
-fn a_backend_answering_429_503_or_hanging_gets_every_profile_and_delays_none() {
+fn a_backend_refusing_answering_429_503_or_hanging_gets_every_profile_and_delays_none() {
     require_root();
     let dir = scratch();
     let out = dir.path().join("profiles");
@@ -577,10 +577,137 @@ fn a_backend_answering_429_503_or_hanging_gets_every_profile_and_delays_none() {
     let [sent, failed, _, dropped, _] = summary(&log, &url);
     assert_eq!((sent, dropped), (files.len() as u64, 0), "{log}");
     assert!(
-        failed >= 3,
-        "429, 503 and the timeout each failed once:\n{log}"
+        failed >= 4,
+        "401, 429, 503 and the timeout each failed once:\n{log}"
     );
-    assert!(log.contains("HTTP 429"), "{log}");
+    // One line when the pushes start failing, with the first reason and its fix.
+    let failing: Vec<&str> = log.lines().filter(|l| l.contains(" failed: ")).collect();
+    assert_eq!(failing.len(), 1, "{log}");
+    assert!(
+        failing[0].contains("HTTP 401")
+            && failing[0].contains("check --push-header or --push-token-file"),
+        "{log}"
+    );
+}
+
+/// A cgroup of the v2 hierarchy for one test, removed when dropped.
+struct TestCgroup(PathBuf);
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        // Its last processes may take a moment to be reaped.
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.0).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+#[test]
+fn with_all_each_process_is_its_own_series() {
+    require_root();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
+    // --cgroup keeps the machine's other processes out of the profile.
+    let cgroup_name = format!("heapprofd-test-push-{}", std::process::id());
+    let mount = heapprof_daemon::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy");
+    let cgroup = TestCgroup(mount.join(&cgroup_name));
+    std::fs::create_dir(&cgroup.0).expect("creating the test cgroup");
+    let port = free_port();
+    let taken = http_receiver(port, Vec::new());
+    let url = format!("http://127.0.0.1:{port}/ingest");
+    let (child, log) = start_heapprofd(
+        heapprofd_pushing(
+            &out,
+            &["--all", "--interval", "1h", "--push", &url, "--cgroup"],
+        )
+        .arg(format!("/{cgroup_name}")),
+    );
+    let mut child = KillOnDrop(child);
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && exec {}",
+        cgroup.0.display(),
+        program.display()
+    );
+    for _ in 0..2 {
+        let status = Command::new("sh")
+            .args(["-c", &script])
+            .status()
+            .expect("sh");
+        assert!(status.success());
+    }
+    signal(&child.0, libc::SIGINT);
+    wait_success(&mut child.0, &log, "heapprofd --all");
+    let file = written(&out).pop().expect("a profile");
+    let file = decode_bytes(&std::fs::read(file).expect("the profile"));
+    let requests = lock(&taken).clone();
+    let mut pids = Vec::new();
+    let mut samples = 0;
+    for request in &requests {
+        let name = request.query("name").expect("name=");
+        let labels = name
+            .strip_prefix("stacks{")
+            .and_then(|rest| rest.strip_suffix('}'))
+            .unwrap_or_else(|| panic!("{name}"));
+        let pid = labels
+            .split(',')
+            .find_map(|l| l.strip_prefix("pid="))
+            .expect("a pid label");
+        assert!(
+            labels.contains(&format!(",cgroup=/{cgroup_name}")),
+            "{labels}"
+        );
+        pids.push(pid.to_owned());
+        let profile = decode_bytes(&request.form()["profile"]);
+        assert_eq!(sample_types(&profile), sample_types(&file));
+        samples += profile.sample.len();
+    }
+    pids.sort();
+    pids.dedup();
+    assert_eq!(requests.len(), 2, "one series per process: {pids:?}");
+    assert_eq!(pids.len(), 2, "{pids:?}");
+    assert_eq!(
+        samples,
+        file.sample.len(),
+        "the series hold the profile's samples"
+    );
+}
+
+#[test]
+fn without_o_profiles_are_only_pushed() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
+    let port = free_port();
+    let taken = http_receiver(port, Vec::new());
+    let child = Command::new(env!("CARGO_BIN_EXE_heapprofd"))
+        .current_dir(dir.path())
+        .env("RUST_LOG", "info")
+        .args(["--push", &format!("http://127.0.0.1:{port}/ingest"), "--"])
+        .arg(&program)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("heapprofd starts");
+    let pid = child.id();
+    let output = child.wait_with_output().expect("heapprofd ends");
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{log}");
+    let pushed = pushed_profiles(&taken);
+    assert_eq!(pushed.len(), 1, "the final profile:\n{log}");
+    assert!(!decode_bytes(&pushed[0]).sample.is_empty());
+    assert!(
+        !std::env::temp_dir()
+            .join(format!("heapprofd-push-{pid}"))
+            .exists(),
+        "the profiles' way to the push is removed"
+    );
+    assert!(
+        !dir.path().join("heapprofd-profiles").exists(),
+        "no local profiles"
+    );
 }
 
 #[test]
