@@ -177,8 +177,12 @@ async fn http(mut builder: reqwest::RequestBuilder, headers: &[Header]) -> Outco
                 _ => Outcome::Rejected(why),
             }
         }
-        Err(err) if err.is_timeout() => Outcome::Retry(format!("timed out: {}", chain(&err))),
-        Err(err) => Outcome::Retry(chain(&err)),
+        // Without the URL: the log line names the target already, and the query
+        // would repeat the whole series name.
+        Err(err) if err.is_timeout() => {
+            Outcome::Retry(format!("timed out: {}", chain(&err.without_url())))
+        }
+        Err(err) => Outcome::Retry(chain(&err.without_url())),
     }
 }
 
