@@ -260,6 +260,8 @@ fn summary(log: &str, url: &str) -> [u64; 5] {
 #[test]
 fn each_backend_receives_the_files_written_with_labels_sample_types_and_auth() {
     require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
     let dir = scratch();
     let out = dir.path().join("profiles");
     let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
@@ -431,6 +433,8 @@ fn pushed_profiles(taken: &Mutex<Vec<HttpRequest>>) -> Vec<Vec<u8>> {
 #[test]
 fn the_spool_delivers_every_profile_exactly_once_after_an_outage() {
     require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
     let dir = scratch();
     let out = dir.path().join("profiles");
     let spool = dir.path().join("spool");
@@ -487,6 +491,8 @@ fn the_spool_delivers_every_profile_exactly_once_after_an_outage() {
 #[test]
 fn the_spool_cap_holds_when_the_backend_never_comes_back() {
     require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
     let dir = scratch();
     let out = dir.path().join("profiles");
     let spool = dir.path().join("spool");
@@ -538,6 +544,8 @@ fn the_spool_cap_holds_when_the_backend_never_comes_back() {
 #[test]
 fn a_backend_refusing_answering_429_503_or_hanging_gets_every_profile_and_delays_none() {
     require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
     let dir = scratch();
     let out = dir.path().join("profiles");
     let port = free_port();
@@ -608,9 +616,11 @@ impl Drop for TestCgroup {
 #[test]
 fn with_all_each_process_is_its_own_series() {
     require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
     let dir = scratch();
     let out = dir.path().join("profiles");
-    let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
+    let waiter = compile(dir.path(), "waiter", "waiter", &["-O0"]);
     // --cgroup keeps the machine's other processes out of the profile.
     let cgroup_name = format!("heapprofd-test-push-{}", std::process::id());
     let mount = heapprof_daemon::cgroup::cgroup2_mount().expect("a cgroup v2 hierarchy");
@@ -627,20 +637,22 @@ fn with_all_each_process_is_its_own_series() {
         .arg(format!("/{cgroup_name}")),
     );
     let mut child = KillOnDrop(child);
+    // Two processes in the cgroup that allocate, then stay until the final profile
+    // (so that their command names and cgroups are read).
     let script = format!(
-        "echo $$ > {}/cgroup.procs && exec {}",
+        "echo $$ > {}/cgroup.procs && exec {} 100 32",
         cgroup.0.display(),
-        program.display()
+        waiter.display()
     );
-    for _ in 0..2 {
-        let status = Command::new("sh")
-            .args(["-c", &script])
-            .status()
-            .expect("sh");
-        assert!(status.success());
+    let mut waiters: Vec<Driven> = (0..2)
+        .map(|_| Driven::spawn(Command::new("sh").args(["-c", &script])))
+        .collect();
+    for waiter in &mut waiters {
+        waiter.step("done");
     }
     signal(&child.0, libc::SIGINT);
     wait_success(&mut child.0, &log, "heapprofd --all");
+    drop(waiters);
     let file = written(&out).pop().expect("a profile");
     let file = decode_bytes(&std::fs::read(file).expect("the profile"));
     let requests = lock(&taken).clone();
@@ -649,7 +661,7 @@ fn with_all_each_process_is_its_own_series() {
     for request in &requests {
         let name = request.query("name").expect("name=");
         let labels = name
-            .strip_prefix("stacks{")
+            .strip_prefix("waiter{")
             .and_then(|rest| rest.strip_suffix('}'))
             .unwrap_or_else(|| panic!("{name}"));
         let pid = labels
@@ -679,6 +691,8 @@ fn with_all_each_process_is_its_own_series() {
 #[test]
 fn without_o_profiles_are_only_pushed() {
     require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
     let dir = scratch();
     let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
     let port = free_port();
@@ -712,6 +726,7 @@ fn without_o_profiles_are_only_pushed() {
 
 #[test]
 fn wrong_push_flags_are_one_clear_line_at_start() {
+    let _serial = serial();
     let dir = scratch();
     for (args, expected) in [
         (

@@ -158,10 +158,12 @@ fn series_of(profile: &Profile, sample: Option<&Sample>, service_name: Option<&s
         else {
             continue;
         };
-        let value = if label.str != 0 {
-            string(profile, label.str).to_owned()
-        } else {
+        // Only the pid is a number; an empty string (a process gone before its
+        // name was read) is index 0 as well.
+        let value = if name == "pid" {
             label.num.to_string()
+        } else {
+            string(profile, label.str).to_owned()
         };
         labels.push((name.to_owned(), value));
     }
@@ -176,7 +178,7 @@ fn series_of(profile: &Profile, sample: Option<&Sample>, service_name: Option<&s
         None => label("cgroup")
             .and_then(systemd_service)
             .or_else(|| label("comm").filter(|c| !c.is_empty()))
-            .unwrap_or("heapprofd")
+            .unwrap_or("unknown")
             .to_owned(),
     };
     Series {
