@@ -167,15 +167,7 @@ async fn http(mut builder: reqwest::RequestBuilder, headers: &[Header]) -> Outco
                 return Outcome::Sent;
             }
             let body = response.text().await.unwrap_or_default();
-            let why = format!("HTTP {status}{}", reason(&body));
-            match status.as_u16() {
-                401 | 403 => Outcome::Retry(format!(
-                    "{why}: the credentials were refused; check --push-header or --push-token-file"
-                )),
-                408 | 429 => Outcome::Retry(why),
-                code if code >= 500 => Outcome::Retry(why),
-                _ => Outcome::Rejected(why),
-            }
+            http_outcome(status, &body)
         }
         // Without the URL: the log line names the target already, and the query
         // would repeat the whole series name.
@@ -183,6 +175,19 @@ async fn http(mut builder: reqwest::RequestBuilder, headers: &[Header]) -> Outco
             Outcome::Retry(format!("timed out: {}", chain(&err.without_url())))
         }
         Err(err) => Outcome::Retry(chain(&err.without_url())),
+    }
+}
+
+/// What a backend's HTTP answer other than 2xx means for the upload.
+fn http_outcome(status: reqwest::StatusCode, body: &str) -> Outcome {
+    let why = format!("HTTP {status}{}", reason(body));
+    match status.as_u16() {
+        401 | 403 => Outcome::Retry(format!(
+            "{why}: the credentials were refused; check --push-header or --push-token-file"
+        )),
+        408 | 429 => Outcome::Retry(why),
+        code if code >= 500 => Outcome::Retry(why),
+        _ => Outcome::Rejected(why),
     }
 }
 
@@ -223,4 +228,36 @@ fn chain(err: &dyn std::error::Error) -> String {
         source = next.source();
     }
     text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_say_whether_to_retry_and_a_refusal_names_its_fix() {
+        let status = |code| reqwest::StatusCode::from_u16(code).expect("a status");
+        let Outcome::Retry(why) = http_outcome(status(401), "invalid token\n") else {
+            panic!("a refusal is retried")
+        };
+        assert_eq!(
+            why,
+            "HTTP 401 Unauthorized: invalid token: the credentials were refused; \
+             check --push-header or --push-token-file"
+        );
+        assert!(matches!(http_outcome(status(429), ""), Outcome::Retry(_)));
+        assert!(matches!(http_outcome(status(503), ""), Outcome::Retry(_)));
+        assert_eq!(
+            http_outcome(status(400), "bad profile"),
+            Outcome::Rejected("HTTP 400 Bad Request: bad profile".into())
+        );
+        let unavailable = tonic::Status::unavailable("down");
+        assert!(matches!(grpc_outcome(&unavailable), Outcome::Retry(_)));
+        let refused = tonic::Status::unauthenticated("no token");
+        assert!(
+            matches!(grpc_outcome(&refused), Outcome::Retry(why) if why.contains("--push-token-file"))
+        );
+        let invalid = tonic::Status::invalid_argument("bad");
+        assert!(matches!(grpc_outcome(&invalid), Outcome::Rejected(_)));
+    }
 }
