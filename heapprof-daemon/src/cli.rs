@@ -44,9 +44,49 @@ pub struct Cli {
     #[arg(long, value_name = "PATH")]
     pub cgroup: Option<PathBuf>,
 
-    /// Directory for the profiles (created with mode 0700 if missing).
-    #[arg(short, long, value_name = "DIR", default_value = "heapprofd-profiles")]
-    pub output: PathBuf,
+    /// Directory for the profiles (created with mode 0700 if missing). Default:
+    /// heapprofd-profiles; with --push and no -o, profiles are only pushed.
+    #[arg(short, long, value_name = "DIR")]
+    pub output: Option<PathBuf>,
+
+    /// Push every profile to a continuous-profiling backend (repeatable). The URL picks
+    /// the protocol: http(s)://HOST/ingest is Pyroscope's /ingest (pprof);
+    /// http(s)://HOST/v1development/profiles is OTLP profiles over HTTP/protobuf;
+    /// grpc://HOST:PORT or grpcs://HOST:PORT is OTLP profiles over gRPC. With --all,
+    /// each process is its own series.
+    #[arg(long, value_name = "URL")]
+    pub push: Vec<String>,
+
+    /// With --push: a header sent with every push, as 'NAME: VALUE' (repeatable), e.g.
+    /// 'X-Scope-OrgID: tenant1' or 'Authorization: Basic ...'.
+    #[arg(long, value_name = "HEADER", requires = "push")]
+    pub push_header: Vec<String>,
+
+    /// With --push: a file holding a bearer token, sent as 'Authorization: Bearer
+    /// TOKEN' (read at start and again before each push, so a rotated token is used).
+    #[arg(long, value_name = "FILE", requires = "push")]
+    pub push_token_file: Option<PathBuf>,
+
+    /// With --push: the longest one push may take (connecting included) before it is
+    /// retried, e.g. 10s.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, requires = "push")]
+    pub push_timeout: Duration,
+
+    /// With --push: keep the profiles not yet pushed in DIR (one subdirectory per URL)
+    /// while a backend is down, and across restarts of heapprofd; without it they wait
+    /// in memory (at most 8 MiB per URL) and are lost at exit.
+    #[arg(long, value_name = "DIR", requires = "push")]
+    pub push_spool: Option<PathBuf>,
+
+    /// With --push-spool: the most the spool of one URL may hold, e.g. 256MiB; when
+    /// full, the oldest profiles are dropped (and counted).
+    #[arg(long, value_name = "BYTES", default_value = "256MiB", value_parser = parse_byte_size, requires = "push_spool")]
+    pub push_spool_size: u64,
+
+    /// With --push: the service name of every series (default: the process's systemd
+    /// service, else its command name).
+    #[arg(long, value_name = "NAME", requires = "push")]
+    pub push_service_name: Option<String>,
 
     /// Time between profiles, e.g. 10s, 500ms, 2m (100ms to 24h).
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_interval)]
@@ -352,6 +392,24 @@ impl Cli {
             && !self.empty_programs
     }
 
+    /// The directory profiles are written to: `-o`; with `--push` and no `-o`, a
+    /// private directory of this process (each profile is deleted once it is handed to
+    /// the push); else `heapprofd-profiles`.
+    pub fn output_dir(&self) -> PathBuf {
+        match &self.output {
+            Some(dir) => dir.clone(),
+            None if self.push_only() => {
+                std::env::temp_dir().join(format!("heapprofd-push-{}", std::process::id()))
+            }
+            None => PathBuf::from("heapprofd-profiles"),
+        }
+    }
+
+    /// `--push` without `-o`: profiles are pushed and not kept on disk.
+    pub fn push_only(&self) -> bool {
+        self.output.is_none() && !self.push.is_empty()
+    }
+
     /// The retention of the output directory the flags ask for.
     pub fn retention(&self) -> RetentionPolicy {
         RetentionPolicy {
@@ -442,6 +500,15 @@ pub fn parse_sample_rate(text: &str) -> Result<u64, String> {
             format!("sample rate `{text}` is out of range; choose between 1 byte and 1TiB")
         })?;
     Ok(bytes)
+}
+
+/// Parses a size in bytes (`--push-spool-size`): as [`parse_sample_rate`], from 1 KiB
+/// to 1 TiB.
+fn parse_byte_size(text: &str) -> Result<u64, String> {
+    parse_sample_rate(text)
+        .ok()
+        .filter(|&bytes| bytes >= 1024)
+        .ok_or_else(|| format!("`{text}` is not a size between 1KiB and 1TiB; write e.g. 256MiB"))
 }
 
 /// Parses the `--metrics` address: `IP:PORT`, `[IPv6]:PORT` or `localhost:PORT`.

@@ -23,6 +23,7 @@ pub mod procmaps;
 pub mod profiles_file;
 #[cfg(test)]
 mod proptests;
+pub mod push;
 pub mod report;
 pub mod session;
 pub mod stats_file;

@@ -34,6 +34,16 @@ fn main() -> ExitCode {
         Ok(target) => target,
         Err(message) => return usage_error(anyhow::anyhow!(message)),
     };
+    // A wrong push URL, header or token file is one line now, before anything is traced.
+    let push = match heapprof_daemon::push::PushConfig::from_cli(&cli) {
+        Ok(push) => push,
+        Err(err) => return usage_error(anyhow::Error::new(err)),
+    };
+    if cli.push_only()
+        && let Err(err) = create_private_dir(&cli.output_dir())
+    {
+        return usage_error(err);
+    }
     // Launch mode's interposer, installed before the command is forked with it.
     let preload = if cli.uses_preload(&target) {
         match PreloadLibrary::install() {
@@ -67,7 +77,7 @@ fn main() -> ExitCode {
             Ok(started) => started,
             Err(err) => return usage_error(err),
         };
-        match run(&cli, &target, started).await {
+        match run(&cli, &target, started, push).await {
             Ok(code) => code,
             Err(err) => {
                 eprintln!("heapprofd: error: {err:#}");
@@ -75,6 +85,22 @@ fn main() -> ExitCode {
             }
         }
     })
+}
+
+/// `--push` without `-o`: the directory profiles pass through on their way to the
+/// push, created anew (never one that exists: another user's could be read).
+fn create_private_dir(dir: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(dir)
+        .map_err(|err| {
+            anyhow::anyhow!(
+                "cannot create {} for the profiles on their way to --push ({err}); \
+                 give a directory with -o DIR, or set TMPDIR",
+                dir.display()
+            )
+        })
 }
 
 /// `heapprofd report ...`: reads profiles back; needs no privileges and starts no runtime.

@@ -13,6 +13,7 @@ use crate::{
     launch::{ChildEvent, PausedChild, Relayed, SignalRelay},
     pprof::retention::Pruner,
     profiles_file::{Kind, ProfilesFile},
+    push::{PushConfig, PushMetrics, Pusher},
     stats_file::{self, StartFigures},
 };
 
@@ -56,7 +57,12 @@ async fn drain_ring<T: Copy>(fd: &mut AsyncFd<RingBuf<MapData>>) -> Vec<T> {
 }
 
 /// Runs a started session until it ends; returns the exit status.
-pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCode> {
+pub async fn run(
+    cli: &Cli,
+    target: &Target,
+    started: Started,
+    push: Option<PushConfig>,
+) -> Result<ExitCode> {
     let Started {
         mut session,
         child,
@@ -70,6 +76,17 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     // Before the ready file: a reader that waits for that finds this one made.
     let mut profiles_file = match &cli.profiles_json {
         Some(path) => Some(ProfilesFile::create(path).context("--profiles-json")?),
+        None => None,
+    };
+    let mut pusher = match push {
+        Some(config) => {
+            log::info!("pushing profiles to {}", config.describe());
+            Some(Pusher::start(
+                config,
+                PushMetrics::shared(),
+                cli.push_only(),
+            )?)
+        }
         None => None,
     };
     // Ready once every process is served: with the system-wide preload, once those
@@ -90,7 +107,7 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     let mut relay = child_pid.map(SignalRelay::new);
     let mut exec_events = session.take_exec_events();
     let mut mapping_requests = session.take_mapping_requests();
-    let mut pruner = Pruner::new(&cli.output, cli.retention());
+    let mut pruner = Pruner::new(&cli.output_dir(), cli.retention());
     // Interval profiles not written (the final one's failure ends the run).
     let mut failed_writes = 0u64;
 
@@ -132,10 +149,13 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
                 }
                 match session.dump() {
                     Ok(written) => {
-                        pruner.after_write(&written.path);
                         if let Some(file) = profiles_file.as_mut() {
                             file.append(&written, Kind::Interval);
                         }
+                        if let Some(pusher) = pusher.as_mut() {
+                            pusher.offer(&written.path);
+                        }
+                        pruner.after_write(&written.path);
                     }
                     Err(err) => {
                         log::error!("cannot write a profile: {err:#}");
@@ -214,10 +234,10 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
     }
     let written = session.dump();
     if let Ok(written) = &written {
-        pruner.after_write(&written.path);
         if let Some(file) = profiles_file.as_mut() {
             file.append(written, Kind::Final);
         }
+        pruner.after_write(&written.path);
     }
     if cli.top > 0
         && let Ok(written) = &written
@@ -236,19 +256,35 @@ pub async fn run(cli: &Cli, target: &Target, started: Started) -> Result<ExitCod
         .flatten();
     let left = session.leave_joined();
     drop(session); // detaches every probe
-    let written = written.context("writing the final profile")?;
-    if let Some(stats_path) = &cli.stats_json {
-        let measured = Measured {
-            bpf_run_time,
-            stack_lookups,
-            unwind_tables,
-            system_preload,
-            failed_writes,
-            left,
-        };
-        write_stats(stats_path, &written.path, figures, measured)
-            .with_context(|| format!("--stats-json {}", stats_path.display()))?;
+    let written = written.context("writing the final profile");
+    let stats = match (&written, &cli.stats_json) {
+        (Ok(written), Some(stats_path)) => {
+            let measured = Measured {
+                bpf_run_time,
+                stack_lookups,
+                unwind_tables,
+                system_preload,
+                failed_writes,
+                left,
+            };
+            write_stats(stats_path, &written.path, figures, measured)
+                .with_context(|| format!("--stats-json {}", stats_path.display()))
+        }
+        _ => Ok(()),
+    };
+    // Last, once the final profile has been read back (with --push alone, handing it
+    // over deletes it); the pushes still waiting get the push timeout to go out.
+    if let Some(mut pusher) = pusher {
+        if let Ok(written) = &written {
+            pusher.offer(&written.path);
+        }
+        pusher.finish();
+        if cli.push_only() {
+            let _ = std::fs::remove_dir(cli.output_dir());
+        }
     }
+    written?;
+    stats?;
     Ok(exit_code)
 }
 

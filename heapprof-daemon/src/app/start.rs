@@ -129,7 +129,7 @@ fn start_user(
     StartFigures,
     Option<SystemPreload>,
 )> {
-    pprof::writer::prepare_output_dir(&cli.output)?;
+    pprof::writer::prepare_output_dir(&cli.output_dir())?;
     let sample_rate = cli.sample_rate.unwrap_or(0);
     let pid = user_pid(target, child.as_deref());
     let tables = TableCapacities {
@@ -224,7 +224,7 @@ fn start_user(
     let system_replies = system.then(|| replies_map(&ebpf)).transpose()?;
     let config = UserSessionConfig {
         target: target.clone(),
-        output: cli.output.clone(),
+        output: cli.output_dir(),
         sample_rate,
         bpf_stats: cli.bpf_stats,
         unwind_tables: (cli.unwind.mode() != UnwindMode::FramePointers).then_some(tables),
@@ -299,7 +299,7 @@ fn start_user(
             Target::All => "all processes".to_owned(),
         },
         cli.interval,
-        cli.output.display()
+        cli.output_dir().display()
     );
     let figures = StartFigures {
         programs,
@@ -567,6 +567,7 @@ fn serve_metrics(
                 value: t.bytes,
             })
             .collect(),
+        push: (!cli.push.is_empty()).then(|| crate::push::PushMetrics::shared().clone()),
     });
     match endpoint.local_addr() {
         Ok(addr) => log::info!("metrics at http://{addr}/metrics"),
@@ -604,7 +605,7 @@ fn start_kernel(
         follow_forks: matches!(target, Target::Launch(_)),
     };
     let events = probes::kernel::resolve_events(&tracing, selection)?;
-    pprof::writer::prepare_output_dir(&cli.output)?;
+    pprof::writer::prepare_output_dir(&cli.output_dir())?;
     let capacities = probes::Capacities {
         live_blocks: cli.live_blocks(),
         sites: cli.max_sites,
@@ -628,7 +629,7 @@ fn start_kernel(
     let bpf_log = BpfLog::init(&mut ebpf);
     let config = KernelSessionConfig {
         target: target.clone(),
-        output: cli.output.clone(),
+        output: cli.output_dir(),
         events: events.iter().map(|(event, _)| *event).collect(),
         bpf_stats: cli.bpf_stats,
         sample_rate: cli.sample_rate.unwrap_or(0),
@@ -670,7 +671,7 @@ fn start_kernel(
             Target::All => "all processes".to_owned(),
         },
         cli.interval,
-        cli.output.display()
+        cli.output_dir().display()
     );
     let figures = StartFigures {
         programs,

@@ -109,6 +109,8 @@ pub struct Settings {
     /// Kernel memory of each table's BPF maps, in bytes (see
     /// `health::map_memory`), most of it allocated at start for the capacities.
     pub kernel_memory: Vec<TableFigure>,
+    /// `--push`: the push's counters, served with the rest.
+    pub push: Option<crate::push::PushMetrics>,
 }
 
 /// The figures last published, which every scrape encodes.
@@ -142,8 +144,8 @@ pub struct Exporter {
 /// A new exporter and the registry that the HTTP endpoint encodes.
 pub fn new(settings: Settings) -> (Exporter, Arc<Registry>) {
     let state = Arc::new(Mutex::new(Published {
-        capacities: settings.capacities,
-        kernel_memory: settings.kernel_memory,
+        capacities: settings.capacities.clone(),
+        kernel_memory: settings.kernel_memory.clone(),
         ..Published::default()
     }));
     // 1 ms to ~16 s: a profile of a small process takes milliseconds, one of
@@ -157,6 +159,9 @@ pub fn new(settings: Settings) -> (Exporter, Arc<Registry>) {
         write_seconds.clone(),
     );
     registry.register_collector(Box::new(SnapshotCollector::new(Arc::clone(&state))));
+    if let Some(push) = &settings.push {
+        push.register(&mut registry);
+    }
     let exporter = Exporter {
         state,
         write_seconds,
@@ -218,6 +223,9 @@ mod tests {
 
     #[test]
     fn every_family_is_described_before_the_first_profile() {
+        let push = crate::push::PushMetrics::default();
+        // A family is described once it has a series: the push's have one per target.
+        push.target("http://pyroscope:4040/ingest").sent.inc();
         let (_exporter, registry) = new(Settings {
             active_only: false,
             top: 10,
@@ -229,6 +237,7 @@ mod tests {
                 table: "live_blocks",
                 value: 45 << 20,
             }],
+            push: Some(push),
         });
         let text = scrape(&registry);
         for (family, kind) in [
@@ -245,6 +254,9 @@ mod tests {
             ("heapprofd_bpf_runs", "counter"),
             ("heapprofd_profile_write_seconds", "histogram"),
             ("heapprofd_resident_memory_bytes", "gauge"),
+            ("heapprofd_push_sent", "counter"),
+            ("heapprofd_push_dropped", "counter"),
+            ("heapprofd_push_spool_bytes", "gauge"),
         ] {
             assert!(
                 text.contains(&format!("# TYPE {family} {kind}\n"))
@@ -257,6 +269,10 @@ mod tests {
             text.contains("heapprofd_table_kernel_memory_bytes{table=\"live_blocks\"} 47185920\n")
         );
         assert!(!text.contains("heapprofd_dropped_total{"), "{text}");
+        assert!(
+            text.contains("heapprofd_push_sent_total{target=\"http://pyroscope:4040/ingest\"} 1\n"),
+            "{text}"
+        );
         assert!(text.ends_with("# EOF\n"));
     }
 
@@ -267,6 +283,7 @@ mod tests {
             top: 10,
             capacities: Vec::new(),
             kernel_memory: Vec::new(),
+            push: None,
         });
         let mut drops = [0; DropReason::COUNT as usize];
         drops[DropReason::StackTableFull as usize] = 7;

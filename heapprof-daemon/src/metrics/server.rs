@@ -208,6 +208,7 @@ mod tests {
             top: 1,
             capacities: Vec::new(),
             kernel_memory: Vec::new(),
+            push: None,
         });
         String::from_utf8(respond(request.as_bytes(), &registry)).expect("text")
     }

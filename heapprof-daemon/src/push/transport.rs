@@ -1,0 +1,263 @@
+//! Sending one upload to one backend: HTTP (Pyroscope's `/ingest`, OTLP/HTTP) with
+//! reqwest, OTLP/gRPC with tonic; both over rustls with the system's roots. Each
+//! send ends in an [`Outcome`] that says whether to retry.
+
+use std::time::Duration;
+
+use opentelemetry_proto::tonic::collector::profiles::v1development::profiles_service_client::ProfilesServiceClient;
+use prost::Message as _;
+use thiserror::Error;
+use tonic::{
+    Code,
+    metadata::{MetadataKey, MetadataValue},
+    transport::{Channel, ClientTlsConfig, Endpoint},
+};
+
+use super::{
+    otlp, pyroscope,
+    series::Upload,
+    target::{Header, Protocol, PushTarget},
+};
+
+/// A client that cannot be made.
+#[derive(Debug, Error)]
+#[error("push to {target}: cannot set up the client: {reason}")]
+pub struct TransportError {
+    target: String,
+    reason: String,
+}
+
+/// How one send ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The backend took it.
+    Sent,
+    /// Not taken for a reason that may pass (unreachable, timed out, 429, 5xx, or
+    /// the credentials refused, which an operator can fix at the backend): keep it
+    /// and try again later.
+    Retry(String),
+    /// The backend will never take it (another 4xx, or it does not encode): drop it.
+    Rejected(String),
+}
+
+/// The client of one push target.
+#[derive(Debug)]
+pub struct Transport {
+    target: PushTarget,
+    client: Client,
+    timeout: Duration,
+}
+
+#[derive(Debug)]
+enum Client {
+    Http(reqwest::Client),
+    Grpc(ProfilesServiceClient<Channel>),
+}
+
+impl Transport {
+    /// The client of `target`, sends bounded by `timeout`. gRPC connects on first
+    /// use, so this needs the runtime it will run on.
+    pub fn new(target: PushTarget, timeout: Duration) -> Result<Self, TransportError> {
+        let error = |reason: String| TransportError {
+            target: target.display.clone(),
+            reason,
+        };
+        let client = match target.protocol {
+            Protocol::PyroscopeIngest | Protocol::OtlpHttp => Client::Http(
+                reqwest::Client::builder()
+                    .timeout(timeout)
+                    .connect_timeout(timeout)
+                    .user_agent(concat!("heapprofd/", env!("CARGO_PKG_VERSION")))
+                    .build()
+                    .map_err(|err| error(chain(&err)))?,
+            ),
+            Protocol::OtlpGrpc => {
+                let mut endpoint = Endpoint::from_shared(target.url.to_string())
+                    .map_err(|err| error(chain(&err)))?
+                    .timeout(timeout)
+                    .connect_timeout(timeout);
+                if target.url.scheme() == "https" {
+                    endpoint = endpoint
+                        .tls_config(ClientTlsConfig::new().with_native_roots())
+                        .map_err(|err| error(chain(&err)))?;
+                }
+                Client::Grpc(ProfilesServiceClient::new(endpoint.connect_lazy()))
+            }
+        };
+        Ok(Transport {
+            target,
+            client,
+            timeout,
+        })
+    }
+
+    /// Sends `upload` with `headers`.
+    pub async fn send(&mut self, upload: &Upload, headers: &[Header]) -> Outcome {
+        // The clients have their own timeouts; this one also bounds what they do not
+        // cover (a server that accepts and never answers a TLS handshake).
+        let timeout = self.timeout;
+        let send = self.send_unbounded(upload, headers);
+        match tokio::time::timeout(timeout + Duration::from_secs(1), send).await {
+            Ok(outcome) => outcome,
+            Err(_) => Outcome::Retry(format!("no answer within {timeout:?}")),
+        }
+    }
+
+    async fn send_unbounded(&mut self, upload: &Upload, headers: &[Header]) -> Outcome {
+        match (&mut self.client, self.target.protocol) {
+            (Client::Http(client), Protocol::PyroscopeIngest) => {
+                let request = pyroscope::ingest_request(upload);
+                let builder = client
+                    .post(self.target.url.clone())
+                    .query(&request.query)
+                    .header(reqwest::header::CONTENT_TYPE, request.content_type)
+                    .body(request.body);
+                http(builder, headers).await
+            }
+            (Client::Http(client), _) => {
+                let request = match otlp::export_request(upload) {
+                    Ok(request) => request,
+                    Err(err) => return Outcome::Rejected(err.to_string()),
+                };
+                let builder = client
+                    .post(self.target.url.clone())
+                    .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
+                    .body(request.encode_to_vec());
+                http(builder, headers).await
+            }
+            (Client::Grpc(client), _) => {
+                let request = match otlp::export_request(upload) {
+                    Ok(request) => request,
+                    Err(err) => return Outcome::Rejected(err.to_string()),
+                };
+                let mut request = tonic::Request::new(request);
+                for header in headers {
+                    if let (Ok(key), Ok(value)) = (
+                        MetadataKey::from_bytes(header.name.as_bytes()),
+                        MetadataValue::try_from(header.value.as_str()),
+                    ) {
+                        request.metadata_mut().insert(key, value);
+                    }
+                }
+                match client.export(request).await {
+                    Ok(response) => match response.into_inner().partial_success {
+                        Some(partial) if partial.rejected_profiles > 0 => {
+                            Outcome::Rejected(format!(
+                                "{} profiles rejected: {}",
+                                partial.rejected_profiles, partial.error_message
+                            ))
+                        }
+                        _ => Outcome::Sent,
+                    },
+                    Err(status) => grpc_outcome(&status),
+                }
+            }
+        }
+    }
+}
+
+async fn http(mut builder: reqwest::RequestBuilder, headers: &[Header]) -> Outcome {
+    for header in headers {
+        builder = builder.header(header.name.as_str(), header.value.as_str());
+    }
+    match builder.send().await {
+        Ok(response) => {
+            let status = response.status();
+            if status.is_success() {
+                return Outcome::Sent;
+            }
+            let body = response.text().await.unwrap_or_default();
+            http_outcome(status, &body)
+        }
+        // Without the URL: the log line names the target already, and the query
+        // would repeat the whole series name.
+        Err(err) if err.is_timeout() => {
+            Outcome::Retry(format!("timed out: {}", chain(&err.without_url())))
+        }
+        Err(err) => Outcome::Retry(chain(&err.without_url())),
+    }
+}
+
+/// What a backend's HTTP answer other than 2xx means for the upload.
+fn http_outcome(status: reqwest::StatusCode, body: &str) -> Outcome {
+    let why = format!("HTTP {status}{}", reason(body));
+    match status.as_u16() {
+        401 | 403 => Outcome::Retry(format!(
+            "{why}: the credentials were refused; check --push-header or --push-token-file"
+        )),
+        408 | 429 => Outcome::Retry(why),
+        code if code >= 500 => Outcome::Retry(why),
+        _ => Outcome::Rejected(why),
+    }
+}
+
+fn grpc_outcome(status: &tonic::Status) -> Outcome {
+    let why = format!("gRPC {:?}{}", status.code(), reason(status.message()));
+    match status.code() {
+        Code::Unauthenticated | Code::PermissionDenied => Outcome::Retry(format!(
+            "{why}: the credentials were refused; check --push-header or --push-token-file"
+        )),
+        Code::InvalidArgument
+        | Code::NotFound
+        | Code::AlreadyExists
+        | Code::FailedPrecondition
+        | Code::OutOfRange
+        | Code::Unimplemented => Outcome::Rejected(why),
+        _ => Outcome::Retry(why),
+    }
+}
+
+/// `: FIRST LINE` of a backend's answer, when it says something.
+fn reason(text: &str) -> String {
+    match text.lines().map(str::trim).find(|l| !l.is_empty()) {
+        Some(line) => format!(": {}", line.chars().take(200).collect::<String>()),
+        None => String::new(),
+    }
+}
+
+/// An error and its sources, as one line.
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(next) = source {
+        let next_text = next.to_string();
+        if !text.contains(&next_text) {
+            text.push_str(": ");
+            text.push_str(&next_text);
+        }
+        source = next.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_say_whether_to_retry_and_a_refusal_names_its_fix() {
+        let status = |code| reqwest::StatusCode::from_u16(code).expect("a status");
+        let Outcome::Retry(why) = http_outcome(status(401), "invalid token\n") else {
+            panic!("a refusal is retried")
+        };
+        assert_eq!(
+            why,
+            "HTTP 401 Unauthorized: invalid token: the credentials were refused; \
+             check --push-header or --push-token-file"
+        );
+        assert!(matches!(http_outcome(status(429), ""), Outcome::Retry(_)));
+        assert!(matches!(http_outcome(status(503), ""), Outcome::Retry(_)));
+        assert_eq!(
+            http_outcome(status(400), "bad profile"),
+            Outcome::Rejected("HTTP 400 Bad Request: bad profile".into())
+        );
+        let unavailable = tonic::Status::unavailable("down");
+        assert!(matches!(grpc_outcome(&unavailable), Outcome::Retry(_)));
+        let refused = tonic::Status::unauthenticated("no token");
+        assert!(
+            matches!(grpc_outcome(&refused), Outcome::Retry(why) if why.contains("--push-token-file"))
+        );
+        let invalid = tonic::Status::invalid_argument("bad");
+        assert!(matches!(grpc_outcome(&invalid), Outcome::Rejected(_)));
+    }
+}
