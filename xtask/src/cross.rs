@@ -38,10 +38,21 @@ pub fn build_static(arch: Arch) -> Result<PathBuf> {
         // The musl targets bring their own C runtime objects: rust-lld links them
         // without a cross C toolchain.
         .env(linker_var, "rust-lld")
+        // C code in dependencies (ring's, for the push's TLS) is compiled by Debian's gcc
+        // for the architecture: cc-rs would look for a musl-named one
+        // (`aarch64-linux-musl-gcc`) that Debian does not package. The code is
+        // freestanding, so the glibc toolchain's objects link into the musl binary.
+        .env(cc_var(target, "CC"), arch.gcc())
+        .env(cc_var(target, "AR"), arch.gcc().replace("-gcc", "-ar"))
         .run()?;
     let binary = crate::target_dir().join(format!("{target}/release/heapprofd"));
     check_static(&binary, arch)?;
     Ok(binary)
+}
+
+/// cc-rs's variable `what` (`CC`, `AR`) for `target`.
+fn cc_var(target: &str, what: &str) -> String {
+    format!("{what}_{}", target.replace('-', "_"))
 }
 
 /// Builds the release binary for `arch` against glibc, linked by that architecture's
