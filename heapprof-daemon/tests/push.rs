@@ -214,12 +214,13 @@ fn grpc_receiver(port: u16) -> GrpcTaken {
 /// The profiles heapprofd wrote into `out`, in order, as its `--profiles-json` lists them.
 fn written(out: &Path) -> Vec<PathBuf> {
     let file = out.with_extension("jsonl");
-    std::fs::read_to_string(&file)
-        .unwrap_or_else(|e| panic!("no --profiles-json {}: {e}", file.display()))
-        .lines()
-        .map(|line| {
-            let record: serde_json::Value = serde_json::from_str(line).expect("JSON");
-            PathBuf::from(record["path"].as_str().expect("a path"))
+    heapprof_daemon::profiles_file::read(&file)
+        .unwrap_or_else(|e| panic!("no --profiles-json {}: {e:#}", file.display()))
+        .into_iter()
+        .filter_map(|line| match line {
+            heapprof_daemon::profiles_file::Line::Interval(record)
+            | heapprof_daemon::profiles_file::Line::Final(record) => Some(record.path),
+            _ => None,
         })
         .collect()
 }
