@@ -631,6 +631,9 @@ pub struct Config {
     pub in_flight_slots: u32,
     /// Slots of `USAGE_SLOTS` (a power of two).
     pub usage_slots: u32,
+    /// Where `sched_process_fork`'s record holds `child_pid` (from tracefs; the
+    /// layout differs between kernels), or 0 when the fork program is not attached.
+    pub fork_child_pid_offset: u32,
 }
 
 /// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
@@ -682,6 +685,7 @@ mod pod {
     unsafe impl aya::Pod for super::unwind::ProcessMappings {}
     unsafe impl aya::Pod for super::unwind::UnwindGap {}
     unsafe impl aya::Pod for super::unwind::MappingsRequest {}
+    unsafe impl aya::Pod for super::unwind::ForkOrigin {}
 }
 
 #[cfg(test)]

@@ -76,6 +76,15 @@ pub const UNWIND_GAPS: &str = "UNWIND_GAPS";
 pub const MAPPINGS_REQUESTS: &str = "MAPPINGS_REQUESTS";
 /// When each process last asked for its mappings (`LruHashMap<u32, u64>`, ns).
 pub const MAPPINGS_REQUESTED: &str = "MAPPINGS_REQUESTED";
+/// The mappings a fork shares with its traced parent until its own are loaded
+/// (`LruHashMap<u32, unwind::ForkOrigin>`, keyed by the child's tgid).
+pub const FORK_ORIGINS: &str = "FORK_ORIGINS";
+/// Tracepoint program on `sched:sched_process_fork` that writes `FORK_ORIGINS`.
+pub const PROG_FORK: &str = "process_fork";
+/// The tracepoint it attaches to, in [`SCHED_CATEGORY`].
+pub const FORK_TRACEPOINT: &str = "sched_process_fork";
+/// The tracepoint category of the scheduler's events.
+pub const SCHED_CATEGORY: &str = "sched";
 /// Signals sent to hold a launched command at a loader event (`Array<u64>`, one
 /// slot): the tracer tells its own from any other SIGCONT by this count.
 pub const LOADER_SYNCS: &str = "LOADER_SYNCS";

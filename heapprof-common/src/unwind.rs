@@ -314,6 +314,79 @@ pub struct MappingsRequest {
     pub reason: u32,
 }
 
+/// Where a process forked from a traced one finds its code until its own mappings are
+/// loaded (`FORK_ORIGINS`, keyed by the child's tgid). A fork shares its parent's
+/// address space layout until it execs or maps something new, so the parent's
+/// mappings unwind its stacks: a short-lived child (a shell's fork before its exec, a
+/// server's worker at birth) is gone before the daemon could read its own.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ForkOrigin {
+    /// The process whose mappings the child shares: its parent, or the parent's own
+    /// origin when the parent is itself a fork without mappings of its own.
+    pub tgid: u32,
+    /// That process's exec generation at the fork: the image whose mappings it is.
+    pub exec_gen: u32,
+    /// The child's exec generation at the fork: the origin holds for that image only.
+    pub child_exec_gen: u32,
+    /// Padding (zero).
+    pub _pad: u32,
+}
+
+impl ForkOrigin {
+    /// The origin of a child forked by `parent` (at exec generation `parent_exec_gen`)
+    /// whose own exec generation is `child_exec_gen`, where `target` is the one
+    /// process traced with its forks (0: every process). None when the parent is not
+    /// traced (neither the target nor a fork of it). Otherwise the origin the parent
+    /// inherited, if it still holds for the parent's image and the parent has no
+    /// mappings of its own; else the parent itself, whose mappings may be loaded by
+    /// the time the child allocates.
+    #[inline(always)]
+    pub fn of_fork(
+        parent: u32,
+        parent_exec_gen: u32,
+        parent_has_mappings: bool,
+        parent_origin: Option<&ForkOrigin>,
+        target: u32,
+        child_exec_gen: u32,
+    ) -> Option<ForkOrigin> {
+        let inherited = parent_origin.filter(|o| o.holds_for(parent_exec_gen));
+        if target != 0 && parent != target && inherited.is_none() {
+            return None;
+        }
+        let (tgid, exec_gen) = match inherited {
+            Some(inherited) if !parent_has_mappings => (inherited.tgid, inherited.exec_gen),
+            _ => (parent, parent_exec_gen),
+        };
+        Some(ForkOrigin {
+            tgid,
+            exec_gen,
+            child_exec_gen,
+            _pad: 0,
+        })
+    }
+
+    /// The entry of a fork that exec'd, image `exec_gen`: its own mappings from now on.
+    /// It stays in the table as the mark of a process descended from the target, so
+    /// that its own forks and execs are followed too.
+    #[inline(always)]
+    pub fn at_exec(tgid: u32, exec_gen: u32) -> ForkOrigin {
+        ForkOrigin {
+            tgid,
+            exec_gen,
+            child_exec_gen: exec_gen,
+            _pad: 0,
+        }
+    }
+
+    /// Whether the origin still describes the child's image `exec_gen` (an exec since
+    /// the fork replaced the shared code).
+    #[inline(always)]
+    pub fn holds_for(&self, exec_gen: u32) -> bool {
+        self.child_exec_gen == exec_gen
+    }
+}
+
 /// Why the BPF side asks for a process's mappings.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -353,6 +426,50 @@ pub const CACHED_RULE_FOUND: u32 = u32::MAX;
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_fork_takes_its_parents_mappings_or_the_origin_the_parent_inherited() {
+        // Every process traced: the parent's own mappings, at its image.
+        let direct = ForkOrigin::of_fork(10, 2, true, None, 0, 0).expect("an origin");
+        assert_eq!(
+            (direct.tgid, direct.exec_gen, direct.child_exec_gen),
+            (10, 2, 0)
+        );
+        // A fork of that fork, which has no mappings of its own: the first parent's.
+        let grandchild = ForkOrigin::of_fork(11, 0, false, Some(&direct), 0, 0).expect("origin");
+        assert_eq!((grandchild.tgid, grandchild.exec_gen), (10, 2));
+        // Once the middle one has mappings of its own, its own.
+        let own = ForkOrigin::of_fork(11, 0, true, Some(&direct), 0, 0).expect("an origin");
+        assert_eq!(own.tgid, 11);
+        // The middle one exec'd since: its inherited origin is stale; itself, whose new
+        // image's mappings the daemon reads.
+        let after_exec = ForkOrigin::of_fork(11, 1, false, Some(&direct), 0, 0).expect("origin");
+        assert_eq!((after_exec.tgid, after_exec.exec_gen), (11, 1));
+        // No mappings yet and no origin: the parent, whose mappings may come in time.
+        let early = ForkOrigin::of_fork(12, 0, false, None, 0, 3).expect("an origin");
+        assert_eq!((early.tgid, early.child_exec_gen), (12, 3));
+        // The child's own exec ends it.
+        assert!(direct.holds_for(0));
+        assert!(!direct.holds_for(1));
+    }
+
+    #[test]
+    fn with_one_target_only_its_forks_and_theirs_get_an_origin() {
+        let child = ForkOrigin::of_fork(50, 0, true, None, 50, 0).expect("the target's fork");
+        assert_eq!(child.tgid, 50);
+        let grandchild =
+            ForkOrigin::of_fork(51, 0, false, Some(&child), 50, 0).expect("a fork's fork");
+        assert_eq!(grandchild.tgid, 50);
+        // Another process of the host, even one with mappings loaded.
+        assert_eq!(ForkOrigin::of_fork(60, 0, true, None, 50, 0), None);
+        // The target's fork exec'd: its exec made it its own origin, at its new image.
+        let exec_mark = ForkOrigin::at_exec(51, 1);
+        let after_exec =
+            ForkOrigin::of_fork(51, 1, false, Some(&exec_mark), 50, 0).expect("origin");
+        assert_eq!((after_exec.tgid, after_exec.exec_gen), (51, 1));
+        // An origin that does not hold for the parent's image does not make it traced.
+        assert_eq!(ForkOrigin::of_fork(51, 1, false, Some(&child), 50, 0), None);
+    }
+
     extern crate std;
 
     use std::vec::Vec;

@@ -139,7 +139,8 @@ pub struct ObjectCache {
 }
 
 impl ObjectCache {
-    /// Reads the executable file-backed regions of `pid`.
+    /// Reads the executable file-backed regions of `pid`; fails (`ESRCH`) if the process
+    /// exits while they are opened.
     pub fn read_process(&mut self, pid: u32) -> io::Result<ProcessMaps> {
         let text = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
         let mut regions = Vec::new();
@@ -164,6 +165,9 @@ impl ObjectCache {
                     offset: line.offset,
                     object,
                 }),
+                // Gone while being read: what was read is not all it had (a fork's
+                // origin may stand in for it, see `session::user::images`).
+                Err(err) if err.raw_os_error() == Some(libc::ESRCH) => return Err(err),
                 Err(err) => log::debug!("pid {pid}: cannot open {map_file}: {err}"),
             }
         }

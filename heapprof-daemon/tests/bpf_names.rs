@@ -33,7 +33,7 @@ macro_rules! constants {
 }
 
 /// The constants that name maps.
-const MAPS: [(&str, &str); 39] = constants![
+const MAPS: [(&str, &str); 40] = constants![
     names::IN_FLIGHT,
     names::IN_FLIGHT_SLOTS,
     names::PROBES,
@@ -60,6 +60,7 @@ const MAPS: [(&str, &str); 39] = constants![
     names::UNWIND_GAPS,
     names::MAPPINGS_REQUESTS,
     names::MAPPINGS_REQUESTED,
+    names::FORK_ORIGINS,
     names::LOADER_SYNCS,
     names::PRELOADED,
     names::REPORT_QUEUES,
@@ -77,8 +78,9 @@ const MAPS: [(&str, &str); 39] = constants![
 
 /// The constants that name programs (the kernel-mode tracepoint programs are named by
 /// [`KernelEvent::name`]).
-const PROGRAMS: [(&str, &str); 21] = constants![
+const PROGRAMS: [(&str, &str); 22] = constants![
     names::PROG_EXEC,
+    names::PROG_FORK,
     names::PROG_LOADER_STATE_MULTI,
     names::PROG_LOADER_STATE,
     names::PROG_THREAD_EXIT,
@@ -105,8 +107,10 @@ const PROGRAMS: [(&str, &str); 21] = constants![
 const GLOBALS: [(&str, &str); 2] = constants![names::CONFIG, kernel_names::KERNEL_CONFIG];
 
 /// The constants that name what the programs attach to, in the kernel: not in the object.
-const ATTACH_POINTS: [(&str, &str); 8] = constants![
+const ATTACH_POINTS: [(&str, &str); 10] = constants![
     names::EXEC_TRACEPOINT,
+    names::FORK_TRACEPOINT,
+    names::SCHED_CATEGORY,
     names::EXIT_TRACEPOINT,
     names::SWITCH_TRACEPOINT,
     names::SYSCALL_TRACEPOINT,

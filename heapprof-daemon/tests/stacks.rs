@@ -74,6 +74,54 @@ fn three_stacks_at_o2_without_frame_pointers_from_cfi() {
     );
 }
 
+/// Forks that allocate and exit at once are gone before their own mappings could be
+/// read: their stacks still reach main, unwound with their parent's (and a fork of a
+/// fork with the first parent's). Without frame pointers and with `--unwind cfi`, so
+/// that nothing but the tables can take them there.
+#[test]
+fn short_lived_forks_stacks_reach_main_through_their_parents_mappings() {
+    require_root();
+    let dir = scratch();
+    let program = compile_exact(
+        "gcc",
+        dir.path(),
+        "forks.c",
+        "forks",
+        &["-g", "-O2", "-fomit-frame-pointer", "-fno-builtin"],
+    );
+    let out = dir.path().join("profiles");
+    let (children, allocs) = (20, 30);
+    let output = run_ok(
+        heapprofd(&out)
+            .args(["--unwind", "cfi", "--"])
+            .arg(&program)
+            .args([children.to_string(), allocs.to_string()]),
+    );
+    let mut objects: std::collections::BTreeMap<String, i64> = Default::default();
+    for sample in samples(&last_profile(&out)) {
+        if sample
+            .stack
+            .iter()
+            .any(|f| f == "child_work" || f == "grandchild_work")
+        {
+            *objects.entry(sample.up_to_main().join("<-")).or_default() += sample.values[0];
+        }
+    }
+    let expected: std::collections::BTreeMap<String, i64> = [
+        ("child_work<-child_main<-main", children * allocs),
+        ("grandchild_work<-child_main<-main", children * allocs),
+    ]
+    .into_iter()
+    .map(|(chain, count)| (chain.to_owned(), count))
+    .collect();
+    assert_eq!(
+        objects,
+        expected,
+        "allocated objects per stack of the forks (caller first, up to main)\nheapprofd's log:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
 /// Runs `cmd`, which must succeed.
 fn run_tool(cmd: &mut std::process::Command) -> String {
     let output = cmd

@@ -21,6 +21,8 @@ mod atomic;
 #[cfg(target_arch = "bpf")]
 mod calls;
 #[cfg(target_arch = "bpf")]
+mod forks;
+#[cfg(target_arch = "bpf")]
 mod kernel;
 #[cfg(target_arch = "bpf")]
 mod live;

@@ -192,6 +192,7 @@ static CONFIG: Config = Config {
     max_sites: 1,
     in_flight_slots: 1,
     usage_slots: 1,
+    fork_child_pid_offset: 0,
 };
 
 // CONFIG is read with volatile loads: the compiler would otherwise fold the defaults
@@ -210,6 +211,13 @@ pub fn page_size() -> u64 {
 pub fn ignored_tgid() -> u32 {
     // SAFETY: a plain global (see above).
     unsafe { core::ptr::read_volatile(&CONFIG.ignore_tgid) }
+}
+
+/// Where `sched_process_fork`'s record holds the child's pid, or 0 (no fork program).
+#[inline(always)]
+pub fn fork_child_pid_offset() -> u32 {
+    // SAFETY: a plain global (see above).
+    unsafe { core::ptr::read_volatile(&CONFIG.fork_child_pid_offset) }
 }
 
 /// The one process traced, or 0 for all.

@@ -82,6 +82,8 @@ const NOTING_READS: u32 = 1;
 const UNANSWERABLE: u32 = 2;
 /// The walk used the caller's frame pointer register.
 const USES_FP: u32 = 4;
+/// A walk without mappings of its process's own has looked for its fork origin's.
+const ORIGIN_TRIED: u32 = 8;
 
 /// [`Walk::fp_source`] when the frame pointer is still the caller's register; 0 when
 /// it is a constant or its source was noted; else the stack address it was read from.
@@ -440,7 +442,7 @@ fn fallback_step(walk: &mut Walk) -> bool {
     if fp_step(walk) {
         // The key must be on this function's stack: `walk` is a global function's
         // argument, memory that Linux 6.1's verifier refuses as a map key.
-        let tgid = walk.tgid;
+        let tgid = walk.mappings_tgid;
         // SAFETY: the value is only read; the daemon replaces whole entries.
         match unsafe { PROCESS_MAPPINGS.get(&tgid) } {
             None => return true,
@@ -495,12 +497,29 @@ fn resolve(tgid: u32, version: u32, address: u64) -> Result<UnwindRule, GapReaso
     result
 }
 
+/// A process without mappings of its own takes its fork origin's, once per walk:
+/// here, in the frame's global function, rather than where the walk starts, whose
+/// stack frame the allocation programs share with theirs.
+#[inline(always)]
+fn origin_step(walk: &mut Walk) {
+    if walk.has_mappings != 0 || walk.flags & ORIGIN_TRIED != 0 {
+        return;
+    }
+    walk.flags |= ORIGIN_TRIED;
+    if let Some((origin, mappings)) = crate::forks::origin_mappings(walk.tgid, walk.exec_gen) {
+        walk.mappings_tgid = origin;
+        walk.version = mappings.version;
+        walk.has_mappings = 1;
+    }
+}
+
 /// One frame: CFI where a table covers it; else, unless `cfi_only`, frame pointers.
 #[inline(always)]
 fn step(walk: &mut Walk) -> Result<(), Stop> {
+    origin_step(walk);
     let cfi_only = walk.mode == UnwindMode::Cfi as u32;
     let resolved = if walk.has_mappings != 0 {
-        resolve(walk.tgid, walk.version, walk.frame.lookup)
+        resolve(walk.mappings_tgid, walk.version, walk.frame.lookup)
     } else {
         Err(GapReason::NoMapping)
     };
@@ -575,6 +594,8 @@ struct Walk {
     frame: Frame,
     hash: u64,
     tgid: u32,
+    /// The process whose mappings unwind this one: itself, or its fork origin.
+    mappings_tgid: u32,
     exec_gen: u32,
     /// The process's mappings' version, when it has mappings (`has_mappings`).
     version: u32,
@@ -687,6 +708,7 @@ pub fn unwind(
         // SAFETY: the value is only read; the daemon replaces whole entries.
         let mappings = unsafe { PROCESS_MAPPINGS.get(&tgid) };
         if mappings.is_none() {
+            // A fork unwinds with its origin's meanwhile (see `origin_step`).
             request_mappings(tgid, RequestReason::UnknownAddress);
         }
         mappings
@@ -713,6 +735,7 @@ pub fn unwind(
     walk.frame.sp_known = true;
     walk.hash = first_hash;
     walk.tgid = tgid;
+    walk.mappings_tgid = tgid;
     walk.exec_gen = exec_gen;
     walk.version = mappings.map_or(0, |m| m.version);
     walk.has_mappings = u32::from(mappings.is_some());

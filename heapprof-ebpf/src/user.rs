@@ -367,7 +367,10 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let target = target_tgid();
-    if ignored(pid_tgid) || (target != 0 && target != tgid) {
+    // With one target (a launched command), its forks' execs are followed too.
+    if ignored(pid_tgid)
+        || (target != 0 && target != tgid && !crate::forks::descends_from_target(tgid))
+    {
         return 0;
     }
     let exec_gen = match EXEC_GEN.get_ptr_mut(&tgid) {
@@ -384,6 +387,8 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
             1
         }
     };
+    // Whatever it was forked from, the new image shares none of its code.
+    crate::forks::exec(tgid, exec_gen);
     // The exec kills the other threads, possibly inside an allocator call: the thread
     // now holding the leader's id must not inherit a call in progress from one of them.
     calls::exec(pid_tgid, exec_gen);

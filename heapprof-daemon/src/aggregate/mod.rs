@@ -27,7 +27,7 @@ use aya::{
 };
 use heapprof_common::{
     DropReason, InFlight, InFlightSlot, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
-    StackKey, UserStack, names,
+    StackKey, UserStack, names, unwind::ForkOrigin,
 };
 use live::LiveTable;
 use sites::SiteTable;
@@ -105,6 +105,7 @@ pub struct Maps {
     in_flight: BpfHashMap<MapData, u64, InFlight>,
     in_flight_slots: crate::bpf_array::ArrayHandle<InFlightSlot>,
     exec_gen: BpfHashMap<MapData, u32, u32>,
+    fork_origins: BpfHashMap<MapData, u32, ForkOrigin>,
     usage: BpfHashMap<MapData, u32, ProcessUsage>,
     usage_slots: crate::bpf_array::MappedArray<ProcessUsageSlot>,
     /// The stack table again, for batch reads.
@@ -274,6 +275,7 @@ impl Maps {
             in_flight: take(ebpf, names::IN_FLIGHT)?,
             in_flight_slots: crate::bpf_array::ArrayHandle::of(ebpf, names::IN_FLIGHT_SLOTS)?,
             exec_gen: take(ebpf, names::EXEC_GEN)?,
+            fork_origins: take(ebpf, names::FORK_ORIGINS)?,
             usage: take(ebpf, names::PROCESS_USAGE)?,
             usage_slots: crate::bpf_array::MappedArray::map(ebpf, names::USAGE_SLOTS)?,
             stacks_fd,
@@ -444,6 +446,15 @@ impl Maps {
     /// The exec generation of process `tgid` now (0 before its first exec under tracing).
     pub fn exec_generation(&self, tgid: u32) -> u32 {
         self.exec_gen.get(&tgid, 0).unwrap_or(0)
+    }
+
+    /// Where process `tgid`'s image `exec_gen` was forked from, while the programs
+    /// unwound it with that process's mappings (see [`ForkOrigin`]).
+    pub fn fork_origin(&self, tgid: u32, exec_gen: u32) -> Option<ForkOrigin> {
+        self.fork_origins
+            .get(&tgid, 0)
+            .ok()
+            .filter(|origin| origin.holds_for(exec_gen))
     }
 
     /// Forgets the exec generation of a process that has exited (its pid may be reused).

@@ -159,7 +159,15 @@ fn start_user(
         preload
     };
     let mut preloading = preload.is_some();
-    let mut ebpf = load_user_bpf(cli, pid, child.is_some(), preloading || injecting, tables)?;
+    let fork_offset = fork_child_pid_offset(cli, target);
+    let mut ebpf = load_user_bpf(
+        cli,
+        pid,
+        child.is_some(),
+        preloading || injecting,
+        tables,
+        fork_offset,
+    )?;
     let bpf_log = BpfLog::init(&mut ebpf);
     let settings = ProbeSettings {
         custom: cli
@@ -214,6 +222,9 @@ fn start_user(
         &mut allocators,
     )?;
     let process_probes = probes::attach_process_events(&mut ebpf, loader.as_ref(), pid, method)?;
+    if fork_offset.is_some() {
+        probes::forks::attach(&mut ebpf)?;
+    }
     // Sampled, the library reports each record at once (see `queue_record` in the C
     // interposer), so no queue waits for a context switch or a futex call.
     if preloading && sample_rate == 0 {
@@ -453,14 +464,34 @@ fn log_sampling(sample_rate: u64, preloading: bool) {
     }
 }
 
+/// Where the fork tracepoint's record holds the child's pid, where forks are followed
+/// (a launched command's, and every process's with `--all`) and unwound with tables.
+fn fork_child_pid_offset(cli: &Cli, target: &Target) -> Option<u32> {
+    if matches!(target, Target::Pid(_)) || cli.unwind.mode() == UnwindMode::FramePointers {
+        return None;
+    }
+    match probes::forks::child_pid_offset() {
+        Ok(offset) => Some(offset),
+        Err(err) => {
+            log::info!(
+                "a fork's stacks are unwound only once its own mappings are read ({err:#}); \
+                 a short-lived fork's may stop at their first frame"
+            );
+            None
+        }
+    }
+}
+
 /// Loads the user-mode BPF object with the command line's capacities, tracing `pid`
-/// (all processes when `None`); `launched`: a command is held at each loader event.
+/// (all processes when `None`); `launched`: a command is held at each loader event;
+/// `fork_child_pid_offset`: see [`fork_child_pid_offset`].
 fn load_user_bpf(
     cli: &Cli,
     pid: Option<u32>,
     launched: bool,
     preloading: bool,
     tables: TableCapacities,
+    fork_child_pid_offset: Option<u32>,
 ) -> Result<aya::Ebpf> {
     let capacities = probes::Capacities {
         live_blocks: cli.live_blocks(),
@@ -478,6 +509,8 @@ fn load_user_bpf(
         empty_programs: cli.empty_programs,
         stacks_only: cli.stacks_only,
         preload: preloading,
+        follow_forks: launched,
+        fork_child_pid_offset,
     };
     if cli.stacks_only {
         log::info!(

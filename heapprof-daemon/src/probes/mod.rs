@@ -1,5 +1,6 @@
 //! Loading the BPF programs and attaching them to the allocator functions.
 
+pub mod forks;
 pub mod kernel;
 pub mod ldso_hook;
 pub mod libc;
@@ -55,6 +56,11 @@ pub struct UnwindSettings {
     pub stacks_only: bool,
     /// Launched commands get the preload library.
     pub preload: bool,
+    /// A launched command's forks are traced too (their mappings need room).
+    pub follow_forks: bool,
+    /// Where the fork tracepoint's record holds the child's pid, when forks are
+    /// followed and tracefs tells (see [`forks`]).
+    pub fork_child_pid_offset: Option<u32>,
 }
 
 /// Loads the BPF object for user mode with the given capacities and sampling rate
@@ -86,6 +92,7 @@ pub fn load_bpf_object(
         max_sites: capacities.sites,
         in_flight_slots: capacities.threads.max(1).next_power_of_two(),
         usage_slots: unwind.processes.max(1).next_power_of_two(),
+        fork_child_pid_offset: unwind.fork_child_pid_offset.unwrap_or(0),
     };
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {
@@ -97,9 +104,10 @@ pub fn load_bpf_object(
     } else {
         unwind.tables
     };
+    // One process with `--pid`; a launched command's forks have mappings of their own.
     let processes = match target {
-        Some(_) => 1,
-        None => unwind.processes,
+        Some(_) if !unwind.follow_forks => 1,
+        _ => unwind.processes,
     };
     let ebpf = EbpfLoader::new()
         .override_global(names::CONFIG, &config, true)
@@ -113,7 +121,7 @@ pub fn load_bpf_object(
         // One entry per process that called exec while traced.
         .map_max_entries(
             names::EXEC_GEN,
-            if target.is_some() {
+            if target.is_some() && !unwind.follow_forks {
                 1
             } else {
                 capacities.threads
@@ -127,6 +135,15 @@ pub fn load_bpf_object(
         .map_max_entries(names::UNWIND_RULES, tables.rules)
         .map_max_entries(names::UNWIND_OBJECTS, tables.objects)
         .map_max_entries(names::MAPPINGS_REQUESTED, processes.max(16))
+        // Forks and thread creations (a thread's entry is harmless, never looked up).
+        .map_max_entries(
+            names::FORK_ORIGINS,
+            if unwind.fork_child_pid_offset.is_some() {
+                unwind.processes.saturating_mul(4).max(256)
+            } else {
+                1
+            },
+        )
         // The kernel-mode tables are not used: one entry each.
         .map_max_entries(kernel_names::KERNEL_SITES, 1)
         .map_max_entries(kernel_names::KERNEL_SITE_COUNTERS, 1)

@@ -11,15 +11,20 @@ pub use format::{EventFormat, Field, FormatError};
 /// Where tracefs is usually mounted, newest convention first.
 const CANDIDATES: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
 
-/// The tracing directory (one with `events/`), mounting tracefs on
-/// `/sys/kernel/tracing` when neither usual place has it.
-pub fn root() -> Result<PathBuf> {
-    if let Some(found) = CANDIDATES
+/// The tracing directory where tracefs is mounted already, if it is.
+pub fn mounted() -> Option<PathBuf> {
+    CANDIDATES
         .iter()
         .map(Path::new)
         .find(|dir| dir.join("events").is_dir())
-    {
-        return Ok(found.to_path_buf());
+        .map(Path::to_path_buf)
+}
+
+/// The tracing directory (one with `events/`), mounting tracefs on
+/// `/sys/kernel/tracing` when neither usual place has it.
+pub fn root() -> Result<PathBuf> {
+    if let Some(found) = mounted() {
+        return Ok(found);
     }
     let target = Path::new(CANDIDATES[0]);
     if !target.is_dir() {

@@ -75,6 +75,7 @@ pub fn load_bpf_object(
         .map_max_entries(names::UNWIND_RULES, 1)
         .map_max_entries(names::UNWIND_GAPS, 1)
         .map_max_entries(names::MAPPINGS_REQUESTED, 1)
+        .map_max_entries(names::FORK_ORIGINS, 1)
         .load(BPF_OBJECT)
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")
         .and_then(|mut ebpf| {

@@ -78,7 +78,7 @@ impl SpaceNumbers {
 
 /// What the session knows of a process image; kept after the process exits or
 /// replaces the image, so that its allocations stay symbolized in later profiles.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct ProcessInfo {
     pub maps: ProcessMaps,
     pub comm: String,
@@ -413,7 +413,8 @@ impl Images {
                 continue;
             }
             last = Some(image);
-            if self.processes.contains_key(&image) || checked.contains(&image.pid) {
+            let mapped = |info: &ProcessInfo| !info.maps.regions.is_empty();
+            if self.processes.get(&image).is_some_and(mapped) || checked.contains(&image.pid) {
                 continue;
             }
             // An earlier image's mappings are gone: only the current one is read,
@@ -422,7 +423,54 @@ impl Images {
                 read_images.extend(self.refresh(image.pid, maps));
                 checked.insert(image.pid);
             }
+            // Unknown, or read without mappings as it exited (its objects no longer open).
+            if !self.processes.get(&image).is_some_and(mapped) {
+                self.adopt_fork_origin(image, maps);
+            }
         }
         read_images
+    }
+
+    /// A fork that exited (or exec'd) before its own mappings were read was unwound
+    /// with its origin's (see `heapprof_common::unwind::ForkOrigin`): its frames are
+    /// symbolized with them too.
+    fn adopt_fork_origin(&mut self, image: Image, maps: &Maps) {
+        let Some(origin) = maps.fork_origin(image.pid, image.exec_gen) else {
+            return;
+        };
+        let source = Image {
+            pid: origin.tgid,
+            exec_gen: origin.exec_gen,
+        };
+        let Some(shared) = self
+            .processes
+            .get(&source)
+            .filter(|info| !info.maps.regions.is_empty())
+            .cloned()
+        else {
+            return;
+        };
+        log::debug!(
+            "pid {} (exec generation {}): gone before its mappings were read; its frames \
+             are read with those of pid {}, which it was forked from",
+            image.pid,
+            image.exec_gen,
+            source.pid
+        );
+        let info = self.processes.entry(image).or_insert_with(|| ProcessInfo {
+            current: false,
+            ..shared.clone()
+        });
+        // What was read of it as it exited (its name, cgroup) stays.
+        if info.comm.is_empty() {
+            info.comm = shared.comm;
+        }
+        if info.cgroup.is_none() {
+            info.cgroup = shared.cgroup;
+        }
+        info.maps = shared.maps;
+        info.exe = shared.exe;
+        info.started_as = shared.started_as;
+        info.current = false;
     }
 }
