@@ -530,23 +530,34 @@ fn lowest_load(file: &object::File<'_>) -> u64 {
 /// A copy of the library an earlier session loaded into `pid`, if it is this build's:
 /// a descriptor of it and where it starts.
 fn loaded_copy(pid: u32, image: &[u8]) -> Option<(File, u64)> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    let prefix = MEMFD_PATH_PREFIX;
-    for line in maps.lines().filter_map(|l| parse_maps_line(l).ok()) {
-        if line.offset != 0 || !line.path.starts_with(prefix) {
-            continue;
-        }
-        let path = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
-        let Ok(file) = File::open(&path) else {
-            continue;
-        };
-        let same = std::fs::read(format!("/proc/self/fd/{}", file.as_raw_fd()))
-            .is_ok_and(|bytes| bytes == image);
-        if same {
-            return Some((file, line.start));
-        }
-    }
-    None
+    mapped_from_start(pid, |line| line.path.starts_with(MEMFD_PATH_PREFIX))
+        .into_iter()
+        .find_map(|(start, mapped)| {
+            let file = File::open(&mapped).ok()?;
+            let same = std::fs::read(format!("/proc/self/fd/{}", file.as_raw_fd()))
+                .is_ok_and(|bytes| bytes == image);
+            same.then_some((file, start))
+        })
+}
+
+/// The objects `pid` maps from their first byte (file offset 0) that `wanted` picks,
+/// in address order: where each starts, and its `/proc/PID/map_files` path, which
+/// opens the very file mapped even where its name now names another, or none.
+pub(super) fn mapped_from_start(
+    pid: u32,
+    wanted: impl Fn(&crate::procmaps::MapsLine) -> bool,
+) -> Vec<(u64, String)> {
+    let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+        return Vec::new();
+    };
+    maps.lines()
+        .filter_map(|l| parse_maps_line(l).ok())
+        .filter(|line| line.offset == 0 && wanted(line))
+        .map(|line| {
+            let mapped = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
+            (line.start, mapped)
+        })
+        .collect()
 }
 
 /// A read-only descriptor of the same file (through /proc, which reopens a memfd).
@@ -556,16 +567,10 @@ fn reopen_read_only(file: &File) -> Option<File> {
 
 /// Where the object with (device, inode) `id` starts in `pid`.
 fn mapped_base(pid: u32, id: (u64, u64)) -> Option<u64> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
-    maps.lines()
-        .filter_map(|l| parse_maps_line(l).ok())
-        .find(|line| {
-            line.offset == 0 && line.inode == id.1 && {
-                let path = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
-                std::fs::metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == id)
-            }
-        })
-        .map(|line| line.start)
+    mapped_from_start(pid, |line| line.inode == id.1)
+        .into_iter()
+        .find(|(_, mapped)| std::fs::metadata(mapped).is_ok_and(|m| (m.dev(), m.ino()) == id))
+        .map(|(start, _)| start)
 }
 
 /// Sends the answers' map and heapprofd's own pidfd through the process's socket `fd`

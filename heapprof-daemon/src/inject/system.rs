@@ -11,8 +11,7 @@ use std::os::unix::fs::MetadataExt as _;
 
 use heapprof_common::preload::JoinRefused;
 
-use super::{Injection, NotJoined, mapped_base, not_joined, symbol_offset};
-use crate::procmaps::parse_maps_line;
+use super::{Injection, NotJoined, mapped_base, mapped_from_start, not_joined, symbol_offset};
 
 /// Why a process that ran before heapprofd was not asked to join.
 #[derive(Debug)]
@@ -98,15 +97,10 @@ fn ask_entry(image: &[u8]) -> Result<(u64, Option<u64>), NotJoined> {
 /// replaced since: its own bytes, read through `map_files`, give its entries): where it
 /// starts, and its bytes.
 fn mapped_copy(pid: u32, path: &str) -> Option<(u64, Vec<u8>)> {
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
     let deleted = format!("{path} (deleted)");
-    maps.lines()
-        .filter_map(|l| parse_maps_line(l).ok())
-        .filter(|line| line.offset == 0 && (line.path == path || line.path == deleted))
-        .find_map(|line| {
-            let mapped = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
-            std::fs::read(mapped).ok().map(|image| (line.start, image))
-        })
+    mapped_from_start(pid, |line| line.path == path || line.path == deleted)
+        .into_iter()
+        .find_map(|(start, mapped)| std::fs::read(mapped).ok().map(|image| (start, image)))
 }
 
 impl SystemAskError {
