@@ -615,7 +615,13 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
     }
     if section("fleet") {
         note_foreign_tracers("fleet", &mut summary.warnings);
-        json.fleet = redis::fleet::section(&bench, options.runs, options.quick, &mut summary.text)?;
+        json.fleet = redis::fleet::section(
+            &bench,
+            &programs.stl,
+            options.runs,
+            options.quick,
+            &mut summary.text,
+        )?;
     }
     if section("load") {
         note_foreign_tracers("daemon load", &mut summary.warnings);

@@ -9,6 +9,10 @@
 //! - `entry left`: the system-wide preload's entry and library left by a heapprofd
 //!   killed with SIGKILL, no heapprofd running (the library loaded, inert).
 //!
+//! And the inert entry under a C++ allocation workload: the launch section's STL
+//! program (`bench_stl`) in a namespace with the entry left, in turns with the same in
+//! a namespace without it.
+//!
 //! The client, `redis-benchmark`, runs beside redis and is traced too, as on a host
 //! of the fleet (joined when it starts under the system-wide preload).
 //!
@@ -20,6 +24,7 @@
 
 use std::{
     fmt::Write as _,
+    io::Write as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     time::{Duration, Instant},
@@ -284,8 +289,109 @@ fn pass(bench: &Bench, mode: FleetMode, requests: u32) -> Result<Pass> {
     })
 }
 
-/// Runs the section; appends its table to `text` and returns its JSON object.
-pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Result<Value> {
+/// One run of `stl ROUNDS` in `namespace`: its wall seconds.
+fn stl_run(namespace: &Namespace, stl: &Path, rounds: u32) -> Result<f64> {
+    let started = Instant::now();
+    let mut child = namespace
+        .command(&stl.display().to_string())
+        .arg(rounds.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting bench_stl")?;
+    // It waits for a line (so that a tracer can attach first); dropped, stdin closes.
+    child
+        .stdin
+        .take()
+        .context("bench_stl's stdin")?
+        .write_all(b"go\n")
+        .context("starting bench_stl's work")?;
+    let status = child.wait()?;
+    if !status.success() {
+        bail!("bench_stl ended with {status}");
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// The inert entry under the C++ workload `stl`: wall time with the entry (left by a
+/// SIGKILLed heapprofd) against without, pair by pair in alternating order; appends
+/// its lines to `text` and returns its JSON object.
+fn cxx_entry_left(
+    bench: &Bench,
+    stl: &Path,
+    runs: usize,
+    quick: bool,
+    text: &mut String,
+) -> Result<Value> {
+    let rounds = if quick { 3_000 } else { 10_000 };
+    step(&format!(
+        "fleet: bench_stl {rounds} (C++ STL workload) with the entry left and without, {runs} pairs"
+    ));
+    let bare = Namespace::new(&bench.dir.join("fleet-cxx-bare"))?;
+    let entry = Namespace::new(&bench.dir.join("fleet-cxx-entry"))?;
+    let system: Vec<&str> = UNIT_FLAGS
+        .iter()
+        .copied()
+        .chain(["--preload", "system"])
+        .collect();
+    Daemon::start(bench, Some(&entry), &system)?.kill()?;
+    let list = format!("/proc/{}/root/etc/ld.so.preload", entry.holder.id());
+    let listed = std::fs::read_to_string(&list).with_context(|| format!("reading {list}"))?;
+    if !listed.contains("heapprofd") {
+        bail!("the killed heapprofd left no entry in the namespace's /etc/ld.so.preload");
+    }
+    // Warm-up: page cache and CPU frequency alike for both.
+    stl_run(&bare, stl, rounds)?;
+    stl_run(&entry, stl, rounds)?;
+    let (mut bare_times, mut entry_times, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for pair in 0..runs.max(3) {
+        let (without, with) = if pair % 2 == 0 {
+            let without = stl_run(&bare, stl, rounds)?;
+            (without, stl_run(&entry, stl, rounds)?)
+        } else {
+            let with = stl_run(&entry, stl, rounds)?;
+            (stl_run(&bare, stl, rounds)?, with)
+        };
+        eprintln!(
+            "xtask:   pair {} bench_stl {without:.3} s bare, {with:.3} s entry left",
+            pair + 1
+        );
+        bare_times.push(without);
+        entry_times.push(with);
+        ratios.push(without / with);
+    }
+    let (bare_s, entry_s, ratio) = (spread(&bare_times), spread(&entry_times), spread(&ratios));
+    let _ = writeln!(
+        text,
+        "\nC++ STL workload (bench_stl {rounds}), {} pairs: bare {:.3} s, entry left {:.3} s (median); \
+         entry left {:.3}x bare's speed (pairs {:.3}-{:.3}; goal >= 0.99x)",
+        ratios.len(),
+        bare_s.median,
+        entry_s.median,
+        ratio.median,
+        ratio.min,
+        ratio.max
+    );
+    Ok(json!({
+        "rounds": rounds,
+        "pairs": ratios.len(),
+        "bare_seconds": number(bare_s.median),
+        "entry_left_seconds": number(entry_s.median),
+        "to_bare": number(ratio.median),
+        "goal_met": ratio.median.is_finite().then_some(ratio.median >= 0.99),
+    }))
+}
+
+/// Runs the section; appends its table to `text` and returns its JSON object. `stl`:
+/// the C++ workload the inert entry is measured under too.
+pub fn section(
+    bench: &Bench,
+    stl: &Path,
+    runs: usize,
+    quick: bool,
+    text: &mut String,
+) -> Result<Value> {
     let requests = if quick { 20_000 } else { 100_000 };
     step(&format!(
         "fleet: redis-benchmark -t {TESTS} -n {requests} under the unit's flags, {runs} runs x {} modes",
@@ -370,5 +476,10 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
             "entry_left_met": ratio(FleetMode::EntryLeft).is_finite().then(|| ratio(FleetMode::EntryLeft) >= 0.99),
         }),
     );
+    let cxx = cxx_entry_left(bench, stl, runs, quick, text).unwrap_or_else(|err| {
+        eprintln!("xtask:   fleet, the C++ workload with the entry left failed: {err:#}");
+        json!({ "failed": format!("{err:#}") })
+    });
+    json.insert("cxx_entry_left".to_owned(), cxx);
     Ok(Value::Object(json))
 }
