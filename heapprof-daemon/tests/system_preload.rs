@@ -285,3 +285,114 @@ fn the_system_preload_is_refused_outside_all_mode_with_one_line() {
         );
     }
 }
+
+/// heapprofd killed and stopped in turns while a busy process, running before each of
+/// them, is joined through the system library each time, and forks shells that join
+/// it too: the process keeps working (no block corrupted, every fork's shell exits as
+/// told), and after each clean stop it holds the descriptors it held before the first
+/// heapprofd (a killed one's are given back when the next one asks it again).
+#[test]
+fn a_busy_process_outlives_heapprofd_killed_and_stopped_in_turns() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let target = compile(
+        dir.path(),
+        "stress_target",
+        "stress_target",
+        &["-O2", "-ldl"],
+    );
+    let output = in_private_namespace(
+        dir.path(),
+        &format!(
+            r#"mkfifo $D/cmd
+{target} 2 < $D/cmd > $D/target.out 2>&1 &
+P=$!
+trap 'kill -KILL $P 2>/dev/null; pkill -KILL -f "^$HEAPPROFD " 2>/dev/null' EXIT
+exec 3>$D/cmd
+for i in $(seq 100); do grep -q ready $D/target.out && break; sleep 0.1; done
+# A command, then its one-line answer.
+ask() {{
+    n=$(grep -c '' $D/target.out)
+    echo "$1" >&3
+    for i in $(seq 400); do [ $(grep -c '' $D/target.out) -gt $n ] && break; sleep 0.05; done
+    tail -n 1 $D/target.out
+}}
+echo fds_before=$(ls /proc/$P/fd | wc -l)
+echo forks=$(ask "forks on")
+for round in 1 2 3 4; do
+    start --all --preload system -o $D/out$round --interval 60s --stats-json $D/stats$round.json
+    echo mapped_$round=$(grep -c libheapprofd-system /proc/$P/maps)
+    sleep 1
+    if [ $((round % 2)) = 1 ]; then
+        kill -KILL $H; wait $H 2>/dev/null; echo stop_$round=killed
+    else
+        kill -TERM $H; wait $H; echo stop_$round=$?
+    fi
+    echo check_$round=$(ask check | tr ' ' ,)
+    echo fds_$round=$(ls /proc/$P/fd | wc -l)
+done
+echo forks_off=$(ask "forks off" | tr ' ' ,)
+echo final=$(ask check | tr ' ' ,)
+kill -0 $P 2>/dev/null && echo alive=yes || echo alive=no
+kill $P; exec 3>&-
+"#,
+            target = target.display()
+        ),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let context = explain(&output, dir.path());
+    assert!(output.status.success(), "{context}");
+    assert_eq!(value(&stdout, "forks"), "forking", "{context}");
+    assert_eq!(value(&stdout, "alive"), "yes", "{context}");
+    let fds_before = value(&stdout, "fds_before");
+    let mut last_rounds = 0;
+    for round in 1..=4 {
+        assert_ne!(
+            value(&stdout, &format!("mapped_{round}")),
+            "0",
+            "round {round}: the process was asked through the system library\n{context}"
+        );
+        // "ok ROUNDS ERRORS FORKS FORK_ERRORS BAD"
+        let check = value(&stdout, &format!("check_{round}"));
+        let numbers: Vec<i64> = check
+            .strip_prefix("ok,")
+            .unwrap_or_else(|| panic!("round {round}: check answered {check:?}\n{context}"))
+            .split(',')
+            .map(|n| n.parse().expect("a number"))
+            .collect();
+        assert_eq!(
+            (numbers[1], numbers[3]),
+            (0, 0),
+            "round {round}: blocks corrupted, forks gone wrong ({check})\n{context}"
+        );
+        assert!(
+            numbers[0] > last_rounds && numbers[2] > 0,
+            "round {round}: the process kept allocating and forking ({check})\n{context}"
+        );
+        last_rounds = numbers[0];
+        if round % 2 == 0 {
+            assert_eq!(
+                value(&stdout, &format!("stop_{round}")),
+                "0",
+                "round {round}: a SIGTERM ends heapprofd cleanly\n{context}"
+            );
+            assert_eq!(
+                value(&stdout, &format!("fds_{round}")),
+                fds_before,
+                "round {round}: after a clean stop the process holds the descriptors it \
+                 held before heapprofd (a killed one's included)\n{context}"
+            );
+            let figures = system_figures(&dir.path().join(format!("stats{round}.json")));
+            assert!(
+                figures["running_asked"].as_u64().is_some_and(|n| n >= 1)
+                    && figures["joined"].as_u64().is_some_and(|n| n >= 1),
+                "round {round}: the process was asked and joined: {figures}\n{context}"
+            );
+        }
+    }
+    assert!(
+        value(&stdout, "final").starts_with("ok,"),
+        "after the last round\n{context}"
+    );
+}
