@@ -2,6 +2,7 @@
 //! running heapprofd, decoding and checking its profiles.
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
+pub mod bpftrace;
 pub mod counted;
 pub mod dhat;
 pub mod vm;
