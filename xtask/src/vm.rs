@@ -151,6 +151,7 @@ pub fn ensure_assets() -> Result<PathBuf> {
 /// apt with its own state, cache and sources, for one architecture only: the
 /// machine's own apt configuration is neither read nor changed.
 pub(crate) struct PrivateApt {
+    dir: PathBuf,
     options: Vec<String>,
 }
 
@@ -173,11 +174,23 @@ impl PrivateApt {
             "Debug::NoLocking=1".to_owned(),
         ];
         Ok(Self {
+            dir: dir.to_path_buf(),
             options: options
                 .iter()
                 .flat_map(|o| ["-o".to_owned(), o.clone()])
                 .collect(),
         })
+    }
+
+    /// The same apt, seeing nothing installed (an empty dpkg status of its own instead
+    /// of the machine's): resolving a package's dependencies then names them all.
+    pub(crate) fn without_installed(mut self) -> Result<Self> {
+        let status = self.dir.join("status");
+        std::fs::write(&status, "")?;
+        self.options.push("-o".to_owned());
+        self.options
+            .push(format!("Dir::State::status={}", status.display()));
+        Ok(self)
     }
 
     fn command(&self, program: &str) -> Command {
@@ -220,7 +233,27 @@ impl PrivateApt {
             .current_dir(into)
             .run()
     }
+
+    /// Downloads the .debs of `package` and of everything it depends on (recommends
+    /// left out) into `into`, as `apt-get install` would resolve them: an apt made
+    /// [`Self::without_installed`] fetches them all.
+    pub(crate) fn download_with_dependencies(&self, into: &Path, package: &str) -> Result<()> {
+        std::fs::create_dir_all(into.join("partial"))?;
+        self.command("apt-get")
+            .arg("-o")
+            .arg(format!("Dir::Cache::archives={}", into.display()))
+            .args([
+                "install",
+                "-y",
+                "-qq",
+                "--download-only",
+                "--no-install-recommends",
+            ])
+            .arg(package)
+            .run()
+    }
 }
+
 
 /// The machine's Debian sources (deb822 or one-line format), as one-line entries for arm64.
 /// Copies [`MODULES`] of the unpacked kernel package (`lib/modules/<version>/...`)

@@ -5,6 +5,7 @@
 pub mod bpftrace;
 pub mod counted;
 pub mod dhat;
+pub mod kernel_vm;
 pub mod vm;
 
 use std::{
