@@ -232,7 +232,7 @@ fn keep_module(modules: &Path, module: &str, dir: &Path, busybox: &Path) -> Resu
 }
 
 /// The .deb in `dir` whose file name starts with `prefix`.
-fn find_deb(dir: &Path, prefix: &str) -> Result<PathBuf> {
+pub(crate) fn find_deb(dir: &Path, prefix: &str) -> Result<PathBuf> {
     std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| {
@@ -260,7 +260,7 @@ fn has_member(deb: &Path, member: &str) -> Result<bool> {
 
 /// Unpacks the members of `deb` matching `patterns` (tar wildcards) into `into`:
 /// only what the VM needs, not a kernel package's hundreds of MiB of modules.
-fn extract(deb: &Path, into: &Path, patterns: &[&str]) -> Result<()> {
+pub(crate) fn extract(deb: &Path, into: &Path, patterns: &[&str]) -> Result<()> {
     Command::new("sh")
         .arg("-c")
         .arg(r#"deb=$0; into=$1; shift; dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$into" --wildcards "$@""#)
