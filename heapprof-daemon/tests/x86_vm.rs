@@ -718,8 +718,13 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
         eprintln!(
             "x86-64 VM {release}: heapprofd and bpftrace agree on the pipe workload: \
              {} kmalloc, {} kmem_cache_alloc, {} page allocations (disk mounted, both \
-             attached, run and stopped in {:?} s)",
-            kinds[0], kinds[1], kinds[2], agreement.seconds
+             attached, run and stopped in {} s)",
+            kinds[0],
+            kinds[1],
+            kinds[2],
+            agreement
+                .seconds
+                .map_or_else(|| "?".to_owned(), |s| format!("{s:.1}"))
         );
     }
 }
