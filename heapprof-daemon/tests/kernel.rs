@@ -11,7 +11,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::*;
+use common::{
+    bpftrace::{self, IndependentCount},
+    *,
+};
 use heapprof_common::kernel::DeferredFreePath;
 use heapprof_daemon::{
     pprof::{keyed_comments, proto::Profile},
@@ -92,15 +95,8 @@ fn total(
 
 /// bpftrace counting the same tracepoints for one process, from a second, independent program.
 fn start_bpftrace(pid: u32) -> (Child, mpsc::Receiver<String>) {
-    let script = format!(
-        "BEGIN {{ printf(\"counting\\n\"); }}
-         tracepoint:kmem:kmalloc /pid == {pid} && args->ptr != 0/ {{ @kmalloc = count(); }}
-         tracepoint:kmem:kmem_cache_alloc /pid == {pid} && args->ptr != 0/ {{ @cache = count(); }}
-         tracepoint:kmem:mm_page_alloc /pid == {pid} && args->pfn + 1 != 0/ {{ @pages = count(); @order[args->order] = count(); }}
-         tracepoint:kmem:kmalloc /pid == {pid} && args->ptr != 0/ {{ @kmalloc_size[args->bytes_alloc] = count(); }}"
-    );
     let mut child = Command::new("bpftrace")
-        .args(["-e", &script])
+        .args(["-e", bpftrace::SCRIPT, &pid.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -118,51 +114,14 @@ fn start_bpftrace(pid: u32) -> (Child, mpsc::Receiver<String>) {
     }
 }
 
-/// What bpftrace counted: allocations by kmalloc, kmem_cache_alloc and the page
-/// allocator, pages by order, and kmalloc objects by handed-out size.
-#[derive(Debug, Default)]
-struct IndependentCount {
-    kinds: [i64; 3],
-    orders: BTreeMap<i64, i64>,
-    kmalloc_sizes: BTreeMap<i64, i64>,
-}
-
-/// Stops bpftrace and reads its counters (a missing one is 0).
+/// Stops bpftrace and reads its counters.
 fn stop_bpftrace(mut child: Child, lines: mpsc::Receiver<String>) -> IndependentCount {
     // SAFETY: plain kill(2) on our own child.
     unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
     let status = child.wait().expect("waiting for bpftrace");
     assert!(status.success(), "bpftrace failed: {status}");
-    let mut counts = IndependentCount::default();
-    for line in lines.iter() {
-        let Some((name, value)) = line.split_once(": ") else {
-            continue;
-        };
-        let value: i64 = value
-            .trim()
-            .parse()
-            .unwrap_or_else(|_| panic!("bpftrace printed {line:?}"));
-        // `@order[2]`: a map keyed by a number.
-        let keyed = |map: &str| {
-            name.strip_prefix(map)
-                .and_then(|rest| rest.strip_prefix('['))
-                .and_then(|rest| rest.strip_suffix(']'))
-                .and_then(|key| key.parse::<i64>().ok())
-        };
-        match name.trim() {
-            "@kmalloc" => counts.kinds[0] = value,
-            "@cache" => counts.kinds[1] = value,
-            "@pages" => counts.kinds[2] = value,
-            _ => {
-                if let Some(order) = keyed("@order") {
-                    counts.orders.insert(order, value);
-                } else if let Some(size) = keyed("@kmalloc_size") {
-                    counts.kmalloc_sizes.insert(size, value);
-                }
-            }
-        }
-    }
-    counts
+    let lines: Vec<String> = lines.iter().collect();
+    IndependentCount::parse(lines.iter().map(String::as_str))
 }
 
 /// Waits (up to a minute) for a profile that satisfies `done`, returning the last one read.
@@ -279,13 +238,14 @@ fn kernel_allocations_of_a_process_match_an_independent_count() {
     check_classes(&last, pid.into(), &independent);
 }
 
-/// Page samples carry their order and kmalloc samples their size class, with
-/// bpftrace's counts per order and per size; named caches are the caches of
+/// Page samples carry their order and kmalloc and kmem_cache_alloc samples their
+/// object size, with bpftrace's counts per order and per size; named caches are the caches of
 /// `/proc/slabinfo`, with its object size.
 fn check_classes(samples: &[KernelSample], pid: i64, independent: &IndependentCount) {
     let ours = samples.iter().filter(|s| s.pid == pid && s.values[0] > 0);
     let mut orders: BTreeMap<i64, i64> = BTreeMap::new();
     let mut kmalloc_sizes: BTreeMap<i64, i64> = BTreeMap::new();
+    let mut cache_sizes: BTreeMap<i64, i64> = BTreeMap::new();
     let slabinfo = slab_object_sizes();
     let mut named = 0;
     for sample in ours {
@@ -323,6 +283,7 @@ fn check_classes(samples: &[KernelSample], pid: i64, independent: &IndependentCo
                     .get(cache)
                     .unwrap_or_else(|| panic!("{cache} is not in /proc/slabinfo: {sample:?}"));
                 assert_eq!(per_object, *size, "{cache}'s objects: {sample:?}");
+                *cache_sizes.entry(per_object).or_default() += sample.values[0];
                 named += 1;
             }
             _ => panic!("unexpected leaf: {sample:?}"),
@@ -336,6 +297,10 @@ fn check_classes(samples: &[KernelSample], pid: i64, independent: &IndependentCo
     assert_eq!(
         kmalloc_sizes, independent.kmalloc_sizes,
         "kmalloc objects by size against bpftrace's"
+    );
+    assert_eq!(
+        cache_sizes, independent.cache_sizes,
+        "kmem_cache_alloc objects by size against bpftrace's"
     );
 }
 

@@ -23,6 +23,9 @@
 //! - deferred_frees again with `/sys/kernel/btf/vmlinux` hidden (an empty file
 //!   bind-mounted over it): the kprobe programs must free what fentry did.
 //!
+//! In 6.12 alone, the boot that attaches the bpftrace disk, heapprofd's counts of a
+//! pipe workload against bpftrace's (x86_vm/bpftrace_agreement.rs).
+//!
 //! In 6.12 alone (the arm64 VM test covers 6.1), user mode too, on the host's C library
 //! copied into the initramfs: tests/programs/family.c launched (the preload library),
 //! its exact totals, the same sampled at one byte on the probes (`--preload off`: 6.12
@@ -33,6 +36,9 @@
 //! kernels (HEAPPROFD_X86_64_BINARY, HEAPPROFD_X86_VM_ASSETS). Without them, qemu
 //! or a kernel, the test fails: it never skips.
 
+// A crate root looks for its modules beside it: this one lives in x86_vm/.
+#[path = "x86_vm/bpftrace_agreement.rs"]
+mod bpftrace_agreement;
 mod common;
 
 use std::{
@@ -43,15 +49,12 @@ use std::{
 };
 
 use common::{
+    bpftrace,
+    kernel_vm::{expected_watches, freed_by, in_use, version, watches},
     vm::{copy, env_path, last, profiles_from, run_to_end},
     *,
 };
-use heapprof_common::kernel::DeferredFreePath;
-use heapprof_daemon::{
-    pprof::{keyed_comments, proto::Profile},
-    probes::kernel::{DeferredFreeWatch, freed_key, watch_key},
-    report::losses,
-};
+use heapprof_daemon::{pprof::proto::Profile, report::losses};
 
 /// What the test needs of the environment.
 const NEEDS: &str = "the x86-64 VM test needs the static x86-64 build and Debian's amd64 kernels";
@@ -84,6 +87,9 @@ const TREE_COPIED_ON_FORK: (u32, u32) = (6, 8);
 /// of its 10-12 MB, so its scaled total is within 10% of the exact run's (five
 /// standard deviations of the sampling error).
 const SAMPLE_RATE: i64 = 4096;
+
+/// The kernel whose boot attaches the bpftrace disk (its modules come with the assets).
+const BPFTRACE_VERSION: (u32, u32) = (6, 12);
 
 /// The kernel (`uname -r` prefix) whose boot also runs the user-mode scenarios.
 const USER_MODE_KERNEL: &str = "6.12";
@@ -156,6 +162,8 @@ USER_MODE_KERNEL*)
     echo "==PIDSTATS-END"
     ;;
 esac
+# heapprofd's counts against bpftrace's (x86_vm/bpftrace_agreement.rs).
+BPFTRACE_AGREEMENT
 # Without BTF (an empty file over it): the deferred frees through kprobes.
 : > /tmp/empty
 mount --bind /tmp/empty /sys/kernel/btf/vmlinux
@@ -188,29 +196,17 @@ fn kernels(assets: &Path) -> Vec<(String, PathBuf)> {
     kernels
 }
 
-/// (major, minor) of a kernel release.
-fn version(release: &str) -> (u32, u32) {
-    let mut parts = release.split(['.', '-', '+']);
-    let mut next = || {
-        parts
-            .next()
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("a kernel release without a version: {release}"))
-    };
-    (next(), next())
-}
-
 /// The initramfs shared by every kernel but for its `brd.ko`: the root without the
 /// module, whose programs are built once.
 fn root(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
     let root = dir.join("root");
-    for sub in ["bin", "t", "modules", "proc", "sys", "dev", "tmp"] {
+    for sub in ["bin", "t", "modules", "proc", "sys", "dev", "tmp", "mnt"] {
         std::fs::create_dir_all(root.join(sub)).expect("mkdir");
     }
     copy(&assets.join("bin/busybox"), &root.join("bin/busybox"));
     copy(heapprofd, &root.join("heapprofd"));
     // Static: the VM has no C library.
-    for name in ["deferred_frees", "release_all"] {
+    for name in ["deferred_frees", "release_all", "pipes"] {
         let binary = compile(dir, name, name, &["-O1", "-static"]);
         copy(&binary, &root.join("t").join(name));
     }
@@ -224,8 +220,12 @@ fn root(dir: &Path, heapprofd: &Path, assets: &Path) -> PathBuf {
         copy_libraries(&binary, &root);
         copy(&binary, &root.join("t").join(name));
     }
+    std::fs::write(root.join("t/count.bt"), bpftrace::SCRIPT).expect("t/count.bt");
     let init = root.join("init");
+    let agreement =
+        bpftrace_agreement::SCRIPT.replace("PIPES", &bpftrace_agreement::PIPES.to_string());
     let script = INIT
+        .replace("BPFTRACE_AGREEMENT", &agreement)
         .replace("USER_MODE_KERNEL", USER_MODE_KERNEL)
         .replace("TIMERFDS", &TIMERFDS.to_string())
         .replace("CHILDREN", &CHILDREN.to_string())
@@ -262,9 +262,20 @@ fn copy_libraries(binary: &Path, root: &Path) {
     }
 }
 
-/// The root with `kernel`'s module, packed as a gzipped cpio archive.
+/// The root with `kernel`'s modules, packed as a gzipped cpio archive: its `brd.ko`
+/// and, for the kernel that reads the bpftrace disk, the modules that read it (in
+/// `modules/disk/`, with the file `order` naming them).
 fn initramfs(dir: &Path, root: &Path, kernel: &Path, release: &str) -> PathBuf {
     copy(&kernel.join("brd.ko"), &root.join("modules/brd.ko"));
+    let disk_modules = root.join("modules/disk");
+    let _ = std::fs::remove_dir_all(&disk_modules);
+    if let Ok(entries) = std::fs::read_dir(kernel.join("disk")) {
+        std::fs::create_dir_all(&disk_modules).expect("mkdir");
+        for entry in entries {
+            let from = entry.expect("dir entry").path();
+            copy(&from, &disk_modules.join(from.file_name().expect("a name")));
+        }
+    }
     let image = dir.join(format!("initramfs-{release}.cpio.gz"));
     let status = Command::new("sh")
         .arg("-c")
@@ -279,13 +290,21 @@ fn initramfs(dir: &Path, root: &Path, kernel: &Path, release: &str) -> PathBuf {
     image
 }
 
-/// Boots `kernel` with `initramfs` and returns its console output.
-fn boot(kernel: &Path, initramfs: &Path) -> String {
+/// Boots `kernel` with `initramfs` (and `disk` attached read-only as virtio-blk) and
+/// returns its console output.
+fn boot(kernel: &Path, initramfs: &Path, disk: Option<&Path>) -> String {
+    let mut qemu = Command::new("qemu-system-x86_64");
+    if let Some(image) = disk {
+        qemu.arg("-drive").arg(format!(
+            "file={},if=virtio,format=raw,readonly=on",
+            image.display()
+        ));
+    }
     // The VM's own watchdog powers it off at 240 s; this bound only covers a VM that
     // does not boot at all.
     let bound = Duration::from_secs(300);
     run_to_end(
-        Command::new("qemu-system-x86_64")
+        qemu
             // KVM is not used: TCG runs Debian's kernels everywhere, CI's machines included.
             .args(["-accel", "tcg", "-cpu", "max", "-m", "2048", "-smp", "2"])
             .args(["-nographic", "-no-reboot", "-nic", "none"])
@@ -297,72 +316,6 @@ fn boot(kernel: &Path, initramfs: &Path) -> String {
         "qemu-system-x86",
         bound,
     )
-}
-
-/// How the profile says the frees through each deferred path were seen, and the
-/// objects its program freed (when one was attached): from its keyed comments,
-/// found by their stable names.
-fn deferred_paths(profile: &Profile) -> BTreeMap<&'static str, (DeferredFreeWatch, Option<i64>)> {
-    let notes = comments(profile);
-    DeferredFreePath::ALL
-        .into_iter()
-        .filter_map(|path| {
-            let watch = keyed_comments::value(&notes, &watch_key(path))?;
-            let watch = DeferredFreeWatch::from_name(watch)
-                .unwrap_or_else(|| panic!("an unknown watch {watch:?}: {notes:?}"));
-            let freed = keyed_comments::value(&notes, &freed_key(path)).map(|count| {
-                count
-                    .parse()
-                    .unwrap_or_else(|_| panic!("a count that is not a number: {count:?}"))
-            });
-            Some((path.function(), (watch, freed)))
-        })
-        .collect()
-}
-
-/// The objects each attached program freed.
-fn freed_by(profile: &Profile) -> BTreeMap<&'static str, i64> {
-    deferred_paths(profile)
-        .into_iter()
-        .filter_map(|(function, (_, freed))| Some((function, freed?)))
-        .collect()
-}
-
-/// How each deferred path is seen on a kernel of `(major, minor)` that has BTF (or,
-/// `btf` false, not): fentry, or the kprobes without BTF; the bulk program not
-/// before 5.17, which it needs for `bpf_loop()`.
-fn expected_watches(
-    (major, minor): (u32, u32),
-    btf: bool,
-) -> BTreeMap<&'static str, DeferredFreeWatch> {
-    let attached = if btf {
-        DeferredFreeWatch::Fentry
-    } else {
-        DeferredFreeWatch::Kprobe
-    };
-    let bulk = if (major, minor) >= (5, 17) {
-        attached
-    } else {
-        DeferredFreeWatch::NeedsBpfLoop
-    };
-    BTreeMap::from([
-        (DeferredFreePath::Rcu.function(), attached),
-        (DeferredFreePath::Bulk.function(), bulk),
-    ])
-}
-
-/// The watches alone of [`deferred_paths`].
-fn watches(profile: &Profile) -> BTreeMap<&'static str, DeferredFreeWatch> {
-    deferred_paths(profile)
-        .into_iter()
-        .map(|(function, (watch, _))| (function, watch))
-        .collect()
-}
-
-/// In-use bytes and allocated bytes of the samples that pass `filter`.
-fn in_use(profile: &Profile, filter: impl Fn(&Sample) -> bool) -> (i64, i64, i64) {
-    let [objects, bytes, _, inuse_bytes] = totals(&samples(profile), filter);
-    (objects, bytes, inuse_bytes)
 }
 
 /// The figures of one kernel, for the test's summary.
@@ -677,10 +630,24 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
     let dir = scratch();
     let root = root(dir.path(), &heapprofd, &assets);
     let mut figures = Vec::new();
+    let bpftrace_disk = assets.join("bpftrace.ext4");
+    let mut bpftrace_counts = Vec::new();
     for (release, kernel) in &kernels {
         let image = initramfs(dir.path(), &root, kernel, release);
         let booted = format!("==KERNEL {release} x86_64");
-        let mut console = boot(&kernel.join("vmlinuz"), &image);
+        // The bpftrace disk, with the modules that read it, in one kernel's boot.
+        let runs_bpftrace = version(release) == BPFTRACE_VERSION;
+        let disk = runs_bpftrace.then_some(bpftrace_disk.as_path());
+        if runs_bpftrace {
+            assert!(
+                bpftrace_disk.is_file() && kernel.join("disk/order").is_file(),
+                "{release}: no bpftrace disk ({}) or no modules to read it in {}; \
+                 `cargo xtask vm-test` fetches them",
+                bpftrace_disk.display(),
+                kernel.join("disk").display()
+            );
+        }
+        let mut console = boot(&kernel.join("vmlinuz"), &image, disk);
         if !console.contains(&booted) {
             // A kernel that fails before the VM's init runs (TCG has oopsed in early boot
             // once in many runs) has not run heapprofd yet: boot it once more.
@@ -689,7 +656,7 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
                 "{release} did not reach init; booting again. Its last lines, newest first:\n{}",
                 tail.join("\n")
             );
-            console = boot(&kernel.join("vmlinuz"), &image);
+            console = boot(&kernel.join("vmlinuz"), &image, disk);
         }
         assert!(
             console.contains(&booted),
@@ -712,6 +679,10 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
         let profiles = profiles_from(&console, dir.path(), release);
         if version(release) == USER_MODE_VERSION {
             check_user_mode(release, &console, &profiles);
+        }
+        if runs_bpftrace {
+            let counts = bpftrace_agreement::check(release, &console, &profiles);
+            bpftrace_counts.push((release.clone(), counts));
         }
         figures.push(check_kernel(release, &console, &profiles));
     }
@@ -740,6 +711,20 @@ fn x86_vm_kernel_mode_on_debian_kernels() {
             f.kprobes.0,
             f.kprobes.1,
             f.brd_samples,
+        );
+    }
+    for (release, agreement) in &bpftrace_counts {
+        let kinds = agreement.counts.kinds;
+        eprintln!(
+            "x86-64 VM {release}: heapprofd and bpftrace agree on the pipe workload: \
+             {} kmalloc, {} kmem_cache_alloc, {} page allocations (disk mounted, both \
+             attached, run and stopped in {} s)",
+            kinds[0],
+            kinds[1],
+            kinds[2],
+            agreement
+                .seconds
+                .map_or_else(|| "?".to_owned(), |s| format!("{s:.1}"))
         );
     }
 }

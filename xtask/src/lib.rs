@@ -13,6 +13,7 @@ pub mod remote;
 pub mod setup;
 pub mod soak;
 pub mod vm;
+pub mod vm_bpftrace;
 pub mod vm_x86;
 
 use std::{

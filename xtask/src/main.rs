@@ -55,8 +55,10 @@ enum Cmd {
     /// the arm64 and x86-64 VM tests, and the Debian package.
     Test,
     /// Only the VM tests: the static aarch64 heapprofd under Debian's arm64 6.1
-    /// kernel in qemu, with and without BTF, and the static x86-64 heapprofd's kernel
-    /// mode under Debian's amd64 5.10, 6.1, 6.12 and trixie-backports' (6.18+) kernels.
+    /// kernel in qemu, with and without BTF, and its kernel mode's fentry programs under
+    /// the arm64 6.12 kernel; the static x86-64 heapprofd's kernel mode under Debian's
+    /// amd64 5.10, 6.1, 6.12 (with bpftrace beside it) and trixie-backports' (6.18+)
+    /// kernels.
     VmTest,
     /// The load tests at full scale (8 threads x 1M allocations, 1M live blocks), with
     /// their figures. Needs root.
@@ -157,7 +159,7 @@ fn run(args: Args) -> Result<()> {
             setup::ensure(setup::Needs::Test)?;
             cargo()
                 .args(["test", "-p", "heapprof-daemon", "--test", "arm64_vm"])
-                .args(["--test", "x86_vm"])
+                .args(["--test", "arm64_vm_fentry", "--test", "x86_vm"])
                 .args(["--", "--nocapture"])
                 .envs(vm_test_env()?)
                 .run()

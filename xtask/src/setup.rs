@@ -138,12 +138,13 @@ pub fn debian_packages(needs: Needs, host: Arch) -> Vec<&'static str> {
             "openjdk-17-jdk-headless",
         ]);
         // The arm64 VM test: the emulator, cpio for its initramfs; ssh for `xtask run
-        // --host`. The x86-64 VM test: its emulator.
+        // --host`. The x86-64 VM test: its emulator, and mke2fs for its bpftrace disk.
         packages.extend([
             "qemu-system-arm",
             "qemu-system-x86",
             "cpio",
             "openssh-client",
+            "e2fsprogs",
         ]);
         // The suite's static aarch64 build, the VM test's programs (C and C++), and the
         // unwind tests' objects and libraries of both architectures: built by

@@ -18,6 +18,10 @@ use crate::{CmdExt as _, step, workspace_root};
 
 /// The kernel's metapackage: its dependency names the current 6.1 image.
 const KERNEL_METAPACKAGE: &str = "linux-image-arm64";
+
+/// The suite of the second kernel, 6.12, whose arm64 build has fentry (direct calls
+/// from ftrace): the deferred-free programs load there as fentry programs.
+const FENTRY_KERNEL_SUITE: &str = "bookworm-backports";
 /// Packages unpacked next to the kernel image: libc6 brings libm, libstdc++6 is what
 /// the C++ test program links (with libgcc_s); the allocators' arm64 builds are for the
 /// probe-placement test (tests/placement.rs), which scans them as files.
@@ -47,32 +51,46 @@ const MODULES: [&str; 1] = ["kernel/drivers/block/brd.ko"];
 
 /// The assets directory, fetched and unpacked if it is not complete yet: it holds
 /// `vmlinuz`, `bin/busybox`, the C and C++ libraries under `lib/` and [`MODULES`]
-/// under `modules/`.
+/// under `modules/`, and the [`FENTRY_KERNEL_SUITE`]'s kernel as
+/// `kernels/<release>/vmlinuz` (`<release>` as `uname -r` gives it).
 ///
-/// `.complete` names the kernel package and then [`PACKAGES`] and [`MODULES`]: assets
-/// fetched for other lists are fetched again.
+/// `.complete` names the kernel package and then [`PACKAGES`], [`MODULES`] and
+/// [`FENTRY_KERNEL_SUITE`]: assets fetched for other lists are fetched again.
 pub fn ensure_assets() -> Result<PathBuf> {
     let base = workspace_root().join("target/arm64-vm");
     let assets = base.join("assets");
     let complete = assets.join(".complete");
     if std::fs::read_to_string(&complete).is_ok_and(|marker| {
-        marker
-            .lines()
-            .skip(1)
-            .eq(PACKAGES.iter().chain(MODULES.iter()).copied())
+        marker.lines().skip(1).eq(PACKAGES
+            .iter()
+            .chain(MODULES.iter())
+            .chain([&FENTRY_KERNEL_SUITE])
+            .copied())
     }) {
         return Ok(assets);
     }
     step("fetching Debian's arm64 kernel, busybox and C and C++ libraries for the VM test");
-    let apt = PrivateApt::new(&base.join("apt"), "arm64", &arm64_sources()?)?;
+    let (archive, signed_by) = debian_archive()?;
+    let signed_by = signed_by.map(|s| format!(" {s}")).unwrap_or_default();
+    let sources = format!(
+        "{}deb [arch=arm64{signed_by}] {archive} {FENTRY_KERNEL_SUITE} main\n",
+        arm64_sources()?
+    );
+    let apt = PrivateApt::new(&base.join("apt"), "arm64", &sources)?;
     apt.update()?;
     let kernel = apt.kernel_package()?;
+    let fentry_kernel = apt.depends_on(&format!("{KERNEL_METAPACKAGE}/{FENTRY_KERNEL_SUITE}"))?;
     let debs = base.join("debs");
     let _ = std::fs::remove_dir_all(&debs);
     std::fs::create_dir_all(&debs)?;
     let mut packages = vec![kernel.as_str()];
     packages.extend(PACKAGES);
     apt.download(&debs, &packages)?;
+    // Apart from the others: only its vmlinuz is unpacked, not over the 6.1 kernel's.
+    let fentry_debs = base.join("fentry-debs");
+    let _ = std::fs::remove_dir_all(&fentry_debs);
+    std::fs::create_dir_all(&fentry_debs)?;
+    apt.download(&fentry_debs, &[&fentry_kernel])?;
     let unpacked = base.join("unpacked");
     let _ = std::fs::remove_dir_all(&unpacked);
     std::fs::create_dir_all(&unpacked)?;
@@ -138,8 +156,19 @@ pub fn ensure_assets() -> Result<PathBuf> {
             .context("an allocator library without a file name")?;
         std::fs::copy(&from, assets.join("allocators").join(name))?;
     }
+    keep_fentry_kernel(
+        &fentry_debs,
+        &fentry_kernel,
+        &base.join("unpacked-fentry"),
+        &assets,
+    )?;
+    let _ = std::fs::remove_dir_all(&fentry_debs);
     let mut marker = kernel;
-    for package in PACKAGES.iter().chain(MODULES.iter()) {
+    for package in PACKAGES
+        .iter()
+        .chain(MODULES.iter())
+        .chain([&FENTRY_KERNEL_SUITE])
+    {
         marker.push('\n');
         marker.push_str(package);
     }
@@ -151,6 +180,7 @@ pub fn ensure_assets() -> Result<PathBuf> {
 /// apt with its own state, cache and sources, for one architecture only: the
 /// machine's own apt configuration is neither read nor changed.
 pub(crate) struct PrivateApt {
+    dir: PathBuf,
     options: Vec<String>,
 }
 
@@ -173,11 +203,23 @@ impl PrivateApt {
             "Debug::NoLocking=1".to_owned(),
         ];
         Ok(Self {
+            dir: dir.to_path_buf(),
             options: options
                 .iter()
                 .flat_map(|o| ["-o".to_owned(), o.clone()])
                 .collect(),
         })
+    }
+
+    /// The same apt, seeing nothing installed (an empty dpkg status of its own instead
+    /// of the machine's): resolving a package's dependencies then names them all.
+    pub(crate) fn without_installed(mut self) -> Result<Self> {
+        let status = self.dir.join("status");
+        std::fs::write(&status, "")?;
+        self.options.push("-o".to_owned());
+        self.options
+            .push(format!("Dir::State::status={}", status.display()));
+        Ok(self)
     }
 
     fn command(&self, program: &str) -> Command {
@@ -220,9 +262,49 @@ impl PrivateApt {
             .current_dir(into)
             .run()
     }
+
+    /// Downloads the .debs of `package` and of everything it depends on (recommends
+    /// left out) into `into`, as `apt-get install` would resolve them: an apt made
+    /// [`Self::without_installed`] fetches them all.
+    pub(crate) fn download_with_dependencies(&self, into: &Path, package: &str) -> Result<()> {
+        std::fs::create_dir_all(into.join("partial"))?;
+        self.command("apt-get")
+            .arg("-o")
+            .arg(format!("Dir::Cache::archives={}", into.display()))
+            .args([
+                "install",
+                "-y",
+                "-qq",
+                "--download-only",
+                "--no-install-recommends",
+            ])
+            .arg(package)
+            .run()
+    }
 }
 
-/// The machine's Debian sources (deb822 or one-line format), as one-line entries for arm64.
+/// Unpacks the vmlinuz of the kernel package `kernel` (downloaded into `debs`) into
+/// `assets/kernels/<release>/`.
+fn keep_fentry_kernel(debs: &Path, kernel: &str, unpacked: &Path, assets: &Path) -> Result<()> {
+    let release = kernel
+        .strip_prefix("linux-image-")
+        .context("a kernel package not named linux-image-*")?;
+    let deb = crate::vm_x86::find_deb(debs, &format!("{kernel}_"))?;
+    let _ = std::fs::remove_dir_all(unpacked);
+    std::fs::create_dir_all(unpacked)?;
+    let vmlinuz = format!("./boot/vmlinuz-{release}");
+    crate::vm_x86::extract(&deb, unpacked, &[&vmlinuz])?;
+    let dir = assets.join("kernels").join(release);
+    std::fs::create_dir_all(&dir)?;
+    std::fs::copy(
+        unpacked.join(vmlinuz.trim_start_matches("./")),
+        dir.join("vmlinuz"),
+    )
+    .with_context(|| format!("{kernel} has no {vmlinuz}"))?;
+    let _ = std::fs::remove_dir_all(unpacked);
+    Ok(())
+}
+
 /// Copies [`MODULES`] of the unpacked kernel package (`lib/modules/<version>/...`)
 /// into `modules/` of the assets, by file name.
 fn keep_modules(unpacked: &Path, assets: &Path) -> Result<()> {
@@ -269,6 +351,7 @@ pub(crate) fn debian_archive() -> Result<(String, Option<String>)> {
     bail!("no Debian archive (other than its security updates) in /etc/apt's sources")
 }
 
+/// The machine's Debian sources (deb822 or one-line format), as one-line entries for arm64.
 fn arm64_sources() -> Result<String> {
     let mut lines = Vec::new();
     if let Ok(text) = std::fs::read_to_string("/etc/apt/sources.list") {

@@ -19,7 +19,7 @@ use anyhow::{Context as _, Result, bail};
 use crate::{
     CmdExt as _, step,
     vm::{PrivateApt, debian_archive},
-    workspace_root,
+    vm_bpftrace, workspace_root,
 };
 
 /// The suites whose kernel the VM boots, oldest first: each suite's
@@ -38,19 +38,42 @@ const BUSYBOX: &str = "busybox-static/bookworm";
 /// needed); 6.12's is xz-compressed.
 const BRD: &str = "kernel/drivers/block/brd.ko";
 
+/// The suite whose kernel also mounts the bpftrace disk ([`vm_bpftrace`]).
+const BPFTRACE_KERNEL_SUITE: &str = "bookworm-backports";
+
+/// The modules that kernel needs to read the disk, in the order they load (each after
+/// those it needs): Debian builds ext4 and virtio-blk as modules, and ext4 asks for
+/// crc32c whatever the file system's features.
+const DISK_MODULES: [&str; 6] = [
+    "kernel/crypto/crc32c_generic.ko",
+    "kernel/lib/crc16.ko",
+    "kernel/fs/mbcache.ko",
+    "kernel/fs/jbd2/jbd2.ko",
+    "kernel/fs/ext4/ext4.ko",
+    "kernel/drivers/block/virtio_blk.ko",
+];
+
+/// Names the bpftrace disk in `.complete`: assets fetched before it existed are
+/// fetched again.
+const BPFTRACE_MARK: &str = "bpftrace-disk";
+
 /// The assets directory, fetched and unpacked if it is not complete yet: it holds
-/// `bin/busybox` and, for each suite, `kernels/<release>/vmlinuz` and
-/// `kernels/<release>/brd.ko` (`<release>` as `uname -r` gives it).
+/// `bin/busybox`, for each suite `kernels/<release>/vmlinuz` and
+/// `kernels/<release>/brd.ko` (`<release>` as `uname -r` gives it), for the
+/// bookworm-backports kernel also [`DISK_MODULES`] in `kernels/<release>/disk/`
+/// and a file `order` naming them in their loading order, and the bpftrace disk
+/// image [`vm_bpftrace::IMAGE`].
 ///
-/// `.complete` lists [`SUITES`] and then the kernel packages: assets fetched for
-/// other suites are fetched again (a newer kernel in a suite is fetched when the
-/// assets are removed).
+/// `.complete` lists [`SUITES`], [`BPFTRACE_MARK`] and then the kernel packages:
+/// assets fetched for other suites are fetched again (a newer kernel in a suite is
+/// fetched when the assets are removed).
 pub fn ensure_assets() -> Result<PathBuf> {
     let base = workspace_root().join("target/x86-vm");
     let assets = base.join("assets");
     let complete = assets.join(".complete");
+    let head: Vec<&str> = SUITES.iter().copied().chain([BPFTRACE_MARK]).collect();
     if std::fs::read_to_string(&complete)
-        .is_ok_and(|marker| marker.lines().take(SUITES.len()).eq(SUITES))
+        .is_ok_and(|marker| marker.lines().take(head.len()).eq(head.iter().copied()))
     {
         return Ok(assets);
     }
@@ -70,8 +93,13 @@ pub fn ensure_assets() -> Result<PathBuf> {
     let apt = PrivateApt::new(&base.join("apt"), "amd64", &sources)?;
     apt.update()?;
     let mut kernels = Vec::new();
+    let mut bpftrace_kernel = None;
     for suite in SUITES {
-        kernels.push(apt.depends_on(&format!("linux-image-amd64/{suite}"))?);
+        let kernel = apt.depends_on(&format!("linux-image-amd64/{suite}"))?;
+        if suite == BPFTRACE_KERNEL_SUITE {
+            bpftrace_kernel = Some(kernel.clone());
+        }
+        kernels.push(kernel);
     }
     let debs = base.join("debs");
     let _ = std::fs::remove_dir_all(&debs);
@@ -98,12 +126,20 @@ pub fn ensure_assets() -> Result<PathBuf> {
         let vmlinuz = format!("./boot/vmlinuz-{release}");
         // Debian 13's kernels (trixie and its backports) split the image package: the
         // kernel is in linux-binary-*, the modules in linux-modules-*, under /usr/lib.
+        let with_disk = bpftrace_kernel.as_ref() == Some(kernel);
+        let mut wanted = vec![BRD];
+        if with_disk {
+            wanted.extend(DISK_MODULES);
+        }
         let (vmlinuz, modules) = if has_member(&deb, &vmlinuz)? {
-            extract(
-                &deb,
-                &unpacked,
-                &[&vmlinuz, &format!("./lib/modules/{release}/{BRD}*")],
-            )?;
+            let mut patterns = vec![vmlinuz.clone()];
+            patterns.extend(
+                wanted
+                    .iter()
+                    .map(|module| format!("./lib/modules/{release}/{module}*")),
+            );
+            let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
+            extract(&deb, &unpacked, &patterns)?;
             (vmlinuz, format!("lib/modules/{release}"))
         } else {
             let binary = format!("linux-binary-{release}");
@@ -115,10 +151,15 @@ pub fn ensure_assets() -> Result<PathBuf> {
                 &unpacked,
                 &[&vmlinuz],
             )?;
+            let patterns: Vec<String> = wanted
+                .iter()
+                .map(|module| format!("./usr/lib/modules/{release}/{module}*"))
+                .collect();
+            let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
             extract(
                 &find_deb(&debs, &format!("{modules}_"))?,
                 &unpacked,
-                &[&format!("./usr/lib/modules/{release}/{BRD}*")],
+                &patterns,
             )?;
             (vmlinuz, format!("usr/lib/modules/{release}"))
         };
@@ -127,27 +168,32 @@ pub fn ensure_assets() -> Result<PathBuf> {
             dir.join("vmlinuz"),
         )
         .with_context(|| format!("{kernel} has no {vmlinuz}"))?;
-        let plain = unpacked.join(format!("{modules}/{BRD}"));
-        let compressed = plain.with_extension("ko.xz");
-        if plain.exists() {
-            std::fs::copy(&plain, dir.join("brd.ko"))?;
-        } else if compressed.exists() {
-            // busybox's unxz: the host needs no xz of its own.
-            let out = std::fs::File::create(dir.join("brd.ko"))?;
-            let status = Command::new(&busybox)
-                .args(["unxz", "-c"])
-                .arg(&compressed)
-                .stdout(Stdio::from(out))
-                .status()
-                .context("running busybox unxz")?;
-            if !status.success() {
-                bail!("busybox unxz {} failed: {status}", compressed.display());
+        let modules = unpacked.join(modules);
+        keep_module(&modules, BRD, &dir, &busybox).with_context(|| kernel.clone())?;
+        if with_disk {
+            let disk = dir.join("disk");
+            std::fs::create_dir_all(&disk)?;
+            let mut order = String::new();
+            for module in DISK_MODULES {
+                let name = keep_module(&modules, module, &disk, &busybox)
+                    .with_context(|| kernel.clone())?;
+                order.push_str(&name);
+                order.push('\n');
             }
-        } else {
-            bail!("{kernel} has no {BRD} (or .ko.xz)");
+            std::fs::write(disk.join("order"), order)?;
         }
     }
-    let mut marker: Vec<&str> = SUITES.to_vec();
+    if bpftrace_kernel.is_none() {
+        bail!("no kernel of {BPFTRACE_KERNEL_SUITE}, the suite whose boot runs bpftrace");
+    }
+    step("fetching bpftrace and its libraries into a disk image for the x86-64 VM test");
+    let bpftrace_sources = format!("deb {options} {archive} {} main\n", vm_bpftrace::SUITE);
+    vm_bpftrace::build_image(
+        &base.join("bpftrace"),
+        &bpftrace_sources,
+        &assets.join(vm_bpftrace::IMAGE),
+    )?;
+    let mut marker: Vec<&str> = head;
     marker.extend(kernels.iter().map(String::as_str));
     std::fs::write(&complete, marker.join("\n") + "\n")?;
     let _ = std::fs::remove_dir_all(&unpacked);
@@ -155,8 +201,38 @@ pub fn ensure_assets() -> Result<PathBuf> {
     Ok(assets)
 }
 
+/// Copies the module `module` (`kernel/.../name.ko`, or its `.ko.xz`, unpacked) of
+/// the kernel's unpacked `modules` directory into `dir`, as `name.ko`; returns `name`.
+fn keep_module(modules: &Path, module: &str, dir: &Path, busybox: &Path) -> Result<String> {
+    let plain = modules.join(module);
+    let file = plain
+        .file_name()
+        .and_then(|n| n.to_str())
+        .context("a module without a file name")?
+        .to_owned();
+    let compressed = plain.with_extension("ko.xz");
+    if plain.exists() {
+        std::fs::copy(&plain, dir.join(&file))?;
+    } else if compressed.exists() {
+        // busybox's unxz: the host needs no xz of its own.
+        let out = std::fs::File::create(dir.join(&file))?;
+        let status = Command::new(busybox)
+            .args(["unxz", "-c"])
+            .arg(&compressed)
+            .stdout(Stdio::from(out))
+            .status()
+            .context("running busybox unxz")?;
+        if !status.success() {
+            bail!("busybox unxz {} failed: {status}", compressed.display());
+        }
+    } else {
+        bail!("no {module} (or .ko.xz) in the kernel package");
+    }
+    Ok(file.trim_end_matches(".ko").to_owned())
+}
+
 /// The .deb in `dir` whose file name starts with `prefix`.
-fn find_deb(dir: &Path, prefix: &str) -> Result<PathBuf> {
+pub(crate) fn find_deb(dir: &Path, prefix: &str) -> Result<PathBuf> {
     std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| {
@@ -184,7 +260,7 @@ fn has_member(deb: &Path, member: &str) -> Result<bool> {
 
 /// Unpacks the members of `deb` matching `patterns` (tar wildcards) into `into`:
 /// only what the VM needs, not a kernel package's hundreds of MiB of modules.
-fn extract(deb: &Path, into: &Path, patterns: &[&str]) -> Result<()> {
+pub(crate) fn extract(deb: &Path, into: &Path, patterns: &[&str]) -> Result<()> {
     Command::new("sh")
         .arg("-c")
         .arg(r#"deb=$0; into=$1; shift; dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$into" --wildcards "$@""#)

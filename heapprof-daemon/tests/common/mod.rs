@@ -2,8 +2,10 @@
 //! running heapprofd, decoding and checking its profiles.
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
+pub mod bpftrace;
 pub mod counted;
 pub mod dhat;
+pub mod kernel_vm;
 pub mod vm;
 
 use std::{
