@@ -72,6 +72,11 @@ pub struct Cli {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, requires = "push")]
     pub push_timeout: Duration,
 
+    /// With --push: a PEM file of CA certificates trusted for https:// and grpcs://
+    /// besides the system's roots (a backend whose certificate a private CA signed).
+    #[arg(long, value_name = "PEM", requires = "push")]
+    pub push_ca_file: Option<PathBuf>,
+
     /// With --push: keep the profiles not yet pushed in DIR (one subdirectory per URL)
     /// while a backend is down, and across restarts of heapprofd; without it they wait
     /// in memory (at most 8 MiB per URL) and are lost at exit.

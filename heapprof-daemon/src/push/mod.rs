@@ -8,10 +8,12 @@
 //! encoding and the spool's file writes would otherwise run on the event loop's
 //! thread. Each target has its own loop (`worker`), spool and counters.
 //!
-//! The rooms: `target` (the flags, checked), `series` (a profile's per-process
+//! The rooms: `target` (the flags, checked), `ca` (`--push-ca-file`), `series` (a profile's per-process
 //! uploads), `pyroscope` and `otlp` (the protocols' encodings), `transport` (one
 //! send), `spool` (the bounded queue), `worker` (the retry loop), `metrics`.
 
+pub mod ca;
+mod error_text;
 pub mod metrics;
 pub mod otlp;
 pub mod pyroscope;
@@ -32,6 +34,7 @@ use tokio::sync::mpsc;
 
 pub use self::metrics::PushMetrics;
 use self::{
+    ca::CaFile,
     metrics::TargetMetrics,
     spool::Spool,
     target::{Header, PushTarget, TargetError},
@@ -54,6 +57,7 @@ pub struct PushConfig {
     token_file: Option<PathBuf>,
     token: Option<String>,
     timeout: Duration,
+    ca: Option<CaFile>,
     spool: Option<PathBuf>,
     spool_size: u64,
     service_name: Option<String>,
@@ -80,12 +84,14 @@ impl PushConfig {
             .as_deref()
             .map(target::read_token)
             .transpose()?;
+        let ca = cli.push_ca_file.as_deref().map(CaFile::read).transpose()?;
         Ok(Some(PushConfig {
             targets,
             headers,
             token_file: cli.push_token_file.clone(),
             token,
             timeout: cli.push_timeout,
+            ca,
             spool: cli.push_spool.clone(),
             spool_size: cli.push_spool_size,
             service_name: cli.push_service_name.clone(),
@@ -141,6 +147,7 @@ impl Pusher {
                     ),
                     service_name: config.service_name.clone(),
                     timeout: config.timeout,
+                    ca: config.ca.clone(),
                     metrics: target_metrics,
                 },
                 receiver,

@@ -45,6 +45,16 @@ pub enum TargetError {
         /// What is wrong with it.
         what: &'static str,
     },
+    /// The CA file cannot be read, or holds no usable certificate.
+    #[error(
+        "--push-ca-file {path}: {what}; give a readable PEM file of the CA certificates that signed the backend's"
+    )]
+    BadCaFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        what: String,
+    },
     /// The token file cannot be read, or holds no token.
     #[error("--push-token-file {path}: {what}; give a readable file holding the bearer token")]
     BadTokenFile {

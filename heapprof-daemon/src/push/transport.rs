@@ -14,6 +14,8 @@ use tonic::{
 };
 
 use super::{
+    ca::CaFile,
+    error_text::chain,
     otlp, pyroscope,
     series::Upload,
     target::{Header, Protocol, PushTarget},
@@ -46,6 +48,8 @@ pub struct Transport {
     target: PushTarget,
     client: Client,
     timeout: Duration,
+    /// Whether `--push-ca-file` is trusted, for the words of a certificate refused.
+    with_ca_file: bool,
 }
 
 #[derive(Debug)]
@@ -55,32 +59,39 @@ enum Client {
 }
 
 impl Transport {
-    /// The client of `target`, sends bounded by `timeout`. gRPC connects on first
-    /// use, so this needs the runtime it will run on.
-    pub fn new(target: PushTarget, timeout: Duration) -> Result<Self, TransportError> {
+    /// The client of `target`, sends bounded by `timeout`, trusting `ca` besides the
+    /// system's roots. gRPC connects on first use, so this needs the runtime it will
+    /// run on.
+    pub fn new(
+        target: PushTarget,
+        timeout: Duration,
+        ca: Option<&CaFile>,
+    ) -> Result<Self, TransportError> {
         let error = |reason: String| TransportError {
             target: target.display.clone(),
             reason,
         };
         let client = match target.protocol {
-            Protocol::PyroscopeIngest | Protocol::OtlpHttp => Client::Http(
-                reqwest::Client::builder()
+            Protocol::PyroscopeIngest | Protocol::OtlpHttp => {
+                let mut builder = reqwest::Client::builder()
                     .timeout(timeout)
                     .connect_timeout(timeout)
-                    .user_agent(concat!("heapprofd/", env!("CARGO_PKG_VERSION")))
-                    .build()
-                    .map_err(|err| error(chain(&err)))?,
-            ),
+                    .user_agent(concat!("heapprofd/", env!("CARGO_PKG_VERSION")));
+                for certificate in ca.map(CaFile::reqwest_certificates).unwrap_or_default() {
+                    builder = builder.add_root_certificate(certificate);
+                }
+                Client::Http(builder.build().map_err(|err| error(chain(&err)))?)
+            }
             Protocol::OtlpGrpc => {
-                let mut endpoint = Endpoint::from_shared(target.url.to_string())
+                let endpoint = Endpoint::from_shared(target.url.to_string())
                     .map_err(|err| error(chain(&err)))?
                     .timeout(timeout)
                     .connect_timeout(timeout);
-                if target.url.scheme() == "https" {
-                    endpoint = endpoint
-                        .tls_config(ClientTlsConfig::new().with_native_roots())
-                        .map_err(|err| error(chain(&err)))?;
-                }
+                let endpoint = if target.url.scheme() == "https" {
+                    grpc_tls(endpoint, ca).map_err(|err| error(chain(&err)))?
+                } else {
+                    endpoint
+                };
                 Client::Grpc(ProfilesServiceClient::new(endpoint.connect_lazy()))
             }
         };
@@ -88,6 +99,7 @@ impl Transport {
             target,
             client,
             timeout,
+            with_ca_file: ca.is_some(),
         })
     }
 
@@ -98,6 +110,9 @@ impl Transport {
         let timeout = self.timeout;
         let send = self.send_unbounded(upload, headers);
         match tokio::time::timeout(timeout + Duration::from_secs(1), send).await {
+            Ok(Outcome::Retry(why)) if why.contains("certificate") => {
+                Outcome::Retry(certificate_refused(why, self.with_ca_file))
+            }
             Ok(outcome) => outcome,
             Err(_) => Outcome::Retry(format!("no answer within {timeout:?}")),
         }
@@ -178,6 +193,20 @@ async fn http(mut builder: reqwest::RequestBuilder, headers: &[Header]) -> Outco
     }
 }
 
+/// `endpoint` over TLS: the system's roots and `ca`. A machine without system roots
+/// (a bare container) still trusts `ca`: tonic refuses native roots it cannot find.
+fn grpc_tls(endpoint: Endpoint, ca: Option<&CaFile>) -> Result<Endpoint, tonic::transport::Error> {
+    let config = || match ca {
+        Some(ca) => ClientTlsConfig::new().ca_certificate(ca.tonic_certificate()),
+        None => ClientTlsConfig::new(),
+    };
+    match endpoint.clone().tls_config(config().with_native_roots()) {
+        Ok(endpoint) => Ok(endpoint),
+        Err(_) if ca.is_some() => endpoint.tls_config(config()),
+        Err(err) => Err(err),
+    }
+}
+
 /// What a backend's HTTP answer other than 2xx means for the upload.
 fn http_outcome(status: reqwest::StatusCode, body: &str) -> Outcome {
     let why = format!("HTTP {status}{}", reason(body));
@@ -191,8 +220,36 @@ fn http_outcome(status: reqwest::StatusCode, body: &str) -> Outcome {
     }
 }
 
+/// `why` a TLS handshake failed on the backend's certificate, with the fix.
+fn certificate_refused(why: String, with_ca_file: bool) -> String {
+    if with_ca_file {
+        format!(
+            "{why}: the backend's certificate is not signed by --push-ca-file's CA nor a system root"
+        )
+    } else {
+        format!(
+            "{why}: the backend's certificate is not signed by a system root; give its CA with --push-ca-file"
+        )
+    }
+}
+
 fn grpc_outcome(status: &tonic::Status) -> Outcome {
-    let why = format!("gRPC {:?}{}", status.code(), reason(status.message()));
+    // A transport error's cause (refused, a certificate) is its innermost source.
+    let mut message = status.message().to_owned();
+    let mut innermost = std::error::Error::source(status);
+    while let Some(next) = innermost.and_then(std::error::Error::source) {
+        innermost = Some(next);
+    }
+    if let Some(cause) = innermost.map(ToString::to_string)
+        && !message.contains(&cause)
+    {
+        message = if message.is_empty() {
+            cause
+        } else {
+            format!("{message}: {cause}")
+        };
+    }
+    let why = format!("gRPC {:?}{}", status.code(), reason(&message));
     match status.code() {
         Code::Unauthenticated | Code::PermissionDenied => Outcome::Retry(format!(
             "{why}: the credentials were refused; check --push-header or --push-token-file"
@@ -213,21 +270,6 @@ fn reason(text: &str) -> String {
         Some(line) => format!(": {}", line.chars().take(200).collect::<String>()),
         None => String::new(),
     }
-}
-
-/// An error and its sources, as one line.
-fn chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(next) = source {
-        let next_text = next.to_string();
-        if !text.contains(&next_text) {
-            text.push_str(": ");
-            text.push_str(&next_text);
-        }
-        source = next.source();
-    }
-    text
 }
 
 #[cfg(test)]

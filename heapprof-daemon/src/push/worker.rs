@@ -8,6 +8,7 @@ use std::{path::PathBuf, sync::Arc, time::Duration};
 use tokio::{sync::mpsc, time::Instant};
 
 use super::{
+    ca::CaFile,
     metrics::TargetMetrics,
     series,
     spool::Spool,
@@ -83,6 +84,8 @@ pub struct Worker {
     pub service_name: Option<String>,
     /// `--push-timeout`; also how long the uploads still waiting at exit are tried.
     pub timeout: Duration,
+    /// `--push-ca-file`: trusted besides the system's roots.
+    pub ca: Option<CaFile>,
     /// Its counters.
     pub metrics: TargetMetrics,
 }
@@ -91,16 +94,17 @@ pub struct Worker {
 /// for it (the push timeout) is up.
 pub async fn run(mut worker: Worker, mut jobs: mpsc::Receiver<Job>) {
     let name = worker.target.display.clone();
-    let mut transport = match Transport::new(worker.target.clone(), worker.timeout) {
-        Ok(transport) => transport,
-        Err(err) => {
-            log::error!("{err}; profiles are written locally only");
-            while jobs.recv().await.is_some() {
-                worker.metrics.dropped.inc();
+    let mut transport =
+        match Transport::new(worker.target.clone(), worker.timeout, worker.ca.as_ref()) {
+            Ok(transport) => transport,
+            Err(err) => {
+                log::error!("{err}; profiles are written locally only");
+                while jobs.recv().await.is_some() {
+                    worker.metrics.dropped.inc();
+                }
+                return;
             }
-            return;
-        }
-    };
+        };
     if !worker.spool.is_empty() {
         log::info!(
             "push to {name}: {} profiles an earlier run left in the spool are sent first",
