@@ -77,6 +77,13 @@ pub struct Cli {
     #[arg(long, value_name = "PEM", requires = "push")]
     pub push_ca_file: Option<PathBuf>,
 
+    /// With --push to OTLP: whether each request also carries the gzip'd pprof in its
+    /// first profile's original_payload (format "pprof"), for receivers that keep or
+    /// convert the original; off sends the translated profile only.
+    #[arg(long, value_name = "on|off", default_value = "on", action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new(), requires = "push")]
+    pub push_otlp_original_payload: bool,
+
     /// With --push: keep the profiles not yet pushed in DIR (one subdirectory per URL)
     /// while a backend is down, and across restarts of heapprofd; without it they wait
     /// in memory (at most 8 MiB per URL) and are lost at exit.

@@ -604,6 +604,43 @@ fn over_tls_the_ca_file_is_trusted_and_without_it_the_certificate_is_named() {
 }
 
 #[test]
+fn with_the_original_payload_off_otlp_carries_the_translated_profile_only() {
+    require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
+    let port = free_port();
+    let grpc = grpc_receiver(port);
+    let url = format!("grpc://127.0.0.1:{port}");
+    let output = run_ok(
+        heapprofd_pushing(
+            &out,
+            &["--push", &url, "--push-otlp-original-payload", "off"],
+        )
+        .arg("--")
+        .arg(&program),
+    );
+    let log = String::from_utf8_lossy(&output.stderr);
+    let files = written(&out);
+    let grpc = lock(&grpc);
+    assert_eq!(grpc.len(), files.len(), "one export per profile:\n{log}");
+    for ((_, request), file) in grpc.iter().zip(&files) {
+        let pprof = decode_bytes(&std::fs::read(file).expect("profile"));
+        let profiles = &request.resource_profiles[0].scope_profiles[0].profiles;
+        assert_eq!(profiles.len(), pprof.sample_type.len());
+        for (i, profile) in profiles.iter().enumerate() {
+            assert!(profile.original_payload.is_empty(), "no original payload");
+            assert!(profile.original_payload_format.is_empty());
+            let total: i64 = profile.samples.iter().map(|s| s.values[0]).sum();
+            let expected: i64 = pprof.sample.iter().map(|s| s.value[i]).sum();
+            assert_eq!(total, expected, "the translated values are the pprof's");
+        }
+    }
+}
+
+#[test]
 fn wrong_push_flags_are_one_clear_line_at_start() {
     let _serial = serial();
     let dir = scratch();

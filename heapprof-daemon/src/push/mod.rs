@@ -8,28 +8,33 @@
 //! encoding and the spool's file writes would otherwise run on the event loop's
 //! thread. Each target has its own loop (`worker`), spool and counters.
 //!
-//! The rooms: `target` (the flags, checked), `ca` (`--push-ca-file`), `series` (a profile's per-process
-//! uploads), `pyroscope` and `otlp` (the protocols' encodings), `transport` (one
-//! send), `spool` (the bounded queue), `worker` (the retry loop), `metrics`.
+//! The rooms: `target` (the flags, checked), `ca` (`--push-ca-file`), `series` (a
+//! profile's per-process uploads), `scan` and `wire` (a profile read as it inflates),
+//! `pyroscope` and `otlp` (the protocols' encodings), `grpc` (a call of an
+//! encoded request), `transport` (one send), `spool` (the bounded queue), `worker`
+//! (the retry loop), `metrics`, `error_text`.
 
 pub mod ca;
 mod error_text;
+mod grpc;
 pub mod metrics;
 pub mod otlp;
 pub mod pyroscope;
+mod scan;
 pub mod series;
 pub mod spool;
 pub mod target;
 pub mod transport;
+mod wire;
 mod worker;
 
 use std::{
     path::{Path, PathBuf},
-    sync::Arc,
     time::Duration,
 };
 
 use anyhow::{Context as _, Result};
+use bytes::Bytes;
 use tokio::sync::mpsc;
 
 pub use self::metrics::PushMetrics;
@@ -58,6 +63,7 @@ pub struct PushConfig {
     token: Option<String>,
     timeout: Duration,
     ca: Option<CaFile>,
+    original_payload: bool,
     spool: Option<PathBuf>,
     spool_size: u64,
     service_name: Option<String>,
@@ -92,6 +98,7 @@ impl PushConfig {
             token,
             timeout: cli.push_timeout,
             ca,
+            original_payload: cli.push_otlp_original_payload,
             spool: cli.push_spool.clone(),
             spool_size: cli.push_spool_size,
             service_name: cli.push_service_name.clone(),
@@ -148,6 +155,7 @@ impl Pusher {
                     service_name: config.service_name.clone(),
                     timeout: config.timeout,
                     ca: config.ca.clone(),
+                    original_payload: config.original_payload,
                     metrics: target_metrics,
                 },
                 receiver,
@@ -168,7 +176,7 @@ impl Pusher {
     /// Hands the profile just written at `path` to every target (never waits).
     pub fn offer(&mut self, path: &Path) {
         let bytes = match std::fs::read(path) {
-            Ok(bytes) => Arc::new(bytes),
+            Ok(bytes) => Bytes::from(bytes),
             Err(err) => {
                 log::warn!("push: cannot read {} back: {err}", path.display());
                 for (_, metrics, _) in &self.senders {
@@ -181,7 +189,7 @@ impl Pusher {
             let _ = std::fs::remove_file(path);
         }
         for (sender, metrics, name) in &self.senders {
-            match sender.try_send(Arc::clone(&bytes)) {
+            match sender.try_send(bytes.clone()) {
                 Ok(()) => {}
                 Err(mpsc::error::TrySendError::Full(_)) => {
                     metrics.dropped.inc();

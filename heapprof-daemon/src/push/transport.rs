@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use opentelemetry_proto::tonic::collector::profiles::v1development::profiles_service_client::ProfilesServiceClient;
-use prost::Message as _;
+use bytes::Bytes;
+use opentelemetry_proto::tonic::collector::profiles::v1development::ExportProfilesServiceResponse;
 use thiserror::Error;
 use tonic::{
     Code,
@@ -16,7 +16,7 @@ use tonic::{
 use super::{
     ca::CaFile,
     error_text::chain,
-    otlp, pyroscope,
+    grpc, otlp, pyroscope,
     series::Upload,
     target::{Header, Protocol, PushTarget},
 };
@@ -50,22 +50,25 @@ pub struct Transport {
     timeout: Duration,
     /// Whether `--push-ca-file` is trusted, for the words of a certificate refused.
     with_ca_file: bool,
+    /// `--push-otlp-original-payload`.
+    original_payload: bool,
 }
 
 #[derive(Debug)]
 enum Client {
     Http(reqwest::Client),
-    Grpc(ProfilesServiceClient<Channel>),
+    Grpc(Channel),
 }
 
 impl Transport {
     /// The client of `target`, sends bounded by `timeout`, trusting `ca` besides the
-    /// system's roots. gRPC connects on first use, so this needs the runtime it will
-    /// run on.
+    /// system's roots; OTLP requests carry the pprof in `original_payload` when it
+    /// says. gRPC connects on first use, so this needs the runtime it will run on.
     pub fn new(
         target: PushTarget,
         timeout: Duration,
         ca: Option<&CaFile>,
+        original_payload: bool,
     ) -> Result<Self, TransportError> {
         let error = |reason: String| TransportError {
             target: target.display.clone(),
@@ -92,7 +95,7 @@ impl Transport {
                 } else {
                     endpoint
                 };
-                Client::Grpc(ProfilesServiceClient::new(endpoint.connect_lazy()))
+                Client::Grpc(endpoint.connect_lazy())
             }
         };
         Ok(Transport {
@@ -100,6 +103,7 @@ impl Transport {
             client,
             timeout,
             with_ca_file: ca.is_some(),
+            original_payload,
         })
     }
 
@@ -130,32 +134,26 @@ impl Transport {
                 http(builder, headers).await
             }
             (Client::Http(client), _) => {
-                let request = match otlp::export_request(upload) {
-                    Ok(request) => request,
+                let body = match otlp::export_request(upload, self.original_payload) {
+                    Ok(body) => body,
                     Err(err) => return Outcome::Rejected(err.to_string()),
                 };
                 let builder = client
                     .post(self.target.url.clone())
                     .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
-                    .body(request.encode_to_vec());
+                    .body(body);
                 http(builder, headers).await
             }
-            (Client::Grpc(client), _) => {
-                let request = match otlp::export_request(upload) {
-                    Ok(request) => request,
+            (Client::Grpc(channel), _) => {
+                let body = match otlp::export_request(upload, self.original_payload) {
+                    Ok(body) => Bytes::from(body),
                     Err(err) => return Outcome::Rejected(err.to_string()),
                 };
-                let mut request = tonic::Request::new(request);
-                for header in headers {
-                    if let (Ok(key), Ok(value)) = (
-                        MetadataKey::from_bytes(header.name.as_bytes()),
-                        MetadataValue::try_from(header.value.as_str()),
-                    ) {
-                        request.metadata_mut().insert(key, value);
-                    }
-                }
-                match client.export(request).await {
-                    Ok(response) => match response.into_inner().partial_success {
+                let request = grpc_request(body, headers);
+                let answer: Result<ExportProfilesServiceResponse, _> =
+                    grpc::call(channel, grpc::OTLP_EXPORT, request).await;
+                match answer {
+                    Ok(response) => match response.partial_success {
                         Some(partial) if partial.rejected_profiles > 0 => {
                             Outcome::Rejected(format!(
                                 "{} profiles rejected: {}",
@@ -169,6 +167,20 @@ impl Transport {
             }
         }
     }
+}
+
+/// A gRPC request of the encoded `body`, `headers` as its metadata.
+fn grpc_request(body: Bytes, headers: &[Header]) -> tonic::Request<Bytes> {
+    let mut request = tonic::Request::new(body);
+    for header in headers {
+        if let (Ok(key), Ok(value)) = (
+            MetadataKey::from_bytes(header.name.as_bytes()),
+            MetadataValue::try_from(header.value.as_str()),
+        ) {
+            request.metadata_mut().insert(key, value);
+        }
+    }
+    request
 }
 
 async fn http(mut builder: reqwest::RequestBuilder, headers: &[Header]) -> Outcome {
