@@ -8,6 +8,7 @@ mod common;
 mod push_receivers;
 
 use std::{
+    collections::HashMap,
     io::Read as _,
     path::{Path, PathBuf},
     process::Command,
@@ -637,6 +638,54 @@ fn with_the_original_payload_off_otlp_carries_the_translated_profile_only() {
             let expected: i64 = pprof.sample.iter().map(|s| s.value[i]).sum();
             assert_eq!(total, expected, "the translated values are the pprof's");
         }
+    }
+}
+
+#[test]
+fn parca_write_raw_receives_each_profile_as_written_in_its_series() {
+    require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").expect("token file");
+    let port = free_port();
+    let parca = push_receivers::parca::parca_receiver(port);
+    let url = format!("parca+grpc://127.0.0.1:{port}");
+    let output = run_ok(
+        heapprofd_pushing(&out, &["--push", &url, "--push-token-file"])
+            .arg(&token)
+            .arg("--")
+            .arg(&program),
+    );
+    let log = String::from_utf8_lossy(&output.stderr);
+    let files: Vec<Vec<u8>> = written(&out)
+        .iter()
+        .map(|f| std::fs::read(f).expect("profile"))
+        .collect();
+    let parca = lock(&parca);
+    assert_eq!(parca.len(), files.len(), "one WriteRaw per profile:\n{log}");
+    for ((auth, request), file) in parca.iter().zip(&files) {
+        assert_eq!(auth.as_deref(), Some("Bearer s3cret"));
+        assert!(!request.normalized);
+        assert_eq!(request.series.len(), 1);
+        let series = &request.series[0];
+        let labels: HashMap<&str, &str> = series
+            .labels
+            .as_ref()
+            .expect("a label set")
+            .labels
+            .iter()
+            .map(|l| (l.name.as_str(), l.value.as_str()))
+            .collect();
+        assert_eq!(labels["__name__"], "memory");
+        assert_eq!(labels["service_name"], "stacks");
+        assert_eq!(labels["comm"], "stacks");
+        assert!(labels["pid"].parse::<u32>().is_ok(), "{labels:?}");
+        assert_eq!(series.samples.len(), 1);
+        assert_eq!(&series.samples[0].raw_profile, file, "the file as written");
     }
 }
 

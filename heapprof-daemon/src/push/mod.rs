@@ -1,5 +1,6 @@
 //! `--push`: sending every profile heapprofd writes to continuous-profiling backends
-//! (Grafana Pyroscope's `/ingest`, OTLP profiles over HTTP or gRPC).
+//! (Grafana Pyroscope's `/ingest`, OTLP profiles over HTTP or gRPC, Parca's
+//! `WriteRaw`).
 //!
 //! The session hands each written profile to [`Pusher::offer`], which only queues it
 //! (a bounded channel; a full one drops the profile, counted) so that pushing never
@@ -10,7 +11,7 @@
 //!
 //! The rooms: `target` (the flags, checked), `ca` (`--push-ca-file`), `series` (a
 //! profile's per-process uploads), `scan` and `wire` (a profile read as it inflates),
-//! `pyroscope` and `otlp` (the protocols' encodings), `grpc` (a call of an
+//! `pyroscope`, `otlp` and `parca` (the protocols' encodings), `grpc` (a call of an
 //! encoded request), `transport` (one send), `spool` (the bounded queue), `worker`
 //! (the retry loop), `metrics`, `error_text`.
 
@@ -19,6 +20,7 @@ mod error_text;
 mod grpc;
 pub mod metrics;
 pub mod otlp;
+pub mod parca;
 pub mod pyroscope;
 mod scan;
 pub mod series;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use opentelemetry_proto::tonic::collector::profiles::v1development::ExportProfilesServiceResponse;
+use prost::Message as _;
 use thiserror::Error;
 use tonic::{
     Code,
@@ -16,7 +17,9 @@ use tonic::{
 use super::{
     ca::CaFile,
     error_text::chain,
-    grpc, otlp, pyroscope,
+    grpc, otlp,
+    parca::{self, WriteRawResponse},
+    pyroscope,
     series::Upload,
     target::{Header, Protocol, PushTarget},
 };
@@ -85,7 +88,7 @@ impl Transport {
                 }
                 Client::Http(builder.build().map_err(|err| error(chain(&err)))?)
             }
-            Protocol::OtlpGrpc => {
+            Protocol::OtlpGrpc | Protocol::ParcaGrpc => {
                 let endpoint = Endpoint::from_shared(target.url.to_string())
                     .map_err(|err| error(chain(&err)))?
                     .timeout(timeout)
@@ -143,6 +146,14 @@ impl Transport {
                     .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
                     .body(body);
                 http(builder, headers).await
+            }
+            (Client::Grpc(channel), Protocol::ParcaGrpc) => {
+                let body = Bytes::from(parca::write_raw_request(upload).encode_to_vec());
+                let request = grpc_request(body, headers);
+                match grpc::call::<WriteRawResponse>(channel, parca::WRITE_RAW, request).await {
+                    Ok(_) => Outcome::Sent,
+                    Err(status) => grpc_outcome(&status),
+                }
             }
             (Client::Grpc(channel), _) => {
                 let body = match otlp::export_request(upload, self.original_payload) {

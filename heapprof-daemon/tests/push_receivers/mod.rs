@@ -5,6 +5,8 @@
 //! certificate of a CA the test makes.
 #![allow(dead_code, reason = "each test uses a different subset")]
 
+pub mod parca;
+
 use std::{
     collections::HashMap,
     io::{BufRead as _, BufReader, Read, Write},
