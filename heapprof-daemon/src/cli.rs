@@ -72,6 +72,18 @@ pub struct Cli {
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, requires = "push")]
     pub push_timeout: Duration,
 
+    /// With --push: a PEM file of CA certificates trusted for https:// and grpcs://
+    /// besides the system's roots (a backend whose certificate a private CA signed).
+    #[arg(long, value_name = "PEM", requires = "push")]
+    pub push_ca_file: Option<PathBuf>,
+
+    /// With --push to OTLP: whether each request also carries the gzip'd pprof in its
+    /// first profile's original_payload (format "pprof"), for receivers that keep or
+    /// convert the original; off sends the translated profile only.
+    #[arg(long, value_name = "on|off", default_value = "on", action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new(), requires = "push")]
+    pub push_otlp_original_payload: bool,
+
     /// With --push: keep the profiles not yet pushed in DIR (one subdirectory per URL)
     /// while a backend is down, and across restarts of heapprofd; without it they wait
     /// in memory (at most 8 MiB per URL) and are lost at exit.

@@ -5,211 +5,23 @@
 //! trait. What they receive is compared with the files heapprofd wrote.
 
 mod common;
+mod push_receivers;
 
 use std::{
     collections::HashMap,
-    io::{BufRead as _, BufReader, Read as _, Write as _},
-    net::{TcpListener, TcpStream},
+    io::Read as _,
     path::{Path, PathBuf},
     process::Command,
-    sync::{Arc, Mutex, PoisonError},
+    sync::Mutex,
     time::Duration,
 };
 
 use common::*;
 use opentelemetry_proto::tonic::{
-    collector::profiles::v1development::{
-        ExportProfilesServiceRequest, ExportProfilesServiceResponse,
-        profiles_service_server::{ProfilesService, ProfilesServiceServer},
-    },
-    common::v1::any_value::Value,
+    collector::profiles::v1development::ExportProfilesServiceRequest, common::v1::any_value::Value,
 };
 use prost::Message as _;
-
-/// One request an HTTP receiver took.
-#[derive(Debug, Clone)]
-struct HttpRequest {
-    target: String,
-    headers: HashMap<String, String>,
-    body: Vec<u8>,
-}
-
-impl HttpRequest {
-    /// The query parameter `name`, percent-decoded.
-    fn query(&self, name: &str) -> Option<String> {
-        let url = reqwest::Url::parse(&format!("http://x{}", self.target)).expect("a target");
-        url.query_pairs()
-            .find(|(k, _)| k == name)
-            .map(|(_, v)| v.into_owned())
-    }
-
-    /// The multipart form's parts, by name.
-    fn form(&self) -> HashMap<String, Vec<u8>> {
-        let content_type = &self.headers["content-type"];
-        let boundary = content_type
-            .split("boundary=")
-            .nth(1)
-            .expect("a multipart boundary");
-        let delimiter = format!("--{boundary}");
-        let mut parts = HashMap::new();
-        for part in split_bytes(&self.body, delimiter.as_bytes()).skip(1) {
-            if part.starts_with(b"--") {
-                break;
-            }
-            let head_end = find(part, b"\r\n\r\n").expect("part headers");
-            let head = String::from_utf8_lossy(&part[..head_end]);
-            let name = head
-                .split("name=\"")
-                .nth(1)
-                .and_then(|rest| rest.split('"').next())
-                .expect("a part name")
-                .to_owned();
-            let content = &part[head_end + 4..];
-            let content = content
-                .strip_suffix(b"\r\n")
-                .expect("CRLF before a boundary");
-            parts.insert(name, content.to_vec());
-        }
-        parts
-    }
-}
-
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
-}
-
-fn split_bytes<'a>(mut bytes: &'a [u8], delimiter: &'a [u8]) -> impl Iterator<Item = &'a [u8]> {
-    std::iter::from_fn(move || {
-        if bytes.is_empty() {
-            return None;
-        }
-        match find(bytes, delimiter) {
-            Some(at) => {
-                let part = &bytes[..at];
-                bytes = &bytes[at + delimiter.len()..];
-                Some(part)
-            }
-            None => Some(std::mem::take(&mut bytes)),
-        }
-    })
-}
-
-/// How an HTTP receiver answers its Nth request.
-#[derive(Debug, Clone, Copy)]
-enum Answer {
-    Status(u16),
-    /// Reads the request and answers nothing for this long.
-    Hang(Duration),
-}
-
-/// An HTTP/1.1 receiver on `port`: answers its requests with `script` in turn, then
-/// 200, and records the requests it answered 200. Each connection has a thread, so
-/// that a hanging answer holds up no other.
-fn http_receiver(port: u16, script: Vec<Answer>) -> Arc<Mutex<Vec<HttpRequest>>> {
-    let listener = TcpListener::bind(("127.0.0.1", port)).expect("receiver port");
-    let taken = Arc::new(Mutex::new(Vec::new()));
-    let record = Arc::clone(&taken);
-    let script = Arc::new(Mutex::new(script.into_iter()));
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(stream) = stream else { continue };
-            let (record, script) = (Arc::clone(&record), Arc::clone(&script));
-            std::thread::spawn(move || {
-                let Some(request) = read_request(&stream) else {
-                    return;
-                };
-                let answer = lock(&script).next().unwrap_or(Answer::Status(200));
-                match answer {
-                    Answer::Hang(time) => std::thread::sleep(time),
-                    Answer::Status(code) => {
-                        let mut stream = stream;
-                        let _ = write!(
-                            stream,
-                            "HTTP/1.1 {code} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                        );
-                        if code == 200 {
-                            lock(&record).push(request);
-                        }
-                    }
-                }
-            });
-        }
-    });
-    taken
-}
-
-fn read_request(stream: &TcpStream) -> Option<HttpRequest> {
-    let mut reader = BufReader::new(stream);
-    let mut line = String::new();
-    reader.read_line(&mut line).ok()?;
-    let target = line.split_whitespace().nth(1)?.to_owned();
-    let mut headers = HashMap::new();
-    loop {
-        let mut line = String::new();
-        reader.read_line(&mut line).ok()?;
-        let line = line.trim_end();
-        if line.is_empty() {
-            break;
-        }
-        let (name, value) = line.split_once(':')?;
-        headers.insert(name.trim().to_ascii_lowercase(), value.trim().to_owned());
-    }
-    let length: usize = headers.get("content-length")?.parse().ok()?;
-    let mut body = vec![0; length];
-    reader.read_exact(&mut body).ok()?;
-    Some(HttpRequest {
-        target,
-        headers,
-        body,
-    })
-}
-
-/// The OTLP gRPC receiver's record: each request with its `authorization` metadata.
-type GrpcTaken = Arc<Mutex<Vec<(Option<String>, ExportProfilesServiceRequest)>>>;
-
-struct Collector(GrpcTaken);
-
-#[tonic::async_trait]
-impl ProfilesService for Collector {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportProfilesServiceRequest>,
-    ) -> Result<tonic::Response<ExportProfilesServiceResponse>, tonic::Status> {
-        let auth = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        self.0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push((auth, request.into_inner()));
-        Ok(tonic::Response::new(
-            ExportProfilesServiceResponse::default(),
-        ))
-    }
-}
-
-/// An OTLP `ProfilesService` on `port`, on a runtime of its own.
-fn grpc_receiver(port: u16) -> GrpcTaken {
-    let taken = GrpcTaken::default();
-    let service = ProfilesServiceServer::new(Collector(Arc::clone(&taken)));
-    std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime");
-        runtime.block_on(async move {
-            // (A push before it listens is refused and retried.)
-            tonic::transport::Server::builder()
-                .add_service(service)
-                .serve(([127, 0, 0, 1], port).into())
-                .await
-                .expect("the gRPC receiver runs");
-        });
-    });
-    taken
-}
+use push_receivers::*;
 
 /// The profiles heapprofd wrote into `out`, in order, as its `--profiles-json` lists them.
 fn written(out: &Path) -> Vec<PathBuf> {
@@ -231,10 +43,6 @@ fn heapprofd_pushing(out: &Path, args: &[&str]) -> Command {
     cmd.arg("--profiles-json").arg(out.with_extension("jsonl"));
     cmd.args(args);
     cmd
-}
-
-fn lock<T>(taken: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    taken.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// The summary line of the push to `url` at exit: (sent, failed, spooled, dropped, left).
@@ -722,10 +530,186 @@ fn without_o_profiles_are_only_pushed() {
 }
 
 #[test]
+fn over_tls_the_ca_file_is_trusted_and_without_it_the_certificate_is_named() {
+    require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
+    let dir = scratch();
+    let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
+    let ca = TestCa::new();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, &ca.ca_pem).expect("the CA file");
+    let (https_port, grpcs_port) = (free_port(), free_port());
+    let https = http_receiver_over(https_port, Vec::new(), Some(ca.rustls_server()));
+    let grpcs = grpc_receiver_over(grpcs_port, Some(ca.tonic_identity()));
+    let ingest = format!("https://127.0.0.1:{https_port}/ingest");
+    let otlp_grpcs = format!("grpcs://127.0.0.1:{grpcs_port}");
+    let push = [
+        "--push",
+        &ingest,
+        "--push",
+        &otlp_grpcs,
+        "--push-timeout",
+        "1s",
+    ];
+
+    // Without the CA the handshakes fail: one line each names the certificate and
+    // the flag, and the profiles are written all the same.
+    let refused = dir.path().join("refused");
+    let output = run_ok(heapprofd_pushing(&refused, &push).arg("--").arg(&program));
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !written(&refused).is_empty(),
+        "profiles written locally:\n{log}"
+    );
+    for url in [&ingest, &otlp_grpcs] {
+        let failed: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains(&format!("push to {url} failed")))
+            .collect();
+        assert_eq!(failed.len(), 1, "one line for {url}:\n{log}");
+        assert!(
+            failed[0].contains("certificate") && failed[0].contains("--push-ca-file"),
+            "{}",
+            failed[0]
+        );
+        assert_eq!(summary(&log, url)[0], 0, "nothing sent to {url}:\n{log}");
+    }
+    assert!(lock(&https).is_empty() && lock(&grpcs).is_empty());
+
+    // With it every profile arrives over TLS.
+    let trusted = dir.path().join("trusted");
+    let output = run_ok(
+        heapprofd_pushing(&trusted, &push)
+            .arg("--push-ca-file")
+            .arg(&ca_file)
+            .arg("--")
+            .arg(&program),
+    );
+    let log = String::from_utf8_lossy(&output.stderr);
+    let files: Vec<Vec<u8>> = written(&trusted)
+        .iter()
+        .map(|f| std::fs::read(f).expect("profile"))
+        .collect();
+    assert!(!files.is_empty(), "{log}");
+    assert_eq!(pushed_profiles(&https), files, "over HTTPS:\n{log}");
+    let grpcs: Vec<Vec<u8>> = lock(&grpcs)
+        .iter()
+        .map(|(_, request)| {
+            request.resource_profiles[0].scope_profiles[0].profiles[0]
+                .original_payload
+                .clone()
+        })
+        .collect();
+    assert_eq!(grpcs, files, "over gRPC with TLS:\n{log}");
+}
+
+#[test]
+fn with_the_original_payload_off_otlp_carries_the_translated_profile_only() {
+    require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
+    let port = free_port();
+    let grpc = grpc_receiver(port);
+    let url = format!("grpc://127.0.0.1:{port}");
+    let output = run_ok(
+        heapprofd_pushing(
+            &out,
+            &["--push", &url, "--push-otlp-original-payload", "off"],
+        )
+        .arg("--")
+        .arg(&program),
+    );
+    let log = String::from_utf8_lossy(&output.stderr);
+    let files = written(&out);
+    let grpc = lock(&grpc);
+    assert_eq!(grpc.len(), files.len(), "one export per profile:\n{log}");
+    for ((_, request), file) in grpc.iter().zip(&files) {
+        let pprof = decode_bytes(&std::fs::read(file).expect("profile"));
+        let profiles = &request.resource_profiles[0].scope_profiles[0].profiles;
+        assert_eq!(profiles.len(), pprof.sample_type.len());
+        for (i, profile) in profiles.iter().enumerate() {
+            assert!(profile.original_payload.is_empty(), "no original payload");
+            assert!(profile.original_payload_format.is_empty());
+            let total: i64 = profile.samples.iter().map(|s| s.values[0]).sum();
+            let expected: i64 = pprof.sample.iter().map(|s| s.value[i]).sum();
+            assert_eq!(total, expected, "the translated values are the pprof's");
+        }
+    }
+}
+
+#[test]
+fn parca_write_raw_receives_each_profile_as_written_in_its_series() {
+    require_root();
+    // One at a time: a test's never-listened port could be another's receiver.
+    let _serial = serial();
+    let dir = scratch();
+    let out = dir.path().join("profiles");
+    let program = compile(dir.path(), "stacks", "stacks", &["-O0"]);
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").expect("token file");
+    let port = free_port();
+    let parca = push_receivers::parca::parca_receiver(port);
+    let url = format!("parca+grpc://127.0.0.1:{port}");
+    let output = run_ok(
+        heapprofd_pushing(&out, &["--push", &url, "--push-token-file"])
+            .arg(&token)
+            .arg("--")
+            .arg(&program),
+    );
+    let log = String::from_utf8_lossy(&output.stderr);
+    let files: Vec<Vec<u8>> = written(&out)
+        .iter()
+        .map(|f| std::fs::read(f).expect("profile"))
+        .collect();
+    let parca = lock(&parca);
+    assert_eq!(parca.len(), files.len(), "one WriteRaw per profile:\n{log}");
+    for ((auth, request), file) in parca.iter().zip(&files) {
+        assert_eq!(auth.as_deref(), Some("Bearer s3cret"));
+        assert!(!request.normalized);
+        assert_eq!(request.series.len(), 1);
+        let series = &request.series[0];
+        let labels: HashMap<&str, &str> = series
+            .labels
+            .as_ref()
+            .expect("a label set")
+            .labels
+            .iter()
+            .map(|l| (l.name.as_str(), l.value.as_str()))
+            .collect();
+        assert_eq!(labels["__name__"], "memory");
+        assert_eq!(labels["service_name"], "stacks");
+        assert_eq!(labels["comm"], "stacks");
+        assert!(labels["pid"].parse::<u32>().is_ok(), "{labels:?}");
+        assert_eq!(series.samples.len(), 1);
+        assert_eq!(&series.samples[0].raw_profile, file, "the file as written");
+    }
+}
+
+#[test]
 fn wrong_push_flags_are_one_clear_line_at_start() {
     let _serial = serial();
     let dir = scratch();
+    let no_certificate = dir.path().join("no-certificate.pem");
+    std::fs::write(&no_certificate, "not a certificate\n").expect("a file");
+    let no_certificate = no_certificate.to_string_lossy().into_owned();
     for (args, expected) in [
+        (
+            vec![
+                "--push",
+                "grpcs://h:1",
+                "--push-ca-file",
+                "/nonexistent/ca.pem",
+            ],
+            "--push-ca-file /nonexistent/ca.pem: No such file or directory",
+        ),
+        (
+            vec!["--push", "grpcs://h:1", "--push-ca-file", &no_certificate],
+            "holds no PEM certificate",
+        ),
         (
             vec!["--push", "ftp://host/ingest"],
             "unknown scheme `ftp`; use http(s)://HOST[:PORT]/ingest",

@@ -1,5 +1,6 @@
 //! `--push`: sending every profile heapprofd writes to continuous-profiling backends
-//! (Grafana Pyroscope's `/ingest`, OTLP profiles over HTTP or gRPC).
+//! (Grafana Pyroscope's `/ingest`, OTLP profiles over HTTP or gRPC, Parca's
+//! `WriteRaw`).
 //!
 //! The session hands each written profile to [`Pusher::offer`], which only queues it
 //! (a bounded channel; a full one drops the profile, counted) so that pushing never
@@ -8,30 +9,39 @@
 //! encoding and the spool's file writes would otherwise run on the event loop's
 //! thread. Each target has its own loop (`worker`), spool and counters.
 //!
-//! The rooms: `target` (the flags, checked), `series` (a profile's per-process
-//! uploads), `pyroscope` and `otlp` (the protocols' encodings), `transport` (one
-//! send), `spool` (the bounded queue), `worker` (the retry loop), `metrics`.
+//! The rooms: `target` (the flags, checked), `ca` (`--push-ca-file`), `series` (a
+//! profile's per-process uploads), `scan` and `wire` (a profile read as it inflates),
+//! `pyroscope`, `otlp` and `parca` (the protocols' encodings), `grpc` (a call of an
+//! encoded request), `transport` (one send), `spool` (the bounded queue), `worker`
+//! (the retry loop), `metrics`, `error_text`.
 
+pub mod ca;
+mod error_text;
+mod grpc;
 pub mod metrics;
 pub mod otlp;
+pub mod parca;
 pub mod pyroscope;
+mod scan;
 pub mod series;
 pub mod spool;
 pub mod target;
 pub mod transport;
+mod wire;
 mod worker;
 
 use std::{
     path::{Path, PathBuf},
-    sync::Arc,
     time::Duration,
 };
 
 use anyhow::{Context as _, Result};
+use bytes::Bytes;
 use tokio::sync::mpsc;
 
 pub use self::metrics::PushMetrics;
 use self::{
+    ca::CaFile,
     metrics::TargetMetrics,
     spool::Spool,
     target::{Header, PushTarget, TargetError},
@@ -54,6 +64,8 @@ pub struct PushConfig {
     token_file: Option<PathBuf>,
     token: Option<String>,
     timeout: Duration,
+    ca: Option<CaFile>,
+    original_payload: bool,
     spool: Option<PathBuf>,
     spool_size: u64,
     service_name: Option<String>,
@@ -80,12 +92,15 @@ impl PushConfig {
             .as_deref()
             .map(target::read_token)
             .transpose()?;
+        let ca = cli.push_ca_file.as_deref().map(CaFile::read).transpose()?;
         Ok(Some(PushConfig {
             targets,
             headers,
             token_file: cli.push_token_file.clone(),
             token,
             timeout: cli.push_timeout,
+            ca,
+            original_payload: cli.push_otlp_original_payload,
             spool: cli.push_spool.clone(),
             spool_size: cli.push_spool_size,
             service_name: cli.push_service_name.clone(),
@@ -141,6 +156,8 @@ impl Pusher {
                     ),
                     service_name: config.service_name.clone(),
                     timeout: config.timeout,
+                    ca: config.ca.clone(),
+                    original_payload: config.original_payload,
                     metrics: target_metrics,
                 },
                 receiver,
@@ -161,7 +178,7 @@ impl Pusher {
     /// Hands the profile just written at `path` to every target (never waits).
     pub fn offer(&mut self, path: &Path) {
         let bytes = match std::fs::read(path) {
-            Ok(bytes) => Arc::new(bytes),
+            Ok(bytes) => Bytes::from(bytes),
             Err(err) => {
                 log::warn!("push: cannot read {} back: {err}", path.display());
                 for (_, metrics, _) in &self.senders {
@@ -174,7 +191,7 @@ impl Pusher {
             let _ = std::fs::remove_file(path);
         }
         for (sender, metrics, name) in &self.senders {
-            match sender.try_send(Arc::clone(&bytes)) {
+            match sender.try_send(bytes.clone()) {
                 Ok(()) => {}
                 Err(mpsc::error::TrySendError::Full(_)) => {
                     metrics.dropped.inc();

@@ -13,7 +13,10 @@
 //! (`original_payload_format = "pprof"`). The profile's comments are not carried
 //! (OTLP has no place for them); the pprof keeps them.
 
-use std::collections::HashMap;
+use std::{
+    collections::HashMap,
+    hash::{BuildHasher as _, RandomState},
+};
 
 use opentelemetry_proto::tonic::{
     collector::profiles::v1development::ExportProfilesServiceRequest,
@@ -25,77 +28,158 @@ use opentelemetry_proto::tonic::{
     },
     resource::v1::Resource,
 };
+use prost::{
+    Message as _,
+    encoding::{WireType, encode_key, encode_varint, encoded_len_varint, key_len},
+};
 
-use super::series::{SeriesError, Upload, decode};
-use crate::pprof::proto::{Profile, ValueType};
+use super::{
+    series::{SeriesError, Upload},
+    wire::{Fields, LEN},
+};
+use crate::pprof::proto::{Profile, Sample, ValueType};
 
-/// The request that pushes `upload`.
-pub fn export_request(upload: &Upload) -> Result<ExportProfilesServiceRequest, SeriesError> {
-    let pprof = decode(&upload.pprof_gz)?;
-    let mut translation = Translation::new(&pprof);
-    let samples: Vec<(i32, Vec<i32>, &[i64])> = pprof
-        .sample
-        .iter()
-        .map(|sample| {
-            let stack = translation.stack(&sample.location_id);
-            let attributes = sample
-                .label
-                .iter()
-                .map(|label| translation.attribute(label))
-                .collect();
-            (stack, attributes, sample.value.as_slice())
-        })
-        .collect();
-    let period_type = pprof.period_type.as_ref().map(value_type);
-    let profiles = pprof
+/// The field numbers the request is put together with (profiles.proto,
+/// profiles_service.proto): each profile's samples are encoded as they are
+/// translated, and the messages around them are written around their bytes.
+const PPROF_SAMPLE: u64 = 2;
+const REQUEST_RESOURCE_PROFILES: u32 = 1;
+const RESOURCE_SCOPE_PROFILES: u32 = 2;
+const SCOPE_PROFILES: u32 = 2;
+const PROFILE_SAMPLES: u32 = 2;
+
+/// The encoded `ExportProfilesServiceRequest` that pushes `upload`, with the gzip'd
+/// pprof in the first profile's `original_payload` when `original_payload` says.
+///
+/// Streamed, for memory: the pprof is read twice as it inflates, its tables first,
+/// then one sample at a time, each sample's OTLP samples encoded at once; nothing
+/// holds the decoded profile or the translated samples as messages (a profile of 100k
+/// stacks took 300 MiB that way, it now takes about twice the request's size).
+pub fn export_request(upload: &Upload, original_payload: bool) -> Result<Vec<u8>, SeriesError> {
+    let mut tables = tables(&upload.pprof_gz)?;
+    let mut translation = Translation::new(&mut tables);
+    let types = tables.sample_type.len();
+    let mut samples: Vec<Vec<u8>> = vec![Vec::new(); types];
+    let mut fields = Fields::new(&upload.pprof_gz);
+    let mut buffer = Vec::new();
+    while let Some(key) = fields.next_key()? {
+        if key != (PPROF_SAMPLE, LEN) {
+            fields.skip(key.1)?;
+            continue;
+        }
+        fields.bytes(&mut buffer)?;
+        let sample = Sample::decode(buffer.as_slice())?;
+        let stack_index = translation.stack(&sample.location_id);
+        let attribute_indices: Vec<i32> = sample
+            .label
+            .iter()
+            .map(|label| translation.attribute(label))
+            .collect();
+        for (i, encoded) in samples.iter_mut().enumerate() {
+            let otlp = OtlpSample {
+                stack_index,
+                attribute_indices: attribute_indices.clone(),
+                values: vec![sample.value.get(i).copied().unwrap_or(0)],
+                ..OtlpSample::default()
+            };
+            prost::encoding::message::encode(PROFILE_SAMPLES, &otlp, encoded);
+        }
+    }
+    drop(buffer);
+    let period_type = tables.period_type.as_ref().map(value_type);
+    // Each profile: its fields but the samples, then the samples' bytes.
+    let profiles: Vec<(Vec<u8>, Vec<u8>)> = tables
         .sample_type
         .iter()
+        .zip(samples)
         .enumerate()
-        .map(|(i, sample_type)| OtlpProfile {
-            sample_type: Some(value_type(sample_type)),
-            samples: samples
-                .iter()
-                .map(|(stack, attributes, values)| OtlpSample {
-                    stack_index: *stack,
-                    attribute_indices: attributes.clone(),
-                    values: vec![values.get(i).copied().unwrap_or(0)],
-                    ..OtlpSample::default()
-                })
-                .collect(),
-            time_unix_nano: u64::try_from(pprof.time_nanos).unwrap_or(0),
-            duration_nano: u64::try_from(pprof.duration_nanos).unwrap_or(0),
-            period_type,
-            period: pprof.period,
-            profile_id: profile_id(),
-            original_payload_format: if i == 0 {
-                "pprof".into()
-            } else {
-                String::new()
-            },
-            original_payload: if i == 0 {
-                upload.pprof_gz.clone()
-            } else {
-                Vec::new()
-            },
-            ..OtlpProfile::default()
+        .map(|(i, (sample_type, samples))| {
+            let first = i == 0 && original_payload;
+            let head = OtlpProfile {
+                sample_type: Some(value_type(sample_type)),
+                time_unix_nano: u64::try_from(tables.time_nanos).unwrap_or(0),
+                duration_nano: u64::try_from(tables.duration_nanos).unwrap_or(0),
+                period_type,
+                period: tables.period,
+                profile_id: profile_id(),
+                original_payload_format: if first { "pprof".into() } else { String::new() },
+                original_payload: if first {
+                    upload.pprof_gz.to_vec()
+                } else {
+                    Vec::new()
+                },
+                ..OtlpProfile::default()
+            }
+            .encode_to_vec();
+            (head, samples)
         })
         .collect();
-    Ok(ExportProfilesServiceRequest {
-        resource_profiles: vec![ResourceProfiles {
-            resource: Some(resource(upload)),
-            scope_profiles: vec![ScopeProfiles {
-                scope: Some(InstrumentationScope {
-                    name: "heapprofd".into(),
-                    version: env!("CARGO_PKG_VERSION").into(),
-                    ..InstrumentationScope::default()
-                }),
-                profiles,
-                schema_url: String::new(),
-            }],
-            schema_url: String::new(),
-        }],
+    let scope_head = ScopeProfiles {
+        scope: Some(InstrumentationScope {
+            name: "heapprofd".into(),
+            version: env!("CARGO_PKG_VERSION").into(),
+            ..InstrumentationScope::default()
+        }),
+        profiles: Vec::new(),
+        schema_url: String::new(),
+    }
+    .encode_to_vec();
+    let resource_head = ResourceProfiles {
+        resource: Some(resource(upload)),
+        scope_profiles: Vec::new(),
+        schema_url: String::new(),
+    }
+    .encode_to_vec();
+    let tail = ExportProfilesServiceRequest {
+        resource_profiles: Vec::new(),
         dictionary: Some(translation.finish()),
-    })
+    }
+    .encode_to_vec();
+    let scope_len = scope_head.len()
+        + profiles
+            .iter()
+            .map(|(head, samples)| field_len(SCOPE_PROFILES, head.len() + samples.len()))
+            .sum::<usize>();
+    let resource_len = resource_head.len() + field_len(RESOURCE_SCOPE_PROFILES, scope_len);
+    let mut request =
+        Vec::with_capacity(field_len(REQUEST_RESOURCE_PROFILES, resource_len) + tail.len());
+    field_head(REQUEST_RESOURCE_PROFILES, resource_len, &mut request);
+    request.extend_from_slice(&resource_head);
+    field_head(RESOURCE_SCOPE_PROFILES, scope_len, &mut request);
+    request.extend_from_slice(&scope_head);
+    for (head, samples) in profiles {
+        field_head(SCOPE_PROFILES, head.len() + samples.len(), &mut request);
+        request.extend_from_slice(&head);
+        request.extend_from_slice(&samples);
+    }
+    request.extend_from_slice(&tail);
+    Ok(request)
+}
+
+/// The size of a length-delimited field `tag` of `len` bytes.
+fn field_len(tag: u32, len: usize) -> usize {
+    key_len(tag) + encoded_len_varint(len as u64) + len
+}
+
+/// Writes the key and length of a length-delimited field `tag` of `len` bytes.
+fn field_head(tag: u32, len: usize, out: &mut Vec<u8>) {
+    encode_key(tag, WireType::LengthDelimited, out);
+    encode_varint(len as u64, out);
+}
+
+/// The pprof's fields but its samples: its tables, types and times.
+fn tables(pprof_gz: &[u8]) -> Result<Profile, SeriesError> {
+    let mut fields = Fields::new(pprof_gz);
+    let mut kept = Vec::new();
+    let mut buffer = Vec::new();
+    while let Some(key) = fields.next_key()? {
+        if key.0 == PPROF_SAMPLE {
+            fields.skip(key.1)?;
+        } else {
+            fields.copy(key, &mut buffer, &mut kept)?;
+        }
+    }
+    Ok(Profile::decode(kept.as_slice())?)
 }
 
 /// The OTLP resource attribute for each series label.
@@ -175,20 +259,24 @@ struct Translation {
     dictionary: ProfilesDictionary,
     /// pprof location id → index in the location table.
     locations: HashMap<u64, i32>,
-    stacks: HashMap<Vec<i32>, i32>,
+    /// Indices into the stack table, by the hash of their locations.
+    stacks: hashbrown::HashTable<i32>,
+    hasher: RandomState,
+    /// A sample's location indices, before they are known to be a new stack.
+    scratch: Vec<i32>,
     attributes: HashMap<(i64, i64, i64, i64), i32>,
 }
 
 impl Translation {
     /// The tables of `pprof`; stacks and attributes are added as samples use them.
-    fn new(pprof: &Profile) -> Self {
+    fn new(pprof: &mut Profile) -> Self {
         let mut dictionary = ProfilesDictionary {
             // Index 0 of every table is its zero value, which stands for "none".
             mapping_table: vec![Mapping::default()],
             location_table: vec![Location::default()],
             function_table: vec![Function::default()],
             link_table: vec![Default::default()],
-            string_table: pprof.string_table.clone(),
+            string_table: std::mem::take(&mut pprof.string_table),
             attribute_table: vec![KeyValueAndUnit::default()],
             stack_table: vec![Stack::default()],
         };
@@ -237,25 +325,35 @@ impl Translation {
         Translation {
             dictionary,
             locations,
-            stacks: HashMap::new(),
+            stacks: hashbrown::HashTable::new(),
+            hasher: RandomState::new(),
+            scratch: Vec::new(),
             attributes: HashMap::new(),
         }
     }
 
     /// The stack of a sample's locations (leaf first, as in pprof), added once.
     fn stack(&mut self, location_ids: &[u64]) -> i32 {
-        let indices: Vec<i32> = location_ids
-            .iter()
-            .map(|id| self.locations.get(id).copied().unwrap_or(0))
-            .collect();
-        if let Some(&index) = self.stacks.get(&indices) {
+        self.scratch.clear();
+        self.scratch.extend(
+            location_ids
+                .iter()
+                .map(|id| self.locations.get(id).copied().unwrap_or(0)),
+        );
+        let hash = self.hasher.hash_one(self.scratch.as_slice());
+        let table = &mut self.dictionary.stack_table;
+        let same = |&index: &i32| table[index as usize].location_indices == self.scratch;
+        if let Some(&index) = self.stacks.find(hash, same) {
             return index;
         }
-        let index = table_index(&self.dictionary.stack_table);
-        self.dictionary.stack_table.push(Stack {
-            location_indices: indices.clone(),
+        let index = table_index(table);
+        table.push(Stack {
+            location_indices: self.scratch.clone(),
         });
-        self.stacks.insert(indices, index);
+        let hasher = &self.hasher;
+        self.stacks.insert_unique(hash, index, |&index| {
+            hasher.hash_one(table[index as usize].location_indices.as_slice())
+        });
         index
     }
 
@@ -323,9 +421,16 @@ mod tests {
                 ("comm", LabelValue::Str("app")),
             ],
         );
-        let file = builder.finish_compressed().expect("valid");
+        let file = bytes::Bytes::from(builder.finish_compressed().expect("valid"));
         let upload = split(&file, None).expect("splits").remove(0);
-        let request = export_request(&upload).expect("translates");
+        let encoded = export_request(&upload, true).expect("translates");
+        let request = ExportProfilesServiceRequest::decode(encoded.as_slice()).expect("decodes");
+        let without = export_request(&upload, false).expect("translates");
+        let without = ExportProfilesServiceRequest::decode(without.as_slice()).expect("decodes");
+        let profiles = &without.resource_profiles[0].scope_profiles[0].profiles;
+        assert!(profiles[0].original_payload.is_empty());
+        assert!(profiles[0].original_payload_format.is_empty());
+        assert_eq!(profiles[1].samples[0].values, vec![32]);
         let dictionary = request.dictionary.expect("a dictionary");
         let scope = &request.resource_profiles[0].scope_profiles[0];
         assert_eq!(scope.profiles.len(), 2);

@@ -137,7 +137,7 @@ mod tests {
             },
             time_nanos: 20_000_000_000,
             duration_nanos: 10_000_000_000,
-            pprof_gz: b"\x1f\x8bPROFILE".to_vec(),
+            pprof_gz: bytes::Bytes::from_static(b"\x1f\x8bPROFILE"),
         }
     }
 

@@ -6,16 +6,18 @@
 //! puts on its samples: pid, comm, cgroup, container, pod.
 
 use std::{
-    collections::{BTreeMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
     io::{Read as _, Write as _},
 };
 
+use bytes::Bytes;
 use flate2::{Compression, read::GzDecoder, write::GzEncoder};
 use prost::Message as _;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::pprof::proto::{Profile, Sample};
+use super::scan::scan;
+use crate::pprof::proto::{Label, Profile, Sample};
 
 /// The sample labels that identify a process's series, in the order they are sent.
 pub const SERIES_LABELS: [&str; 5] = ["pid", "comm", "cgroup", "container", "pod"];
@@ -29,6 +31,9 @@ pub enum SeriesError {
     /// Not a profile.
     #[error("the profile does not decode: {0}")]
     Decode(#[from] prost::DecodeError),
+    /// Cut short, or not protobuf.
+    #[error("the profile is cut short or malformed: {0}")]
+    Malformed(&'static str),
 }
 
 /// Who a series is: its service name and its labels.
@@ -49,8 +54,8 @@ pub struct Upload {
     pub time_nanos: i64,
     /// The time it covers (`duration_nanos`).
     pub duration_nanos: i64,
-    /// The gzip'd pprof: the file's own bytes when the profile is one series.
-    pub pprof_gz: Vec<u8>,
+    /// The gzip'd pprof: the file's own bytes, shared, when the profile is one series.
+    pub pprof_gz: Bytes,
 }
 
 /// Decodes a gzip'd profile.
@@ -62,108 +67,62 @@ pub fn decode(pprof_gz: &[u8]) -> Result<Profile, SeriesError> {
     Ok(Profile::decode(bytes.as_slice())?)
 }
 
-/// A profile's samples with their labels only (prost skips the other fields): what
-/// tells a profile of one process from one of several, at a fraction of a whole
-/// decode's memory (a profile of 100k stacks decodes into tens of MiB).
-#[derive(Clone, PartialEq, prost::Message)]
-struct SampleLabels {
-    #[prost(message, repeated, tag = "2")]
-    sample: Vec<LabelsOnly>,
-    #[prost(string, repeated, tag = "6")]
-    string_table: Vec<String>,
-    #[prost(int64, tag = "9")]
-    time_nanos: i64,
-    #[prost(int64, tag = "10")]
-    duration_nanos: i64,
-}
-
-/// A sample's labels (`Sample.label`).
-#[derive(Clone, PartialEq, prost::Message)]
-struct LabelsOnly {
-    #[prost(message, repeated, tag = "3")]
-    label: Vec<crate::pprof::proto::Label>,
-}
-
 /// The uploads of the profile `pprof_gz`: one per process (by the `pid` label), or
-/// the file itself, unchanged, when it holds one process or none.
-pub fn split(pprof_gz: &[u8], service_name: Option<&str>) -> Result<Vec<Upload>, SeriesError> {
-    if let Some(upload) = single_series(pprof_gz, service_name)? {
-        return Ok(vec![upload]);
+/// the file itself, shared, when it holds one process or none (found by a scan of its
+/// labels: a whole decode takes several times the profile's size).
+pub fn split(pprof_gz: &Bytes, service_name: Option<&str>) -> Result<Vec<Upload>, SeriesError> {
+    let scanned = scan(pprof_gz)?;
+    if scanned.in_order && scanned.one_value_of("pid") {
+        let strings = |index| scanned.string(index);
+        return Ok(vec![Upload {
+            series: series_of(&strings, &scanned.first_labels, service_name),
+            time_nanos: scanned.time_nanos,
+            duration_nanos: scanned.duration_nanos,
+            pprof_gz: pprof_gz.clone(),
+        }]);
     }
+    drop(scanned);
     let profile = decode(pprof_gz)?;
+    let strings = |index| string(&profile, index);
     let mut by_pid: BTreeMap<Option<i64>, Vec<&Sample>> = BTreeMap::new();
     for sample in &profile.sample {
         by_pid
-            .entry(number_label(&profile, sample, "pid"))
+            .entry(number_label(&strings, &sample.label, "pid"))
             .or_default()
             .push(sample);
     }
-    let upload = |samples: &[&Sample], pprof_gz: Vec<u8>| Upload {
-        series: series_of(&profile, samples.first().copied(), service_name),
+    let upload = |samples: &[&Sample], pprof_gz: Bytes| Upload {
+        series: series_of(
+            &strings,
+            samples.first().map_or(&[][..], |s| s.label.as_slice()),
+            service_name,
+        ),
         time_nanos: profile.time_nanos,
         duration_nanos: profile.duration_nanos,
         pprof_gz,
     };
     if by_pid.len() <= 1 {
         let samples = by_pid.into_values().next().unwrap_or_default();
-        return Ok(vec![upload(&samples, pprof_gz.to_vec())]);
+        return Ok(vec![upload(&samples, pprof_gz.clone())]);
     }
     Ok(by_pid
         .values()
-        .map(|samples| upload(samples, gzip(&subset(&profile, samples))))
+        .map(|samples| upload(samples, Bytes::from(gzip(&subset(&profile, samples)))))
         .collect())
 }
 
-/// The upload of a profile of one process (or none), found from its labels alone;
-/// `None` when it holds several.
-fn single_series(
-    pprof_gz: &[u8],
-    service_name: Option<&str>,
-) -> Result<Option<Upload>, SeriesError> {
-    let mut bytes = Vec::new();
-    GzDecoder::new(pprof_gz)
-        .read_to_end(&mut bytes)
-        .map_err(SeriesError::Gzip)?;
-    let labels = SampleLabels::decode(bytes.as_slice())?;
-    drop(bytes);
-    let profile = Profile {
-        string_table: labels.string_table,
-        ..Profile::default()
-    };
-    let mut first: Option<Sample> = None;
-    for sample in &labels.sample {
-        let sample = Sample {
-            label: sample.label.clone(),
-            ..Sample::default()
-        };
-        match &first {
-            None => first = Some(sample),
-            Some(first) => {
-                if number_label(&profile, first, "pid") != number_label(&profile, &sample, "pid") {
-                    return Ok(None);
-                }
-            }
-        }
-    }
-    Ok(Some(Upload {
-        series: series_of(&profile, first.as_ref(), service_name),
-        time_nanos: labels.time_nanos,
-        duration_nanos: labels.duration_nanos,
-        pprof_gz: pprof_gz.to_vec(),
-    }))
-}
-
 /// The profile with only `samples`, and the locations, functions and mappings they
-/// use (the string table is kept whole: renumbering it would touch every message).
+/// use, numbered anew from 1 (Parca refuses ids that are not 1, 2, 3...). The string
+/// table is kept whole: renumbering it would touch every message.
 fn subset(profile: &Profile, samples: &[&Sample]) -> Profile {
-    let locations: HashSet<u64> = samples
+    let used: HashSet<u64> = samples
         .iter()
         .flat_map(|s| s.location_id.iter().copied())
         .collect();
-    let location: Vec<_> = profile
+    let mut location: Vec<_> = profile
         .location
         .iter()
-        .filter(|l| locations.contains(&l.id))
+        .filter(|l| used.contains(&l.id))
         .cloned()
         .collect();
     let functions: HashSet<u64> = location
@@ -171,23 +130,64 @@ fn subset(profile: &Profile, samples: &[&Sample]) -> Profile {
         .flat_map(|l| l.line.iter().map(|line| line.function_id))
         .collect();
     let mappings: HashSet<u64> = location.iter().map(|l| l.mapping_id).collect();
-    Profile {
-        sample: samples.iter().map(|&s| s.clone()).collect(),
-        mapping: profile
-            .mapping
-            .iter()
-            .filter(|m| mappings.contains(&m.id))
-            .cloned()
-            .collect(),
-        function: profile
-            .function
-            .iter()
-            .filter(|f| functions.contains(&f.id))
-            .cloned()
-            .collect(),
-        location,
-        ..profile.clone()
+    let mut mapping: Vec<_> = profile
+        .mapping
+        .iter()
+        .filter(|m| mappings.contains(&m.id))
+        .cloned()
+        .collect();
+    let mut function: Vec<_> = profile
+        .function
+        .iter()
+        .filter(|f| functions.contains(&f.id))
+        .cloned()
+        .collect();
+    let mapping_ids = renumber(mapping.iter_mut().map(|m| &mut m.id));
+    let function_ids = renumber(function.iter_mut().map(|f| &mut f.id));
+    let location_ids = renumber(location.iter_mut().map(|l| &mut l.id));
+    // 0 stays 0: "none".
+    let new_id = |ids: &HashMap<u64, u64>, id: u64| ids.get(&id).copied().unwrap_or(0);
+    for location in &mut location {
+        location.mapping_id = new_id(&mapping_ids, location.mapping_id);
+        for line in &mut location.line {
+            line.function_id = new_id(&function_ids, line.function_id);
+        }
     }
+    let sample = samples
+        .iter()
+        .map(|&s| Sample {
+            location_id: s
+                .location_id
+                .iter()
+                .map(|&id| new_id(&location_ids, id))
+                .collect(),
+            ..s.clone()
+        })
+        .collect();
+    // Field by field: a clone of the whole profile would copy every sample.
+    Profile {
+        sample_type: profile.sample_type.clone(),
+        sample,
+        mapping,
+        location,
+        function,
+        string_table: profile.string_table.clone(),
+        drop_frames: profile.drop_frames,
+        keep_frames: profile.keep_frames,
+        time_nanos: profile.time_nanos,
+        duration_nanos: profile.duration_nanos,
+        period_type: profile.period_type,
+        period: profile.period,
+        comment: profile.comment.clone(),
+        default_sample_type: profile.default_sample_type,
+    }
+}
+
+/// Numbers `ids` 1, 2, 3... in order; returns the old id → new id map.
+fn renumber<'a>(ids: impl Iterator<Item = &'a mut u64>) -> HashMap<u64, u64> {
+    ids.zip(1..)
+        .map(|(id, new)| (std::mem::replace(id, new), new))
+        .collect()
 }
 
 /// `profile` encoded and gzip'd.
@@ -205,21 +205,22 @@ fn string(profile: &Profile, index: i64) -> &str {
         .map_or("", String::as_str)
 }
 
-fn number_label(profile: &Profile, sample: &Sample, key: &str) -> Option<i64> {
-    sample
-        .label
-        .iter()
-        .find(|l| string(profile, l.key) == key)
-        .map(|l| l.num)
+/// A label's string lookup: the profile's string table, or what a scan kept of it.
+type Strings<'a> = dyn Fn(i64) -> &'a str + 'a;
+
+fn number_label<'a>(strings: &Strings<'a>, labels: &[Label], key: &str) -> Option<i64> {
+    labels.iter().find(|l| strings(l.key) == key).map(|l| l.num)
 }
 
-/// The series of the process whose sample `sample` is.
-fn series_of(profile: &Profile, sample: Option<&Sample>, service_name: Option<&str>) -> Series {
+/// The series of the process whose sample carries `sample_labels`.
+fn series_of<'a>(
+    strings: &Strings<'a>,
+    sample_labels: &[Label],
+    service_name: Option<&str>,
+) -> Series {
     let mut labels = Vec::new();
     for name in SERIES_LABELS {
-        let Some(label) =
-            sample.and_then(|s| s.label.iter().find(|l| string(profile, l.key) == name))
-        else {
+        let Some(label) = sample_labels.iter().find(|l| strings(l.key) == name) else {
             continue;
         };
         // Only the pid is a number; an empty string (a process gone before its
@@ -227,7 +228,7 @@ fn series_of(profile: &Profile, sample: Option<&Sample>, service_name: Option<&s
         let value = if name == "pid" {
             label.num.to_string()
         } else {
-            string(profile, label.str).to_owned()
+            strings(label.str).to_owned()
         };
         labels.push((name.to_owned(), value));
     }
@@ -266,7 +267,7 @@ mod tests {
     use super::*;
     use crate::pprof::{LabelValue, ProfileBuilder};
 
-    fn profile(processes: &[(i64, &str, Option<&str>)]) -> Vec<u8> {
+    fn profile(processes: &[(i64, &str, Option<&str>)]) -> Bytes {
         let mut builder = ProfileBuilder::new(
             1_000,
             10,
@@ -292,7 +293,7 @@ mod tests {
                 &labels,
             );
         }
-        builder.finish_compressed().expect("valid profile")
+        Bytes::from(builder.finish_compressed().expect("valid profile"))
     }
 
     #[test]
@@ -322,6 +323,9 @@ mod tests {
         assert_eq!(second.sample.len(), 1);
         assert_eq!(second.sample[0].value, vec![80, 8]);
         assert_eq!(second.location.len(), 1);
+        assert_eq!(second.location[0].id, 1, "ids numbered anew");
+        assert_eq!(second.sample[0].location_id, vec![1]);
+        assert_eq!(second.function[0].id, 1);
         assert_eq!(second.function.len(), 1);
         crate::pprof::builder::validate(&second).expect("a valid profile");
         let named = split(&file, Some("fleet")).expect("splits");

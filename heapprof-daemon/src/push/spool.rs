@@ -13,6 +13,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -173,6 +174,7 @@ impl Spool {
     /// read back is dropped (and returned as the error, for the log and the count).
     pub fn front(&mut self) -> Option<Result<Upload, SpoolError>> {
         let upload = match self.entries.front()? {
+            // A clone shares the profile's bytes.
             Entry::Memory(upload) => Ok(upload.clone()),
             Entry::Disk { sequence, .. } => {
                 let dir = self.dir.as_deref()?;
@@ -227,9 +229,8 @@ fn write_file(path: &Path, upload: &Upload) -> Result<u64, SpoolError> {
         time_nanos: upload.time_nanos,
         duration_nanos: upload.duration_nanos,
     };
-    let mut bytes = serde_json::to_vec(&header).map_err(|err| file_error(err.into()))?;
-    bytes.push(b'\n');
-    bytes.extend_from_slice(&upload.pprof_gz);
+    let mut header = serde_json::to_vec(&header).map_err(|err| file_error(err.into()))?;
+    header.push(b'\n');
     let partial = path.with_extension("partial");
     let mut file = std::fs::OpenOptions::new()
         .write(true)
@@ -238,13 +239,17 @@ fn write_file(path: &Path, upload: &Upload) -> Result<u64, SpoolError> {
         .custom_flags(libc::O_NOFOLLOW)
         .open(&partial)
         .map_err(file_error)?;
-    let written = file.write_all(&bytes).and_then(|()| file.sync_data());
+    // The header, then the profile as shared: no copy of it is made.
+    let written = file
+        .write_all(&header)
+        .and_then(|()| file.write_all(&upload.pprof_gz))
+        .and_then(|()| file.sync_data());
     drop(file);
     if let Err(err) = written.and_then(|()| std::fs::rename(&partial, path)) {
         let _ = std::fs::remove_file(&partial);
         return Err(file_error(err));
     }
-    Ok(bytes.len() as u64)
+    Ok((header.len() + upload.pprof_gz.len()) as u64)
 }
 
 fn read_file(path: &Path) -> Result<Upload, SpoolError> {
@@ -252,7 +257,7 @@ fn read_file(path: &Path) -> Result<Upload, SpoolError> {
         path: path.to_owned(),
         err,
     };
-    let bytes = std::fs::read(path).map_err(file_error)?;
+    let bytes = Bytes::from(std::fs::read(path).map_err(file_error)?);
     let split = bytes
         .iter()
         .position(|&b| b == b'\n')
@@ -263,7 +268,7 @@ fn read_file(path: &Path) -> Result<Upload, SpoolError> {
         series: header.series,
         time_nanos: header.time_nanos,
         duration_nanos: header.duration_nanos,
-        pprof_gz: bytes[split + 1..].to_vec(),
+        pprof_gz: bytes.slice(split + 1..),
     })
 }
 
@@ -279,7 +284,7 @@ mod tests {
             },
             time_nanos: i64::from(n),
             duration_nanos: 1,
-            pprof_gz: vec![n; size],
+            pprof_gz: Bytes::from(vec![n; size]),
         }
     }
 

@@ -15,8 +15,8 @@ pub const PYROSCOPE_INGEST_PATH: &str = "/ingest";
 
 /// How the URLs can be written, for every error message about one.
 const URL_FORMS: &str = "use http(s)://HOST[:PORT]/ingest (Pyroscope), \
-     http(s)://HOST[:PORT]/v1development/profiles (OTLP over HTTP) or \
-     grpc(s)://HOST:PORT (OTLP over gRPC)";
+     http(s)://HOST[:PORT]/v1development/profiles (OTLP over HTTP), \
+     grpc(s)://HOST:PORT (OTLP over gRPC) or parca+grpc(s)://HOST:PORT (Parca's WriteRaw)";
 
 /// A mistake in the push flags, worded with its fix.
 #[derive(Debug, Error)]
@@ -45,6 +45,16 @@ pub enum TargetError {
         /// What is wrong with it.
         what: &'static str,
     },
+    /// The CA file cannot be read, or holds no usable certificate.
+    #[error(
+        "--push-ca-file {path}: {what}; give a readable PEM file of the CA certificates that signed the backend's"
+    )]
+    BadCaFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        what: String,
+    },
     /// The token file cannot be read, or holds no token.
     #[error("--push-token-file {path}: {what}; give a readable file holding the bearer token")]
     BadTokenFile {
@@ -64,15 +74,23 @@ pub enum Protocol {
     OtlpHttp,
     /// OTLP profiles over gRPC (`ProfilesService/Export`).
     OtlpGrpc,
+    /// Parca's `ProfileStoreService/WriteRaw` over gRPC.
+    ParcaGrpc,
 }
 
 impl Protocol {
+    /// Whether it runs over gRPC (tonic) rather than HTTP/1.1 (reqwest).
+    pub fn is_grpc(self) -> bool {
+        matches!(self, Protocol::OtlpGrpc | Protocol::ParcaGrpc)
+    }
+
     /// How logs and metrics name it.
     pub fn name(self) -> &'static str {
         match self {
             Protocol::PyroscopeIngest => "pyroscope",
             Protocol::OtlpHttp => "otlp-http",
             Protocol::OtlpGrpc => "otlp-grpc",
+            Protocol::ParcaGrpc => "parca",
         }
     }
 }
@@ -113,6 +131,7 @@ impl PushTarget {
                 )));
             }
             "grpc" | "grpcs" => Protocol::OtlpGrpc,
+            "parca+grpc" | "parca+grpcs" => Protocol::ParcaGrpc,
             other => return Err(unknown(format!("unknown scheme `{other}`"))),
         };
         let mut display = url.clone();
@@ -121,8 +140,8 @@ impl PushTarget {
         let _ = display.set_password(None);
         display.set_query(None);
         let display = display.to_string();
-        let url = if protocol == Protocol::OtlpGrpc {
-            let scheme = if url.scheme() == "grpcs" {
+        let url = if protocol.is_grpc() {
+            let scheme = if url.scheme().ends_with("grpcs") {
                 "https"
             } else {
                 "http"
@@ -219,6 +238,10 @@ mod tests {
             parse("grpc://collector:4317").ok(),
             Some(Protocol::OtlpGrpc)
         );
+        let parca = PushTarget::parse("parca+grpcs://parca:7070").expect("valid");
+        assert_eq!(parca.protocol, Protocol::ParcaGrpc);
+        assert_eq!(parca.url.as_str(), "https://parca:7070/");
+        assert_eq!(parca.display, "parca+grpcs://parca:7070");
         let grpcs = PushTarget::parse("grpcs://collector:4317").expect("valid");
         assert_eq!(grpcs.url.scheme(), "https");
         assert_eq!(grpcs.url.port(), Some(4317));

@@ -4,7 +4,8 @@
 
 use std::time::Duration;
 
-use opentelemetry_proto::tonic::collector::profiles::v1development::profiles_service_client::ProfilesServiceClient;
+use bytes::Bytes;
+use opentelemetry_proto::tonic::collector::profiles::v1development::ExportProfilesServiceResponse;
 use prost::Message as _;
 use thiserror::Error;
 use tonic::{
@@ -14,7 +15,11 @@ use tonic::{
 };
 
 use super::{
-    otlp, pyroscope,
+    ca::CaFile,
+    error_text::chain,
+    grpc, otlp,
+    parca::{self, WriteRawResponse},
+    pyroscope,
     series::Upload,
     target::{Header, Protocol, PushTarget},
 };
@@ -46,48 +51,62 @@ pub struct Transport {
     target: PushTarget,
     client: Client,
     timeout: Duration,
+    /// Whether `--push-ca-file` is trusted, for the words of a certificate refused.
+    with_ca_file: bool,
+    /// `--push-otlp-original-payload`.
+    original_payload: bool,
 }
 
 #[derive(Debug)]
 enum Client {
     Http(reqwest::Client),
-    Grpc(ProfilesServiceClient<Channel>),
+    Grpc(Channel),
 }
 
 impl Transport {
-    /// The client of `target`, sends bounded by `timeout`. gRPC connects on first
-    /// use, so this needs the runtime it will run on.
-    pub fn new(target: PushTarget, timeout: Duration) -> Result<Self, TransportError> {
+    /// The client of `target`, sends bounded by `timeout`, trusting `ca` besides the
+    /// system's roots; OTLP requests carry the pprof in `original_payload` when it
+    /// says. gRPC connects on first use, so this needs the runtime it will run on.
+    pub fn new(
+        target: PushTarget,
+        timeout: Duration,
+        ca: Option<&CaFile>,
+        original_payload: bool,
+    ) -> Result<Self, TransportError> {
         let error = |reason: String| TransportError {
             target: target.display.clone(),
             reason,
         };
         let client = match target.protocol {
-            Protocol::PyroscopeIngest | Protocol::OtlpHttp => Client::Http(
-                reqwest::Client::builder()
+            Protocol::PyroscopeIngest | Protocol::OtlpHttp => {
+                let mut builder = reqwest::Client::builder()
                     .timeout(timeout)
                     .connect_timeout(timeout)
-                    .user_agent(concat!("heapprofd/", env!("CARGO_PKG_VERSION")))
-                    .build()
-                    .map_err(|err| error(chain(&err)))?,
-            ),
-            Protocol::OtlpGrpc => {
-                let mut endpoint = Endpoint::from_shared(target.url.to_string())
+                    .user_agent(concat!("heapprofd/", env!("CARGO_PKG_VERSION")));
+                for certificate in ca.map(CaFile::reqwest_certificates).unwrap_or_default() {
+                    builder = builder.add_root_certificate(certificate);
+                }
+                Client::Http(builder.build().map_err(|err| error(chain(&err)))?)
+            }
+            Protocol::OtlpGrpc | Protocol::ParcaGrpc => {
+                let endpoint = Endpoint::from_shared(target.url.to_string())
                     .map_err(|err| error(chain(&err)))?
                     .timeout(timeout)
                     .connect_timeout(timeout);
-                if target.url.scheme() == "https" {
-                    endpoint = endpoint
-                        .tls_config(ClientTlsConfig::new().with_native_roots())
-                        .map_err(|err| error(chain(&err)))?;
-                }
-                Client::Grpc(ProfilesServiceClient::new(endpoint.connect_lazy()))
+                let endpoint = if target.url.scheme() == "https" {
+                    grpc_tls(endpoint, ca).map_err(|err| error(chain(&err)))?
+                } else {
+                    endpoint
+                };
+                Client::Grpc(endpoint.connect_lazy())
             }
         };
         Ok(Transport {
             target,
             client,
             timeout,
+            with_ca_file: ca.is_some(),
+            original_payload,
         })
     }
 
@@ -98,6 +117,9 @@ impl Transport {
         let timeout = self.timeout;
         let send = self.send_unbounded(upload, headers);
         match tokio::time::timeout(timeout + Duration::from_secs(1), send).await {
+            Ok(Outcome::Retry(why)) if why.contains("certificate") => {
+                Outcome::Retry(certificate_refused(why, self.with_ca_file))
+            }
             Ok(outcome) => outcome,
             Err(_) => Outcome::Retry(format!("no answer within {timeout:?}")),
         }
@@ -115,32 +137,34 @@ impl Transport {
                 http(builder, headers).await
             }
             (Client::Http(client), _) => {
-                let request = match otlp::export_request(upload) {
-                    Ok(request) => request,
+                let body = match otlp::export_request(upload, self.original_payload) {
+                    Ok(body) => body,
                     Err(err) => return Outcome::Rejected(err.to_string()),
                 };
                 let builder = client
                     .post(self.target.url.clone())
                     .header(reqwest::header::CONTENT_TYPE, "application/x-protobuf")
-                    .body(request.encode_to_vec());
+                    .body(body);
                 http(builder, headers).await
             }
-            (Client::Grpc(client), _) => {
-                let request = match otlp::export_request(upload) {
-                    Ok(request) => request,
+            (Client::Grpc(channel), Protocol::ParcaGrpc) => {
+                let body = Bytes::from(parca::write_raw_request(upload).encode_to_vec());
+                let request = grpc_request(body, headers);
+                match grpc::call::<WriteRawResponse>(channel, parca::WRITE_RAW, request).await {
+                    Ok(_) => Outcome::Sent,
+                    Err(status) => grpc_outcome(&status),
+                }
+            }
+            (Client::Grpc(channel), _) => {
+                let body = match otlp::export_request(upload, self.original_payload) {
+                    Ok(body) => Bytes::from(body),
                     Err(err) => return Outcome::Rejected(err.to_string()),
                 };
-                let mut request = tonic::Request::new(request);
-                for header in headers {
-                    if let (Ok(key), Ok(value)) = (
-                        MetadataKey::from_bytes(header.name.as_bytes()),
-                        MetadataValue::try_from(header.value.as_str()),
-                    ) {
-                        request.metadata_mut().insert(key, value);
-                    }
-                }
-                match client.export(request).await {
-                    Ok(response) => match response.into_inner().partial_success {
+                let request = grpc_request(body, headers);
+                let answer: Result<ExportProfilesServiceResponse, _> =
+                    grpc::call(channel, grpc::OTLP_EXPORT, request).await;
+                match answer {
+                    Ok(response) => match response.partial_success {
                         Some(partial) if partial.rejected_profiles > 0 => {
                             Outcome::Rejected(format!(
                                 "{} profiles rejected: {}",
@@ -154,6 +178,20 @@ impl Transport {
             }
         }
     }
+}
+
+/// A gRPC request of the encoded `body`, `headers` as its metadata.
+fn grpc_request(body: Bytes, headers: &[Header]) -> tonic::Request<Bytes> {
+    let mut request = tonic::Request::new(body);
+    for header in headers {
+        if let (Ok(key), Ok(value)) = (
+            MetadataKey::from_bytes(header.name.as_bytes()),
+            MetadataValue::try_from(header.value.as_str()),
+        ) {
+            request.metadata_mut().insert(key, value);
+        }
+    }
+    request
 }
 
 async fn http(mut builder: reqwest::RequestBuilder, headers: &[Header]) -> Outcome {
@@ -178,6 +216,20 @@ async fn http(mut builder: reqwest::RequestBuilder, headers: &[Header]) -> Outco
     }
 }
 
+/// `endpoint` over TLS: the system's roots and `ca`. A machine without system roots
+/// (a bare container) still trusts `ca`: tonic refuses native roots it cannot find.
+fn grpc_tls(endpoint: Endpoint, ca: Option<&CaFile>) -> Result<Endpoint, tonic::transport::Error> {
+    let config = || match ca {
+        Some(ca) => ClientTlsConfig::new().ca_certificate(ca.tonic_certificate()),
+        None => ClientTlsConfig::new(),
+    };
+    match endpoint.clone().tls_config(config().with_native_roots()) {
+        Ok(endpoint) => Ok(endpoint),
+        Err(_) if ca.is_some() => endpoint.tls_config(config()),
+        Err(err) => Err(err),
+    }
+}
+
 /// What a backend's HTTP answer other than 2xx means for the upload.
 fn http_outcome(status: reqwest::StatusCode, body: &str) -> Outcome {
     let why = format!("HTTP {status}{}", reason(body));
@@ -191,8 +243,36 @@ fn http_outcome(status: reqwest::StatusCode, body: &str) -> Outcome {
     }
 }
 
+/// `why` a TLS handshake failed on the backend's certificate, with the fix.
+fn certificate_refused(why: String, with_ca_file: bool) -> String {
+    if with_ca_file {
+        format!(
+            "{why}: the backend's certificate is not signed by --push-ca-file's CA nor a system root"
+        )
+    } else {
+        format!(
+            "{why}: the backend's certificate is not signed by a system root; give its CA with --push-ca-file"
+        )
+    }
+}
+
 fn grpc_outcome(status: &tonic::Status) -> Outcome {
-    let why = format!("gRPC {:?}{}", status.code(), reason(status.message()));
+    // A transport error's cause (refused, a certificate) is its innermost source.
+    let mut message = status.message().to_owned();
+    let mut innermost = std::error::Error::source(status);
+    while let Some(next) = innermost.and_then(std::error::Error::source) {
+        innermost = Some(next);
+    }
+    if let Some(cause) = innermost.map(ToString::to_string)
+        && !message.contains(&cause)
+    {
+        message = if message.is_empty() {
+            cause
+        } else {
+            format!("{message}: {cause}")
+        };
+    }
+    let why = format!("gRPC {:?}{}", status.code(), reason(&message));
     match status.code() {
         Code::Unauthenticated | Code::PermissionDenied => Outcome::Retry(format!(
             "{why}: the credentials were refused; check --push-header or --push-token-file"
@@ -213,21 +293,6 @@ fn reason(text: &str) -> String {
         Some(line) => format!(": {}", line.chars().take(200).collect::<String>()),
         None => String::new(),
     }
-}
-
-/// An error and its sources, as one line.
-fn chain(err: &dyn std::error::Error) -> String {
-    let mut text = err.to_string();
-    let mut source = err.source();
-    while let Some(next) = source {
-        let next_text = next.to_string();
-        if !text.contains(&next_text) {
-            text.push_str(": ");
-            text.push_str(&next_text);
-        }
-        source = next.source();
-    }
-    text
 }
 
 #[cfg(test)]

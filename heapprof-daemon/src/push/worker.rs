@@ -3,11 +3,14 @@
 //! exponential backoff while the backend fails. It logs one line when the backend
 //! starts failing and one when it works again, never one per profile.
 
-use std::{path::PathBuf, sync::Arc, time::Duration};
+use std::{path::PathBuf, time::Duration};
+
+use bytes::Bytes;
 
 use tokio::{sync::mpsc, time::Instant};
 
 use super::{
+    ca::CaFile,
     metrics::TargetMetrics,
     series,
     spool::Spool,
@@ -22,7 +25,7 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(250);
 const MAX_BACKOFF: Duration = Duration::from_secs(15);
 
 /// A written profile, gzip'd pprof, shared by every target's worker.
-pub type Job = Arc<Vec<u8>>;
+pub type Job = Bytes;
 
 /// The headers of every push: the fixed ones and the token file's, read again
 /// before each push so that a rotated token is used.
@@ -83,6 +86,10 @@ pub struct Worker {
     pub service_name: Option<String>,
     /// `--push-timeout`; also how long the uploads still waiting at exit are tried.
     pub timeout: Duration,
+    /// `--push-ca-file`: trusted besides the system's roots.
+    pub ca: Option<CaFile>,
+    /// `--push-otlp-original-payload`.
+    pub original_payload: bool,
     /// Its counters.
     pub metrics: TargetMetrics,
 }
@@ -91,7 +98,12 @@ pub struct Worker {
 /// for it (the push timeout) is up.
 pub async fn run(mut worker: Worker, mut jobs: mpsc::Receiver<Job>) {
     let name = worker.target.display.clone();
-    let mut transport = match Transport::new(worker.target.clone(), worker.timeout) {
+    let mut transport = match Transport::new(
+        worker.target.clone(),
+        worker.timeout,
+        worker.ca.as_ref(),
+        worker.original_payload,
+    ) {
         Ok(transport) => transport,
         Err(err) => {
             log::error!("{err}; profiles are written locally only");
@@ -179,7 +191,7 @@ pub async fn run(mut worker: Worker, mut jobs: mpsc::Receiver<Job>) {
 }
 
 /// Splits a written profile into uploads and queues them.
-fn accept(worker: &mut Worker, job: &[u8]) {
+fn accept(worker: &mut Worker, job: &Job) {
     let name = &worker.target.display;
     let uploads = match series::split(job, worker.service_name.as_deref()) {
         Ok(uploads) => uploads,
