@@ -46,6 +46,15 @@ use crate::{
 /// The unit's flags that matter here (its output directory and retention aside).
 const UNIT_FLAGS: [&str; 5] = ["--all", "--interval", "60s", "--sample-rate", "512KiB"];
 
+/// The unit's flags with the system-wide preload.
+fn system_flags() -> Vec<&'static str> {
+    UNIT_FLAGS
+        .iter()
+        .copied()
+        .chain(["--preload", "system"])
+        .collect()
+}
+
 /// The goal for a redis joined by the system-wide preload (after or before the
 /// daemon), as a fraction of bare's requests/s.
 const JOINED_GOAL: f64 = 0.95;
@@ -231,11 +240,7 @@ struct Pass {
 
 /// One pass in `mode`.
 fn pass(bench: &Bench, mode: FleetMode, requests: u32) -> Result<Pass> {
-    let system: Vec<&str> = UNIT_FLAGS
-        .iter()
-        .copied()
-        .chain(["--preload", "system"])
-        .collect();
+    let system = system_flags();
     let namespace = match mode {
         FleetMode::After | FleetMode::Before | FleetMode::EntryLeft => {
             Some(Namespace::new(&bench.dir.join("fleet-namespace"))?)
@@ -330,11 +335,7 @@ fn cxx_entry_left(
     ));
     let bare = Namespace::new(&bench.dir.join("fleet-cxx-bare"))?;
     let entry = Namespace::new(&bench.dir.join("fleet-cxx-entry"))?;
-    let system: Vec<&str> = UNIT_FLAGS
-        .iter()
-        .copied()
-        .chain(["--preload", "system"])
-        .collect();
+    let system = system_flags();
     Daemon::start(bench, Some(&entry), &system)?.kill()?;
     let list = format!("/proc/{}/root/etc/ld.so.preload", entry.holder.id());
     let listed = std::fs::read_to_string(&list).with_context(|| format!("reading {list}"))?;
