@@ -642,7 +642,8 @@ fn redis_under_redis_benchmark_stays_right_over_attach_detach_cycles() {
     );
     wait_listening(port, "redis-server");
     let pid = server.pid();
-    let fds_at_start = descriptors(pid);
+    // Read once settled: wait_listening's own connection may still be open in redis.
+    let fds_at_start = settled_descriptors(pid);
     let load = LoadLoop::start(
         dir.path(),
         move || {
