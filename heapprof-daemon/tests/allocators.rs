@@ -633,7 +633,7 @@ fn alloc_abc_counts_like_valgrind() {
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     let dir = scratch();
     let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O2"]);
-    let output = Command::new("valgrind")
+    let output = common::valgrind::command()
         .arg("--run-libc-freeres=no")
         .arg(&program)
         .output()

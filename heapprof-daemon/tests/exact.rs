@@ -2,7 +2,7 @@
 
 mod common;
 
-use std::{collections::BTreeMap, process::Command};
+use std::collections::BTreeMap;
 
 use common::*;
 
@@ -314,7 +314,7 @@ fn totals_agree_with_valgrind(flags: &[&str]) {
     let args = ["3", "40", "0"];
     // --run-libc-freeres=no: by default valgrind makes glibc free its internal caches at
     // exit, frees the program itself never makes and heapprofd (rightly) does not see.
-    let valgrind = Command::new("valgrind")
+    let valgrind = common::valgrind::command()
         .arg("--run-libc-freeres=no")
         .arg(&program)
         .args(args)

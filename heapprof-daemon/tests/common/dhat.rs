@@ -72,7 +72,6 @@ use std::{
     ffi::OsStr,
     fmt::Write as _,
     path::{Path, PathBuf},
-    process::Command,
 };
 
 use heapprof_daemon::pprof::proto::Profile;
@@ -157,7 +156,7 @@ impl Dhat {
 pub fn run(program: &Path, args: &[&OsStr], env: &[(&str, &str)], dir: &Path) -> Dhat {
     let json_path = dir.join("dhat.json");
     let log_path = dir.join("dhat.log");
-    let mut cmd = Command::new("valgrind");
+    let mut cmd = super::valgrind::command();
     cmd.args([
         "--tool=dhat",
         "--num-callers=100",

@@ -6,6 +6,7 @@ pub mod bpftrace;
 pub mod counted;
 pub mod dhat;
 pub mod kernel_vm;
+pub mod valgrind;
 pub mod vm;
 
 use std::{
