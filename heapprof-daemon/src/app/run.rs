@@ -5,7 +5,10 @@ use std::{io::Write as _, process::ExitCode, time::Duration};
 use anyhow::{Context as _, Result};
 use aya::maps::{MapData, RingBuf};
 use heapprof_common::{ExecEvent, unwind::MappingsRequest};
-use tokio::{io::unix::AsyncFd, time::Instant};
+use tokio::{
+    io::unix::AsyncFd,
+    time::{Instant, Interval, MissedTickBehavior},
+};
 
 use super::Started;
 use crate::{
@@ -33,6 +36,18 @@ fn print_top(path: &std::path::Path, limit: usize) -> Result<()> {
         crate::report::stacks::Grouping::Site,
     )?;
     Ok(())
+}
+
+/// The profiles' ticks: one each `interval`, the first an interval from now. A dump
+/// slower than the interval (`--all` on a busy host: every process read and
+/// symbolized) puts the next tick a whole interval after it, rather than firing the
+/// missed ones back to back. Back to back, the loop never waited, so the runtime never
+/// read its signal pipe: SIGINT and SIGTERM went unseen for as long as dumps stayed
+/// slow (seen: 20-second dumps at `--interval 200ms` ignored a SIGINT for 13 minutes).
+fn profile_ticks(interval: Duration) -> Interval {
+    let mut ticks = tokio::time::interval_at(Instant::now() + interval, interval);
+    ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    ticks
 }
 
 /// Waits for records in a ring buffer of the BPF side and takes every one that is
@@ -100,7 +115,7 @@ pub async fn run(
     }
     let child_pid = child.as_ref().map(|c| c.pid);
     let mut child_events = child.map(PausedChild::release);
-    let mut ticks = tokio::time::interval_at(Instant::now() + cli.interval, cli.interval);
+    let mut ticks = profile_ticks(cli.interval);
     let deadline = cli.duration.map(|d| Instant::now() + d);
     let far_future = Instant::now() + Duration::from_secs(100 * 365 * 86400);
     let mut exit_code = ExitCode::SUCCESS;
@@ -340,4 +355,32 @@ fn write_stats(
         failed_profile_writes: measured.failed_writes,
     };
     stats_file::write(path, &stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dump_slower_than_the_interval_is_followed_by_a_wait_not_a_burst() {
+        let interval = Duration::from_millis(200);
+        let mut ticks = profile_ticks(interval);
+        let start = Instant::now();
+        ticks.tick().await;
+        assert_eq!(
+            start.elapsed(),
+            interval,
+            "the first profile waits an interval"
+        );
+        // A dump that took fifty intervals: the tick it overran fires at once...
+        tokio::time::advance(interval * 50).await;
+        let late = Instant::now();
+        ticks.tick().await;
+        assert_eq!(late.elapsed(), Duration::ZERO);
+        // ...and the next one an interval later, where the loop waits (and the
+        // runtime reads its signals), instead of the 49 missed ticks in a row.
+        let after = Instant::now();
+        ticks.tick().await;
+        assert_eq!(after.elapsed(), interval);
+    }
 }
