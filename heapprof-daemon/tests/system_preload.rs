@@ -187,6 +187,72 @@ wait $P; echo program_status=$?
     );
 }
 
+/// A program started while a killed heapprofd's entry stayed loads the library, which
+/// finds no one to join; the next heapprofd asks that copy again. Here the program sees
+/// `/var/lib` through an overlay upon the namespace's own (as in a container whose root
+/// is one), where `/proc/PID/maps` names the library by another path: the copy must be
+/// recognized all the same, or the program is neither joined nor probed.
+#[test]
+fn a_program_started_under_a_dead_heapprofds_entry_is_joined_by_the_next_one_through_nested_overlays()
+ {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O1"]);
+    let output = in_private_namespace(
+        dir.path(),
+        &format!(
+            r#"start --all --preload system -o $D/first --interval 60s
+kill -KILL $H; wait $H 2>/dev/null
+mkdir -p $D/ns/inner-up $D/ns/inner-work
+mount -t overlay overlay -o lowerdir=/var/lib,upperdir=$D/ns/inner-up,workdir=$D/ns/inner-work /var/lib || exit 94
+mkfifo $D/in
+{program} wait < $D/in > $D/program.out &
+P=$!
+exec 3>$D/in
+for i in $(seq 100); do grep -q ready $D/program.out && break; sleep 0.1; done
+echo maps_path=$(grep -m1 libheapprofd-system /proc/$P/maps | awk '{{print $6}}')
+start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
+echo go >&3
+for i in $(seq 100); do grep -q done $D/program.out && break; sleep 0.1; done
+kill -TERM $H; wait $H; echo heapprofd_status=$?
+exec 3>&-
+wait $P; echo program_status=$?
+"#,
+            program = program.display()
+        ),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let context = explain(&output, dir.path());
+    assert!(output.status.success(), "{context}");
+    // What makes this case: the path maps shows is not the library's.
+    let shown = value(&stdout, "maps_path");
+    assert!(
+        shown.ends_with("/libheapprofd-system.so")
+            && shown != heapprof_common::preload::SYSTEM_LIBRARY,
+        "the program maps the library, by another path than {} under the nested overlay: \
+         {shown:?}\n{context}",
+        heapprof_common::preload::SYSTEM_LIBRARY
+    );
+    assert_eq!(value(&stdout, "heapprofd_status"), "0", "{context}");
+    assert_eq!(value(&stdout, "program_status"), "0", "{context}");
+    let figures = system_figures(&dir.path().join("stats.json"));
+    assert!(
+        figures["running_asked"]
+            .as_u64()
+            .is_some_and(|asked| asked >= 1),
+        "the program's copy was asked again: {figures}\n{context}"
+    );
+    let printed = std::fs::read_to_string(dir.path().join("program.out")).expect("program output");
+    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
+    counted::check_c_program(
+        "alloc_abc started under a dead heapprofd's entry",
+        &log,
+        &printed,
+        &samples(&last_profile(&dir.path().join("out"))),
+    );
+}
+
 #[test]
 fn an_entry_left_by_a_killed_heapprofd_is_inert_and_the_next_heapprofd_takes_it_over() {
     require_root();

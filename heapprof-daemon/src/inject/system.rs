@@ -7,11 +7,9 @@
 //! one's entry stayed) is asked again instead of loaded. Only processes in heapprofd's
 //! mount namespace are asked: the path is heapprofd's.
 
-use std::os::unix::fs::MetadataExt as _;
-
 use heapprof_common::preload::JoinRefused;
 
-use super::{Injection, NotJoined, mapped_base, mapped_from_start, not_joined, symbol_offset};
+use super::{Injection, NotJoined, mapped_from_start, not_joined, symbol_offset};
 
 /// Why a process that ran before heapprofd was not asked to join.
 #[derive(Debug)]
@@ -58,9 +56,6 @@ impl Injection {
     /// Loads the library at `path` into the process; returns where it starts. Its
     /// start asks heapprofd to join, inside the `dlopen`.
     fn dlopen_system(&mut self, path: &str) -> Result<u64, SystemAskError> {
-        let id = std::fs::metadata(path)
-            .map(|m| (m.dev(), m.ino()))
-            .map_err(|err| SystemAskError::NotAsked(not_joined(format!("{path}: {err}"))))?;
         self.protect_calls();
         let scratch = self.thread.scratch();
         let mut name = path.as_bytes().to_vec();
@@ -77,9 +72,17 @@ impl Injection {
                 self.dlerror()
             ))));
         }
-        mapped_base(self.pid, id).ok_or_else(|| {
-            SystemAskError::Unknown(not_joined(format!("{path} is not in its mappings")))
-        })
+        // No copy was mapped before the dlopen (see `ask_system`), so one found now is
+        // the one it loaded, whose start asked. None found: the dlopen gave back a copy
+        // already loaded that `mapped_copy` did not recognize, whose start ran long ago
+        // and asked nothing, so the probes must count the process.
+        mapped_copy(self.pid, path)
+            .map(|(base, _)| base)
+            .ok_or_else(|| {
+                SystemAskError::NotAsked(not_joined(format!(
+                    "{path} is not in its mappings after its dlopen"
+                )))
+            })
     }
 }
 
@@ -96,11 +99,29 @@ fn ask_entry(image: &[u8]) -> Result<(u64, Option<u64>), NotJoined> {
 /// A copy of the library at `path` that `pid` maps already (the file may have been
 /// replaced since: its own bytes, read through `map_files`, give its entries): where it
 /// starts, and its bytes.
+///
+/// A copy is recognized by its file name, which is heapprofd's own: not by the whole
+/// path, which `/proc/PID/maps` shows otherwise under nested overlay mounts (seen:
+/// `/heapprofd-preload/libheapprofd-system.so` for a file opened as
+/// `/var/lib/heapprofd-preload/libheapprofd-system.so`, in a private mount namespace
+/// whose `/var/lib` is an overlay upon another), nor by device and inode, which are
+/// the lower file system's there. A copy missed that way was never asked again, and
+/// its process was neither joined nor probed.
 fn mapped_copy(pid: u32, path: &str) -> Option<(u64, Vec<u8>)> {
-    let deleted = format!("{path} (deleted)");
-    mapped_from_start(pid, |line| line.path == path || line.path == deleted)
+    let name = std::path::Path::new(path).file_name()?.to_str()?;
+    mapped_from_start(pid, |line| names_copy(&line.path, name))
         .into_iter()
         .find_map(|(start, mapped)| std::fs::read(mapped).ok().map(|image| (start, image)))
+}
+
+/// Whether a mapping's path (as `/proc/PID/maps` shows it) is a file named `name`,
+/// there or deleted.
+fn names_copy(mapped: &str, name: &str) -> bool {
+    let mapped = mapped.strip_suffix(" (deleted)").unwrap_or(mapped);
+    mapped.starts_with('/')
+        && std::path::Path::new(mapped)
+            .file_name()
+            .is_some_and(|file| file == name)
 }
 
 impl SystemAskError {
@@ -116,4 +137,29 @@ impl SystemAskError {
 /// heard of it (so its allocator's probes must count it).
 pub fn never_asked(answer: i64) -> bool {
     JoinRefused::from_result(answer) == Some(JoinRefused::NotAsked)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_copy;
+
+    #[test]
+    fn a_copy_is_known_by_its_file_name_wherever_maps_shows_it() {
+        let name = "libheapprofd-system.so";
+        for mapped in [
+            "/var/lib/heapprofd-preload/libheapprofd-system.so",
+            "/heapprofd-preload/libheapprofd-system.so",
+            "/var/lib/heapprofd-preload/libheapprofd-system.so (deleted)",
+        ] {
+            assert!(names_copy(mapped, name), "{mapped}");
+        }
+        for mapped in [
+            "/var/lib/heapprofd-preload/libheapprofd-system.so.1",
+            "/usr/lib/x86_64-linux-gnu/libc.so.6",
+            "[heap]",
+            "libheapprofd-system.so",
+        ] {
+            assert!(!names_copy(mapped, name), "{mapped}");
+        }
+    }
 }
