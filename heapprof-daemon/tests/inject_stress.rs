@@ -1472,3 +1472,84 @@ fn heapprofd_sigkilled_mid_attach_leaves_the_process_working() {
     }
     tally.assert_clean();
 }
+
+/// heapprofd SIGKILLed while the joined process forks, once its probe site has run for
+/// a while: the process and every child it forks keep working. On Linux 6.18 the
+/// kernel has by then optimized the site's uprobe into a call, and a SIGKILL takes it
+/// back out in several writes, which a fork may fall between: its child then starts
+/// with half an instruction (seen with a 5-byte NOP site: children died of SIGSEGV
+/// inside it).
+#[test]
+fn heapprofd_sigkilled_while_the_joined_process_forks_leaves_its_children_working() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let binary = build_target(dir.path());
+    let mut target = Target::start(&mut Command::new(&binary));
+    let pid = target.pid();
+    target
+        .works()
+        .expect("the target works before any heapprofd");
+    let fds_at_start = descriptors(pid);
+    let out = dir.path().join("profiles");
+    let mut tally = Tally::new("sigkill-forking");
+    target
+        .expect("forks on", "forking")
+        .expect("the target forks");
+    let forks_before = target.forks;
+    let kills = cycles(6, 60);
+    for kill in 0..kills {
+        tally.cycles += 1;
+        let mut session = match attach(pid, &out.join(format!("k{kill}"))) {
+            Ok(session) => session,
+            Err(err) => {
+                tally.problem(format!("kill {kill}: {err}"));
+                break;
+            }
+        };
+        tally.joined += 1;
+        // Long enough for many reports through the site, so for the kernel to
+        // optimize its probe.
+        std::thread::sleep(Duration::from_millis(700));
+        let _ = session.child.kill();
+        let _ = session.child.wait();
+        // The children forked around the kill have run and been reaped by the next
+        // round of checks.
+        let result = (|| {
+            alive_and_untraced(pid)?;
+            std::thread::sleep(Duration::from_millis(300));
+            target.check()?;
+            target.check()
+        })();
+        if let Err(err) = result {
+            let lines: Vec<String> = session.log.iter().collect();
+            tally.problem(format!(
+                "kill {kill}: {err}\nheapprofd's log:\n{}",
+                lines.join("\n")
+            ));
+            if alive_and_untraced(pid).is_err() {
+                break;
+            }
+        }
+    }
+    if let Err(err) = target.expect("forks off", "not forking") {
+        tally.problem(format!("at the end: {err}"));
+    }
+    if target.forks <= forks_before {
+        tally.problem("no child was forked while joined".to_owned());
+    }
+    eprintln!(
+        "inject_stress sigkill-forking: {kills} heapprofd killed while joined, {} children \
+         forked",
+        target.forks - forks_before
+    );
+    if let Err(err) = target.works() {
+        tally.problem(format!("at the end: {err}"));
+    }
+    // A killed heapprofd's library leaves by itself (see the test above): by now
+    // nothing of the killed sessions stays open.
+    if let Err(err) = same_descriptors(&fds_at_start, || descriptors(pid)) {
+        tally.problem(format!("at the end: {err}"));
+    }
+    tally.assert_clean();
+}
