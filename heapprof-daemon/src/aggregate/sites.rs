@@ -79,58 +79,78 @@ impl SiteTable {
         Ok(ids)
     }
 
-    /// Every site with its counters summed over CPUs, in no order; `peaks` gives each
-    /// process's count of new in-use peaks, read before the counters, which resolves
-    /// what each site held at its process's peak (see [`SiteCounters`]).
-    pub(crate) fn read(&self, peaks: &HashMap<u32, u64>) -> Result<Vec<TableSite>> {
-        let ids = self.ids()?;
-        let len = ids
-            .iter()
-            .map(|&(_, id)| id as usize + 1)
-            .max()
-            .unwrap_or(0);
-        let mut counters = vec![SiteCounters::default(); len];
-        // Each index's process's peak count.
-        let mut index_peaks = vec![0u64; len];
-        for &(key, id) in &ids {
-            if let Some(slot) = index_peaks.get_mut(id as usize) {
-                *slot = peaks.get(&key.tgid).copied().unwrap_or(0);
-            }
-        }
-        let add = |counters: &mut [SiteCounters], index: usize, per_cpu: &[SiteCounters]| {
-            let peaks = index_peaks.get(index).copied().unwrap_or(0);
-            if let Some(total) = counters.get_mut(index) {
-                per_cpu.iter().for_each(|c| super::add_cpu(total, c, peaks));
-            }
+    /// Every site with its counters summed over CPUs, sorted by index; `peaks` gives
+    /// each process's count of new in-use peaks, read before the counters, which
+    /// resolves what each site held at its process's peak (see [`SiteCounters`]);
+    /// `expected` sites are made room for at once.
+    ///
+    /// The sites are the one list this builds: the counters, read in index order, are
+    /// added to them as they come. Tables indexed by site (counters, peaks) beside the
+    /// list took as much memory again at 100k sites.
+    pub(crate) fn read(
+        &self,
+        peaks: &HashMap<u32, u64>,
+        expected: usize,
+    ) -> Result<Vec<TableSite>> {
+        let mut sites: Vec<TableSite> = Vec::with_capacity(expected);
+        let table = &self.ids;
+        read_entries(
+            &self.ids_fd,
+            None,
+            |key: StackKey, id: &[SiteId]| {
+                if let Some(&id) = id.first() {
+                    sites.push(TableSite {
+                        key,
+                        id,
+                        counters: SiteCounters::default(),
+                    });
+                }
+            },
+            |each| {
+                // A key deleted during the walk is skipped.
+                for (key, id) in table.iter().filter_map(Result::ok) {
+                    each(key, &[id]);
+                }
+                Ok(())
+            },
+        )?;
+        sites.sort_unstable_by_key(|site| site.id);
+        let len = sites.last().map_or(0, |site| site.id as usize + 1);
+        let add = |site: &mut TableSite, per_cpu: &[SiteCounters]| {
+            let peaks = peaks.get(&site.key.tgid).copied().unwrap_or(0);
+            per_cpu
+                .iter()
+                .for_each(|c| super::add_cpu(&mut site.counters, c, peaks));
         };
+        // An array's batches come in index order: a merge with the sorted sites.
+        let mut next = 0;
         let batched = batch::for_each_batch_upto(
             &self.counters_fd,
             Some(self.cpus),
             len,
             |indices: &[u32], values: &[SiteCounters]| {
                 for (&index, per_cpu) in indices.iter().zip(values.chunks_exact(self.cpus.max(1))) {
-                    add(&mut counters, index as usize, per_cpu);
+                    while sites.get(next).is_some_and(|site| site.id < index) {
+                        next += 1;
+                    }
+                    // Every key with this index (one, unless the table changed meanwhile).
+                    for site in sites[next..].iter_mut().take_while(|s| s.id == index) {
+                        add(site, per_cpu);
+                    }
                 }
             },
         )
         .context("reading the site counters in batches")?;
         if !batched {
-            for &(_, id) in &ids {
+            for site in &mut sites {
                 let per_cpu = self
                     .counters
-                    .get(&id, 0)
+                    .get(&site.id, 0)
                     .context("reading the site counters")?;
-                add(&mut counters, id as usize, &per_cpu);
+                add(site, &per_cpu);
             }
         }
-        Ok(ids
-            .into_iter()
-            .map(|(key, id)| TableSite {
-                key,
-                id,
-                counters: counters.get(id as usize).copied().unwrap_or_default(),
-            })
-            .collect())
+        Ok(sites)
     }
 
     /// Removes `sites` from the table (their processes or images are gone, so nothing
