@@ -97,8 +97,6 @@ pub struct Occupancy {
 /// Owns the maps the daemon reads.
 pub struct Maps {
     sites: SiteTable,
-    /// The index of each site in the table at the last read.
-    site_ids: HashMap<StackKey, SiteId>,
     stacks: BpfHashMap<MapData, u64, UserStack>,
     live: LiveTable,
     drops: PerCpuArray<MapData, u64>,
@@ -268,7 +266,6 @@ impl Maps {
         let cpus = possible_cpus()?;
         Ok(Self {
             sites: SiteTable::take(ebpf, cpus)?,
-            site_ids: HashMap::new(),
             stacks,
             live: LiveTable::of(ebpf)?,
             drops: take(ebpf, names::DROPS)?,
@@ -296,18 +293,13 @@ impl Maps {
             .map(|(pid, usage)| (pid, usage.peaks))
             .collect();
         let in_table = self.sites.read(&peaks, self.last_read)?;
-        self.site_ids.clear();
-        self.site_ids.reserve(in_table.len());
         // Converted where they lie (a vector's `map` and `collect` reuse its memory):
         // a second list of 100k sites beside the first cost 10 MiB at the peak.
         let mut sites: Vec<Site> = in_table
             .into_iter()
-            .map(|site| {
-                self.site_ids.insert(site.key, site.id);
-                Site {
-                    key: site.key,
-                    counters: site.counters,
-                }
+            .map(|site| Site {
+                key: site.key,
+                counters: site.counters,
             })
             .collect();
         sites.reserve_exact(self.retired.len());
@@ -581,15 +573,16 @@ impl Maps {
         }
         // Live blocks first: once they are gone, no free can be credited to a retired site.
         let replaced_ids: HashSet<SiteId> = self
-            .site_ids
-            .iter()
+            .sites
+            .ids()?
+            .into_iter()
             .filter(|(key, _)| replaced(key))
-            .map(|(_, &id)| id)
+            .map(|(_, id)| id)
             .collect();
         let removed = self
             .live
             .remove_where(|block| replaced_ids.contains(&block.site))?;
-        let count = self.retire_sites_in(sites, replaced);
+        let count = self.retire_sites_in(sites, replaced)?;
         log::debug!("retired {count} sites of replaced images, {removed} live blocks removed");
         Ok(count)
     }
@@ -598,17 +591,28 @@ impl Maps {
     /// everything freed. Their stacks stay readable from the daemon's cache.
     fn retire_sites(&mut self, retire: impl Fn(&StackKey) -> bool) -> Result<usize> {
         let mut sites = self.read_sites()?;
-        Ok(self.retire_sites_in(&mut sites, retire))
+        self.retire_sites_in(&mut sites, retire)
     }
 
     /// [`Maps::retire_sites`] over sites just read, which are updated to match.
-    fn retire_sites_in(&mut self, sites: &mut [Site], retire: impl Fn(&StackKey) -> bool) -> usize {
+    fn retire_sites_in(
+        &mut self,
+        sites: &mut [Site],
+        retire: impl Fn(&StackKey) -> bool,
+    ) -> Result<usize> {
+        // Their indices, read again: rare, and no map of every site's index is kept.
+        let mut ids: HashMap<StackKey, SiteId> = self
+            .sites
+            .ids()?
+            .into_iter()
+            .filter(|(key, _)| retire(key))
+            .collect();
         let mut leaving = Vec::new();
         for site in sites {
             if !retire(&site.key) {
                 continue;
             }
-            let Some(id) = self.site_ids.remove(&site.key) else {
+            let Some(id) = ids.remove(&site.key) else {
                 continue; // retired already
             };
             let counters = &mut site.counters;
@@ -621,7 +625,7 @@ impl Maps {
             leaving.push((site.key, id));
         }
         // No writer is left: the process (or its image) is gone.
-        self.sites.remove(&leaving)
+        Ok(self.sites.remove(&leaving))
     }
 }
 
