@@ -63,18 +63,19 @@ impl Default for Symbolizer {
 impl Symbolizer {
     /// A symbolizer with code info and inlined functions enabled.
     pub fn new() -> Self {
-        let blazesym = Blazesym::builder()
-            .enable_code_info(true)
-            .enable_inlined_fns(true)
-            // blazesym would demangle every name, and short C names are valid
-            // Itanium type codes (`a` -> "signed char"); see `demangle`.
-            .enable_demangling(false)
-            .build();
         Self {
-            blazesym,
+            blazesym: new_blazesym(),
             cache: HashMap::new(),
             sources: HashMap::new(),
         }
+    }
+
+    /// Lets go of blazesym's parsed files (symbol tables, inflated DWARF sections),
+    /// keeping the frames found: only addresses not seen yet open a file again. A
+    /// C library's compressed debug file alone took 10 MiB inflated, kept for nothing
+    /// once every frame in it was cached.
+    pub fn release_parsed_files(&mut self) {
+        self.blazesym = new_blazesym();
     }
 
     /// Where `object`'s symbols come from: its debug file by build-id, if one is
@@ -211,6 +212,16 @@ impl Symbolizer {
             .cloned()
             .unwrap_or_else(|| Arc::from(Vec::new()))
     }
+}
+
+fn new_blazesym() -> Blazesym {
+    Blazesym::builder()
+        .enable_code_info(true)
+        .enable_inlined_fns(true)
+        // blazesym would demangle every name, and short C names are valid Itanium
+        // type codes (`a` -> "signed char"); see `demangle`.
+        .enable_demangling(false)
+        .build()
 }
 
 /// `(file offset, size in the file, virtual address)` of an ELF file's `PT_LOAD`s.

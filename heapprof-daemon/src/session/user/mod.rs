@@ -632,6 +632,8 @@ impl UserSession {
         self.gap_log.report(&gaps);
         let read = started.elapsed();
         let profile = self.build_profile(&sites, &drops, &gaps)?;
+        // Every frame of the profile is cached by now.
+        self.symbolizer.release_parsed_files();
         let built = started.elapsed();
         self.sequence += 1;
         // Lent out for the write: the snapshot reads the rest of the session.
