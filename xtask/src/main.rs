@@ -2,7 +2,9 @@
 //! stress | soak | bench | package`.
 //!
 //! Every command first installs what it needs (see `setup`; `cargo xtask setup --list`
-//! prints it), so the README's two commands work on a fresh machine with only rustup.
+//! prints it), so the README's two commands work on a fresh machine with rustup and
+//! a C compiler (`gcc`, `libc6-dev`: cargo links xtask itself with it, so setup
+//! cannot install it).
 
 use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
