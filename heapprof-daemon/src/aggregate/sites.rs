@@ -59,13 +59,20 @@ impl SiteTable {
     /// Every site's key and index, in no order.
     pub(crate) fn ids(&self) -> Result<Vec<(StackKey, SiteId)>> {
         let mut ids = Vec::new();
+        self.for_each_id(|key, id| ids.push((key, id)))?;
+        Ok(ids)
+    }
+
+    /// Calls `each` with every site's key and index, in no order: in batches where the
+    /// kernel reads them so, else one lookup at a time.
+    fn for_each_id(&self, mut each: impl FnMut(StackKey, SiteId)) -> Result<()> {
         let table = &self.ids;
         read_entries(
             &self.ids_fd,
             None,
             |key: StackKey, id: &[SiteId]| {
                 if let Some(&id) = id.first() {
-                    ids.push((key, id));
+                    each(key, id);
                 }
             },
             |each| {
@@ -75,8 +82,7 @@ impl SiteTable {
                 }
                 Ok(())
             },
-        )?;
-        Ok(ids)
+        )
     }
 
     /// Every site with its counters summed over CPUs, sorted by index; `peaks` gives
@@ -93,27 +99,13 @@ impl SiteTable {
         expected: usize,
     ) -> Result<Vec<TableSite>> {
         let mut sites: Vec<TableSite> = Vec::with_capacity(expected);
-        let table = &self.ids;
-        read_entries(
-            &self.ids_fd,
-            None,
-            |key: StackKey, id: &[SiteId]| {
-                if let Some(&id) = id.first() {
-                    sites.push(TableSite {
-                        key,
-                        id,
-                        counters: SiteCounters::default(),
-                    });
-                }
-            },
-            |each| {
-                // A key deleted during the walk is skipped.
-                for (key, id) in table.iter().filter_map(Result::ok) {
-                    each(key, &[id]);
-                }
-                Ok(())
-            },
-        )?;
+        self.for_each_id(|key, id| {
+            sites.push(TableSite {
+                key,
+                id,
+                counters: SiteCounters::default(),
+            });
+        })?;
         sites.sort_unstable_by_key(|site| site.id);
         let len = sites.last().map_or(0, |site| site.id as usize + 1);
         let add = |site: &mut TableSite, per_cpu: &[SiteCounters]| {
