@@ -73,6 +73,52 @@ fn system_figures(path: &Path) -> serde_json::Value {
     stats["system_preload"].clone()
 }
 
+/// A script (for [`in_private_namespace`]) in which `program` (alloc_abc's `wait`)
+/// waits in read() while heapprofd starts: `setup` runs first, `waiting` once the
+/// program is ready, `started` once heapprofd is. The program then allocates, and
+/// heapprofd stops while its blocks are still live (so the final profile shows them);
+/// the script says `heapprofd_status=` and `program_status=`.
+fn program_waiting_through_the_start(
+    program: &Path,
+    setup: &str,
+    waiting: &str,
+    started: &str,
+) -> String {
+    format!(
+        r#"{setup}
+mkfifo $D/in
+{program} wait < $D/in > $D/program.out &
+P=$!
+exec 3>$D/in
+for i in $(seq 100); do grep -q ready $D/program.out && break; sleep 0.1; done
+{waiting}
+start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
+{started}
+echo go >&3
+for i in $(seq 100); do grep -q done $D/program.out && break; sleep 0.1; done
+kill -TERM $H; wait $H; echo heapprofd_status=$?
+exec 3>&-
+wait $P; echo program_status=$?
+"#,
+        program = program.display()
+    )
+}
+
+/// After [`program_waiting_through_the_start`]: both exited cleanly, and the final
+/// profile counts exactly what the program says it allocated.
+fn check_waiting_program_counted(what: &str, dir: &Path, stdout: &str, context: &str) {
+    assert_eq!(value(stdout, "heapprofd_status"), "0", "{context}");
+    assert_eq!(value(stdout, "program_status"), "0", "{context}");
+    let printed = std::fs::read_to_string(dir.join("program.out")).expect("program output");
+    let log = std::fs::read_to_string(dir.join("heapprofd.log")).unwrap_or_default();
+    counted::check_c_program(
+        what,
+        &log,
+        &printed,
+        &samples(&last_profile(&dir.join("out"))),
+    );
+}
+
 #[test]
 fn programs_started_under_the_system_preload_join_from_their_start_and_count_exactly() {
     require_root();
@@ -145,30 +191,17 @@ fn a_program_running_before_heapprofd_is_joined_through_the_library_and_counts_e
     // heapprofd starts: both are asked to join through a copy loaded by ptrace.
     let output = in_private_namespace(
         dir.path(),
-        &format!(
-            r#"mkfifo $D/in
-{program} wait < $D/in > $D/program.out &
-P=$!
-exec 3>$D/in
-for i in $(seq 100); do grep -q ready $D/program.out && break; sleep 0.1; done
-start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
-grep -c libheapprofd-system /proc/$P/maps >/dev/null && echo mapped=yes || echo mapped=no
-echo go >&3
-for i in $(seq 100); do grep -q done $D/program.out && break; sleep 0.1; done
-# The final profile is taken while the program's blocks are still live.
-kill -TERM $H; wait $H; echo heapprofd_status=$?
-exec 3>&-
-wait $P; echo program_status=$?
-"#,
-            program = program.display()
+        &program_waiting_through_the_start(
+            &program,
+            "",
+            "",
+            "grep -c libheapprofd-system /proc/$P/maps >/dev/null && echo mapped=yes || echo mapped=no",
         ),
     );
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let context = explain(&output, dir.path());
     assert!(output.status.success(), "{context}");
     assert_eq!(value(&stdout, "mapped"), "yes", "{context}");
-    assert_eq!(value(&stdout, "heapprofd_status"), "0", "{context}");
-    assert_eq!(value(&stdout, "program_status"), "0", "{context}");
     let figures = system_figures(&dir.path().join("stats.json"));
     assert!(
         figures["running_asked"]
@@ -177,13 +210,11 @@ wait $P; echo program_status=$?
             && figures["joined"].as_u64().is_some_and(|joined| joined >= 2),
         "the program and the script's shell were asked and joined: {figures}\n{context}"
     );
-    let printed = std::fs::read_to_string(dir.path().join("program.out")).expect("program output");
-    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
-    counted::check_c_program(
+    check_waiting_program_counted(
         "alloc_abc running before heapprofd",
-        &log,
-        &printed,
-        &samples(&last_profile(&dir.path().join("out"))),
+        dir.path(),
+        &stdout,
+        &context,
     );
 }
 
@@ -201,25 +232,14 @@ fn a_program_started_under_a_dead_heapprofds_entry_is_joined_by_the_next_one_thr
     let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O1"]);
     let output = in_private_namespace(
         dir.path(),
-        &format!(
-            r#"start --all --preload system -o $D/first --interval 60s
+        &program_waiting_through_the_start(
+            &program,
+            "start --all --preload system -o $D/first --interval 60s
 kill -KILL $H; wait $H 2>/dev/null
 mkdir -p $D/ns/inner-up $D/ns/inner-work
-mount -t overlay overlay -o lowerdir=/var/lib,upperdir=$D/ns/inner-up,workdir=$D/ns/inner-work /var/lib || exit 94
-mkfifo $D/in
-{program} wait < $D/in > $D/program.out &
-P=$!
-exec 3>$D/in
-for i in $(seq 100); do grep -q ready $D/program.out && break; sleep 0.1; done
-echo maps_path=$(grep -m1 libheapprofd-system /proc/$P/maps | awk '{{print $6}}')
-start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
-echo go >&3
-for i in $(seq 100); do grep -q done $D/program.out && break; sleep 0.1; done
-kill -TERM $H; wait $H; echo heapprofd_status=$?
-exec 3>&-
-wait $P; echo program_status=$?
-"#,
-            program = program.display()
+mount -t overlay overlay -o lowerdir=/var/lib,upperdir=$D/ns/inner-up,workdir=$D/ns/inner-work /var/lib || exit 94",
+            "echo maps_path=$(grep -m1 libheapprofd-system /proc/$P/maps | awk '{print $6}')",
+            "",
         ),
     );
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
@@ -234,8 +254,6 @@ wait $P; echo program_status=$?
          {shown:?}\n{context}",
         heapprof_common::preload::SYSTEM_LIBRARY
     );
-    assert_eq!(value(&stdout, "heapprofd_status"), "0", "{context}");
-    assert_eq!(value(&stdout, "program_status"), "0", "{context}");
     let figures = system_figures(&dir.path().join("stats.json"));
     assert!(
         figures["running_asked"]
@@ -243,13 +261,11 @@ wait $P; echo program_status=$?
             .is_some_and(|asked| asked >= 1),
         "the program's copy was asked again: {figures}\n{context}"
     );
-    let printed = std::fs::read_to_string(dir.path().join("program.out")).expect("program output");
-    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
-    counted::check_c_program(
+    check_waiting_program_counted(
         "alloc_abc started under a dead heapprofd's entry",
-        &log,
-        &printed,
-        &samples(&last_profile(&dir.path().join("out"))),
+        dir.path(),
+        &stdout,
+        &context,
     );
 }
 
