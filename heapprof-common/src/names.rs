@@ -110,17 +110,23 @@ pub const PROG_SWITCH: &str = "thread_switch";
 /// The tracepoint it attaches to.
 pub const SWITCH_TRACEPOINT: &str = "sched_switch";
 /// Raw tracepoint on every system call's entry: a preloaded thread's queued
-/// records are applied when it calls `futex`, before it wakes another thread.
-pub const PROG_FUTEX: &str = "thread_futex";
+/// records are applied when it calls `futex`, before it wakes another thread, and
+/// when it calls `execve` or `execveat`, while its image is still mapped.
+pub const PROG_SYSCALL: &str = "thread_syscall";
 /// The tracepoint it attaches to.
 pub const SYSCALL_TRACEPOINT: &str = "sys_enter";
 /// Tracepoint program on the entry of `futex` alone (`syscalls:sys_enter_futex`,
-/// kernels with `CONFIG_FTRACE_SYSCALLS`): as [`PROG_FUTEX`], without running a
-/// program at every other system call of the host. [`PROG_FUTEX`] where it is
-/// missing.
+/// kernels with `CONFIG_FTRACE_SYSCALLS`): as [`PROG_SYSCALL`], without running a
+/// program at every other system call of the host. With [`PROG_EXEC_ENTRY`],
+/// [`PROG_SYSCALL`] where either is missing.
 pub const PROG_FUTEX_ENTRY: &str = "futex_entry";
 /// The tracepoint it attaches to, in [`SYSCALLS_CATEGORY`].
 pub const FUTEX_TRACEPOINT: &str = "sys_enter_futex";
+/// Tracepoint program on the entries of `execve` and `execveat`: as [`PROG_SYSCALL`]
+/// for those calls.
+pub const PROG_EXEC_ENTRY: &str = "exec_entry";
+/// The tracepoints it attaches to, in [`SYSCALLS_CATEGORY`].
+pub const EXEC_ENTRY_TRACEPOINTS: [&str; 2] = ["sys_enter_execve", "sys_enter_execveat"];
 /// The tracepoint category of the system calls' own tracepoints.
 pub const SYSCALLS_CATEGORY: &str = "syscalls";
 /// The answers to the preload library's allocation reports (a memory-mappable

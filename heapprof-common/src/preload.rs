@@ -67,7 +67,8 @@ pub struct ReportQueue {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct QueueState {
-    /// The queue's address in the thread's process.
+    /// The queue's address in the thread's process; 0 from the thread's `execve` until
+    /// its old image reports again (a failed exec) or its entry goes (a done one).
     pub address: u64,
     /// The generation `applied` belongs to.
     pub generation: u32,

@@ -78,15 +78,16 @@ const MAPS: [(&str, &str); 40] = constants![
 
 /// The constants that name programs (the kernel-mode tracepoint programs are named by
 /// [`KernelEvent::name`]).
-const PROGRAMS: [(&str, &str); 22] = constants![
+const PROGRAMS: [(&str, &str); 23] = constants![
     names::PROG_EXEC,
     names::PROG_FORK,
     names::PROG_LOADER_STATE_MULTI,
     names::PROG_LOADER_STATE,
     names::PROG_THREAD_EXIT,
     names::PROG_SWITCH,
-    names::PROG_FUTEX,
+    names::PROG_SYSCALL,
     names::PROG_FUTEX_ENTRY,
+    names::PROG_EXEC_ENTRY,
     names::PROG_PRELOAD,
     names::PROG_ALLOC_RETURN,
     names::PROG_ENTRY,

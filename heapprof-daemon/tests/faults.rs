@@ -36,8 +36,9 @@ fn program_names() -> Vec<&'static str> {
         names::PROG_EXEC,
         names::PROG_THREAD_EXIT,
         names::PROG_SWITCH,
-        names::PROG_FUTEX,
+        names::PROG_SYSCALL,
         names::PROG_FUTEX_ENTRY,
+        names::PROG_EXEC_ENTRY,
         names::PROG_PRELOAD,
     ];
     let kernel = [

@@ -161,8 +161,9 @@ fn a_sampled_session_runs_nothing_at_each_context_switch_or_system_call() {
     require_root();
     let per_thread = [
         names::PROG_SWITCH,
-        names::PROG_FUTEX,
+        names::PROG_SYSCALL,
         names::PROG_FUTEX_ENTRY,
+        names::PROG_EXEC_ENTRY,
     ];
     let exact = programs_that_ran(None);
     let ran = |name: &str| exact.get(name).is_some_and(|runs| *runs > 0);
@@ -175,9 +176,9 @@ fn a_sampled_session_runs_nothing_at_each_context_switch_or_system_call() {
     let futex_tracepoint =
         std::path::Path::new("/sys/kernel/tracing/events/syscalls/sys_enter_futex").exists();
     let (futex, other) = if futex_tracepoint {
-        (names::PROG_FUTEX_ENTRY, names::PROG_FUTEX)
+        (names::PROG_FUTEX_ENTRY, names::PROG_SYSCALL)
     } else {
-        (names::PROG_FUTEX, names::PROG_FUTEX_ENTRY)
+        (names::PROG_SYSCALL, names::PROG_FUTEX_ENTRY)
     };
     assert!(ran(futex), "exact: {futex} never ran: {exact:?}");
     assert_eq!(exact.get(other), None, "exact: {other} ran too: {exact:?}");

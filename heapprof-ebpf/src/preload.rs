@@ -101,6 +101,13 @@ fn apply_queue(pid_tgid: u64, address: u64) -> Option<*mut QueueState> {
     let state_ptr = REPORT_QUEUES.get_ptr_mut(&pid_tgid)?;
     // SAFETY: a map value; only this thread's programs, which do not interleave, use it.
     let state = unsafe { &mut *state_ptr };
+    if address == 0 {
+        return Some(state_ptr); // set aside during an exec (see `exec_starts`)
+    }
+    if state.address == 0 {
+        // The old image reports again: its exec failed, and the queue is back in use.
+        state.address = address;
+    }
     let tgid = (pid_tgid >> 32) as u32;
     // SAFETY: bpf_probe_read_user checks the user address.
     let Ok(header) = (unsafe { bpf_probe_read_user(address as *const [u32; 2]) }) else {
@@ -416,6 +423,22 @@ pub fn apply_pending(pid_tgid: u64) {
     if let Some(state) = unsafe { REPORT_QUEUES.get(&pid_tgid) } {
         let address = state.address;
         apply_queue(pid_tgid, address);
+    }
+}
+
+/// A thread calls `execve` or `execveat`: its queue is applied while its image is still
+/// mapped, and its address set aside (0). Once the kernel has replaced the image, but
+/// before `sched_process_exec`, the thread can be switched out, and the queue's address
+/// then names nothing or another mapping of the new image; and the records not yet
+/// applied would go unseen with the old image. A failed exec returns to the old image,
+/// whose next report gives the address back (`apply_queue`).
+#[inline(always)]
+pub fn exec_starts(pid_tgid: u64) {
+    apply_pending(pid_tgid);
+    if let Some(state) = REPORT_QUEUES.get_ptr_mut(&pid_tgid) {
+        // SAFETY: a map value; only this thread's programs, which do not interleave,
+        // use it.
+        unsafe { (*state).address = 0 };
     }
 }
 

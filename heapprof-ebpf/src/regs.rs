@@ -21,6 +21,17 @@ pub const FUTEX_SYSCALL: i64 = 98;
 #[cfg(not(bpf_target_arch = "aarch64"))]
 pub const FUTEX_SYSCALL: i64 = 202;
 
+/// The `execve` and `execveat` system calls' numbers (the generic table arm64 shares).
+#[cfg(bpf_target_arch = "aarch64")]
+pub const EXECVE_SYSCALL: i64 = 221;
+#[cfg(bpf_target_arch = "aarch64")]
+pub const EXECVEAT_SYSCALL: i64 = 281;
+/// The `execve` and `execveat` system calls' numbers (x86-64's table).
+#[cfg(not(bpf_target_arch = "aarch64"))]
+pub const EXECVE_SYSCALL: i64 = 59;
+#[cfg(not(bpf_target_arch = "aarch64"))]
+pub const EXECVEAT_SYSCALL: i64 = 322;
+
 /// User addresses fit in 48 bits; arm64 return addresses signed with pointer
 /// authentication carry the code above them.
 #[cfg(bpf_target_arch = "aarch64")]

@@ -420,19 +420,26 @@ pub fn thread_switch(_ctx: RawTracePointContext) -> i32 {
 /// records applied first. It may be about to wake another thread (a mutex, condition
 /// variable or barrier with waiters), and whatever that thread frees next must not
 /// come off the in-use total before the blocks this one allocated earlier are added,
-/// or the peak would miss them. Every other call returns at once.
+/// or the peak would miss them. One that calls `execve` or `execveat` has them applied
+/// while its image is still there (see `preload::exec_starts`). Every other call
+/// returns at once.
 #[raw_tracepoint(tracepoint = "sys_enter")]
-pub fn thread_futex(ctx: RawTracePointContext) -> i32 {
+pub fn thread_syscall(ctx: RawTracePointContext) -> i32 {
     // sys_enter's arguments are (struct pt_regs *, long id).
     let id: i64 = ctx.arg(1);
-    if id != crate::regs::FUTEX_SYSCALL || empty_programs() || !armed() {
+    let exec = id == crate::regs::EXECVE_SYSCALL || id == crate::regs::EXECVEAT_SYSCALL;
+    if (id != crate::regs::FUTEX_SYSCALL && !exec) || empty_programs() || !armed() {
         return 0;
     }
-    crate::preload::apply_pending(bpf_get_current_pid_tgid());
+    if exec {
+        crate::preload::exec_starts(bpf_get_current_pid_tgid());
+    } else {
+        crate::preload::apply_pending(bpf_get_current_pid_tgid());
+    }
     0
 }
 
-/// `futex`'s entry alone (`syscalls:sys_enter_futex`): as [`thread_futex`], attached
+/// `futex`'s entry alone (`syscalls:sys_enter_futex`): as [`thread_syscall`], attached
 /// instead of it where the kernel has the tracepoint, so that the host's other system
 /// calls run no program.
 #[tracepoint]
@@ -441,6 +448,17 @@ pub fn futex_entry(_ctx: TracePointContext) -> i32 {
         return 0;
     }
     crate::preload::apply_pending(bpf_get_current_pid_tgid());
+    0
+}
+
+/// The entry of `execve` and of `execveat` (`syscalls:sys_enter_execve*`): as
+/// [`thread_syscall`] for those calls, attached beside [`futex_entry`].
+#[tracepoint]
+pub fn exec_entry(_ctx: TracePointContext) -> i32 {
+    if empty_programs() || !armed() {
+        return 0;
+    }
+    crate::preload::exec_starts(bpf_get_current_pid_tgid());
     0
 }
 

@@ -265,39 +265,41 @@ pub fn attach_process_events(
 }
 
 /// With the preload library: applies a thread's queued records when it is switched
-/// out or calls `futex` (see `heapprof_common::preload::QueueState`).
+/// out, calls `futex` or starts an exec (see `heapprof_common::preload::QueueState`).
 pub fn attach_thread_switch(ebpf: &mut Ebpf) -> Result<()> {
     raw_tracepoint(ebpf, names::PROG_SWITCH, names::SWITCH_TRACEPOINT)?;
-    // `futex` alone where the kernel has its tracepoint: a program on every system
-    // call's entry runs for every process of the host.
-    match futex_tracepoint(ebpf) {
+    // `futex` and the execs alone where the kernel has their tracepoints: a program on
+    // every system call's entry runs for every process of the host.
+    let futex = syscall_tracepoints(ebpf, names::PROG_FUTEX_ENTRY, &[names::FUTEX_TRACEPOINT]);
+    let exec = syscall_tracepoints(ebpf, names::PROG_EXEC_ENTRY, &names::EXEC_ENTRY_TRACEPOINTS);
+    match futex.and(exec) {
         Ok(()) => Ok(()),
         Err(err) => {
-            log::debug!("no futex tracepoint ({err:#}): a program on every system call");
-            raw_tracepoint(ebpf, names::PROG_FUTEX, names::SYSCALL_TRACEPOINT)
+            // The raw program handles both; one of the others attached does its
+            // calls' work twice, which applies nothing twice.
+            log::debug!("no system call tracepoints ({err:#}): a program on every system call");
+            raw_tracepoint(ebpf, names::PROG_SYSCALL, names::SYSCALL_TRACEPOINT)
         }
     }
 }
 
-/// Attaches [`names::PROG_FUTEX_ENTRY`] to `syscalls:sys_enter_futex`.
-fn futex_tracepoint(ebpf: &mut Ebpf) -> Result<()> {
-    let (category, name) = (names::SYSCALLS_CATEGORY, names::FUTEX_TRACEPOINT);
-    let program: &mut TracePoint = ebpf
-        .program_mut(names::PROG_FUTEX_ENTRY)
-        .with_context(|| format!("BPF program {} missing", names::PROG_FUTEX_ENTRY))?
+/// Loads tracepoint program `program` and attaches it to each of `tracepoints` in the
+/// `syscalls` category.
+fn syscall_tracepoints(ebpf: &mut Ebpf, program: &str, tracepoints: &[&str]) -> Result<()> {
+    let category = names::SYSCALLS_CATEGORY;
+    let loaded: &mut TracePoint = ebpf
+        .program_mut(program)
+        .with_context(|| format!("BPF program {program} missing"))?
         .try_into()
-        .with_context(|| {
-            format!(
-                "BPF program {} is not a tracepoint",
-                names::PROG_FUTEX_ENTRY
-            )
-        })?;
-    program
+        .with_context(|| format!("BPF program {program} is not a tracepoint"))?;
+    loaded
         .load()
-        .with_context(|| format!("verifying BPF program {}", names::PROG_FUTEX_ENTRY))?;
-    program
-        .attach(category, name)
-        .with_context(|| format!("attaching to the tracepoint {category}:{name}"))?;
+        .with_context(|| format!("verifying BPF program {program}"))?;
+    for name in tracepoints {
+        loaded
+            .attach(category, name)
+            .with_context(|| format!("attaching to the tracepoint {category}:{name}"))?;
+    }
     Ok(())
 }
 
