@@ -653,6 +653,11 @@ pub struct ExecEvent {
     pub tgid: u32,
     /// Its new exec generation (see [`StackKey::exec_gen`]).
     pub exec_gen: u32,
+    /// The fork origin that unwound the replaced image (generation `exec_gen - 1`),
+    /// tgid 0 when none did: a fork that execs at once is gone from `FORK_ORIGINS` (its
+    /// entry becomes its mark) before the daemon reads its sites, which it symbolizes
+    /// with that origin's mappings.
+    pub replaced_origin: unwind::ForkOrigin,
 }
 
 /// Largest `--sample-rate`: keeps the BPF side's fixed-point arithmetic in range.

@@ -382,6 +382,50 @@ fn traces_through_fork_and_exec(inject: &str) {
     }
 }
 
+/// A fork that allocates and execs at once (a shell's, a build tool's) leaves records
+/// in its queue that no context switch has applied yet: they are applied at the
+/// exec's entry, while its image is still there; after an exec that fails, the queue
+/// is used again. Every block counted, nothing counted as lost.
+#[test]
+fn launch_mode_counts_what_forks_allocate_right_before_their_exec() {
+    require_root();
+    let dir = scratch();
+    let binary = compile(dir.path(), "fork_exec", "fork_exec", &["-O0"]);
+    let out = dir.path().join("profiles");
+    let stats = stats_file(&out);
+    let (children, allocs) = (100, 20);
+    let output = heapprofd(&out)
+        .arg("--stats-json")
+        .arg(&stats)
+        .arg("--")
+        .arg(&binary)
+        .args([children.to_string(), allocs.to_string()])
+        .output()
+        .expect("starting heapprofd");
+    assert!(output.status.success(), "{output:?}");
+    let samples = samples(&last_profile(&out));
+    let blocks = children * allocs;
+    // Their images are gone, and with them what they kept.
+    assert_eq!(
+        by_caller(&samples, "before_exec"),
+        [blocks, blocks * 777, 0, 0],
+        "before_exec: allocated, in use: {samples:#?}"
+    );
+    assert_eq!(
+        by_caller(&samples, "after_failed_exec"),
+        [blocks, blocks * 555, 0, 0],
+        "after_failed_exec: allocated, in use: {samples:#?}"
+    );
+    let dropped = &read_stats(&stats)["dropped"];
+    let lost: Vec<_> = dropped
+        .as_object()
+        .expect("dropped: an object")
+        .iter()
+        .filter(|(_, count)| count.as_u64() != Some(0))
+        .collect();
+    assert!(lost.is_empty(), "events counted as lost: {lost:?}");
+}
+
 #[test]
 fn pid_mode_says_when_an_exec_leaves_every_allocator_it_can_see() {
     require_root();

@@ -73,11 +73,15 @@ pub fn descends_from_target(tgid: u32) -> bool {
 
 /// Traced process `tgid` replaced its image (now `exec_gen`): what it was forked from
 /// no longer applies, but its entry stays as its mark (see `ForkOrigin::at_exec`).
+/// Returns the origin that held for the replaced image, if one did.
 #[inline(always)]
-pub fn exec(tgid: u32, exec_gen: u32) {
-    if descends_from_target(tgid) {
-        let _ = FORK_ORIGINS.insert(&tgid, &ForkOrigin::at_exec(tgid, exec_gen), 0);
-    }
+pub fn exec(tgid: u32, exec_gen: u32) -> Option<ForkOrigin> {
+    // SAFETY: a plain value copied out of the map.
+    let replaced = unsafe { FORK_ORIGINS.get(&tgid) }.copied()?;
+    let _ = FORK_ORIGINS.insert(&tgid, &ForkOrigin::at_exec(tgid, exec_gen), 0);
+    replaced
+        .holds_for(exec_gen.wrapping_sub(1))
+        .then_some(replaced)
 }
 
 /// The mappings that unwind process `tgid`'s image `exec_gen` when it has none of its

@@ -388,7 +388,7 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
         }
     };
     // Whatever it was forked from, the new image shares none of its code.
-    crate::forks::exec(tgid, exec_gen);
+    let replaced_origin = crate::forks::exec(tgid, exec_gen).unwrap_or_default();
     // The exec kills the other threads, possibly inside an allocator call: the thread
     // now holding the leader's id must not inherit a call in progress from one of them.
     calls::exec(pid_tgid, exec_gen);
@@ -401,7 +401,12 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
     // So are its blocks (the daemon retires them from the live table).
     crate::usage::reset(tgid);
     // Lost only when the daemon is far behind; it then reads the maps on its next dump.
-    let _ = EXEC_EVENTS.output(&ExecEvent { tgid, exec_gen }, 0);
+    let event = ExecEvent {
+        tgid,
+        exec_gen,
+        replaced_origin,
+    };
+    let _ = EXEC_EVENTS.output(&event, 0);
     0
 }
 

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use heapprof_common::ExecEvent;
+use heapprof_common::{ExecEvent, unwind::ForkOrigin};
 
 use crate::{
     aggregate::{Maps, Site},
@@ -129,6 +129,9 @@ pub(super) struct Images {
     /// Ordered by pid, then generation: a process's images are one range.
     processes: BTreeMap<Image, ProcessInfo>,
     exec_reads: Vec<ExecRead>,
+    /// The fork origins of images an exec replaced before their mappings were read
+    /// (see [`ExecEvent::replaced_origin`]), until their frames are symbolized.
+    replaced_origins: HashMap<Image, ForkOrigin>,
     /// The unwind tables, fed with every current image read (none with `--unwind fp`).
     unwinder: Option<TableUploader>,
 }
@@ -141,6 +144,7 @@ impl Images {
             objects: ObjectCache::default(),
             processes: BTreeMap::new(),
             exec_reads: Vec::new(),
+            replaced_origins: HashMap::new(),
             unwinder,
         }
     }
@@ -297,6 +301,8 @@ impl Images {
         self.processes.retain(|image, _| !pids.contains(&image.pid));
         self.exec_reads
             .retain(|read| !pids.contains(&read.image.pid));
+        self.replaced_origins
+            .retain(|image, _| !pids.contains(&image.pid));
         if let Some(unwinder) = self.unwinder.as_mut() {
             for &pid in pids {
                 unwinder.forget_process(pid);
@@ -330,6 +336,15 @@ impl Images {
     pub fn exec_seen(&mut self, event: ExecEvent) {
         log::debug!("pid {} exec'd (generation {})", event.tgid, event.exec_gen);
         self.mark_replaced(event.tgid, event.exec_gen);
+        let replaced = Image {
+            pid: event.tgid,
+            exec_gen: event.exec_gen.wrapping_sub(1),
+        };
+        let mapped = |info: &ProcessInfo| !info.maps.regions.is_empty();
+        if event.replaced_origin.tgid != 0 && !self.processes.get(&replaced).is_some_and(mapped) {
+            self.replaced_origins
+                .insert(replaced, event.replaced_origin);
+        }
         let now = Instant::now();
         self.exec_reads.push(ExecRead {
             due: now + EXEC_READ_DELAYS[0],
@@ -435,7 +450,8 @@ impl Images {
     /// with its origin's (see `heapprof_common::unwind::ForkOrigin`): its frames are
     /// symbolized with them too.
     fn adopt_fork_origin(&mut self, image: Image, maps: &Maps) {
-        let Some(origin) = maps.fork_origin(image.pid, image.exec_gen) else {
+        let replaced = self.replaced_origins.get(&image).copied();
+        let Some(origin) = maps.fork_origin(image.pid, image.exec_gen).or(replaced) else {
             return;
         };
         let source = Image {
@@ -450,6 +466,7 @@ impl Images {
         else {
             return;
         };
+        self.replaced_origins.remove(&image);
         log::debug!(
             "pid {} (exec generation {}): gone before its mappings were read; its frames \
              are read with those of pid {}, which it was forked from",
