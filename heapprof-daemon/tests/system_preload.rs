@@ -181,6 +181,58 @@ echo after=$(lists)
     );
 }
 
+/// Another heapprofd on the same host counts its own programs exactly while the
+/// system-wide preload is active: one launched with its library is left to it (the
+/// system copy answers nothing and stays inert), and one on its allocator's probes is
+/// counted with the stacks of the program, not of the system copy's wrappers.
+#[test]
+fn another_heapprofd_counts_its_programs_exactly_beside_the_system_preload() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O1"]);
+    let output = in_private_namespace(
+        dir.path(),
+        &format!(
+            r#"start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
+$HEAPPROFD -o $D/launched -- {program} > $D/launched.out 2>>$D/heapprofd.log
+echo launched_status=$?
+$HEAPPROFD -o $D/probed --preload off -- {program} > $D/probed.out 2>>$D/heapprofd.log
+echo probed_status=$?
+kill -TERM $H; wait $H; echo heapprofd_status=$?
+"#,
+            program = program.display()
+        ),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let context = explain(&output, dir.path());
+    assert!(output.status.success(), "{context}");
+    for key in ["launched_status", "probed_status", "heapprofd_status"] {
+        assert_eq!(value(&stdout, key), "0", "{key}\n{context}");
+    }
+    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
+    for (how, name) in [
+        ("launched with its library", "launched"),
+        ("on its probes", "probed"),
+    ] {
+        let printed = std::fs::read_to_string(dir.path().join(format!("{name}.out")))
+            .expect("program output");
+        counted::check_c_program(
+            &format!("alloc_abc {how}, beside the system-wide preload"),
+            &log,
+            &printed,
+            &samples(&last_profile(&dir.path().join(name))),
+        );
+    }
+    let figures = system_figures(&dir.path().join("stats.json"));
+    assert!(
+        figures["declined"]
+            .as_u64()
+            .is_some_and(|declined| declined >= 1),
+        "the program launched with another heapprofd's library was not joined: {figures}\n{context}"
+    );
+}
+
 #[test]
 fn a_program_running_before_heapprofd_is_joined_through_the_library_and_counts_exactly() {
     require_root();

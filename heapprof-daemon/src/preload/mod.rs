@@ -49,6 +49,17 @@ pub fn is_library(path: &str) -> bool {
         || path.starts_with(INJECTED_PATH_PREFIX)
 }
 
+/// Whether `path` is any build of heapprofd's interposer: a copy [`is_library`] names,
+/// or the system-wide build (`--preload system`) a program started while such a
+/// heapprofd ran, whose wrappers call the allocator on the program's behalf. (That
+/// build is not [`is_library`]'s: it is in every program, joined or inert.)
+pub fn is_interposer(path: &str) -> bool {
+    let path = path.strip_suffix(" (deleted)").unwrap_or(path);
+    is_library(path)
+        || std::path::Path::new(path).file_name()
+            == std::path::Path::new(heapprof_common::preload::SYSTEM_LIBRARY).file_name()
+}
+
 /// `--preload`: whether launched commands get the interposer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PreloadMode {

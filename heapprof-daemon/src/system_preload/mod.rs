@@ -283,6 +283,13 @@ impl Drop for SystemPreload {
     }
 }
 
+/// Whether `pid` was started under another heapprofd's library (launch mode), which
+/// is mapped before any program's start asks. (One that cannot be read is asked.)
+fn served_by_another_heapprofd(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .is_ok_and(|maps| running::maps_another_library(&maps))
+}
+
 /// The answering thread: marks each process that asks as joined (so that the session
 /// never probes it meanwhile), has the session read its mappings (waiting at most
 /// [`MAPPINGS_WAIT`]), sends its join, and hands the connection to the session, which
@@ -297,6 +304,17 @@ fn answer_all(
 ) {
     while let Some(asking) = listener.accept() {
         let pid = asking.pid;
+        if served_by_another_heapprofd(pid) {
+            // Its copy, answered nothing, stays inert: a second set of wrappers would
+            // send the first's calls through its own, and each heapprofd would see
+            // the other's frames. Its allocator's probes count it here.
+            drop(asking);
+            let why = anyhow::anyhow!("it runs under another heapprofd's library");
+            if events.send(Event::Answered(pid, Err(why))).is_err() {
+                return;
+            }
+            continue;
+        }
         if let Ok(mut set) = joined.lock() {
             set.insert(pid);
         }

@@ -68,18 +68,24 @@ fn maps_allow(pid: u32) -> bool {
     let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
         return false;
     };
-    let mut glibc = false;
-    for line in maps.lines().filter_map(|l| parse_maps_line(l).ok()) {
-        if crate::preload::is_library(&line.path) {
-            return false;
-        }
-        let name = Path::new(&line.path)
-            .file_name()
-            .and_then(|name| name.to_str())
-            .unwrap_or("");
-        glibc |= name == "libc.so.6";
+    if maps_another_library(&maps) {
+        return false;
     }
-    glibc
+    maps.lines()
+        .filter_map(|l| parse_maps_line(l).ok())
+        .any(|line| {
+            Path::new(&line.path)
+                .file_name()
+                .is_some_and(|name| name == "libc.so.6")
+        })
+}
+
+/// Whether the mappings `maps` (a /proc/PID/maps text) hold a copy of heapprofd's
+/// launch or `--pid` library: another heapprofd serves that process's allocator calls.
+pub(super) fn maps_another_library(maps: &str) -> bool {
+    maps.lines()
+        .filter_map(|l| parse_maps_line(l).ok())
+        .any(|line| crate::preload::is_library(&line.path))
 }
 
 /// The thread that asks each of `pids` in turn, until `stop`; says [`Event::NotAsked`]

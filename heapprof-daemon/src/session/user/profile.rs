@@ -146,13 +146,14 @@ impl UserSession {
                 // Return addresses point after the call; the call instruction is one byte back.
                 let addr = ret.wrapping_sub(1);
                 // Another session's interposer called the allocator on the program's
-                // behalf (a launched or joined process seen by --all): its wrapper's
-                // frame is not the program's, the stack starts at the wrapper's caller.
+                // behalf (a launched or joined process seen by --all or by probes, a
+                // program joined by a system-wide heapprofd): its wrapper's frame is not
+                // the program's, the stack starts at the wrapper's caller.
                 if frames.is_empty()
                     && info
                         .maps
                         .find(addr)
-                        .is_some_and(|region| crate::preload::is_library(&region.object.path))
+                        .is_some_and(|region| crate::preload::is_interposer(&region.object.path))
                 {
                     continue;
                 }
