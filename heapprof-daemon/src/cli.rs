@@ -5,8 +5,12 @@ use std::{net::SocketAddr, num::NonZeroUsize, path::PathBuf, time::Duration};
 use clap::Parser;
 
 use crate::{
-    inject::InjectMode, placement::PlacementMode, pprof::retention::RetentionPolicy,
-    preload::PreloadMode, probes::AttachChoice,
+    cgroup::{CgroupError, CgroupFilter},
+    inject::InjectMode,
+    placement::PlacementMode,
+    pprof::retention::RetentionPolicy,
+    preload::PreloadMode,
+    probes::AttachChoice,
 };
 
 /// eBPF heap profiler: live and cumulative heap usage per call stack, written as Go-pprof heap profiles.
@@ -415,6 +419,14 @@ impl Cli {
             }
             None => PathBuf::from("heapprofd-profiles"),
         }
+    }
+
+    /// The cgroup subtree `--cgroup` names, resolved to what the programs compare.
+    pub fn cgroup_filter(&self) -> Result<Option<CgroupFilter>, CgroupError> {
+        self.cgroup
+            .as_deref()
+            .map(CgroupFilter::resolve)
+            .transpose()
     }
 
     /// `--push` without `-o`: profiles are pushed and not kept on disk.

@@ -254,6 +254,12 @@ fn beside(path: &str, name: &str) -> Option<String> {
     (plain && name != own).then(|| format!("{dir}/{name}"))
 }
 
+/// Whether `exe` is one of valgrind's tools (`/usr/libexec/valgrind/memcheck-amd64-linux`,
+/// `.../dhat-arm64-linux`), which run a program's code by translating it.
+pub fn is_valgrind_tool(exe: &str) -> bool {
+    exe.contains("/valgrind/") && exe.ends_with("-linux")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -52,6 +52,7 @@ use heapprof_common::kernel::DeferredFreePath;
 use heapprof_daemon::{
     pprof::keyed_comments,
     probes::kernel::{DeferredFreeWatch, watch_key},
+    report::losses,
 };
 
 /// What the test needs of the environment.
@@ -728,8 +729,8 @@ fn check_deferred_frees(profile: &heapprof_daemon::pprof::proto::Profile, round:
         );
     } else {
         assert!(
-            notes.iter().any(|c| c.starts_with("undercounted: ")),
-            "{round}: neither deferred frees nor a warning: {notes:?}"
+            losses::frees_undercounted(&notes),
+            "{round}: neither deferred frees nor an undercount: {notes:?}"
         );
     }
     eprintln!(
@@ -737,10 +738,10 @@ fn check_deferred_frees(profile: &heapprof_daemon::pprof::proto::Profile, round:
         if seen { "seen" } else { "not seen" },
         sum(3),
         sum(1),
-        notes
+        losses::losses(&notes)
             .iter()
-            .find(|c| c.starts_with("undercounted: "))
-            .map_or_else(String::new, |c| format!("; {c}"))
+            .map(|loss| format!("; {}", loss.line()))
+            .collect::<String>()
     );
 }
 

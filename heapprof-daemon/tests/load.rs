@@ -122,12 +122,8 @@ fn run_load(args: &[&str], flags: &[&str], function: &str) -> ([i64; 4], [i64; 4
     let run = run(args, flags);
     let samples = samples(&run.profile);
     let counted = totals(&samples, |s| s.stack.get(1).is_some_and(|f| f == function));
-    let comments = comments(&run.profile);
-    let drops: Vec<&&str> = comments
-        .iter()
-        .filter(|c| c.starts_with("dropped:") && !c.ends_with("= 0"))
-        .collect();
-    assert!(drops.is_empty(), "nothing may be dropped: {drops:?}");
+    let lost = heapprof_daemon::report::losses::losses(&comments(&run.profile));
+    assert!(lost.is_empty(), "nothing may be dropped: {lost:?}");
     println!(
         "load {}: {} allocations counted in {function}(), exact; work took {:.2} s under \
          heapprofd; heapprofd peak RSS {:.1} MiB",

@@ -178,9 +178,11 @@ fn the_timeline_shows_the_leak_rising() {
         );
     }
     // Once the daemon records memory figures, they are in the process rows.
-    let recorded = read_profiles(session())
-        .iter()
-        .any(|(_, p)| comments(p).iter().any(|c| c.starts_with("process-memory")));
+    let recorded = read_profiles(session()).iter().any(|(_, p)| {
+        comments(p)
+            .iter()
+            .any(|c| heapprof_daemon::memstats::ProcessMemory::parse_comment(c).is_some())
+    });
     if recorded {
         for total in &totals {
             let (rss, anon) = (number(total, "vm_rss"), number(total, "rss_anon"));

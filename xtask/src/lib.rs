@@ -13,8 +13,6 @@ pub mod remote;
 pub mod setup;
 pub mod soak;
 pub mod vm;
-pub mod vm_bpftrace;
-pub mod vm_x86;
 
 use std::{
     path::{Path, PathBuf},
@@ -269,9 +267,9 @@ fn bpf_clippy(arch: &str) -> Command {
 pub fn vm_test_env() -> Result<Vec<(&'static str, PathBuf)>> {
     let binary = cross::build_static(cross::Arch::Aarch64)?;
     let glibc = cross::build_glibc(cross::Arch::Aarch64)?;
-    let assets = vm::ensure_assets()?;
+    let assets = vm::arm64::ensure_assets()?;
     let x86_binary = cross::build_static(cross::Arch::X86_64)?;
-    let x86_assets = vm_x86::ensure_assets()?;
+    let x86_assets = vm::x86::ensure_assets()?;
     Ok(vec![
         ("HEAPPROFD_AARCH64_BINARY", binary),
         ("HEAPPROFD_AARCH64_GLIBC_BINARY", glibc),

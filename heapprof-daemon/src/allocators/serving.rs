@@ -139,12 +139,6 @@ pub fn is_loader(object: &ObjectFile) -> bool {
     is_glibc_loader_name(&object.path)
 }
 
-/// Whether `exe` is one of valgrind's tools (`/usr/libexec/valgrind/memcheck-amd64-linux`,
-/// `.../dhat-arm64-linux`), which run a program's code by translating it.
-pub fn is_valgrind_tool(exe: &str) -> bool {
-    exe.contains("/valgrind/") && exe.ends_with("-linux")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -39,10 +39,16 @@ impl Loss {
     }
 }
 
+/// How a comment counting drops begins.
+const DROPPED: &str = "dropped: ";
+
+/// How a comment stating an undercount begins; the statement after it is for people.
+const UNDERCOUNTED: &str = "undercounted: ";
+
 /// The profile comment of `count` drops for `reason`.
 pub fn drop_comment(reason: DropReason, count: u64) -> String {
     crate::pprof::keyed_comments::keyed(
-        &format!("dropped: {}", reason.describe()),
+        &format!("{DROPPED}{}", reason.describe()),
         reason.name(),
         count,
     )
@@ -53,19 +59,27 @@ pub fn drop_comment(reason: DropReason, count: u64) -> String {
 /// in-use may be objects freed unseen, not a leak.
 pub const FREES_UNDERCOUNTED: &str = "frees undercounted: in-use may be overstated";
 
-/// Whether `comments` say frees went uncounted (an `undercounted:` comment).
-pub fn frees_undercounted(comments: &[String]) -> bool {
-    comments.iter().any(|c| c.starts_with("undercounted: "))
+/// The profile comment stating that frees are undercounted, and why (`statement`):
+/// what [`frees_undercounted`] and [`losses`] find.
+pub fn undercounted_comment(statement: &str) -> String {
+    format!("{UNDERCOUNTED}{statement}")
+}
+
+/// Whether `comments` say frees went uncounted (an [`undercounted_comment`]).
+pub fn frees_undercounted<S: AsRef<str>>(comments: &[S]) -> bool {
+    comments
+        .iter()
+        .any(|c| c.as_ref().starts_with(UNDERCOUNTED))
 }
 
 /// The losses `comments` record, in the order written.
-pub fn losses(comments: &[String]) -> Vec<Loss> {
-    comments.iter().filter_map(|c| parse(c)).collect()
+pub fn losses<S: AsRef<str>>(comments: &[S]) -> Vec<Loss> {
+    comments.iter().filter_map(|c| parse(c.as_ref())).collect()
 }
 
 /// The loss one comment records, if it records one.
 fn parse(comment: &str) -> Option<Loss> {
-    if let Some(statement) = comment.strip_prefix("undercounted: ") {
+    if let Some(statement) = comment.strip_prefix(UNDERCOUNTED) {
         return Some(Loss {
             what: statement.to_owned(),
             reason: None,
@@ -74,7 +88,7 @@ fn parse(comment: &str) -> Option<Loss> {
             untracked_blocks: false,
         });
     }
-    let (what, count) = comment.strip_prefix("dropped: ")?.rsplit_once(" = ")?;
+    let (what, count) = comment.strip_prefix(DROPPED)?.rsplit_once(" = ")?;
     let count: u64 = count.trim().parse().ok()?;
     if count == 0 {
         return None;

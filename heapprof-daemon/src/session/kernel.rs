@@ -27,6 +27,7 @@ use crate::{
         builder::{AddressSpace, KERNEL_SAMPLE_TYPES},
     },
     probes::kernel::{DeferredFreeWatch, DeferredFrees, freed_key, watch_key},
+    report::losses::undercounted_comment,
     symbolize::{
         Frame,
         kallsyms::{KERNEL_MODULE, KernelSymbols},
@@ -426,10 +427,10 @@ impl KernelSession {
             }
         }
         if let Some(undercounted) = self.deferred_frees.undercounted() {
-            builder.comment(&format!("undercounted: {undercounted}"));
+            builder.comment(&undercounted_comment(&undercounted));
         }
         if let Some(skipped) = skipped {
-            builder.comment(&format!("undercounted: {skipped}"));
+            builder.comment(&undercounted_comment(skipped));
         }
         let rate = self.config.sample_rate;
         if rate > 0 {

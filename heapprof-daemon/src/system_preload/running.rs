@@ -21,7 +21,7 @@ use crate::{
         Injection,
         system::{SystemAskError, never_asked},
     },
-    procmaps::parse_maps_line,
+    procmaps::{is_valgrind_tool, parse_maps_line},
 };
 
 /// The processes heapprofd asks to join at its start: every process that sees the
@@ -61,7 +61,7 @@ fn file_id(path: &Path) -> Option<(u64, u64)> {
 /// heapprofd's library, not a valgrind tool. (A kernel thread maps nothing.)
 fn maps_allow(pid: u32) -> bool {
     if std::fs::read_link(format!("/proc/{pid}/exe"))
-        .is_ok_and(|exe| crate::allocators::serving::is_valgrind_tool(&exe.to_string_lossy()))
+        .is_ok_and(|exe| is_valgrind_tool(&exe.to_string_lossy()))
     {
         return false;
     }

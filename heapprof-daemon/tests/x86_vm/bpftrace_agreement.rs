@@ -1,5 +1,5 @@
 //! heapprofd's kernel-mode counts against bpftrace's inside the VM, in the kernel whose
-//! boot attaches the bpftrace disk (xtask/src/vm_bpftrace.rs: bookworm's bpftrace 0.17
+//! boot attaches the bpftrace disk (xtask/src/vm/bpftrace.rs: bookworm's bpftrace 0.17
 //! and its libraries on an ext4 image, with the modules that read it): the pipe
 //! workload of tests/kernel.rs, both tools attached while it waits, counted by the
 //! same script (tests/common/bpftrace.rs).

@@ -7,7 +7,10 @@ use std::sync::Arc;
 use aya::Ebpf;
 
 use super::{AllocatorProbes, ProcessView, another_sessions_library};
-use crate::allocators::{api::Family, serving};
+use crate::{
+    allocators::{api::Family, serving},
+    procmaps::is_valgrind_tool,
+};
 
 impl AllocatorProbes {
     /// Finds the allocators of a process and probes those not probed yet: every
@@ -25,7 +28,7 @@ impl AllocatorProbes {
         // The system-wide library serves a process only once it has joined it; until
         // its start has asked (it asks before the program's main), nothing is probed.
         let only = self.settings.per_process.map(|_| process.pid);
-        if only.is_some() && process.exe.is_some_and(serving::is_valgrind_tool) {
+        if only.is_some() && process.exe.is_some_and(is_valgrind_tool) {
             // Valgrind runs the program's code by translating it: a probe's breakpoint
             // would stop it with SIGTRAP. (With probes for every process there is no
             // such choice; this mode has one.)

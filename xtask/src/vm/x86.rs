@@ -16,11 +16,11 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{
-    CmdExt as _, step,
-    vm::{PrivateApt, debian_archive},
-    vm_bpftrace, workspace_root,
+use super::{
+    bpftrace,
+    debian::{PrivateApt, debian_archive, extract, find_deb, has_member},
 };
+use crate::{step, workspace_root};
 
 /// The suites whose kernel the VM boots, oldest first: each suite's
 /// `linux-image-amd64` names the kernel image package.
@@ -38,7 +38,7 @@ const BUSYBOX: &str = "busybox-static/bookworm";
 /// needed); 6.12's is xz-compressed.
 const BRD: &str = "kernel/drivers/block/brd.ko";
 
-/// The suite whose kernel also mounts the bpftrace disk ([`vm_bpftrace`]).
+/// The suite whose kernel also mounts the bpftrace disk ([`bpftrace`]).
 const BPFTRACE_KERNEL_SUITE: &str = "bookworm-backports";
 
 /// The modules that kernel needs to read the disk, in the order they load (each after
@@ -62,7 +62,7 @@ const BPFTRACE_MARK: &str = "bpftrace-disk";
 /// `kernels/<release>/brd.ko` (`<release>` as `uname -r` gives it), for the
 /// bookworm-backports kernel also [`DISK_MODULES`] in `kernels/<release>/disk/`
 /// and a file `order` naming them in their loading order, and the bpftrace disk
-/// image [`vm_bpftrace::IMAGE`].
+/// image [`bpftrace::IMAGE`].
 ///
 /// `.complete` lists [`SUITES`], [`BPFTRACE_MARK`] and then the kernel packages:
 /// assets fetched for other suites are fetched again (a newer kernel in a suite is
@@ -187,11 +187,11 @@ pub fn ensure_assets() -> Result<PathBuf> {
         bail!("no kernel of {BPFTRACE_KERNEL_SUITE}, the suite whose boot runs bpftrace");
     }
     step("fetching bpftrace and its libraries into a disk image for the x86-64 VM test");
-    let bpftrace_sources = format!("deb {options} {archive} {} main\n", vm_bpftrace::SUITE);
-    vm_bpftrace::build_image(
+    let bpftrace_sources = format!("deb {options} {archive} {} main\n", bpftrace::SUITE);
+    bpftrace::build_image(
         &base.join("bpftrace"),
         &bpftrace_sources,
-        &assets.join(vm_bpftrace::IMAGE),
+        &assets.join(bpftrace::IMAGE),
     )?;
     let mut marker: Vec<&str> = head;
     marker.extend(kernels.iter().map(String::as_str));
@@ -229,43 +229,4 @@ fn keep_module(modules: &Path, module: &str, dir: &Path, busybox: &Path) -> Resu
         bail!("no {module} (or .ko.xz) in the kernel package");
     }
     Ok(file.trim_end_matches(".ko").to_owned())
-}
-
-/// The .deb in `dir` whose file name starts with `prefix`.
-pub(crate) fn find_deb(dir: &Path, prefix: &str) -> Result<PathBuf> {
-    std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with(prefix) && n.ends_with(".deb"))
-        })
-        .with_context(|| format!("apt downloaded no {prefix}*.deb into {}", dir.display()))
-}
-
-/// Whether `deb` holds the file `member` (`./path`).
-fn has_member(deb: &Path, member: &str) -> Result<bool> {
-    let output = Command::new("dpkg-deb")
-        .arg("--contents")
-        .arg(deb)
-        .output()
-        .with_context(|| format!("listing {}", deb.display()))?;
-    if !output.status.success() {
-        bail!("dpkg-deb --contents {} failed", deb.display());
-    }
-    Ok(String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .any(|line| line.split_whitespace().nth(5) == Some(member)))
-}
-
-/// Unpacks the members of `deb` matching `patterns` (tar wildcards) into `into`:
-/// only what the VM needs, not a kernel package's hundreds of MiB of modules.
-pub(crate) fn extract(deb: &Path, into: &Path, patterns: &[&str]) -> Result<()> {
-    Command::new("sh")
-        .arg("-c")
-        .arg(r#"deb=$0; into=$1; shift; dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$into" --wildcards "$@""#)
-        .arg(deb)
-        .arg(into)
-        .args(patterns)
-        .run()
 }

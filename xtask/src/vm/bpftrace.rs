@@ -20,7 +20,8 @@ use object::{
     read::elf::{Dyn as _, ElfFile64, FileHeader as _},
 };
 
-use crate::{CmdExt as _, vm::PrivateApt};
+use super::debian::PrivateApt;
+use crate::CmdExt as _;
 
 /// The suite bpftrace comes from, the one suite of its apt configuration: its
 /// dependencies are resolved within it, as an install there would.
