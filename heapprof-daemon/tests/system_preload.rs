@@ -233,6 +233,68 @@ kill -TERM $H; wait $H; echo heapprofd_status=$?
     );
 }
 
+/// `--pid` on a program the system-wide heapprofd joined: a second library is not
+/// injected beside its copy (whose wrappers hold the allocator's GOT slots); the
+/// program's allocator's probes count it, exactly, and it keeps working.
+#[test]
+fn pid_mode_on_a_program_the_system_preload_joined_counts_it_on_the_probes() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O1"]);
+    let output = in_private_namespace(
+        dir.path(),
+        &format!(
+            r#"start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
+mkfifo $D/in
+{program} wait < $D/in > $D/program.out &
+P=$!
+exec 3>$D/in
+for i in $(seq 100); do grep -q ready $D/program.out && break; sleep 0.1; done
+# Without the fifo's writing end, which would keep the program from its end of input.
+$HEAPPROFD --ready-file $D/pid-ready -o $D/pid-out --stats-json $D/pid-stats.json --pid $P 3>&- >>$D/heapprofd.log 2>&1 &
+Q=$!
+for i in $(seq 600); do [ -f $D/pid-ready ] && break; kill -0 $Q 2>/dev/null || break; sleep 0.1; done
+echo second_copies=$(grep -c memfd:heapprofd-preload /proc/$P/maps)
+echo go >&3
+for i in $(seq 100); do grep -q done $D/program.out && break; sleep 0.1; done
+exec 3>&-
+wait $P; echo program_status=$?
+wait $Q; echo pid_status=$?
+kill -TERM $H; wait $H; echo heapprofd_status=$?
+"#,
+            program = program.display()
+        ),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let context = explain(&output, dir.path());
+    assert!(output.status.success(), "{context}");
+    for key in ["program_status", "pid_status", "heapprofd_status"] {
+        assert_eq!(value(&stdout, key), "0", "{key}\n{context}");
+    }
+    assert_eq!(
+        value(&stdout, "second_copies"),
+        "0",
+        "no second library was loaded into the program\n{context}"
+    );
+    let figures = system_figures(&dir.path().join("stats.json"));
+    assert!(
+        figures["joined"].as_u64().is_some_and(|joined| joined >= 1),
+        "the system-wide heapprofd joined the program: {figures}\n{context}"
+    );
+    let text = std::fs::read_to_string(dir.path().join("pid-stats.json")).expect("--stats-json");
+    let stats: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
+    assert_eq!(stats["joined"]["how"], "probes", "{stats}\n{context}");
+    let printed = std::fs::read_to_string(dir.path().join("program.out")).expect("program output");
+    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
+    counted::check_c_program(
+        "alloc_abc under --pid, joined by the system-wide preload",
+        &log,
+        &printed,
+        &samples(&last_profile(&dir.path().join("pid-out"))),
+    );
+}
+
 #[test]
 fn a_program_running_before_heapprofd_is_joined_through_the_library_and_counts_exactly() {
     require_root();

@@ -114,6 +114,38 @@ fn mapped_copy(pid: u32, path: &str) -> Option<(u64, Vec<u8>)> {
         .find_map(|(start, mapped)| std::fs::read(mapped).ok().map(|image| (start, image)))
 }
 
+/// Refuses a `--pid` join of a process whose copy of the system-wide build is joined to
+/// a heapprofd (`--all --preload system`): its allocator calls already go through that
+/// copy's wrappers, whose GOT slots a second library would find moved (and a heapprofd
+/// killed with both in the process could leave it hung). Its allocator's probes count
+/// it instead. A joined copy holds that heapprofd's answers' map (a BPF map) open; an
+/// inert one (no heapprofd ran, or a killed one left the entry) holds nothing.
+pub fn refuse_if_system_joined(pid: u32) -> Result<(), NotJoined> {
+    let name = std::path::Path::new(heapprof_common::preload::SYSTEM_LIBRARY)
+        .file_name()
+        .and_then(|name| name.to_str())
+        .unwrap_or_default();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let mapped = maps
+        .lines()
+        .filter_map(|line| crate::procmaps::parse_maps_line(line).ok())
+        .any(|line| names_copy(&line.path, name));
+    let holds_bpf_map = || {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|to| to == *"anon_inode:bpf-map"))
+    };
+    if mapped && holds_bpf_map() {
+        return Err(not_joined(
+            "the system-wide preload's library serves it already (a heapprofd --all \
+             --preload system joined it)",
+        ));
+    }
+    Ok(())
+}
+
 /// Whether a mapping's path (as `/proc/PID/maps` shows it) is a file named `name`,
 /// there or deleted.
 fn names_copy(mapped: &str, name: &str) -> bool {

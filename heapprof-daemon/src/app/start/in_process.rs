@@ -38,6 +38,7 @@ pub(super) fn load_in_process(
     let image = crate::preload::injectable_image()?;
     let entries = inject::entries(&image).context("the preload library has no entry points")?;
     let attempt = (|| {
+        inject::system::refuse_if_system_joined(pid)?;
         let mut injection = inject::Injection::start(pid)?;
         let file = injection.load(&image, entries)?;
         let library =
