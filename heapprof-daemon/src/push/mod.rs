@@ -11,7 +11,7 @@
 //!
 //! The rooms: `target` (the flags, checked), `ca` (`--push-ca-file`), `series` (a
 //! profile's per-process uploads), `scan` and `wire` (a profile read as it inflates),
-//! `pyroscope`, `otlp` and `parca` (the protocols' encodings), `grpc` (a call of an
+//! `profile_error` (a profile that cannot be read), `pyroscope`, `otlp` and `parca` (the protocols' encodings), `grpc` (a call of an
 //! encoded request), `transport` (one send), `spool` (the bounded queue), `worker`
 //! (the retry loop), `metrics`, `error_text`.
 
@@ -21,6 +21,7 @@ mod grpc;
 pub mod metrics;
 pub mod otlp;
 pub mod parca;
+pub mod profile_error;
 pub mod pyroscope;
 mod scan;
 pub mod series;

@@ -14,27 +14,12 @@ use bytes::Bytes;
 use flate2::{Compression, read::GzDecoder, write::GzEncoder};
 use prost::Message as _;
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
-use super::scan::scan;
+use super::{profile_error::ProfileError, scan::scan};
 use crate::pprof::proto::{Label, Profile, Sample};
 
 /// The sample labels that identify a process's series, in the order they are sent.
 pub const SERIES_LABELS: [&str; 5] = ["pid", "comm", "cgroup", "container", "pod"];
-
-/// A profile that cannot be split.
-#[derive(Debug, Error)]
-pub enum SeriesError {
-    /// Not gzip.
-    #[error("the profile is not gzip'd: {0}")]
-    Gzip(std::io::Error),
-    /// Not a profile.
-    #[error("the profile does not decode: {0}")]
-    Decode(#[from] prost::DecodeError),
-    /// Cut short, or not protobuf.
-    #[error("the profile is cut short or malformed: {0}")]
-    Malformed(&'static str),
-}
 
 /// Who a series is: its service name and its labels.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,18 +44,18 @@ pub struct Upload {
 }
 
 /// Decodes a gzip'd profile.
-pub fn decode(pprof_gz: &[u8]) -> Result<Profile, SeriesError> {
+pub fn decode(pprof_gz: &[u8]) -> Result<Profile, ProfileError> {
     let mut bytes = Vec::new();
     GzDecoder::new(pprof_gz)
         .read_to_end(&mut bytes)
-        .map_err(SeriesError::Gzip)?;
+        .map_err(ProfileError::Gzip)?;
     Ok(Profile::decode(bytes.as_slice())?)
 }
 
 /// The uploads of the profile `pprof_gz`: one per process (by the `pid` label), or
 /// the file itself, shared, when it holds one process or none (found by a scan of its
 /// labels: a whole decode takes several times the profile's size).
-pub fn split(pprof_gz: &Bytes, service_name: Option<&str>) -> Result<Vec<Upload>, SeriesError> {
+pub fn split(pprof_gz: &Bytes, service_name: Option<&str>) -> Result<Vec<Upload>, ProfileError> {
     let scanned = scan(pprof_gz)?;
     if scanned.in_order && scanned.one_value_of("pid") {
         let strings = |index| scanned.string(index);
