@@ -10,7 +10,9 @@
 //! thread. Each target has its own loop (`worker`), spool and counters.
 //!
 //! The rooms: `target` (the flags, checked), `ca` (`--push-ca-file`), `series` (a
-//! profile's per-process uploads), `scan` and `wire` (a profile read as it inflates),
+//! profile's per-process uploads), `scan`, `processes` and `wire` (a profile read as
+//! it inflates: told one process from several, cut into its processes' profiles,
+//! read field by field), `profile_error` (a profile that cannot be read),
 //! `pyroscope`, `otlp` and `parca` (the protocols' encodings), `grpc` (a call of an
 //! encoded request), `transport` (one send), `spool` (the bounded queue), `worker`
 //! (the retry loop), `metrics`, `error_text`.
@@ -21,6 +23,8 @@ mod grpc;
 pub mod metrics;
 pub mod otlp;
 pub mod parca;
+mod processes;
+pub mod profile_error;
 pub mod pyroscope;
 mod scan;
 pub mod series;

@@ -33,7 +33,8 @@ use prost::{
 };
 
 use super::{
-    series::{SeriesError, Upload},
+    profile_error::ProfileError,
+    series::Upload,
     wire::{Fields, LEN},
 };
 use crate::pprof::proto::{Profile, Sample, ValueType};
@@ -59,7 +60,7 @@ const DICTIONARY_STACKS: u32 = 7;
 /// translated samples or a second copy of the request (a profile of 100k stacks took
 /// 300 MiB as messages, then about twice the request's size while it was put
 /// together; now little more than the request).
-pub fn export_request(upload: &Upload, original_payload: bool) -> Result<Vec<u8>, SeriesError> {
+pub fn export_request(upload: &Upload, original_payload: bool) -> Result<Vec<u8>, ProfileError> {
     let mut tables = tables(&upload.pprof_gz)?;
     let mut translation = Translation::new(&mut tables);
     let mut lengths = vec![0usize; tables.sample_type.len()];
@@ -121,7 +122,9 @@ pub fn export_request(upload: &Upload, original_payload: bool) -> Result<Vec<u8>
                 .get_mut(place.start..end)
                 .filter(|_| end <= place.end)
             else {
-                return Err(SeriesError::Malformed("its samples read differently twice"));
+                return Err(ProfileError::Malformed(
+                    "its samples read differently twice",
+                ));
             };
             prost::encoding::message::encode(PROFILE_SAMPLES, &otlp, &mut slot);
             place.start = end;
@@ -129,7 +132,9 @@ pub fn export_request(upload: &Upload, original_payload: bool) -> Result<Vec<u8>
         Ok(())
     })?;
     if places.iter().any(|place| !place.is_empty()) {
-        return Err(SeriesError::Malformed("its samples read differently twice"));
+        return Err(ProfileError::Malformed(
+            "its samples read differently twice",
+        ));
     }
     translation.write_dictionary(&mut request);
     Ok(request)
@@ -138,8 +143,8 @@ pub fn export_request(upload: &Upload, original_payload: bool) -> Result<Vec<u8>
 /// Calls `each` with every sample of a gzip'd pprof, in order, one decoded at a time.
 fn for_each_sample(
     pprof_gz: &[u8],
-    mut each: impl FnMut(&Sample) -> Result<(), SeriesError>,
-) -> Result<(), SeriesError> {
+    mut each: impl FnMut(&Sample) -> Result<(), ProfileError>,
+) -> Result<(), ProfileError> {
     let mut fields = Fields::new(pprof_gz);
     let mut buffer = Vec::new();
     while let Some(key) = fields.next_key()? {
@@ -209,7 +214,7 @@ fn field_head(tag: u32, len: usize, out: &mut Vec<u8>) {
 }
 
 /// The pprof's fields but its samples: its tables, types and times.
-fn tables(pprof_gz: &[u8]) -> Result<Profile, SeriesError> {
+fn tables(pprof_gz: &[u8]) -> Result<Profile, ProfileError> {
     let mut fields = Fields::new(pprof_gz);
     let mut kept = Vec::new();
     let mut buffer = Vec::new();

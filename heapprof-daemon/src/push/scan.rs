@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 use prost::Message as _;
 
 use super::{
-    series::SeriesError,
+    profile_error::ProfileError,
     wire::{Fields, LEN, VARINT, as_i64},
 };
 use crate::pprof::proto::Label;
@@ -73,7 +73,7 @@ struct LabelsOnly {
 }
 
 /// Scans the gzip'd profile `pprof_gz`.
-pub fn scan(pprof_gz: &[u8]) -> Result<Scanned, SeriesError> {
+pub fn scan(pprof_gz: &[u8]) -> Result<Scanned, ProfileError> {
     let mut fields = Fields::new(pprof_gz);
     let mut scanned = Scanned {
         in_order: true,

@@ -5,36 +5,18 @@
 //! command name, unless `--push-service-name` says) and carries the labels heapprofd
 //! puts on its samples: pid, comm, cgroup, container, pod.
 
-use std::{
-    collections::{BTreeMap, HashMap, HashSet},
-    io::{Read as _, Write as _},
-};
+use std::io::Read as _;
 
 use bytes::Bytes;
-use flate2::{Compression, read::GzDecoder, write::GzEncoder};
+use flate2::read::GzDecoder;
 use prost::Message as _;
 use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
-use super::scan::scan;
-use crate::pprof::proto::{Label, Profile, Sample};
+use super::{processes::split_by_pid, profile_error::ProfileError, scan::scan};
+use crate::pprof::proto::{Label, Profile};
 
 /// The sample labels that identify a process's series, in the order they are sent.
 pub const SERIES_LABELS: [&str; 5] = ["pid", "comm", "cgroup", "container", "pod"];
-
-/// A profile that cannot be split.
-#[derive(Debug, Error)]
-pub enum SeriesError {
-    /// Not gzip.
-    #[error("the profile is not gzip'd: {0}")]
-    Gzip(std::io::Error),
-    /// Not a profile.
-    #[error("the profile does not decode: {0}")]
-    Decode(#[from] prost::DecodeError),
-    /// Cut short, or not protobuf.
-    #[error("the profile is cut short or malformed: {0}")]
-    Malformed(&'static str),
-}
 
 /// Who a series is: its service name and its labels.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,158 +41,49 @@ pub struct Upload {
 }
 
 /// Decodes a gzip'd profile.
-pub fn decode(pprof_gz: &[u8]) -> Result<Profile, SeriesError> {
+pub fn decode(pprof_gz: &[u8]) -> Result<Profile, ProfileError> {
     let mut bytes = Vec::new();
     GzDecoder::new(pprof_gz)
         .read_to_end(&mut bytes)
-        .map_err(SeriesError::Gzip)?;
+        .map_err(ProfileError::Gzip)?;
     Ok(Profile::decode(bytes.as_slice())?)
 }
 
 /// The uploads of the profile `pprof_gz`: one per process (by the `pid` label), or
-/// the file itself, shared, when it holds one process or none (found by a scan of its
-/// labels: a whole decode takes several times the profile's size).
-pub fn split(pprof_gz: &Bytes, service_name: Option<&str>) -> Result<Vec<Upload>, SeriesError> {
+/// the file itself, shared, when it holds one process or none. Neither decodes the
+/// profile whole (that takes several times its size): a scan of its labels tells
+/// one process from several, and a profile of several is cut into theirs as it
+/// inflates (`processes`).
+pub fn split(pprof_gz: &Bytes, service_name: Option<&str>) -> Result<Vec<Upload>, ProfileError> {
     let scanned = scan(pprof_gz)?;
-    if scanned.in_order && scanned.one_value_of("pid") {
-        let strings = |index| scanned.string(index);
-        return Ok(vec![Upload {
-            series: series_of(&strings, &scanned.first_labels, service_name),
-            time_nanos: scanned.time_nanos,
-            duration_nanos: scanned.duration_nanos,
-            pprof_gz: pprof_gz.clone(),
-        }]);
-    }
-    drop(scanned);
-    let profile = decode(pprof_gz)?;
-    let strings = |index| string(&profile, index);
-    let mut by_pid: BTreeMap<Option<i64>, Vec<&Sample>> = BTreeMap::new();
-    for sample in &profile.sample {
-        by_pid
-            .entry(number_label(&strings, &sample.label, "pid"))
-            .or_default()
-            .push(sample);
-    }
-    let upload = |samples: &[&Sample], pprof_gz: Bytes| Upload {
-        series: series_of(
-            &strings,
-            samples.first().map_or(&[][..], |s| s.label.as_slice()),
-            service_name,
-        ),
-        time_nanos: profile.time_nanos,
-        duration_nanos: profile.duration_nanos,
+    let upload = |strings: &Strings<'_>, labels: &[Label], pprof_gz: Bytes| Upload {
+        series: series_of(strings, labels, service_name),
+        time_nanos: scanned.time_nanos,
+        duration_nanos: scanned.duration_nanos,
         pprof_gz,
     };
-    if by_pid.len() <= 1 {
-        let samples = by_pid.into_values().next().unwrap_or_default();
-        return Ok(vec![upload(&samples, pprof_gz.clone())]);
+    if scanned.in_order && scanned.one_value_of("pid") {
+        let strings = |index| scanned.string(index);
+        return Ok(vec![upload(
+            &strings,
+            &scanned.first_labels,
+            pprof_gz.clone(),
+        )]);
     }
-    Ok(by_pid
-        .values()
-        .map(|samples| upload(samples, Bytes::from(gzip(&subset(&profile, samples)))))
-        .collect())
-}
-
-/// The profile with only `samples`, and the locations, functions and mappings they
-/// use, numbered anew from 1 (Parca refuses ids that are not 1, 2, 3...). The string
-/// table is kept whole: renumbering it would touch every message.
-fn subset(profile: &Profile, samples: &[&Sample]) -> Profile {
-    let used: HashSet<u64> = samples
-        .iter()
-        .flat_map(|s| s.location_id.iter().copied())
-        .collect();
-    let mut location: Vec<_> = profile
-        .location
-        .iter()
-        .filter(|l| used.contains(&l.id))
-        .cloned()
-        .collect();
-    let functions: HashSet<u64> = location
-        .iter()
-        .flat_map(|l| l.line.iter().map(|line| line.function_id))
-        .collect();
-    let mappings: HashSet<u64> = location.iter().map(|l| l.mapping_id).collect();
-    let mut mapping: Vec<_> = profile
-        .mapping
-        .iter()
-        .filter(|m| mappings.contains(&m.id))
-        .cloned()
-        .collect();
-    let mut function: Vec<_> = profile
-        .function
-        .iter()
-        .filter(|f| functions.contains(&f.id))
-        .cloned()
-        .collect();
-    let mapping_ids = renumber(mapping.iter_mut().map(|m| &mut m.id));
-    let function_ids = renumber(function.iter_mut().map(|f| &mut f.id));
-    let location_ids = renumber(location.iter_mut().map(|l| &mut l.id));
-    // 0 stays 0: "none".
-    let new_id = |ids: &HashMap<u64, u64>, id: u64| ids.get(&id).copied().unwrap_or(0);
-    for location in &mut location {
-        location.mapping_id = new_id(&mapping_ids, location.mapping_id);
-        for line in &mut location.line {
-            line.function_id = new_id(&function_ids, line.function_id);
-        }
-    }
-    let sample = samples
-        .iter()
-        .map(|&s| Sample {
-            location_id: s
-                .location_id
-                .iter()
-                .map(|&id| new_id(&location_ids, id))
-                .collect(),
-            ..s.clone()
+    let mut processes = split_by_pid(pprof_gz)?;
+    let parts = std::mem::take(&mut processes.parts);
+    let strings = |index| processes.string(index);
+    Ok(parts
+        .into_iter()
+        .map(|(labels, part)| {
+            let part = part.map_or_else(|| pprof_gz.clone(), Bytes::from);
+            upload(&strings, &labels, part)
         })
-        .collect();
-    // Field by field: a clone of the whole profile would copy every sample.
-    Profile {
-        sample_type: profile.sample_type.clone(),
-        sample,
-        mapping,
-        location,
-        function,
-        string_table: profile.string_table.clone(),
-        drop_frames: profile.drop_frames,
-        keep_frames: profile.keep_frames,
-        time_nanos: profile.time_nanos,
-        duration_nanos: profile.duration_nanos,
-        period_type: profile.period_type,
-        period: profile.period,
-        comment: profile.comment.clone(),
-        default_sample_type: profile.default_sample_type,
-    }
-}
-
-/// Numbers `ids` 1, 2, 3... in order; returns the old id → new id map.
-fn renumber<'a>(ids: impl Iterator<Item = &'a mut u64>) -> HashMap<u64, u64> {
-    ids.zip(1..)
-        .map(|(id, new)| (std::mem::replace(id, new), new))
-        .collect()
-}
-
-/// `profile` encoded and gzip'd.
-fn gzip(profile: &Profile) -> Vec<u8> {
-    let mut encoder = GzEncoder::new(Vec::new(), Compression::default());
-    // Writing to memory cannot fail.
-    let _ = encoder.write_all(&profile.encode_to_vec());
-    encoder.finish().unwrap_or_default()
-}
-
-fn string(profile: &Profile, index: i64) -> &str {
-    usize::try_from(index)
-        .ok()
-        .and_then(|i| profile.string_table.get(i))
-        .map_or("", String::as_str)
+        .collect())
 }
 
 /// A label's string lookup: the profile's string table, or what a scan kept of it.
 type Strings<'a> = dyn Fn(i64) -> &'a str + 'a;
-
-fn number_label<'a>(strings: &Strings<'a>, labels: &[Label], key: &str) -> Option<i64> {
-    labels.iter().find(|l| strings(l.key) == key).map(|l| l.num)
-}
 
 /// The series of the process whose sample carries `sample_labels`.
 fn series_of<'a>(

@@ -6,7 +6,7 @@ use std::io::{self, BufRead, BufReader, Read};
 
 use flate2::read::GzDecoder;
 
-use super::series::SeriesError;
+use super::profile_error::ProfileError;
 
 /// Protobuf's wire types.
 pub const VARINT: u64 = 0;
@@ -27,55 +27,55 @@ impl<'a> Fields<'a> {
     }
 
     /// The next field's number and wire type; `None` at the end of the profile.
-    pub fn next_key(&mut self) -> Result<Option<(u64, u64)>, SeriesError> {
+    pub fn next_key(&mut self) -> Result<Option<(u64, u64)>, ProfileError> {
         Ok(varint(&mut self.input)?.map(|key| (key >> 3, key & 7)))
     }
 
     /// A varint field's value.
-    pub fn varint(&mut self) -> Result<u64, SeriesError> {
-        varint(&mut self.input)?.ok_or(SeriesError::Malformed("it ends inside a field"))
+    pub fn varint(&mut self) -> Result<u64, ProfileError> {
+        varint(&mut self.input)?.ok_or(ProfileError::Malformed("it ends inside a field"))
     }
 
     /// A length-delimited field's bytes, into `buffer`.
-    pub fn bytes(&mut self, buffer: &mut Vec<u8>) -> Result<(), SeriesError> {
+    pub fn bytes(&mut self, buffer: &mut Vec<u8>) -> Result<(), ProfileError> {
         let length = self.varint()?;
         buffer.clear();
         let read = (&mut self.input)
             .take(length)
             .read_to_end(buffer)
-            .map_err(SeriesError::Gzip)?;
+            .map_err(ProfileError::Gzip)?;
         if read as u64 != length {
-            return Err(SeriesError::Malformed("it ends inside a field"));
+            return Err(ProfileError::Malformed("it ends inside a field"));
         }
         Ok(())
     }
 
     /// Skips a field's value of `wire_type`.
-    pub fn skip(&mut self, wire_type: u64) -> Result<(), SeriesError> {
+    pub fn skip(&mut self, wire_type: u64) -> Result<(), ProfileError> {
         let length = match wire_type {
             VARINT => return self.varint().map(drop),
             1 => 8,
             LEN => self.varint()?,
             5 => 4,
-            _ => return Err(SeriesError::Malformed("a field of an unknown wire type")),
+            _ => return Err(ProfileError::Malformed("a field of an unknown wire type")),
         };
         let skipped = io::copy(&mut (&mut self.input).take(length), &mut io::sink())
-            .map_err(SeriesError::Gzip)?;
+            .map_err(ProfileError::Gzip)?;
         if skipped != length {
-            return Err(SeriesError::Malformed("it ends inside a field"));
+            return Err(ProfileError::Malformed("it ends inside a field"));
         }
         Ok(())
     }
 }
 
 /// The next varint, `None` at the end of the input before its first byte.
-fn varint<R: BufRead>(input: &mut R) -> Result<Option<u64>, SeriesError> {
+fn varint<R: BufRead>(input: &mut R) -> Result<Option<u64>, ProfileError> {
     let mut value = 0u64;
     for shift in (0..64).step_by(7) {
         let mut byte = [0u8];
-        match input.read(&mut byte).map_err(SeriesError::Gzip)? {
+        match input.read(&mut byte).map_err(ProfileError::Gzip)? {
             0 if shift == 0 => return Ok(None),
-            0 => return Err(SeriesError::Malformed("it ends inside a varint")),
+            0 => return Err(ProfileError::Malformed("it ends inside a varint")),
             _ => {}
         }
         value |= u64::from(byte[0] & 0x7f) << shift;
@@ -83,7 +83,7 @@ fn varint<R: BufRead>(input: &mut R) -> Result<Option<u64>, SeriesError> {
             return Ok(Some(value));
         }
     }
-    Err(SeriesError::Malformed("a varint of more than 10 bytes"))
+    Err(ProfileError::Malformed("a varint of more than 10 bytes"))
 }
 
 /// Protobuf's int64 from its varint (two's complement).
@@ -99,7 +99,7 @@ impl Fields<'_> {
         (field, wire_type): (u64, u64),
         buffer: &mut Vec<u8>,
         out: &mut Vec<u8>,
-    ) -> Result<(), SeriesError> {
+    ) -> Result<(), ProfileError> {
         prost::encoding::encode_varint((field << 3) | wire_type, out);
         match wire_type {
             VARINT => prost::encoding::encode_varint(self.varint()?, out),
@@ -113,10 +113,10 @@ impl Fields<'_> {
                 let size = if wire_type == 1 { 8 } else { 4 };
                 self.input
                     .read_exact(&mut fixed[..size])
-                    .map_err(SeriesError::Gzip)?;
+                    .map_err(ProfileError::Gzip)?;
                 out.extend_from_slice(&fixed[..size]);
             }
-            _ => return Err(SeriesError::Malformed("a field of an unknown wire type")),
+            _ => return Err(ProfileError::Malformed("a field of an unknown wire type")),
         }
         Ok(())
     }
