@@ -162,6 +162,7 @@ pub(super) fn start_user(
         bpf_stats: cli.bpf_stats,
         unwind_tables: (cli.unwind.mode() != UnwindMode::FramePointers).then_some(tables),
         retain_exited: cli.retain_exited,
+        system_preload: system,
     };
     let programs = StartFigures::programs_of(&ebpf);
     let mut session = UserSession::new(config, ebpf, allocators)?;

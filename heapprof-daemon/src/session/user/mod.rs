@@ -59,6 +59,9 @@ pub struct UserSessionConfig {
     /// With `--all`: how long an exited process is kept before it is forgotten;
     /// `None` keeps it to the end.
     pub retain_exited: Option<Duration>,
+    /// `--preload system`: the system-wide build is this session's own library (its
+    /// frames are its own allocations, made while it joins), not another's wrappers.
+    pub system_preload: bool,
 }
 
 /// A running session. Dropping it detaches every probe.

@@ -148,12 +148,18 @@ impl UserSession {
                 // Another session's interposer called the allocator on the program's
                 // behalf (a launched or joined process seen by --all or by probes, a
                 // program joined by a system-wide heapprofd): its wrapper's frame is not
-                // the program's, the stack starts at the wrapper's caller.
+                // the program's, the stack starts at the wrapper's caller. (The session
+                // that serves the system-wide build keeps its frames: there they are the
+                // build's own allocations, made while it joins.)
+                let another_interposer = |path: &str| {
+                    crate::preload::is_library(path)
+                        || (!self.config.system_preload && crate::preload::is_interposer(path))
+                };
                 if frames.is_empty()
                     && info
                         .maps
                         .find(addr)
-                        .is_some_and(|region| crate::preload::is_interposer(&region.object.path))
+                        .is_some_and(|region| another_interposer(&region.object.path))
                 {
                     continue;
                 }
