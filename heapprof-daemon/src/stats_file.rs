@@ -154,6 +154,27 @@ pub struct RunStats {
     /// Interval profiles that could not be written (each said in the log, and as a
     /// `write_failed` line of `--profiles-json`); the session went on.
     pub failed_profile_writes: u64,
+    /// `--push`: each target's figures at exit (what the log's `push to URL:` line
+    /// says), in the order of the flags; empty without `--push`.
+    pub push: Vec<PushFigures>,
+}
+
+/// `--push`: one target's figures over the run.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PushFigures {
+    /// The target's URL, without credentials.
+    pub target: String,
+    /// Profiles (one per process with `--all`) the backend took.
+    pub sent: u64,
+    /// Pushes that failed (each retry counts).
+    pub failed_pushes: u64,
+    /// Profiles queued in the spool.
+    pub spooled: u64,
+    /// Profiles never pushed: the spool full, rejected, or left in memory at exit.
+    pub dropped: u64,
+    /// Profiles not pushed at exit: they stay in the spool for the next run with
+    /// `--push-spool`, else they are lost (and counted in `dropped` too).
+    pub left: u64,
 }
 
 /// `--preload system`: how the processes of the run were served.
@@ -462,9 +483,18 @@ mod tests {
                 running_not_asked: 1,
             }),
             failed_profile_writes: 3,
+            push: vec![PushFigures {
+                target: "http://backend/ingest".into(),
+                sent: 4,
+                left: 1,
+                ..PushFigures::default()
+            }],
         };
         let value = serde_json::to_value(&stats).expect("serializable");
         assert_eq!(value["failed_profile_writes"], 3);
+        assert_eq!(value["push"][0]["target"], "http://backend/ingest");
+        assert_eq!(value["push"][0]["sent"], 4);
+        assert_eq!(value["push"][0]["left"], 1);
         assert_eq!(value["left"]["how"], "slots_restored");
         assert_eq!(value["left"]["slots"], 12);
         assert_eq!(value["system_preload"]["joined"], 7);

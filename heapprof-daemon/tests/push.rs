@@ -41,29 +41,26 @@ fn written(out: &Path) -> Vec<PathBuf> {
 fn heapprofd_pushing(out: &Path, args: &[&str]) -> Command {
     let mut cmd = heapprofd(out);
     cmd.arg("--profiles-json").arg(out.with_extension("jsonl"));
+    cmd.arg("--stats-json")
+        .arg(out.with_extension("stats.json"));
     cmd.args(args);
     cmd
 }
 
-/// The summary line of the push to `url` at exit: (sent, failed, spooled, dropped, left).
-fn summary(log: &str, url: &str) -> [u64; 5] {
-    let prefix = format!("push to {url}: ");
-    let line = log
-        .lines()
-        .filter_map(|l| l.split_once(&prefix).map(|(_, rest)| rest))
-        .find(|rest| rest.contains(" sent, "))
-        .unwrap_or_else(|| panic!("no summary of the push to {url} in:\n{log}"));
-    let numbers: Vec<u64> = line
-        .split(|c: char| !c.is_ascii_digit())
-        .filter(|w| !w.is_empty())
-        .filter_map(|w| w.parse().ok())
-        .collect();
-    let left = if line.contains("stay in the spool") || line.contains("are lost") {
-        numbers[4]
-    } else {
-        0
-    };
-    [numbers[0], numbers[1], numbers[2], numbers[3], left]
+/// The push to `url`'s figures at exit, from `--stats-json` of the run writing to
+/// `out`: (sent, failed, spooled, dropped, left).
+fn summary(out: &Path, url: &str) -> [u64; 5] {
+    let path = out.with_extension("stats.json");
+    let stats = read_stats(&path);
+    let target = stats["push"]
+        .as_array()
+        .and_then(|targets| targets.iter().find(|t| t["target"] == url))
+        .unwrap_or_else(|| panic!("no figures of the push to {url} in {stats}"));
+    ["sent", "failed_pushes", "spooled", "dropped", "left"].map(|key| {
+        target[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{key} in {target}"))
+    })
 }
 
 #[test]
@@ -280,7 +277,7 @@ fn the_spool_delivers_every_profile_exactly_once_after_an_outage() {
         files,
         "every profile received once, in order:\n{log}"
     );
-    let [sent, failed, spooled, dropped, left] = summary(&log, &url);
+    let [sent, failed, spooled, dropped, left] = summary(&out, &url);
     assert_eq!((sent, dropped, left), (files.len() as u64, 0, 0), "{log}");
     assert_eq!(spooled, sent);
     assert!(failed > 0, "the outage was seen:\n{log}");
@@ -327,7 +324,7 @@ fn the_spool_cap_holds_when_the_backend_never_comes_back() {
     );
     let log = String::from_utf8_lossy(&output.stderr);
     let files = written(&out);
-    let [sent, _failed, spooled, dropped, left] = summary(&log, &url);
+    let [sent, _failed, spooled, dropped, left] = summary(&out, &url);
     assert_eq!(sent, 0, "{log}");
     assert_eq!(spooled, files.len() as u64, "{log}");
     assert!(dropped > 0, "the cap dropped profiles:\n{log}");
@@ -391,7 +388,7 @@ fn a_backend_refusing_answering_429_503_or_hanging_gets_every_profile_and_delays
     // Local profiles went on while the pushes were retried: one per interval.
     assert!(files.len() > 3, "{} profiles:\n{log}", files.len());
     assert_eq!(pushed_profiles(&taken), files, "every profile once:\n{log}");
-    let [sent, failed, _, dropped, _] = summary(&log, &url);
+    let [sent, failed, _, dropped, _] = summary(&out, &url);
     assert_eq!((sent, dropped), (files.len() as u64, 0), "{log}");
     assert!(
         failed >= 3,
@@ -573,7 +570,11 @@ fn over_tls_the_ca_file_is_trusted_and_without_it_the_certificate_is_named() {
             "{}",
             failed[0]
         );
-        assert_eq!(summary(&log, url)[0], 0, "nothing sent to {url}:\n{log}");
+        assert_eq!(
+            summary(&refused, url)[0],
+            0,
+            "nothing sent to {url}:\n{log}"
+        );
     }
     assert!(lock(&https).is_empty() && lock(&grpcs).is_empty());
 

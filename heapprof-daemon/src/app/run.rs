@@ -272,8 +272,9 @@ pub async fn run(
     let left = session.leave_joined();
     drop(session); // detaches every probe
     let written = written.context("writing the final profile");
+    // Read back before the push: with --push alone, handing it over deletes it.
     let stats = match (&written, &cli.stats_json) {
-        (Ok(written), Some(stats_path)) => {
+        (Ok(written), Some(_)) => {
             let measured = Measured {
                 bpf_run_time,
                 stack_lookups,
@@ -282,22 +283,30 @@ pub async fn run(
                 failed_writes,
                 left,
             };
-            write_stats(stats_path, &written.path, figures, measured)
-                .with_context(|| format!("--stats-json {}", stats_path.display()))
+            Some(run_stats(&written.path, figures, measured))
         }
-        _ => Ok(()),
+        _ => None,
     };
-    // Last, once the final profile has been read back (with --push alone, handing it
-    // over deletes it); the pushes still waiting get the push timeout to go out.
+    // Last, the pushes still waiting get the push timeout to go out.
+    let mut push_figures = Vec::new();
     if let Some(mut pusher) = pusher {
         if let Ok(written) = &written {
             pusher.offer(&written.path);
         }
-        pusher.finish();
+        push_figures = pusher.finish();
         if cli.push_only() {
             let _ = std::fs::remove_dir(cli.output_dir());
         }
     }
+    let stats = match (stats, &cli.stats_json) {
+        (Some(stats), Some(path)) => stats
+            .and_then(|mut stats| {
+                stats.push = push_figures;
+                stats_file::write(path, &stats)
+            })
+            .with_context(|| format!("--stats-json {}", path.display())),
+        _ => Ok(()),
+    };
     written?;
     stats?;
     Ok(exit_code)
@@ -332,13 +341,13 @@ struct Measured {
     left: Option<stats_file::Leaving>,
 }
 
-/// Writes `--stats-json`: the final profile at `profile`, read back, and the rest.
-fn write_stats(
-    path: &std::path::Path,
+/// What `--stats-json` says but the push: the final profile at `profile`, read back,
+/// and the rest.
+fn run_stats(
     profile: &std::path::Path,
     figures: StartFigures,
     measured: Measured,
-) -> Result<()> {
+) -> Result<stats_file::RunStats> {
     let (totals, comments) = stats_file::ProfileTotals::read(profile)?;
     let stats = stats_file::RunStats {
         final_profile: totals,
@@ -353,8 +362,9 @@ fn write_stats(
         unwind_tables: measured.unwind_tables,
         system_preload: measured.system_preload,
         failed_profile_writes: measured.failed_writes,
+        push: Vec::new(),
     };
-    stats_file::write(path, &stats)
+    Ok(stats)
 }
 
 #[cfg(test)]

@@ -51,7 +51,7 @@ use self::{
     target::{Header, PushTarget, TargetError},
     worker::{Headers, Job, Worker},
 };
-use crate::cli::Cli;
+use crate::{cli::Cli, stats_file::PushFigures};
 
 /// Profiles handed over and not yet taken by a target's loop: a loop busy encoding
 /// or writing its spool falls behind by at most this many before profiles are dropped.
@@ -125,7 +125,7 @@ impl PushConfig {
 #[derive(Debug)]
 pub struct Pusher {
     senders: Vec<(mpsc::Sender<Job>, TargetMetrics, String)>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    thread: Option<std::thread::JoinHandle<Vec<PushFigures>>>,
     /// `--push` without `-o`: each profile is deleted once handed over.
     delete_after: bool,
     full_said: bool,
@@ -216,18 +216,22 @@ impl Pusher {
 
     /// Ends the pushes: each target sends what waits for at most its timeout, then
     /// logs its summary. Blocks until then (called once the session has ended).
-    pub fn finish(mut self) {
+    /// Returns each target's figures.
+    pub fn finish(mut self) -> Vec<PushFigures> {
         self.senders.clear();
-        if let Some(thread) = self.thread.take()
-            && thread.join().is_err()
-        {
-            log::error!("the push thread panicked");
+        match self.thread.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(figures)) => figures,
+            Some(Err(_)) => {
+                log::error!("the push thread panicked");
+                Vec::new()
+            }
+            None => Vec::new(),
         }
     }
 }
 
 /// The push thread: one loop per target on a runtime of its own.
-fn run_workers(workers: Vec<(Worker, mpsc::Receiver<Job>)>) {
+fn run_workers(workers: Vec<(Worker, mpsc::Receiver<Job>)>) -> Vec<PushFigures> {
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -237,7 +241,7 @@ fn run_workers(workers: Vec<(Worker, mpsc::Receiver<Job>)>) {
             log::error!(
                 "push: cannot start its runtime ({err}); profiles are written locally only"
             );
-            return;
+            return Vec::new();
         }
     };
     runtime.block_on(async {
@@ -245,12 +249,15 @@ fn run_workers(workers: Vec<(Worker, mpsc::Receiver<Job>)>) {
             .into_iter()
             .map(|(worker, jobs)| tokio::spawn(worker::run(worker, jobs)))
             .collect();
+        let mut figures = Vec::new();
         for task in tasks {
-            if let Err(err) = task.await {
-                log::error!("push: a target's loop ended abnormally: {err}");
+            match task.await {
+                Ok(target) => figures.push(target),
+                Err(err) => log::error!("push: a target's loop ended abnormally: {err}"),
             }
         }
-    });
+        figures
+    })
 }
 
 /// The spool subdirectory of `target`: its URL in file-name characters, so that a

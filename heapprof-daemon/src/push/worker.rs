@@ -9,6 +9,8 @@ use bytes::Bytes;
 
 use tokio::{sync::mpsc, time::Instant};
 
+use crate::stats_file::PushFigures;
+
 use super::{
     ca::CaFile,
     metrics::TargetMetrics,
@@ -96,7 +98,7 @@ pub struct Worker {
 
 /// Runs `worker` until `jobs` is closed and the spool is sent, or the exit's time
 /// for it (the push timeout) is up.
-pub async fn run(mut worker: Worker, mut jobs: mpsc::Receiver<Job>) {
+pub async fn run(mut worker: Worker, mut jobs: mpsc::Receiver<Job>) -> PushFigures {
     let name = worker.target.display.clone();
     let mut transport = match Transport::new(
         worker.target.clone(),
@@ -110,7 +112,7 @@ pub async fn run(mut worker: Worker, mut jobs: mpsc::Receiver<Job>) {
             while jobs.recv().await.is_some() {
                 worker.metrics.dropped.inc();
             }
-            return;
+            return figures(&worker);
         }
     };
     if !worker.spool.is_empty() {
@@ -187,7 +189,7 @@ pub async fn run(mut worker: Worker, mut jobs: mpsc::Receiver<Job>) {
             () = tokio::time::sleep_until(drain_deadline.unwrap_or(next_attempt)), if drain_deadline.is_some() => break,
         }
     }
-    finish(&worker, &name, failing.as_deref());
+    finish(&worker, &name, failing.as_deref())
 }
 
 /// Splits a written profile into uploads and queues them.
@@ -241,8 +243,9 @@ fn spool_description(spool: &Spool) -> &'static str {
     }
 }
 
-/// The exit's summary line; what is left in memory is counted as dropped.
-fn finish(worker: &Worker, name: &str, failing: Option<&str>) {
+/// The exit's summary line, and the figures it gives; what is left in memory is
+/// counted as dropped.
+fn finish(worker: &Worker, name: &str, failing: Option<&str>) -> PushFigures {
     let left = worker.spool.len();
     if left > 0 && !worker.spool.is_on_disk() {
         worker.metrics.dropped.inc_by(left as u64);
@@ -257,4 +260,18 @@ fn finish(worker: &Worker, name: &str, failing: Option<&str>) {
         "push to {name}: {}{left_words}{failing_words}",
         worker.metrics.describe()
     );
+    figures(worker)
+}
+
+/// The target's figures so far (for `--stats-json`).
+fn figures(worker: &Worker) -> PushFigures {
+    let metrics = &worker.metrics;
+    PushFigures {
+        target: worker.target.display.clone(),
+        sent: metrics.sent.get(),
+        failed_pushes: metrics.failed.get(),
+        spooled: metrics.spooled.get(),
+        dropped: metrics.dropped.get(),
+        left: worker.spool.len() as u64,
+    }
 }
