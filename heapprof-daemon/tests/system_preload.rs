@@ -109,13 +109,19 @@ wait $P; echo program_status=$?
 fn check_waiting_program_counted(what: &str, dir: &Path, stdout: &str, context: &str) {
     assert_eq!(value(stdout, "heapprofd_status"), "0", "{context}");
     assert_eq!(value(stdout, "program_status"), "0", "{context}");
-    let printed = std::fs::read_to_string(dir.join("program.out")).expect("program output");
+    check_counted(what, dir, "program.out", "out");
+}
+
+/// The last profile in `$D/{profiles}` counts exactly what the program printed to
+/// `$D/{printed}` (heapprofd's log, `$D/heapprofd.log`, explains a difference).
+fn check_counted(what: &str, dir: &Path, printed: &str, profiles: &str) {
+    let printed = std::fs::read_to_string(dir.join(printed)).expect("program output");
     let log = std::fs::read_to_string(dir.join("heapprofd.log")).unwrap_or_default();
     counted::check_c_program(
         what,
         &log,
         &printed,
-        &samples(&last_profile(&dir.join("out"))),
+        &samples(&last_profile(&dir.join(profiles))),
     );
 }
 
@@ -171,13 +177,11 @@ echo after=$(lists)
         figures["joined"].as_u64().is_some_and(|joined| joined >= 1),
         "the program joined: {figures}\n{context}"
     );
-    let printed = std::fs::read_to_string(dir.path().join("program.out")).expect("program output");
-    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
-    counted::check_c_program(
+    check_counted(
         "alloc_abc under the system-wide preload",
-        &log,
-        &printed,
-        &samples(&last_profile(&dir.path().join("out"))),
+        dir.path(),
+        "program.out",
+        "out",
     );
 }
 
@@ -210,18 +214,15 @@ kill -TERM $H; wait $H; echo heapprofd_status=$?
     for key in ["launched_status", "probed_status", "heapprofd_status"] {
         assert_eq!(value(&stdout, key), "0", "{key}\n{context}");
     }
-    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
     for (how, name) in [
         ("launched with its library", "launched"),
         ("on its probes", "probed"),
     ] {
-        let printed = std::fs::read_to_string(dir.path().join(format!("{name}.out")))
-            .expect("program output");
-        counted::check_c_program(
+        check_counted(
             &format!("alloc_abc {how}, beside the system-wide preload"),
-            &log,
-            &printed,
-            &samples(&last_profile(&dir.path().join(name))),
+            dir.path(),
+            &format!("{name}.out"),
+            name,
         );
     }
     let figures = system_figures(&dir.path().join("stats.json"));
@@ -285,13 +286,11 @@ kill -TERM $H; wait $H; echo heapprofd_status=$?
     let text = std::fs::read_to_string(dir.path().join("pid-stats.json")).expect("--stats-json");
     let stats: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
     assert_eq!(stats["joined"]["how"], "probes", "{stats}\n{context}");
-    let printed = std::fs::read_to_string(dir.path().join("program.out")).expect("program output");
-    let log = std::fs::read_to_string(dir.path().join("heapprofd.log")).unwrap_or_default();
-    counted::check_c_program(
+    check_counted(
         "alloc_abc under --pid, joined by the system-wide preload",
-        &log,
-        &printed,
-        &samples(&last_profile(&dir.path().join("pid-out"))),
+        dir.path(),
+        "program.out",
+        "pid-out",
     );
 }
 
