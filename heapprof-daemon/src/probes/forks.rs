@@ -3,7 +3,8 @@
 //! `sched:sched_process_fork` that records each fork's origin.
 //!
 //! A classic tracepoint, whose record gives the child's pid where tracefs says (the
-//! layout differs between kernels). Without tracefs mounted it is left out, and a
+//! layout differs between kernels). tracefs is mounted where it is not (as kernel mode
+//! does: a host without systemd has none); where that fails it is left out, and a
 //! fork's first stacks stop where they did before: at its first frame outside the
 //! mappings read.
 
@@ -15,7 +16,7 @@ use crate::tracefs;
 
 /// Where the fork event's record holds `child_pid`, or why it is not known.
 pub fn child_pid_offset() -> Result<u32> {
-    let root = tracefs::mounted().context("tracefs is not mounted")?;
+    let root = tracefs::root()?;
     let format = tracefs::event_format(&root, names::SCHED_CATEGORY, names::FORK_TRACEPOINT)?
         .context("the kernel has no sched_process_fork tracepoint")?;
     let field = format
