@@ -274,6 +274,16 @@ pub const FOLLOW_ENV: &str = "HEAPPROFD_FOLLOW";
 /// injected copy does. The socket is of type `SOCK_SEQPACKET`, owned by root.
 pub const SYSTEM_SOCKET: &str = "/run/heapprofd/system.sock";
 
+/// The environment variable that keeps a program out of the system-wide preload: set
+/// to [`SYSTEM_OPT_OUT_VALUE`], the copy `/etc/ld.so.preload` loads into the program
+/// never asks to join, and the system-wide heapprofd neither joins nor probes it. Its
+/// children and the programs it execs inherit it with the environment. (So that a
+/// program can be left to `heapprofd --pid` or launch mode, or to no profiler at all.)
+pub const SYSTEM_OPT_OUT_ENV: &str = "HEAPPROFD_SYSTEM_PRELOAD";
+
+/// The value of [`SYSTEM_OPT_OUT_ENV`] that keeps a program out.
+pub const SYSTEM_OPT_OUT_VALUE: &str = "off";
+
 /// Where `--preload system` installs its library (root-owned, readable by every
 /// program: not in the profiles' directory, which is private; it stays after heapprofd
 /// exits, inert, so that an entry left in `/etc/ld.so.preload` never names a missing

@@ -10,7 +10,7 @@ use anyhow::{Context as _, Result, bail};
 use heapprof_common::preload::{
     FOLLOW_ENV, FUNCTIONS, JoinRefused, KEPT_PRELOAD_PREFIX, Kind, Meta, PROBE_SITE_SYMBOL,
     QUEUE_WORDS, REPLIES_FD_ENV, REPLY_READS, REPLY_SLOTS, Record, ReportQueue, SAMPLE_RATE_ENV,
-    SYSTEM_SOCKET, StackReply, SystemJoin,
+    SYSTEM_OPT_OUT_ENV, SYSTEM_OPT_OUT_VALUE, SYSTEM_SOCKET, StackReply, SystemJoin,
 };
 
 /// The library's file name in `$OUT_DIR`.
@@ -142,6 +142,11 @@ fn header() -> String {
     let _ = writeln!(h, "#define HP_REPLY_SLOTS {REPLY_SLOTS}u");
     let _ = writeln!(h, "#define HP_REPLIES_FD_ENV \"{REPLIES_FD_ENV}\"");
     let _ = writeln!(h, "#define HP_SYSTEM_SOCKET \"{SYSTEM_SOCKET}\"");
+    let _ = writeln!(h, "#define HP_SYSTEM_OPT_OUT_ENV \"{SYSTEM_OPT_OUT_ENV}\"");
+    let _ = writeln!(
+        h,
+        "#define HP_SYSTEM_OPT_OUT_VALUE \"{SYSTEM_OPT_OUT_VALUE}\""
+    );
     let _ = writeln!(h, "#define HP_JOIN_CHILDREN {}u", SystemJoin::CHILDREN);
     h.push_str("/* Why a join was refused, as its negative results. */\nenum join_error {\n");
     for reason in JoinRefused::ALL {

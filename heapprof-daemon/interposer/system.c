@@ -89,12 +89,28 @@ static int under_valgrind(void)
     return 0;
 }
 
+/* Whether the program keeps out of the system-wide preload (HP_SYSTEM_OPT_OUT_ENV set
+ * to HP_SYSTEM_OPT_OUT_VALUE): heapprofd reads the same variable from its environment
+ * and leaves it alone, neither joined nor probed. */
+static int opted_out(void)
+{
+    const char *value = getenv(HP_SYSTEM_OPT_OUT_ENV);
+    const char *off = HP_SYSTEM_OPT_OUT_VALUE;
+    if (!value)
+        return 0;
+    while (*off && *value == *off) {
+        value++;
+        off++;
+    }
+    return *off == 0 && *value == 0;
+}
+
 /* Asks heapprofd to join; the program's start waits for the answer (at most
  * ANSWER_WAIT_SECONDS), so that its first allocations are counted. Returns the join's
  * result (sent back to heapprofd too), or JOIN_NOT_ASKED. */
 static long ask_to_join(void)
 {
-    if (access(HP_SYSTEM_SOCKET, 0 /* F_OK */) != 0 || under_valgrind())
+    if (opted_out() || access(HP_SYSTEM_SOCKET, 0 /* F_OK */) != 0 || under_valgrind())
         return JOIN_NOT_ASKED;
     int fd = socket(AF_UNIX_, SOCK_SEQPACKET_ | SOCK_CLOEXEC_, 0);
     if (fd < 0)

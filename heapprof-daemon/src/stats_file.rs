@@ -192,6 +192,9 @@ pub struct SystemPreloadFigures {
     /// Processes that ran before heapprofd and could not be asked (they got the
     /// probes).
     pub running_not_asked: u64,
+    /// Processes left alone because they opted out (`HEAPPROFD_SYSTEM_PRELOAD=off`):
+    /// neither joined nor probed.
+    pub opted_out: u64,
 }
 
 /// The stack lookups of a run, and their total.
@@ -481,6 +484,7 @@ mod tests {
                 probed_alone: 2,
                 running_asked: 3,
                 running_not_asked: 1,
+                opted_out: 4,
             }),
             failed_profile_writes: 3,
             push: vec![PushFigures {
@@ -499,6 +503,7 @@ mod tests {
         assert_eq!(value["left"]["slots"], 12);
         assert_eq!(value["system_preload"]["joined"], 7);
         assert_eq!(value["system_preload"]["probed_alone"], 2);
+        assert_eq!(value["system_preload"]["opted_out"], 4);
         assert_eq!(value["joined"]["how"], "probes");
         assert_eq!(value["joined"]["reason"], "--inject off");
         assert_eq!(value["kernel_memory"]["total_bytes"], 4196);

@@ -294,6 +294,93 @@ kill -TERM $H; wait $H; echo heapprofd_status=$?
     );
 }
 
+/// A program started with `HEAPPROFD_SYSTEM_PRELOAD=off` keeps out of the system-wide
+/// preload: its copy never asks, the system-wide heapprofd neither joins nor probes it
+/// (nor one running before it that opted out, which it does not load the library into:
+/// its allocations, made while heapprofd runs, are not in its profile), and
+/// `heapprofd --pid` joins it in-process and counts it exactly.
+#[test]
+fn a_program_that_opts_out_is_left_alone_and_pid_mode_joins_it_in_process() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let program = compile(dir.path(), "alloc_abc", "alloc_abc", &["-O1"]);
+    let output = in_private_namespace(
+        dir.path(),
+        &format!(
+            r#"mkfifo $D/early-in
+HEAPPROFD_SYSTEM_PRELOAD=off {program} wait < $D/early-in > $D/early.out &
+E=$!
+echo early_pid=$E
+exec 4>$D/early-in
+# No heapprofd holds a fifo's writing end: it would keep a program from its end of input.
+start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json 4>&-
+mkfifo $D/in
+HEAPPROFD_SYSTEM_PRELOAD=off {program} wait < $D/in > $D/program.out &
+P=$!
+exec 3>$D/in
+for i in $(seq 100); do grep -q ready $D/program.out && break; sleep 0.1; done
+echo early_mapped=$(grep -c libheapprofd-system /proc/$E/maps)
+$HEAPPROFD --ready-file $D/pid-ready -o $D/pid-out --stats-json $D/pid-stats.json --pid $P 3>&- 4>&- >>$D/heapprofd.log 2>&1 &
+Q=$!
+for i in $(seq 600); do [ -f $D/pid-ready ] && break; kill -0 $Q 2>/dev/null || break; sleep 0.1; done
+echo go >&3
+for i in $(seq 100); do grep -q done $D/program.out && break; sleep 0.1; done
+exec 3>&-
+wait $P; echo program_status=$?
+wait $Q; echo pid_status=$?
+# The early program allocates while heapprofd runs, and is still live at its last profile.
+echo go >&4
+for i in $(seq 100); do grep -q done $D/early.out && break; sleep 0.1; done
+kill -TERM $H; wait $H; echo heapprofd_status=$?
+exec 4>&-
+wait $E; echo early_status=$?
+"#,
+            program = program.display()
+        ),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let context = explain(&output, dir.path());
+    assert!(output.status.success(), "{context}");
+    for key in [
+        "program_status",
+        "pid_status",
+        "early_status",
+        "heapprofd_status",
+    ] {
+        assert_eq!(value(&stdout, key), "0", "{key}\n{context}");
+    }
+    assert_eq!(
+        value(&stdout, "early_mapped"),
+        "0",
+        "heapprofd loaded its library into the program that opted out before it started\n{context}"
+    );
+    let figures = system_figures(&dir.path().join("stats.json"));
+    assert_eq!(
+        figures["opted_out"], 2,
+        "both programs were left alone as opted out: {figures}\n{context}"
+    );
+    let early = value(&stdout, "early_pid");
+    let counted: Vec<_> = samples(&last_profile(&dir.path().join("out")))
+        .into_iter()
+        .filter(|s| s.labels.get("pid").is_some_and(|pid| pid == early))
+        .collect();
+    assert!(
+        counted.is_empty(),
+        "the system-wide heapprofd counted the program that opted out: {} samples\n{context}",
+        counted.len()
+    );
+    let text = std::fs::read_to_string(dir.path().join("pid-stats.json")).expect("--stats-json");
+    let stats: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
+    assert_eq!(stats["joined"]["how"], "injected", "{stats}\n{context}");
+    check_counted(
+        "alloc_abc under --pid, opted out of the system-wide preload",
+        dir.path(),
+        "program.out",
+        "pid-out",
+    );
+}
+
 #[test]
 fn a_program_running_before_heapprofd_is_joined_through_the_library_and_counts_exactly() {
     require_root();

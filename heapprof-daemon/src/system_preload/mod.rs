@@ -17,6 +17,7 @@
 //! find no socket to join and stay inert.
 
 pub mod entry;
+pub mod opt_out;
 pub mod running;
 pub mod socket;
 

@@ -29,7 +29,8 @@ use crate::{
 /// file, or the same one bound into it: a container's process sees another) and runs on
 /// glibc, except pid 1 (the init system: a stall of it stalls the host), heapprofd
 /// itself, valgrind's tools, and processes that already run another copy of
-/// heapprofd's library (launched with it, or joined by `--pid`).
+/// heapprofd's library (launched with it, or joined by `--pid`), and processes that
+/// opted out ([`super::opt_out`]).
 pub fn candidates(library: &str) -> Vec<u32> {
     let own = std::process::id();
     let Some(ours) = file_id(Path::new(library)) else {
@@ -45,7 +46,7 @@ pub fn candidates(library: &str) -> Vec<u32> {
             file_id(&Path::new(&format!("/proc/{pid}/root")).join(library.trim_start_matches('/')))
                 == Some(ours)
         })
-        .filter(|pid| maps_allow(*pid))
+        .filter(|pid| maps_allow(*pid) && !super::opt_out::opted_out(*pid))
         .collect();
     pids.sort_unstable();
     pids

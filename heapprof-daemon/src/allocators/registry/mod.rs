@@ -147,6 +147,9 @@ pub struct AllocatorProbes {
     awaiting_ask: HashSet<u32>,
     /// Processes that got probes for themselves alone, over the run.
     processes_probed_alone: u64,
+    /// `--preload system`: processes left alone because they opted out of it
+    /// (`crate::system_preload::opt_out`), over the run.
+    opted_out: HashSet<u32>,
     scans: ScanCache,
     /// Objects each process's `malloc` binds to, by pid (for messages).
     serving: HashMap<u32, (u64, u64)>,
@@ -181,6 +184,7 @@ impl AllocatorProbes {
             system_joined: crate::system_preload::JoinedSet::default(),
             awaiting_ask: HashSet::new(),
             processes_probed_alone: 0,
+            opted_out: HashSet::new(),
             scans: HashMap::new(),
             serving: HashMap::new(),
             probes: 0,

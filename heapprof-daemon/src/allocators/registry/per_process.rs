@@ -29,6 +29,12 @@ impl AllocatorProbes {
         self.processes_probed_alone
     }
 
+    /// Processes left alone over the run because they opted out of the system-wide
+    /// preload (`--preload system`).
+    pub fn processes_opted_out(&self) -> u64 {
+        self.opted_out.len() as u64
+    }
+
     /// Processes with probes attached for themselves alone (`--preload system`).
     pub fn processes_with_own_probes(&self) -> impl Iterator<Item = u32> + '_ {
         self.process_links.keys().copied()

@@ -43,6 +43,21 @@ impl AllocatorProbes {
             );
             return;
         }
+        // Opted out of the system-wide preload: its copy never asks, and its probes would
+        // make it trap for a profile it declined (another heapprofd may serve it).
+        if only.is_some() && crate::system_preload::opt_out::opted_out(process.pid) {
+            if self.opted_out.insert(process.pid) {
+                log::info!(
+                    "pid {} ({}): opted out of the system-wide preload ({}={}): heapprofd \
+                     leaves it alone",
+                    process.pid,
+                    process.comm,
+                    heapprof_common::preload::SYSTEM_OPT_OUT_ENV,
+                    heapprof_common::preload::SYSTEM_OPT_OUT_VALUE
+                );
+            }
+            return;
+        }
         // A process that ran before heapprofd, not asked yet: its join comes, or its
         // probes do if it cannot be asked.
         if only.is_some() && self.awaiting_ask.contains(&process.pid) {

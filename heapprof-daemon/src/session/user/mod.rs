@@ -308,6 +308,7 @@ impl UserSession {
     pub fn system_figures(&self) -> crate::stats_file::SystemPreloadFigures {
         crate::stats_file::SystemPreloadFigures {
             probed_alone: self.allocators.processes_probed_alone(),
+            opted_out: self.allocators.processes_opted_out(),
             ..self.system_figures
         }
     }
