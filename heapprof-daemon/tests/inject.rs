@@ -29,7 +29,7 @@ fn start_joined(dir: &Path) -> Driven {
         .expect("running gcc");
     assert!(status.success(), "building the plugin");
     let binary = compile(dir, "joined", "joined", &["-O2", "-ldl"]);
-    Driven::start(&binary, &[plugin.to_str().expect("utf-8 path")])
+    Driven::start_for_pid(&binary, &[plugin.to_str().expect("utf-8 path")])
 }
 
 /// Totals per (caller, allocator function): allocated objects, bytes, in-use objects, bytes.
@@ -414,7 +414,9 @@ fn a_joined_process_is_followed_through_every_exec_function() {
     let dir = scratch();
     let binary = compile(dir.path(), "exec_chain", "exec_chain", &["-O1"]);
     // A preload of the program's own, which every image must still see.
-    let mut chain = Driven::spawn(Command::new(&binary).env("LD_PRELOAD", "libm.so.6"));
+    let mut chain = Driven::spawn(outside_system_preload(
+        Command::new(&binary).env("LD_PRELOAD", "libm.so.6"),
+    ));
     let pid = chain.child.id();
     let out = dir.path().join("profiles");
     let (profiles, stats) = (profiles_json(&out), stats_file(&out));

@@ -316,7 +316,8 @@ fn traces_through_fork_and_exec(inject: &str) {
     let binary = compile(dir.path(), "execer", "execer", &["-O0"]);
     let out = dir.path().join("profiles");
     let (profiles, stats) = (profiles_json(&out), stats_file(&out));
-    let mut execer = Driven::start(&binary, &["parent", binary.to_str().expect("utf-8 path")]);
+    let mut execer =
+        Driven::start_for_pid(&binary, &["parent", binary.to_str().expect("utf-8 path")]);
     let (mut heapprofd, log) = start_heapprofd(
         heapprofd(&out)
             .arg("--profiles-json")

@@ -457,6 +457,17 @@ pub fn wait_success(child: &mut Child, log: &mpsc::Receiver<String>, what: &str)
     }
 }
 
+/// Keeps the program `command` starts out of a system-wide preload that may be active
+/// on the machine (`heapprofd --all --preload system`, a fleet host's unit): that
+/// heapprofd would join it first, and `--pid` would then count it on the allocator's
+/// probes (by design: system_preload.rs tests it). Tests of `--pid`'s in-process join
+/// start their targets so, as a user who wants it does (`HEAPPROFD_SYSTEM_PRELOAD=off`);
+/// without a system-wide preload it changes nothing.
+pub fn outside_system_preload(command: &mut Command) -> &mut Command {
+    use heapprof_common::preload::{SYSTEM_OPT_OUT_ENV, SYSTEM_OPT_OUT_VALUE};
+    command.env(SYSTEM_OPT_OUT_ENV, SYSTEM_OPT_OUT_VALUE)
+}
+
 /// A test program driven line by line (waiter.c, pipes.c): it prints "ready", then
 /// does one step per line it reads and prints what it did; it exits at end of input.
 pub struct Driven {
@@ -472,6 +483,15 @@ impl Driven {
         let mut command = Command::new(binary);
         command.args(args);
         Self::spawn(&mut command)
+    }
+
+    /// [`Driven::start`] for a target that `--pid` is to join in-process: kept out of
+    /// a system-wide preload that may be active on the machine
+    /// ([`outside_system_preload`]).
+    pub fn start_for_pid(binary: &Path, args: &[&str]) -> Self {
+        let mut command = Command::new(binary);
+        command.args(args);
+        Self::spawn(outside_system_preload(&mut command))
     }
 
     /// Starts `command` (its stdin and stdout piped) and waits for its "ready".
