@@ -7,6 +7,7 @@
  */
 #include "fork.h"
 
+#include "got.h"
 #include "interposer.h"
 #include "joined.h"
 #include "probe_site.h"
@@ -16,11 +17,18 @@
 
 static void before_fork(void)
 {
-    if (state != ACTIVE)
-        return;
-    struct thread_state *t = pthread_getspecific(thread_key);
-    if (t)
-        flush(t);
+    if (state == ACTIVE) {
+        struct thread_state *t = pthread_getspecific(thread_key);
+        if (t)
+            flush(t);
+    }
+    /* Last: no walk of the loader's list runs across the fork (got.h). */
+    got_walk_hold_for_fork();
+}
+
+static void after_fork_in_parent(void)
+{
+    got_walk_release_after_fork();
 }
 
 /*
@@ -50,6 +58,7 @@ static void unoptimize_probe_site(void)
 
 static void in_child(void)
 {
+    got_walk_release_after_fork();
     unoptimize_probe_site();
     if (injected() && state == ACTIVE) {
         leave_in_child();
@@ -84,7 +93,7 @@ void register_fork_handlers(void)
         return;
     registered = 1;
     if (__register_atfork)
-        __register_atfork(before_fork, NULL, in_child, NULL);
+        __register_atfork(before_fork, after_fork_in_parent, in_child, NULL);
     else if (pthread_atfork)
-        pthread_atfork(before_fork, NULL, in_child);
+        pthread_atfork(before_fork, after_fork_in_parent, in_child);
 }

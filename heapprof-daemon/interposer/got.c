@@ -245,11 +245,54 @@ struct got_result got_rewrite(const struct got_target *targets, unsigned count, 
         }
         do {
             __atomic_store_n(&pending, 0, __ATOMIC_RELEASE);
+            got_walk_begin();
             dl_iterate_phdr(visit, &pass);
+            got_walk_end();
         } while (__atomic_load_n(&pending, __ATOMIC_ACQUIRE));
         __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
         /* Asked for between the last pass and the release. */
         if (!__atomic_load_n(&pending, __ATOMIC_ACQUIRE))
             return pass.result;
     }
+}
+
+/* 1 while the library walks the loader's list, or while a fork is under way. */
+static int walking;
+/* Whether the forking thread holds `walking` (it gives up waiting after a bound: a
+ * fork from a signal handler that interrupted a walk of its own thread). */
+static int held_for_fork;
+
+int got_walk_try(void)
+{
+    return !__atomic_exchange_n(&walking, 1, __ATOMIC_ACQUIRE);
+}
+
+void got_walk_begin(void)
+{
+    while (!got_walk_try())
+        __asm__ volatile("" ::: "memory");
+}
+
+void got_walk_end(void)
+{
+    __atomic_store_n(&walking, 0, __ATOMIC_RELEASE);
+}
+
+void got_walk_hold_for_fork(void)
+{
+    for (unsigned long tries = 0; tries < (1ul << 26); tries++) {
+        if (got_walk_try()) {
+            held_for_fork = 1;
+            return;
+        }
+        __asm__ volatile("" ::: "memory");
+    }
+}
+
+void got_walk_release_after_fork(void)
+{
+    if (!held_for_fork)
+        return;
+    held_for_fork = 0;
+    got_walk_end();
 }

@@ -34,3 +34,18 @@ struct got_result {
  */
 struct got_result got_rewrite(const struct got_target *targets, unsigned count, const void *self,
                               int restore, int wait);
+
+/* The library's walks of the loader's list (dl_iterate_phdr, which holds the loader's
+ * lock meanwhile) and fork: a forked child must never inherit that lock held by a walk
+ * on a thread that did not come along, or its first walk waits for it forever (seen: a
+ * joined process's forked child stuck in dl_iterate_phdr before its exec). */
+/* Starts a walk if none runs (1), else 0: the caller skips it. */
+int got_walk_try(void);
+/* Starts a walk, waiting for one that runs. */
+void got_walk_begin(void);
+/* Ends a walk. */
+void got_walk_end(void);
+/* Before a fork: waits for the walk that runs and keeps others from starting. */
+void got_walk_hold_for_fork(void);
+/* After a fork, in the parent and in the child: walks may start again. */
+void got_walk_release_after_fork(void);

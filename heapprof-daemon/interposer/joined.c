@@ -91,9 +91,16 @@ static int read_adds(void *info, size_t size, void *data)
 
 uint64_t loader_adds(void)
 {
+    /* The last count read: what a check sees while another thread walks (no change,
+     * so it looks again at its next check). */
+    static uint64_t last;
     uint64_t adds = 0;
     extern int dl_iterate_phdr(int (*callback)(void *, size_t, void *), void *data);
+    if (!got_walk_try())
+        return __atomic_load_n(&last, __ATOMIC_RELAXED);
     dl_iterate_phdr(read_adds, &adds);
+    got_walk_end();
+    __atomic_store_n(&last, adds, __ATOMIC_RELAXED);
     return adds;
 }
 
