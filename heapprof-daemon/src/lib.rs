@@ -8,6 +8,7 @@ pub mod arch;
 mod bpf_array;
 pub mod cgroup;
 pub mod cli;
+pub mod environ;
 pub mod health;
 pub mod inject;
 pub mod launch;

@@ -65,12 +65,16 @@ fn explain(output: &std::process::Output, dir: &Path) -> String {
     )
 }
 
-/// The `system_preload` figures of a `--stats-json` file.
-fn system_figures(path: &Path) -> serde_json::Value {
+/// A `--stats-json` file, parsed.
+fn read_stats(path: &Path) -> serde_json::Value {
     let text =
         std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
-    let stats: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
-    stats["system_preload"].clone()
+    serde_json::from_str(&text).expect("--stats-json is JSON")
+}
+
+/// The `system_preload` figures of a `--stats-json` file.
+fn system_figures(path: &Path) -> serde_json::Value {
+    read_stats(path)["system_preload"].clone()
 }
 
 /// A script (for [`in_private_namespace`]) in which `program` (alloc_abc's `wait`)
@@ -283,8 +287,7 @@ kill -TERM $H; wait $H; echo heapprofd_status=$?
         figures["joined"].as_u64().is_some_and(|joined| joined >= 1),
         "the system-wide heapprofd joined the program: {figures}\n{context}"
     );
-    let text = std::fs::read_to_string(dir.path().join("pid-stats.json")).expect("--stats-json");
-    let stats: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
+    let stats = read_stats(&dir.path().join("pid-stats.json"));
     assert_eq!(stats["joined"]["how"], "probes", "{stats}\n{context}");
     check_counted(
         "alloc_abc under --pid, joined by the system-wide preload",
@@ -370,8 +373,7 @@ wait $E; echo early_status=$?
         "the system-wide heapprofd counted the program that opted out: {} samples\n{context}",
         counted.len()
     );
-    let text = std::fs::read_to_string(dir.path().join("pid-stats.json")).expect("--stats-json");
-    let stats: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
+    let stats = read_stats(&dir.path().join("pid-stats.json"));
     assert_eq!(stats["joined"]["how"], "injected", "{stats}\n{context}");
     check_counted(
         "alloc_abc under --pid, opted out of the system-wide preload",

@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use crate::{probes::libc::is_libc_name, procmaps::ObjectFile};
+use crate::{environ::Environ, probes::libc::is_libc_name, procmaps::ObjectFile};
 
 /// Where an object stands in the binding order (lower binds first).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -38,21 +38,18 @@ fn is_glibc_loader_name(path: &str) -> bool {
 }
 
 /// The preloads of process `pid`: its `LD_PRELOAD` (names or paths, separated by
-/// spaces or colons) and the system's `/etc/ld.so.preload`, as seen from its root.
-pub fn preloads(pid: u32) -> Vec<String> {
+/// spaces or colons, from `environ`, its environment when readable) and the system's
+/// `/etc/ld.so.preload`, as seen from its root.
+pub fn preloads(pid: u32, environ: Option<&Environ>) -> Vec<String> {
     let mut preloads = Vec::new();
-    if let Ok(environ) = std::fs::read(format!("/proc/{pid}/environ")) {
-        for variable in environ.split(|b| *b == 0) {
-            if let Some(value) = variable.strip_prefix(b"LD_PRELOAD=") {
-                let value = String::from_utf8_lossy(value);
-                preloads.extend(
-                    value
-                        .split([' ', ':'])
-                        .filter(|s| !s.is_empty())
-                        .map(str::to_owned),
-                );
-            }
-        }
+    for value in environ.into_iter().flat_map(|e| e.values("LD_PRELOAD")) {
+        let value = String::from_utf8_lossy(value);
+        preloads.extend(
+            value
+                .split([' ', ':'])
+                .filter(|s| !s.is_empty())
+                .map(str::to_owned),
+        );
     }
     if let Ok(system) = std::fs::read_to_string(format!("/proc/{pid}/root/etc/ld.so.preload")) {
         preloads.extend(system.split_whitespace().map(str::to_owned));

@@ -5,27 +5,27 @@
 
 use heapprof_common::preload::{SYSTEM_OPT_OUT_ENV, SYSTEM_OPT_OUT_VALUE};
 
+use crate::environ::Environ;
+
 /// Whether process `pid` was started with the opt-out in its environment (the one its
 /// program got at exec, which is what its copy of the library reads at start). A
 /// process whose environment cannot be read is not taken as opted out.
 pub fn opted_out(pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|environ| environ_opts_out(&environ))
+    Environ::of(pid).is_some_and(|environ| opts_out(&environ))
 }
 
-/// Whether an environment block (`NAME=value` entries separated by NUL bytes) holds
-/// the opt-out.
-fn environ_opts_out(environ: &[u8]) -> bool {
-    environ.split(|b| *b == 0).any(|entry| {
-        entry
-            .strip_prefix(SYSTEM_OPT_OUT_ENV.as_bytes())
-            .and_then(|rest| rest.strip_prefix(b"="))
-            == Some(SYSTEM_OPT_OUT_VALUE.as_bytes())
-    })
+/// Whether an environment holds the opt-out.
+pub fn opts_out(environ: &Environ) -> bool {
+    environ.has(SYSTEM_OPT_OUT_ENV, SYSTEM_OPT_OUT_VALUE)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn environ_opts_out(block: &[u8]) -> bool {
+        opts_out(&Environ::from_block(block))
+    }
 
     #[test]
     fn only_the_exact_entry_opts_out() {

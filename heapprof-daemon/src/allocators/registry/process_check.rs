@@ -9,7 +9,9 @@ use aya::Ebpf;
 use super::{AllocatorProbes, ProcessView, another_sessions_library};
 use crate::{
     allocators::{api::Family, serving},
+    environ::Environ,
     procmaps::is_valgrind_tool,
+    system_preload::opt_out,
 };
 
 impl AllocatorProbes {
@@ -17,7 +19,8 @@ impl AllocatorProbes {
     /// function of the object its `malloc` binds to, and the vendor and custom
     /// functions of all its objects. Says once when its allocator cannot be seen.
     pub fn check_process(&mut self, ebpf: &mut Ebpf, process: &ProcessView<'_>) {
-        let preloads = serving::preloads(process.pid);
+        let environ = Environ::of(process.pid);
+        let preloads = serving::preloads(process.pid, environ.as_ref());
         let order = serving::binding_order(process.objects, process.exe, &preloads);
         let mut serving_object = None;
         let mut static_program = None;
@@ -45,7 +48,7 @@ impl AllocatorProbes {
         }
         // Opted out of the system-wide preload: its copy never asks, and its probes would
         // make it trap for a profile it declined (another heapprofd may serve it).
-        if only.is_some() && crate::system_preload::opt_out::opted_out(process.pid) {
+        if only.is_some() && environ.as_ref().is_some_and(opt_out::opts_out) {
             if self.opted_out.insert(process.pid) {
                 log::info!(
                     "pid {} ({}): opted out of the system-wide preload ({}={}): heapprofd \
