@@ -273,7 +273,9 @@ pub fn entry_multi(ctx: ProbeContext) -> u32 {
 #[unsafe(link_section = "uprobe.multi")]
 pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
     if empty_programs() {
-        return 0;
+        // The sampled trap floor: one trap per call, no return probe at all (the
+        // least any sampler on probes pays, since every call must be seen).
+        return 1;
     }
     let (ip, _) = regs::at_entry(&ProbeContext::new(ctx));
     // SAFETY: the helper reads the probe's address from the program's run context.

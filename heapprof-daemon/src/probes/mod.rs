@@ -156,7 +156,8 @@ pub fn load_bpf_object(
         .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")?;
     // Sampled: the uprobe session program, while every map is still in `ebpf`. x86-64
     // only: there an unsampled call's frame is known by its return address's slot.
-    if cfg!(target_arch = "x86_64") && sample_rate > 0 && !unwind.empty_programs {
+    // With `--empty-programs` it is the sampled trap floor: one trap per call.
+    if cfg!(target_arch = "x86_64") && sample_rate > 0 {
         session::prepare(BPF_OBJECT, &ebpf);
     }
     Ok(ebpf)

@@ -48,6 +48,9 @@ const LAUNCH_SAMPLED_GOAL: f64 = 0.95;
 enum RedisMode {
     Bare,
     Floor,
+    /// `--empty-programs --sample-rate 524288`: one trap per allocator call (uprobe
+    /// session links skip every return), the least any sampler on the probes pays.
+    SampledFloor,
     /// `--pid --stacks-only`: every allocation's stack found, nothing counted.
     StacksOnly,
     Exact,
@@ -63,9 +66,10 @@ enum RedisMode {
 }
 
 impl RedisMode {
-    const ALL: [RedisMode; 9] = [
+    const ALL: [RedisMode; 10] = [
         RedisMode::Bare,
         RedisMode::Floor,
+        RedisMode::SampledFloor,
         RedisMode::StacksOnly,
         RedisMode::Exact,
         RedisMode::Sampled,
@@ -79,6 +83,7 @@ impl RedisMode {
         match self {
             RedisMode::Bare => "bare",
             RedisMode::Floor => "trap floor (--empty-programs)",
+            RedisMode::SampledFloor => "sampled trap floor (one trap per call)",
             RedisMode::StacksOnly => "stacks only (--stacks-only)",
             RedisMode::Exact => "heapprofd --pid exact",
             RedisMode::Sampled => "heapprofd --pid sampled 512KiB",
@@ -93,6 +98,7 @@ impl RedisMode {
         match self {
             RedisMode::Bare => "bare",
             RedisMode::Floor => "heapprofd_empty_programs",
+            RedisMode::SampledFloor => "heapprofd_empty_programs_sampled",
             RedisMode::StacksOnly => "heapprofd_stacks_only",
             RedisMode::Exact => "heapprofd_exact",
             RedisMode::Sampled => "heapprofd_sampled",
@@ -110,6 +116,15 @@ impl RedisMode {
         match self {
             RedisMode::Bare | RedisMode::LaunchExact | RedisMode::LaunchSampled => None,
             RedisMode::Floor => Some(&["--interval", "1h", "--inject", "off", "--empty-programs"]),
+            RedisMode::SampledFloor => Some(&[
+                "--interval",
+                "1h",
+                "--inject",
+                "off",
+                "--empty-programs",
+                "--sample-rate",
+                "512KiB",
+            ]),
             RedisMode::StacksOnly => {
                 Some(&["--interval", "1h", "--inject", "off", "--stacks-only"])
             }
@@ -345,6 +360,16 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         stacks_only_added / floor_added,
         added(RedisMode::LaunchExact),
         added(RedisMode::LaunchSampled)
+    );
+    let rate = |mode: RedisMode| median(mode, |p| p.requests_per_second) / bare_rps;
+    let _ = writeln!(
+        text,
+        "sampled on the probes: {:.3}x bare, CPU added {:.2} us per request; its trap floor (one trap per call) {:.3}x bare, {:.2} us: sampled = {:.2}x that floor",
+        rate(RedisMode::Sampled),
+        added(RedisMode::Sampled),
+        rate(RedisMode::SampledFloor),
+        added(RedisMode::SampledFloor),
+        added(RedisMode::Sampled) / added(RedisMode::SampledFloor)
     );
     let _ = writeln!(
         text,
