@@ -18,7 +18,7 @@ use std::{
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, bail};
-use heapprof_common::preload::REPLIES_FD;
+use heapprof_common::preload::{REPLIES_FD, SYSTEM_OPT_OUT_ENV, SYSTEM_OPT_OUT_VALUE};
 use tokio::sync::{mpsc, oneshot};
 
 /// What the tracer thread reports.
@@ -187,12 +187,18 @@ fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// The environment of the launched command: heapprofd's own, with `changes` set.
+/// The environment of the launched command: heapprofd's own, with `changes` set and
+/// the system-wide preload's opt-out. The command (with its children) is this
+/// heapprofd's to profile: a system-wide heapprofd (`--all --preload system`) leaves it
+/// alone, since two copies of the library cannot both serve one process, and the
+/// system copy's own allocations would count as the command's on the probes.
 fn environment(changes: &[(OsString, OsString)]) -> Result<Vec<CString>> {
+    let mut changes = changes.to_vec();
+    changes.push((SYSTEM_OPT_OUT_ENV.into(), SYSTEM_OPT_OUT_VALUE.into()));
     let mut variables: Vec<(OsString, OsString)> = std::env::vars_os()
         .filter(|(key, _)| !changes.iter().any(|(changed, _)| changed == key))
         .collect();
-    variables.extend(changes.iter().cloned());
+    variables.extend(changes);
     variables
         .into_iter()
         .map(|(key, value)| {
@@ -549,6 +555,19 @@ mod tests {
 
     /// A relay that has passed SIGTERM at the returned instant to a command, which
     /// got it and ended.
+    #[test]
+    fn the_launched_command_keeps_out_of_the_system_preload() {
+        let changes = [("LD_PRELOAD".into(), "/x/lib.so".into())];
+        let entries: Vec<String> = environment(&changes)
+            .expect("environment")
+            .into_iter()
+            .map(|entry| entry.into_string().expect("utf-8"))
+            .collect();
+        let expected = format!("{SYSTEM_OPT_OUT_ENV}={SYSTEM_OPT_OUT_VALUE}");
+        assert_eq!(entries.iter().filter(|e| **e == expected).count(), 1);
+        assert!(entries.iter().any(|e| e == "LD_PRELOAD=/x/lib.so"));
+    }
+
     fn relay_after_a_passed_sigterm() -> (SignalRelay, Instant) {
         let mut command = std::process::Command::new("sleep")
             .arg("30")
