@@ -631,7 +631,7 @@ fn redis_under_redis_benchmark_stays_right_over_attach_detach_cycles() {
     let dir = scratch();
     let port = free_port();
     let server = Guard(
-        Command::new("redis-server")
+        outside_system_preload(&mut Command::new("redis-server"))
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
             .arg("--dir")
@@ -829,7 +829,7 @@ fn nginx_under_ab_stays_right_over_attach_detach_cycles() {
     );
     std::fs::write(root.join("nginx.conf"), config).expect("nginx.conf");
     let master = Guard(
-        Command::new("nginx")
+        outside_system_preload(&mut Command::new("nginx"))
             .arg("-p")
             .arg(root)
             .arg("-c")
@@ -941,7 +941,7 @@ struct Progressing {
 
 impl Progressing {
     fn start(command: &mut Command) -> Self {
-        let mut child = command
+        let mut child = outside_system_preload(command)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -1081,7 +1081,7 @@ fn build_target(dir: &Path) -> PathBuf {
 
 impl Target {
     fn start(command: &mut Command) -> Self {
-        let mut child = command
+        let mut child = outside_system_preload(command)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
