@@ -13,7 +13,6 @@ pub mod health;
 pub mod inject;
 pub mod launch;
 mod mapped_file;
-pub mod memory_peaks;
 pub mod memstats;
 pub mod metrics;
 pub mod placement;

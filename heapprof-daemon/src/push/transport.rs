@@ -137,11 +137,7 @@ impl Transport {
                 http(builder, headers).await
             }
             (Client::Http(client), _) => {
-                let built = {
-                    let _turn = crate::memory_peaks::one_at_a_time();
-                    otlp::export_request(upload, self.original_payload)
-                };
-                let body = match built {
+                let body = match otlp::export_request(upload, self.original_payload) {
                     Ok(body) => body,
                     Err(err) => return Outcome::Rejected(err.to_string()),
                 };
@@ -160,11 +156,7 @@ impl Transport {
                 }
             }
             (Client::Grpc(channel), _) => {
-                let built = {
-                    let _turn = crate::memory_peaks::one_at_a_time();
-                    otlp::export_request(upload, self.original_payload)
-                };
-                let body = match built {
+                let body = match otlp::export_request(upload, self.original_payload) {
                     Ok(body) => Bytes::from(body),
                     Err(err) => return Outcome::Rejected(err.to_string()),
                 };
