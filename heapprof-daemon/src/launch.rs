@@ -247,6 +247,11 @@ pub fn fork_paused(
                 // The daemon gave up before releasing us.
                 libc::_exit(125);
             }
+            // Rust's runtime ignores SIGPIPE in heapprofd; the command must not inherit
+            // that (a pipeline's writer would get EPIPE instead of ending), just as
+            // std::process::Command restores it. Every other disposition is
+            // heapprofd's own inherited one: no handler is installed before this fork.
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
             libc::execve(program.as_ptr(), argv.as_ptr(), envp.as_ptr());
             let errno = *libc::__errno_location();
             libc::write(
@@ -447,10 +452,22 @@ impl SignalRelay {
                     self.pid
                 );
                 pass_signal(self.pid, signal);
+                // An ignored signal is known at once: say so now rather than after
+                // the grace period, and name the usual cause.
+                let ignored = ignores_signal(self.pid, signal);
+                if ignored {
+                    log::warn!(
+                        "the command (pid {}) ignores signal {signal}: it inherited SIG_IGN \
+                         (a shell without job control starts background commands so, for \
+                         SIGINT and SIGQUIT); heapprofd traces it until it exits; send the \
+                         signal again to stop heapprofd now, or SIGTERM to end both",
+                        self.pid
+                    );
+                }
                 self.passed = Some(PassedSignal {
                     signal,
                     at: now,
-                    warned: false,
+                    warned: ignored,
                 });
                 Relayed::Passed
             }
@@ -513,6 +530,29 @@ fn pass_signal(pid: u32, signal: i32) {
     }
 }
 
+/// Whether process `pid` ignores `signal` (its disposition is SIG_IGN), per
+/// `/proc/PID/status`. False when that cannot be read.
+fn ignores_signal(pid: u32, signal: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|status| ignored_signals(&status))
+        .is_some_and(|mask| signal_in_mask(mask, signal))
+}
+
+/// The `SigIgn:` mask of a `/proc/PID/status` text.
+fn ignored_signals(status: &str) -> Option<u64> {
+    let hex = status
+        .lines()
+        .find_map(|line| line.strip_prefix("SigIgn:"))?
+        .trim();
+    u64::from_str_radix(hex, 16).ok()
+}
+
+/// Whether `signal` (1-based) is in a kernel signal mask, whose bit N-1 is signal N.
+fn signal_in_mask(mask: u64, signal: i32) -> bool {
+    (1..=64).contains(&signal) && mask & (1 << (signal - 1)) != 0
+}
+
 /// Whether the signal the stopped tracee `pid` is about to receive was sent by the
 /// kernel (`SI_KERNEL`), as BPF's `bpf_send_signal` does, rather than by a process.
 fn sent_by_kernel(pid: libc::pid_t) -> bool {
@@ -553,8 +593,21 @@ fn report_exec_error(exec_error: &OwnedFd) {
 mod tests {
     use super::*;
 
-    /// A relay that has passed SIGTERM at the returned instant to a command, which
-    /// got it and ended.
+    #[test]
+    fn an_ignored_signal_is_read_from_the_status_mask() {
+        let status = "Name:\tbusy\nSigPnd:\t0000000000000000\nSigBlk:\t0000000000000000\n\
+                      SigIgn:\t0000000080001006\nSigCgt:\t0000000100000000\n";
+        let mask = ignored_signals(status).expect("a SigIgn line");
+        assert_eq!(mask, 0x8000_1006);
+        for ignored in [libc::SIGINT, libc::SIGQUIT, libc::SIGPIPE, 32] {
+            assert!(signal_in_mask(mask, ignored), "signal {ignored}");
+        }
+        for caught in [libc::SIGHUP, libc::SIGTERM, libc::SIGUSR1, 0, 65] {
+            assert!(!signal_in_mask(mask, caught), "signal {caught}");
+        }
+        assert_eq!(ignored_signals("Name:\tx\n"), None);
+    }
+
     #[test]
     fn the_launched_command_keeps_out_of_the_system_preload() {
         let changes = [("LD_PRELOAD".into(), "/x/lib.so".into())];
@@ -568,6 +621,8 @@ mod tests {
         assert!(entries.iter().any(|e| e == "LD_PRELOAD=/x/lib.so"));
     }
 
+    /// A relay that has passed SIGTERM at the returned instant to a command, which
+    /// got it and ended.
     fn relay_after_a_passed_sigterm() -> (SignalRelay, Instant) {
         let mut command = std::process::Command::new("sleep")
             .arg("30")

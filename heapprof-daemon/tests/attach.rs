@@ -364,6 +364,89 @@ fn sigterm_ends_launch_mode_while_the_command_is_stopped() {
     assert!(!samples(&last_profile(&out)).is_empty(), "a final profile");
 }
 
+/// Launch mode is transparent to the command's signal dispositions: started with
+/// SIGINT ignored (a background job of a script), heapprofd's command inherits that
+/// as it would without heapprofd, but not the SIGPIPE that Rust ignores in heapprofd.
+/// A SIGINT passed on then cannot end the command; a second one stops heapprofd with
+/// a valid final profile, and the command runs on.
+#[test]
+fn an_ignored_sigint_stays_the_commands_and_a_second_one_stops_heapprofd() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let binary = compile(dir.path(), "busy", "busy", &["-O2"]);
+    let out = dir.path().join("profiles");
+    let mut cmd = heapprofd(&out);
+    cmd.arg("--")
+        .arg(&binary)
+        .args(["2", "forever"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped());
+    with_signal_disposition(&mut cmd, libc::SIG_IGN);
+    let (mut heapprofd, log) = start_heapprofd(&mut cmd);
+    let output = forward_lines(heapprofd.stdout.take().expect("stdout"));
+    assert_eq!(
+        output.recv_timeout(Duration::from_secs(30)).as_deref().ok(),
+        Some("ready"),
+        "the launched command's output"
+    );
+    let pid = child_pid(heapprofd.id()).expect("the launched command runs");
+    // Outlives heapprofd by design: killed whatever the outcome, so that it does not
+    // hold the tests' lock.
+    let _command = KillPidOnDrop(pid);
+    let bit = |signal: i32| 1u64 << (signal - 1);
+    let ignored = ignored_signals(pid);
+    assert_ne!(
+        ignored & bit(libc::SIGINT),
+        0,
+        "the command inherits SIGINT ignored"
+    );
+    assert_eq!(
+        ignored & bit(libc::SIGPIPE),
+        0,
+        "the command gets SIGPIPE at its default"
+    );
+
+    signal(&heapprofd, libc::SIGINT);
+    // Well past the repeat window, so that the next one is a second request.
+    std::thread::sleep(heapprof_daemon::launch::REPEAT_WINDOW * 4);
+    assert!(
+        heapprofd.try_wait().expect("waiting").is_none(),
+        "heapprofd waits for the command after the first SIGINT"
+    );
+    signal(&heapprofd, libc::SIGINT);
+    let status = wait_exit(&mut heapprofd, Duration::from_secs(30), "a second SIGINT");
+    let lines: Vec<String> = log.try_iter().collect();
+    let still_running = std::path::Path::new(&format!("/proc/{pid}")).exists();
+    assert!(
+        status.success(),
+        "heapprofd stops cleanly: {status}; its log:\n{}",
+        lines.join("\n")
+    );
+    assert!(
+        still_running,
+        "the command keeps running after heapprofd stops"
+    );
+    let samples = samples(&last_profile(&out));
+    assert!(
+        samples
+            .iter()
+            .any(|s| s.stack.get(1).is_some_and(|f| f == "busy_0") && s.values[0] > 0),
+        "the final profile counts busy_0; heapprofd's log:\n{}",
+        lines.join("\n")
+    );
+}
+
+/// Kills process `pid` when dropped.
+struct KillPidOnDrop(u32);
+
+impl Drop for KillPidOnDrop {
+    fn drop(&mut self) {
+        // SAFETY: plain kill(2); the pid is the test's own command, left running.
+        unsafe { libc::kill(self.0 as libc::pid_t, libc::SIGKILL) };
+    }
+}
+
 /// The first child process of `parent`, from /proc.
 fn child_pid(parent: u32) -> Option<u32> {
     let children =

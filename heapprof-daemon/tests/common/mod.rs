@@ -109,7 +109,8 @@ pub fn compile_exact(
 }
 
 /// A heapprofd command writing into `out`, which creates [`ready_file`]`(out)` once
-/// its probes are on.
+/// its probes are on. It starts with SIGINT and SIGQUIT at their defaults, as from a
+/// terminal, whatever the harness inherited.
 pub fn heapprofd(out: &Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_heapprofd"));
     cmd.arg("-o")
@@ -117,7 +118,36 @@ pub fn heapprofd(out: &Path) -> Command {
         .arg("--ready-file")
         .arg(ready_file(out))
         .env("RUST_LOG", "info");
+    with_signal_disposition(&mut cmd, libc::SIG_DFL);
     cmd
+}
+
+/// Starts `cmd` with SIGINT and SIGQUIT set to `disposition` (`SIG_DFL` or `SIG_IGN`).
+/// A harness started in the background by a shell without job control (a script's
+/// `cargo test &`) ignores both, and launch mode's command inherits that, as it would
+/// without heapprofd: a SIGINT passed on would then never end it.
+pub fn with_signal_disposition(cmd: &mut Command, disposition: libc::sighandler_t) {
+    use std::os::unix::process::CommandExt as _;
+    // SAFETY: signal(2) is async-signal-safe, as pre_exec requires.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::signal(libc::SIGINT, disposition);
+            libc::signal(libc::SIGQUIT, disposition);
+            Ok(())
+        });
+    }
+}
+
+/// The signals process `pid` ignores: the `SigIgn` mask of its status (bit N-1 for
+/// signal N).
+pub fn ignored_signals(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let hex = status
+        .lines()
+        .find_map(|line| line.strip_prefix("SigIgn:"))
+        .expect("a SigIgn line")
+        .trim();
+    u64::from_str_radix(hex, 16).expect("a hexadecimal mask")
 }
 
 /// The `--ready-file` of a heapprofd writing into `out`: beside it.
