@@ -4,6 +4,8 @@
 //! cumulative counts; this daemon reads them on an interval and at exit, symbolizes
 //! the stacks and writes gzip'd `profile.proto` heap profiles.
 
+mod own_allocator;
+
 use std::process::ExitCode;
 
 use clap::Parser as _;
@@ -19,13 +21,13 @@ use heapprof_daemon::{
 const EXIT_USAGE: u8 = 2;
 
 fn main() -> ExitCode {
+    own_allocator::keep_usable_across_fork();
     if std::env::args_os()
         .nth(1)
         .is_some_and(|arg| arg == "report")
     {
         return report();
     }
-    give_back_large_buffers();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(err) => return command_line_error(err),
@@ -102,21 +104,6 @@ fn create_private_dir(dir: &std::path::Path) -> anyhow::Result<()> {
                 dir.display()
             )
         })
-}
-
-/// Buffers of 1 MiB and more get mappings of their own, given back to the kernel
-/// when freed. glibc raises that threshold to the size of the largest buffer freed
-/// (up to 32 MiB), after which each dump's lists of sites and each push's request
-/// came from the heap and stayed resident between dumps, where the next push's
-/// buffers added to them: at 100k stacks, 83 MiB at the peak pushing OTLP against
-/// 69 MiB with the threshold fixed. A dump maps a few such buffers: no measurable
-/// cost. (musl's allocator maps large blocks of its own accord.)
-fn give_back_large_buffers() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt sets one of glibc's allocator parameters; no thread exists yet.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
-    }
 }
 
 /// `heapprofd report ...`: reads profiles back; needs no privileges and starts no runtime.
