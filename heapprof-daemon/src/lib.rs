@@ -13,6 +13,7 @@ pub mod health;
 pub mod inject;
 pub mod launch;
 mod mapped_file;
+pub mod memory_peaks;
 pub mod memstats;
 pub mod metrics;
 pub mod placement;

@@ -137,7 +137,11 @@ impl Transport {
                 http(builder, headers).await
             }
             (Client::Http(client), _) => {
-                let body = match otlp::export_request(upload, self.original_payload) {
+                let built = {
+                    let _turn = crate::memory_peaks::one_at_a_time();
+                    otlp::export_request(upload, self.original_payload)
+                };
+                let body = match built {
                     Ok(body) => body,
                     Err(err) => return Outcome::Rejected(err.to_string()),
                 };
@@ -156,7 +160,11 @@ impl Transport {
                 }
             }
             (Client::Grpc(channel), _) => {
-                let body = match otlp::export_request(upload, self.original_payload) {
+                let built = {
+                    let _turn = crate::memory_peaks::one_at_a_time();
+                    otlp::export_request(upload, self.original_payload)
+                };
+                let body = match built {
                     Ok(body) => Bytes::from(body),
                     Err(err) => return Outcome::Rejected(err.to_string()),
                 };
