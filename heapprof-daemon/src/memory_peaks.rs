@@ -1,8 +1,9 @@
-//! heapprofd's two memory-heavy jobs take turns: a dump (its tables of every site,
-//! read, sorted and encoded) and a push's OTLP request (every sample translated into
-//! a request of up to tens of MB). Each alone keeps the daemon within its memory
-//! goal; at once, they add up (docs/performance.md, "While pushing"). A dump waits
-//! at most for one request's build, and a build for one dump; sending a built
+//! heapprofd's memory-heavy jobs take turns: an interval's dump with the tidying
+//! after it (its tables of every site read, sorted and encoded; the live table read
+//! to retire exited processes) and a push's OTLP request (every sample translated
+//! into a request of up to tens of MB). Each alone keeps the daemon within its
+//! memory goal; at once, they add up (docs/performance.md, "While pushing"). A dump
+//! waits at most for one request's build, and a build for one dump; sending a built
 //! request (which may wait on a slow backend) is never held up.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};

@@ -58,7 +58,6 @@ impl AnySession {
     }
 
     fn dump(&mut self) -> Result<crate::session::Written> {
-        let _turn = crate::memory_peaks::one_at_a_time();
         match self {
             AnySession::User(session) => session.dump(),
             AnySession::Kernel(session) => session.dump(),

@@ -14,6 +14,7 @@ use super::Started;
 use crate::{
     cli::{Cli, Target},
     launch::{ChildEvent, PausedChild, Relayed, SignalRelay},
+    memory_peaks,
     pprof::retention::Pruner,
     profiles_file::{Kind, ProfilesFile},
     push::{PushConfig, PushMetrics, Pusher},
@@ -159,6 +160,9 @@ pub async fn run(
             }
             () = async { match bpf_log.as_mut() { Some(log) => log.forward().await, None => std::future::pending().await } } => {}
             _ = ticks.tick() => {
+                // The dump and the tidying after it (retiring exited processes reads
+                // the live table) are one heavy job: a push's build waits for both.
+                let _turn = memory_peaks::one_at_a_time();
                 if let Some(log) = bpf_log.as_mut() {
                     log.flush();
                 }
@@ -247,7 +251,10 @@ pub async fn run(
     if let Some(log) = bpf_log.as_mut() {
         log.flush();
     }
-    let written = session.dump();
+    let written = {
+        let _turn = memory_peaks::one_at_a_time();
+        session.dump()
+    };
     if let Ok(written) = &written {
         if let Some(file) = profiles_file.as_mut() {
             file.append(written, Kind::Final);
