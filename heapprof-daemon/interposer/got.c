@@ -267,10 +267,34 @@ int got_walk_try(void)
     return !__atomic_exchange_n(&walking, 1, __ATOMIC_ACQUIRE);
 }
 
+/* Gives the CPU away while another thread holds `walking`: a holder preempted on a
+ * busy machine would otherwise be kept waiting by the spinners it blocks. A raw
+ * sched_yield, so that no lazily bound call (into the loader) is made while the
+ * loader's list may be being walked. */
+static void walk_wait(unsigned long tries)
+{
+    if (tries < 64) {
+        __asm__ volatile("" ::: "memory");
+        return;
+    }
+#if defined(__x86_64__)
+    long result;
+    __asm__ volatile("syscall" : "=a"(result) : "a"(24L) : "rcx", "r11", "memory");
+    (void)result;
+#elif defined(__aarch64__)
+    register long number __asm__("x8") = 124;
+    register long result __asm__("x0");
+    __asm__ volatile("svc 0" : "=r"(result) : "r"(number) : "memory");
+    (void)result;
+#else
+    __asm__ volatile("" ::: "memory");
+#endif
+}
+
 void got_walk_begin(void)
 {
-    while (!got_walk_try())
-        __asm__ volatile("" ::: "memory");
+    for (unsigned long tries = 0; !got_walk_try(); tries++)
+        walk_wait(tries);
 }
 
 void got_walk_end(void)
@@ -280,12 +304,13 @@ void got_walk_end(void)
 
 void got_walk_hold_for_fork(void)
 {
-    for (unsigned long tries = 0; tries < (1ul << 26); tries++) {
+    /* About 2^16 yields: tens of milliseconds when the machine is idle. */
+    for (unsigned long tries = 0; tries < (1ul << 16); tries++) {
         if (got_walk_try()) {
             held_for_fork = 1;
             return;
         }
-        __asm__ volatile("" ::: "memory");
+        walk_wait(tries);
     }
 }
 
