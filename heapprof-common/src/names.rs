@@ -19,6 +19,10 @@ pub const CONTROL: &str = "CONTROL";
 /// The live-block table (`Array<live::LiveBucket>`, one per bucket; see
 /// [`crate::live`]).
 pub const LIVE: &str = "LIVE";
+/// Sampling's filter in front of [`LIVE`] (`Array<live::FilterPair>`,
+/// [`crate::live::FILTER_SLOTS`] counters; mapped by the daemon, which takes the
+/// entries it removes off it too).
+pub const LIVE_FILTER: &str = "LIVE_FILTER";
 /// The sites (`HashMap<StackKey, SiteId>`): each site's index in
 /// [`SITE_COUNTERS`].
 pub const SITES: &str = "SITES";

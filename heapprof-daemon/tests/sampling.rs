@@ -5,8 +5,9 @@ mod common;
 use common::*;
 use heapprof_common::names;
 
-/// Totals of the `exercise` sites of family.c, exact and at `rate` bytes per sample.
-fn totals_at(rate: Option<&str>) -> [i64; 4] {
+/// Totals of the `exercise` sites of family.c, exact and at `rate` bytes per sample,
+/// with heapprofd's `flags`.
+fn totals_at(rate: Option<&str>, flags: &[&str]) -> [i64; 4] {
     let dir = scratch();
     let program = compile(dir.path(), "family", "family", &["-O0"]);
     let out = dir.path().join("profiles");
@@ -14,7 +15,13 @@ fn totals_at(rate: Option<&str>) -> [i64; 4] {
     if let Some(rate) = rate {
         command.args(["--sample-rate", rate]);
     }
-    run_ok(command.arg("--").arg(&program).args(["4", "1500"]));
+    run_ok(
+        command
+            .args(flags)
+            .arg("--")
+            .arg(&program)
+            .args(["4", "1500"]),
+    );
     let samples = samples(&last_profile(&out));
     totals(&samples, |s| s.stack.iter().any(|f| f == "exercise"))
 }
@@ -27,8 +34,22 @@ fn totals_at(rate: Option<&str>) -> [i64; 4] {
 #[test]
 fn sampled_totals_are_close_to_exact_ones() {
     require_root();
-    let exact = totals_at(None);
-    let sampled = totals_at(Some("4KiB"));
+    assert_sampled_totals_close(&[]);
+}
+
+/// The same on the allocator's probes, where frees go through the live table's filter
+/// (`LIVE_FILTER`): a free it wrongly let skip the table would leave its sampled block
+/// in use, and in-use bytes would drift far above the exact ones.
+#[test]
+fn sampled_totals_on_the_probes_are_close_to_exact_ones() {
+    require_root();
+    assert_sampled_totals_close(&["--preload", "off"]);
+}
+
+/// Compares family.c's totals at 4 KiB with the exact ones, both with `flags`.
+fn assert_sampled_totals_close(flags: &[&str]) {
+    let exact = totals_at(None, flags);
+    let sampled = totals_at(Some("4KiB"), flags);
     let names = [
         "alloc_objects",
         "alloc_space",

@@ -35,9 +35,10 @@
 //! return address, and only to recognise what happens inside it:
 //! - an entry at the same stack pointer, with the same arguments and return address,
 //!   of another function is its tail call (glibc's `memalign` jumping to `malloc`);
-//! - an entry or free a little below it ([`MAX_UNRECORDED_NESTING_SPAN`]), called from
+//! - an entry a little below it ([`MAX_UNRECORDED_NESTING_SPAN`]), called from
 //!   the recorded call's object, is nested in it **if the call's return address is
-//!   still in its slot**: the call's frame is live. Once the call has returned, its
+//!   still in its slot**: the call's frame is live. (A free is never taken for nested
+//!   in it: see [`free_call`].) Once the call has returned, its
 //!   caller's next call or push overwrites that word; a later frame that leaves it
 //!   untouched would have to place a call from the allocator's object within a
 //!   kilobyte below it.
@@ -105,25 +106,18 @@ fn nested(ctx: &ProbeContext, sp: u64, state: &mut InFlight) -> bool {
     false
 }
 
-/// Whether an entry (`call`, or a free: `None`) at `sp` is inside the unsampled call
-/// recorded in `state` ([`CALL_UNRECORDED`]; see the module documentation).
+/// Whether the entry of `call` at `sp` is inside the unsampled call recorded in
+/// `state` ([`CALL_UNRECORDED`]; see the module documentation).
 #[inline(always)]
-fn inside_unrecorded(
-    ctx: &ProbeContext,
-    sp: u64,
-    call: Option<&Call>,
-    state: &mut InFlight,
-) -> bool {
+fn inside_unrecorded(ctx: &ProbeContext, sp: u64, call: &Call, state: &mut InFlight) -> bool {
     if sp == state.entry_sp {
         // A tail call forwards the arguments to another function, returning where the
         // unsampled call returns. A new call from the same frame after the unsampled
         // one returned has its own return address, or is the same function again.
-        return call.is_some_and(|call| {
-            call.slot != state.slot
-                && call.size == state.size
-                && call.old_ptr == state.old_ptr
-                && regs::return_address_at_entry(ctx, sp) == state.return_address
-        });
+        return call.slot != state.slot
+            && call.size == state.size
+            && call.old_ptr == state.old_ptr
+            && regs::return_address_at_entry(ctx, sp) == state.return_address;
     }
     if sp > state.entry_sp || state.entry_sp - sp > MAX_UNRECORDED_NESTING_SPAN {
         return false;
@@ -166,8 +160,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
             } else if nested(ctx, sp, state) {
                 return false;
             }
-        } else if state.active == CALL_UNRECORDED && inside_unrecorded(ctx, sp, Some(&call), state)
-        {
+        } else if state.active == CALL_UNRECORDED && inside_unrecorded(ctx, sp, &call, state) {
             return false;
         }
     }
@@ -275,12 +268,12 @@ pub fn free_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64, ptr: u64) 
     if state.active != CALL_DONE {
         let (_, sp) = regs::at_entry(ctx);
         let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
-        let inside = if state.active == CALL_ACTIVE {
-            nested(ctx, sp, state)
-        } else {
-            inside_unrecorded(ctx, sp, None, state)
-        };
-        if inside {
+        // Inside an unsampled plain allocation, a free is not looked for (two reads of
+        // the user stack, half the program's time on the probes): it could only free a
+        // block no recorded call made (the allocator's own: the calls nested in another
+        // are never recorded) or one the user frees (a `new` handler's), so the
+        // user's free it is taken for finds nothing to release, or the right block.
+        if state.active == CALL_ACTIVE && nested(ctx, sp, state) {
             return FreeCall::Nested;
         }
         if sp >= state.entry_sp {

@@ -10,7 +10,7 @@ use heapprof_common::{
     CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, InFlightSlot, LiveKey,
     MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
     StackKey, StaleFree, UserStack, WalkEpoch,
-    live::LiveBucket,
+    live::{FILTER_SLOTS, FilterPair, LiveBucket},
     preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, StackReply},
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
@@ -33,6 +33,12 @@ pub static CONTROL: Array<u32> = Array::with_max_entries(CONTROL_SLOTS, 0);
 /// The live-block table, one bucket each (see `crate::live`); mapped by the daemon.
 #[map(name = "LIVE")]
 pub static LIVE: Array<LiveBucket> = Array::with_max_entries(1, BPF_F_MMAPABLE);
+/// Sampling only: the entries of `LIVE` each slot's spans have (see
+/// `heapprof_common::live::filter_slot`), so that a free of an unsampled block skips
+/// the table; mapped by the daemon, which takes off the entries it removes.
+#[map(name = "LIVE_FILTER")]
+pub static LIVE_FILTER: Array<FilterPair> =
+    Array::with_max_entries(FILTER_SLOTS / 2, BPF_F_MMAPABLE);
 /// Each site's index in `SITE_COUNTERS`.
 #[map(name = "SITES")]
 pub static SITES: HashMap<StackKey, SiteId> = HashMap::with_max_entries(65536, 0);

@@ -3,17 +3,41 @@
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_current_pid_tgid};
 use heapprof_common::{
-    DropReason, LiveKey, SiteId, StackKey, StaleFree, UserStack, live::LiveEntry,
+    DropReason, LiveKey, SiteId, StackKey, StaleFree, UserStack,
+    live::{self as live_layout, LiveEntry},
 };
 
 use crate::{
-    atomic::fetch_add,
+    atomic::{add_32, fetch_add},
     live::{self, Inserted},
     maps::{
-        SITE_COUNTERS, SITE_IDS_FREE, SITE_IDS_NEXT, SITES, STACKS, STALE_FREES, STALE_PENDING,
-        count_drop, count_late_free, count_only, max_sites,
+        LIVE_FILTER, SITE_COUNTERS, SITE_IDS_FREE, SITE_IDS_NEXT, SITES, STACKS, STALE_FREES,
+        STALE_PENDING, count_drop, count_late_free, count_only, max_sites, sample_rate,
     },
 };
+
+/// When sampling, the slot of `LIVE_FILTER` counting the block at `ptr` of `tgid`.
+/// Every entry of the table is counted there from before its insert until after its
+/// removal, so a slot at 0 means none of its spans' blocks is recorded.
+#[inline(always)]
+fn filter_slot(ptr: u64, tgid: u32) -> Option<*mut u32> {
+    if sample_rate() == 0 {
+        return None; // exact: nearly every free finds its block
+    }
+    let (index, counter) = live_layout::filter_place(live_layout::filter_slot(ptr, tgid));
+    let pair = LIVE_FILTER.get_ptr_mut(index)?;
+    // SAFETY: a counter of the map value.
+    Some(unsafe { (&raw mut (*pair).counts).cast::<u32>().add(counter & 1) })
+}
+
+/// Adds `delta` (`u32::MAX` takes one away) to a filter slot, if any.
+#[inline(always)]
+fn count_in_filter(slot: Option<*mut u32>, delta: u32) {
+    if let Some(slot) = slot {
+        // SAFETY: a map value, only changed atomically.
+        unsafe { add_32(slot, delta) };
+    }
+}
 
 /// Whether any late free is expected (one array lookup spares the others a hash
 /// lookup on every queued free).
@@ -272,8 +296,14 @@ pub fn release_into(tgid: u32, ptr: u64, temporary: bool, usage: &mut Usage<'_>,
     {
         return;
     }
+    let filter = filter_slot(ptr, tgid);
+    // SAFETY: a map value; a plain read of a counter changed atomically.
+    if filter.is_some_and(|slot| unsafe { core::ptr::read_volatile(slot) } == 0) {
+        return; // an unsampled block's free, most of them when sampling
+    }
     // Not found: allocated before tracing began (or not tracked): ignored, never negative.
     if let Some(block) = live::remove(tgid, ptr) {
+        count_in_filter(filter, u32::MAX);
         let peaks = usage.peaks(tgid);
         add_to_site(block.site, SiteChange::free(block.size, temporary), peaks);
         usage.shrink(tgid, block.size);
@@ -338,9 +368,14 @@ pub fn allocated_at(
         tgid,
         site: id,
     };
+    // Counted before the insert, so that no free finds the block with its slot at 0.
+    let filter = filter_slot(ptr, tgid);
+    count_in_filter(filter, 1);
     match live::insert(tgid, &block) {
         Inserted::New => {}
         Inserted::Replaced(old) => {
+            // The old entry's count is gone with it.
+            count_in_filter(filter, u32::MAX);
             // Still recorded at this address: it was freed by a path we did not see (the
             // allocator reused it), or its free waits in another thread's queue. Closed
             // now, so its site's in-use stays right.
@@ -356,6 +391,7 @@ pub fn allocated_at(
             // Its free cannot be matched: count it as released now, so that in-use stays
             // what is tracked instead of growing by blocks that may be long gone.
             count_drop(DropReason::LiveTableFull);
+            count_in_filter(filter, u32::MAX);
             add_to_site(id, SiteChange::free(size, false), peaks);
             return;
         }

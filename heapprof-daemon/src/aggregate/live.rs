@@ -7,7 +7,10 @@ use std::sync::atomic::Ordering;
 use anyhow::Result;
 use aya::Ebpf;
 use heapprof_common::{
-    live::{BUCKET_SLOTS, FIRST_ENTRY_OFFSET, LiveBucket, LiveEntry, TAG_BUSY},
+    live::{
+        BUCKET_SLOTS, FIRST_ENTRY_OFFSET, FilterPair, LiveBucket, LiveEntry, TAG_BUSY,
+        filter_place, filter_slot,
+    },
     names,
 };
 
@@ -16,6 +19,8 @@ use crate::bpf_array::ArrayHandle;
 /// The live-block table.
 pub(crate) struct LiveTable {
     buckets: ArrayHandle<LiveBucket>,
+    /// Sampling's counts of the table's entries by span (`LIVE_FILTER`).
+    filter: ArrayHandle<FilterPair>,
 }
 
 /// Where the tag of slot `index` lies in a bucket.
@@ -33,6 +38,7 @@ impl LiveTable {
     pub(crate) fn of(ebpf: &Ebpf) -> Result<Self> {
         Ok(Self {
             buckets: ArrayHandle::of(ebpf, names::LIVE)?,
+            filter: ArrayHandle::of(ebpf, names::LIVE_FILTER)?,
         })
     }
 
@@ -40,6 +46,7 @@ impl LiveTable {
     /// same atomic swap the programs use, so a block freed meanwhile is not counted.
     pub(crate) fn remove_where(&self, pick: impl Fn(&LiveEntry) -> bool) -> Result<usize> {
         let buckets = self.buckets.map()?;
+        let filter = self.filter.map()?;
         let mut removed = 0;
         for bucket in 0..buckets.len() {
             for index in 0..BUCKET_SLOTS {
@@ -59,9 +66,22 @@ impl LiveTable {
                         .is_ok()
                 {
                     removed += 1;
+                    uncount(&filter, &entry);
                 }
             }
         }
         Ok(removed)
+    }
+}
+
+/// Takes a removed entry off its filter slot. Sampling counts every entry there
+/// (exact mode none, whose slots stay 0): a slot left counting an entry that is gone
+/// only costs its frees a lookup, but a process's blocks dropped at its exit would
+/// leave their slots counting for good.
+fn uncount(filter: &crate::bpf_array::MappedArray<FilterPair>, entry: &LiveEntry) {
+    let (index, counter) = filter_place(filter_slot(entry.ptr, entry.tgid));
+    let offset = core::mem::offset_of!(FilterPair, counts) + counter * size_of::<u32>();
+    if let Some(count) = filter.word32(index as usize, offset) {
+        let _ = count.try_update(Ordering::AcqRel, Ordering::Relaxed, |n| n.checked_sub(1));
     }
 }
