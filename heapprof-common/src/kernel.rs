@@ -348,6 +348,22 @@ pub struct KernelSiteKey {
     pub class: u64,
 }
 
+/// Slots of each CPU's cache of recent sites (`names::KERNEL_SITE_CACHE`), a power of
+/// two: a hit finds a site's index without the `KERNEL_SITES` hash lookup.
+pub const KERNEL_SITE_CACHE_SLOTS: u32 = 1024;
+
+/// The slot of [`KERNEL_SITE_CACHE_SLOTS`] that caches `site`'s index.
+#[inline(always)]
+pub const fn site_cache_slot(site: &KernelSiteKey) -> u32 {
+    let mixed = site.stack
+        ^ site.call_site.rotate_left(21)
+        ^ site.class.rotate_left(42)
+        ^ ((site.tgid as u64) << 32 | site.kind as u64);
+    // The product's top bits depend on every bit of `mixed`.
+    (mixed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> (64 - KERNEL_SITE_CACHE_SLOTS.trailing_zeros()))
+        as u32
+}
+
 /// Longest slab cache name kept (longer names are cut; the kernel's own are shorter).
 pub const CACHE_NAME_LEN: usize = 32;
 
@@ -488,6 +504,9 @@ pub mod names {
     /// Live objects on kernels before 5.12 (`HashMap<KernelLiveKey,
     /// KernelLiveBlock>`); from 5.12 they are in `LIVE`, user mode's live-block table.
     pub const KERNEL_LIVE: &str = "KERNEL_LIVE";
+    /// Each CPU's cache of its recent sites' indices (`PerCpuArray`, one entry in
+    /// the object: the kernel-mode loader sizes it to [`super::KERNEL_SITE_CACHE_SLOTS`]).
+    pub const KERNEL_SITE_CACHE: &str = "KERNEL_SITE_CACHE";
     /// Kernel stacks (`HashMap<u64, KernelStack>`, by hash).
     pub const KERNEL_STACKS: &str = "KERNEL_STACKS";
     /// Processes whose allocations count when filtering (`HashMap<u32, u32>`).
@@ -572,6 +591,46 @@ mod tests {
         allocator_frames_regex(&mut regex).expect("writes");
         assert!(regex.starts_with("(kmalloc|__kmalloc|"), "{regex}");
         assert!(regex.ends_with(").*|.*_noprof(\\..*)?"), "{regex}");
+    }
+
+    #[test]
+    fn site_cache_slots_stay_in_the_cache_and_spread() {
+        // A loop's sites: a few stacks, each from some call sites and classes.
+        let mut used = std::collections::BTreeSet::new();
+        let mut sites = 0;
+        for stack in 0..16u64 {
+            for call_site in 0..4u64 {
+                for class in [0, 64, 192, 0x5bd1_e995_1234_5677] {
+                    let site = KernelSiteKey {
+                        tgid: 4242,
+                        kind: KernelAllocKind::Kmalloc as u32,
+                        stack: stack.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1,
+                        call_site: 0xffff_ffff_8100_0000 + call_site * 0x40,
+                        class,
+                    };
+                    let slot = site_cache_slot(&site);
+                    assert!(slot < KERNEL_SITE_CACHE_SLOTS);
+                    used.insert(slot);
+                    sites += 1;
+                }
+            }
+        }
+        // 256 sites in 1024 slots: uniform slots would leave about 225 distinct.
+        assert!(
+            used.len() > sites * 3 / 4,
+            "{} slots for {sites} sites",
+            used.len()
+        );
+        // The process and the kind are part of the slot's choice too.
+        let site = KernelSiteKey {
+            tgid: 1,
+            stack: 7,
+            ..KernelSiteKey::default()
+        };
+        let other = KernelSiteKey { tgid: 2, ..site };
+        let kind = KernelSiteKey { kind: 1, ..site };
+        assert_ne!(site_cache_slot(&site), site_cache_slot(&other));
+        assert_ne!(site_cache_slot(&site), site_cache_slot(&kind));
     }
 
     #[test]

@@ -33,7 +33,7 @@ macro_rules! constants {
 }
 
 /// The constants that name maps.
-const MAPS: [(&str, &str); 40] = constants![
+const MAPS: [(&str, &str); 41] = constants![
     names::IN_FLIGHT,
     names::IN_FLIGHT_SLOTS,
     names::PROBES,
@@ -68,6 +68,7 @@ const MAPS: [(&str, &str); 40] = constants![
     kernel_names::KERNEL_SITES,
     kernel_names::KERNEL_SITE_COUNTERS,
     kernel_names::KERNEL_SITE_IDS,
+    kernel_names::KERNEL_SITE_CACHE,
     kernel_names::KERNEL_LIVE,
     kernel_names::KERNEL_STACKS,
     kernel_names::TRACED,

@@ -14,7 +14,7 @@ use heapprof_common::{
     DropReason, SiteId,
     kernel::{
         CACHE_NAME_LEN, FieldRef, KernelCounters, KernelSiteKey, KernelStack,
-        MAX_KERNEL_STACK_DEPTH, unpack_sizes,
+        MAX_KERNEL_STACK_DEPTH, site_cache_slot, unpack_sizes,
     },
 };
 
@@ -34,6 +34,24 @@ static KERNEL_SITE_COUNTERS: PerCpuArray<KernelCounters> = PerCpuArray::with_max
 /// back: kernel sites are never removed).
 #[map(name = "KERNEL_SITE_IDS")]
 static KERNEL_SITE_IDS: Queue<SiteId> = Queue::with_max_entries(65536, 0);
+/// A site's index as cached in [`KERNEL_SITE_CACHE`].
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CachedSite {
+    site: KernelSiteKey,
+    id: SiteId,
+    /// 0 until the slot is first written (a zeroed key is a possible site).
+    filled: u32,
+}
+
+/// Each CPU's recent sites by [`site_cache_slot`], direct-mapped: a hit costs an
+/// inlined array lookup and a compare instead of `KERNEL_SITES`' hash lookup (a hash
+/// of the 32-byte key, a bucket walk, a `memcmp`, often cache misses in a table sized
+/// for every site). Indices are never reused, so a cached index stays right. One
+/// entry here: the kernel-mode loader sizes it (user mode does not use it).
+#[map(name = "KERNEL_SITE_CACHE")]
+static KERNEL_SITE_CACHE: PerCpuArray<CachedSite> = PerCpuArray::with_max_entries(1, 0);
+
 // Written only when a site is new: allocated on demand, as the user-mode stacks.
 #[map(name = "KERNEL_STACKS")]
 static KERNEL_STACKS: HashMap<u64, KernelStack> =
@@ -88,10 +106,50 @@ pub(super) fn site_id(
     new_stack: Option<&KernelStack>,
     cache_name: Option<(&TracePointContext, Option<*const u8>, FieldRef)>,
 ) -> Option<SiteId> {
-    // SAFETY: a plain value copied out of the map.
-    if let Some(id) = unsafe { KERNEL_SITES.get(site) } {
-        return Some(*id);
+    let cached = KERNEL_SITE_CACHE.get_ptr_mut(site_cache_slot(site));
+    if let Some(cached) = cached {
+        // SAFETY: this CPU's slot; only the allocation programs use it, and tracing
+        // programs on one CPU do not nest.
+        let cached = unsafe { &*cached };
+        if cached.filled != 0 && same_site(&cached.site, site) {
+            return Some(cached.id);
+        }
     }
+    // SAFETY: a plain value copied out of the map.
+    let id = match unsafe { KERNEL_SITES.get(site) } {
+        Some(id) => *id,
+        None => new_site_id(site, new_stack, cache_name)?,
+    };
+    if let Some(cached) = cached {
+        // SAFETY: as above.
+        unsafe {
+            *cached = CachedSite {
+                site: *site,
+                id,
+                filled: 1,
+            };
+        }
+    }
+    Some(id)
+}
+
+/// Field by field: a derived `==` may compile to a `memcmp` call, which BPF lacks.
+#[inline(always)]
+fn same_site(a: &KernelSiteKey, b: &KernelSiteKey) -> bool {
+    a.stack == b.stack
+        && a.call_site == b.call_site
+        && a.class == b.class
+        && a.tgid == b.tgid
+        && a.kind == b.kind
+}
+
+/// [`site_id`] for a site not in `KERNEL_SITES`.
+#[inline(always)]
+fn new_site_id(
+    site: &KernelSiteKey,
+    new_stack: Option<&KernelStack>,
+    cache_name: Option<(&TracePointContext, Option<*const u8>, FieldRef)>,
+) -> Option<SiteId> {
     if let Some((ctx, head, name)) = cache_name {
         // Read only for a new site; shared by every site of the cache: the first one
         // stores it.

@@ -6,8 +6,8 @@ use anyhow::{Context as _, Result};
 use aya::{Ebpf, EbpfLoader, maps::Queue};
 use heapprof_common::{
     kernel::{
-        ATOMICS_SINCE, EventLayout, FuncArgs, HASHED_PROGRAMS, HASHED_SUFFIX, KernelConfig,
-        KernelEvent, names as kernel_names,
+        ATOMICS_SINCE, EventLayout, FuncArgs, HASHED_PROGRAMS, HASHED_SUFFIX,
+        KERNEL_SITE_CACHE_SLOTS, KernelConfig, KernelEvent, names as kernel_names,
     },
     live, names,
 };
@@ -63,6 +63,7 @@ pub fn load_bpf_object(
         .map_max_entries(kernel_names::KERNEL_SITE_COUNTERS, capacities.sites)
         .map_max_entries(kernel_names::KERNEL_SITE_IDS, capacities.sites)
         .map_max_entries(kernel_names::KERNEL_STACKS, capacities.stacks)
+        .map_max_entries(kernel_names::KERNEL_SITE_CACHE, KERNEL_SITE_CACHE_SLOTS)
         .map_max_entries(names::SITES, 1)
         .map_max_entries(names::SITE_COUNTERS, 1)
         .map_max_entries(names::SITE_IDS_FREE, 1)
