@@ -33,12 +33,13 @@ macro_rules! constants {
 }
 
 /// The constants that name maps.
-const MAPS: [(&str, &str); 41] = constants![
+const MAPS: [(&str, &str); 42] = constants![
     names::IN_FLIGHT,
     names::IN_FLIGHT_SLOTS,
     names::PROBES,
     names::CONTROL,
     names::LIVE,
+    names::LIVE_FILTER,
     names::SITES,
     names::SITE_COUNTERS,
     names::SITE_IDS_NEXT,
