@@ -2,6 +2,8 @@
 //! running it (profiles on an interval, signals, the target's exit, exec and loader
 //! events) until it ends with a final profile.
 
+mod finish;
+mod outputs;
 mod run;
 mod start;
 

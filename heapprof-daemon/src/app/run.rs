@@ -1,6 +1,6 @@
 //! The event loop of a running session.
 
-use std::{io::Write as _, process::ExitCode, time::Duration};
+use std::{process::ExitCode, time::Duration};
 
 use anyhow::{Context as _, Result};
 use aya::maps::{MapData, RingBuf};
@@ -10,34 +10,17 @@ use tokio::{
     time::{Instant, Interval, MissedTickBehavior},
 };
 
-use super::Started;
+use super::{
+    AnySession, Started,
+    finish::{Ending, finish},
+    outputs::Outputs,
+};
 use crate::{
     cli::{Cli, Target},
     launch::{ChildEvent, PausedChild, Relayed, SignalRelay},
-    memory_peaks,
-    pprof::retention::Pruner,
-    profiles_file::{Kind, ProfilesFile},
-    push::{PushConfig, PushMetrics, Pusher},
-    stats_file::{self, StartFigures},
+    push::PushConfig,
+    system_preload::SystemPreload,
 };
-
-/// Prints the `limit` sites holding the most in the final profile at `path`, read back
-/// from the file, so the table and the profile cannot disagree.
-fn print_top(path: &std::path::Path, limit: usize) -> Result<()> {
-    let profile = crate::report::model::Profile::load(path)?;
-    let index = profile.sample_index("inuse_space")?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out)?;
-    crate::report::top::write(
-        &mut out,
-        &profile,
-        index,
-        limit,
-        crate::report::stacks::ProcessFilter::All,
-        crate::report::stacks::Grouping::Site,
-    )?;
-    Ok(())
-}
 
 /// The profiles' ticks: one each `interval`, the first an interval from now. A dump
 /// slower than the interval (`--all` on a busy host: every process read and
@@ -89,29 +72,11 @@ pub async fn run(
         figures,
         mut system,
     } = started;
-    // Before the ready file: a reader that waits for that finds this one made.
-    let mut profiles_file = match &cli.profiles_json {
-        Some(path) => Some(ProfilesFile::create(path).context("--profiles-json")?),
-        None => None,
-    };
-    let mut pusher = match push {
-        Some(config) => {
-            log::info!("pushing profiles to {}", config.describe());
-            Some(Pusher::start(
-                config,
-                PushMetrics::shared(),
-                cli.push_only(),
-            )?)
-        }
-        None => None,
-    };
+    let mut outputs = Outputs::open(cli, push)?;
     // Ready once every process is served: with the system-wide preload, once those
     // running before heapprofd have been asked to join.
     let mut ready_file = cli.ready_file.as_deref();
-    if !system
-        .as_ref()
-        .is_some_and(crate::system_preload::SystemPreload::asks_running)
-    {
+    if !system.as_ref().is_some_and(SystemPreload::asks_running) {
         say_ready_once(&mut ready_file)?;
     }
     let child_pid = child.as_ref().map(|c| c.pid);
@@ -123,9 +88,6 @@ pub async fn run(
     let mut relay = child_pid.map(SignalRelay::new);
     let mut exec_events = session.take_exec_events();
     let mut mapping_requests = session.take_mapping_requests();
-    let mut pruner = Pruner::new(&cli.output_dir(), cli.retention());
-    // Interval profiles not written (the final one's failure ends the run).
-    let mut failed_writes = 0u64;
 
     loop {
         let next_exec_read = session.next_exec_read();
@@ -151,41 +113,10 @@ pub async fn run(
                 }
             }
             _ = tokio::time::sleep_until(next_exec_read.unwrap_or(far_future)), if next_exec_read.is_some() => {
-                let read = session.read_due_images();
-                if let Some(file) = profiles_file.as_mut() {
-                    for image in read {
-                        file.append_image_read(image);
-                    }
-                }
+                outputs.images_read(session.read_due_images());
             }
             () = async { match bpf_log.as_mut() { Some(log) => log.forward().await, None => std::future::pending().await } } => {}
-            _ = ticks.tick() => {
-                // The dump and the tidying after it (retiring exited processes reads
-                // the live table) are one heavy job: a push's build waits for both.
-                let _turn = memory_peaks::one_at_a_time();
-                if let Some(log) = bpf_log.as_mut() {
-                    log.flush();
-                }
-                match session.dump() {
-                    Ok(written) => {
-                        if let Some(file) = profiles_file.as_mut() {
-                            file.append(&written, Kind::Interval);
-                        }
-                        if let Some(pusher) = pusher.as_mut() {
-                            pusher.offer(&written.path);
-                        }
-                        pruner.after_write(&written.path);
-                    }
-                    Err(err) => {
-                        log::error!("cannot write a profile: {err:#}");
-                        failed_writes += 1;
-                        if let Some(file) = profiles_file.as_mut() {
-                            file.append_failure(&err);
-                        }
-                    }
-                }
-                session.tidy(target);
-            }
+            _ = ticks.tick() => outputs.interval_profile(&mut session, bpf_log.as_mut(), target),
             signal = async { tokio::select! { _ = sigint.recv() => libc::SIGINT, _ = sigterm.recv() => libc::SIGTERM } } => {
                 // Launch mode passes the signal on: the command's exit ends the run.
                 match relay.as_mut().map(|relay| relay.on_signal(signal, Instant::now().into_std())) {
@@ -203,31 +134,13 @@ pub async fn run(
                 break;
             }
             event = async { match child_events.as_mut() { Some(events) => events.recv().await, None => std::future::pending().await } } => {
-                match event {
-                    Some(ChildEvent::Exec { resume }) => {
-                        if let Some(pid) = child_pid {
-                            session.exec_hold(pid);
-                        }
-                        drop(resume);
-                    }
-                    Some(ChildEvent::KernelSigcont { resume }) => {
-                        let hold = child_pid.is_some_and(|pid| session.loader_hold(pid));
-                        let _ = resume.send(hold);
-                    }
-                    Some(ChildEvent::Exiting { resume }) => {
-                        if let Some(relay) = relay.as_mut() {
-                            relay.command_exiting();
-                        }
-                        // The process still has its address space: read its mappings now.
-                        session.before_exit(child_pid);
-                        drop(resume);
-                    }
-                    Some(ChildEvent::Exited(code)) => {
-                        log::info!("the command exited with status {code}");
-                        exit_code = ExitCode::from(u8::try_from(code).unwrap_or(1));
+                match on_command_event(event, child_pid, &mut session, relay.as_mut()) {
+                    CommandFlow::Running => {}
+                    CommandFlow::Exited(code) => {
+                        exit_code = code;
                         break;
                     }
-                    None => break,
+                    CommandFlow::Gone => break,
                 }
             }
             _ = async { match &target_exit { Some(fd) => { let _ = fd.readable().await; }, None => std::future::pending().await } } => {
@@ -236,87 +149,61 @@ pub async fn run(
             }
         }
     }
-    // New programs no longer load the library (those joined leave by themselves once
-    // heapprofd's pidfd says it has exited); the joins sent meanwhile are counted.
-    if let Some(mut system) = system.take() {
-        let removed = system.remove_entry();
-        for event in system.drain().await {
-            session.system_event(&system, event);
-        }
-        if let Err(err) = removed.and(system.remove()) {
-            log::error!("{err:#}");
-        }
-    }
-    // The programs' last lines before the final profile's drop report.
-    if let Some(log) = bpf_log.as_mut() {
-        log.flush();
-    }
-    let written = {
-        let _turn = memory_peaks::one_at_a_time();
-        session.dump()
+    let ending = Ending {
+        session,
+        system,
+        bpf_log,
+        figures,
+        outputs,
     };
-    if let Ok(written) = &written {
-        if let Some(file) = profiles_file.as_mut() {
-            file.append(written, Kind::Final);
-        }
-        pruner.after_write(&written.path);
-    }
-    if cli.top > 0
-        && let Ok(written) = &written
-        && let Err(err) = print_top(&written.path, cli.top)
-    {
-        log::warn!("cannot summarize the sites: {err:#}");
-    }
-    // Read while the session keeps the kernel's statistics on.
-    let bpf_run_time = cli
-        .bpf_stats
-        .then(|| stats_file::BpfRunTime::read(&figures.programs));
-    let (stack_lookups, unwind_tables) = session.unwind_figures();
-    let system_preload = cli
-        .system_preload(target)
-        .then(|| session.system_figures())
-        .flatten();
-    let left = session.leave_joined();
-    drop(session); // detaches every probe
-    let written = written.context("writing the final profile");
-    // Read back before the push: with --push alone, handing it over deletes it.
-    let stats = match (&written, &cli.stats_json) {
-        (Ok(written), Some(_)) => {
-            let measured = Measured {
-                bpf_run_time,
-                stack_lookups,
-                unwind_tables,
-                system_preload,
-                failed_writes,
-                left,
-            };
-            Some(run_stats(&written.path, figures, measured))
-        }
-        _ => None,
-    };
-    // Last, the pushes still waiting get the push timeout to go out.
-    let mut push_figures = Vec::new();
-    if let Some(mut pusher) = pusher {
-        if let Ok(written) = &written {
-            pusher.offer(&written.path);
-        }
-        push_figures = pusher.finish();
-        if cli.push_only() {
-            let _ = std::fs::remove_dir(cli.output_dir());
-        }
-    }
-    let stats = match (stats, &cli.stats_json) {
-        (Some(stats), Some(path)) => stats
-            .and_then(|mut stats| {
-                stats.push = push_figures;
-                stats_file::write(path, &stats)
-            })
-            .with_context(|| format!("--stats-json {}", path.display())),
-        _ => Ok(()),
-    };
-    written?;
-    stats?;
+    finish(cli, target, ending).await?;
     Ok(exit_code)
+}
+
+/// What a launched command's event means for the session.
+enum CommandFlow {
+    /// It goes on (held at an exec, a loader event or its exit, and let go).
+    Running,
+    /// It exited with this status: the session ends with it.
+    Exited(ExitCode),
+    /// Its watcher is gone: the session ends.
+    Gone,
+}
+
+/// Answers an event of the launched command `pid`, which is held until its `resume`
+/// is answered or dropped.
+fn on_command_event(
+    event: Option<ChildEvent>,
+    pid: Option<u32>,
+    session: &mut AnySession,
+    relay: Option<&mut SignalRelay>,
+) -> CommandFlow {
+    match event {
+        Some(ChildEvent::Exec { resume }) => {
+            if let Some(pid) = pid {
+                session.exec_hold(pid);
+            }
+            drop(resume);
+        }
+        Some(ChildEvent::KernelSigcont { resume }) => {
+            let hold = pid.is_some_and(|pid| session.loader_hold(pid));
+            let _ = resume.send(hold);
+        }
+        Some(ChildEvent::Exiting { resume }) => {
+            if let Some(relay) = relay {
+                relay.command_exiting();
+            }
+            // The process still has its address space: read its mappings now.
+            session.before_exit(pid);
+            drop(resume);
+        }
+        Some(ChildEvent::Exited(code)) => {
+            log::info!("the command exited with status {code}");
+            return CommandFlow::Exited(ExitCode::from(u8::try_from(code).unwrap_or(1)));
+        }
+        None => return CommandFlow::Gone,
+    }
+    CommandFlow::Running
 }
 
 /// Creates `--ready-file` if it is still to be made (then forgets it).
@@ -336,42 +223,6 @@ fn say_ready(path: &std::path::Path) -> Result<()> {
     std::fs::write(&partial, format!("{}\n", std::process::id()))
         .with_context(|| format!("writing {}", partial.display()))?;
     std::fs::rename(&partial, path).with_context(|| format!("writing {}", path.display()))
-}
-
-/// What the session measured at its end, for `--stats-json`.
-struct Measured {
-    bpf_run_time: Option<stats_file::BpfRunTime>,
-    stack_lookups: Option<stats_file::Lookups>,
-    unwind_tables: Option<crate::unwind::table_upload::TableUsage>,
-    system_preload: Option<stats_file::SystemPreloadFigures>,
-    failed_writes: u64,
-    left: Option<stats_file::Leaving>,
-}
-
-/// What `--stats-json` says but the push: the final profile at `profile`, read back,
-/// and the rest.
-fn run_stats(
-    profile: &std::path::Path,
-    figures: StartFigures,
-    measured: Measured,
-) -> Result<stats_file::RunStats> {
-    let (totals, comments) = stats_file::ProfileTotals::read(profile)?;
-    let stats = stats_file::RunStats {
-        final_profile: totals,
-        dropped: stats_file::dropped(&comments),
-        joined: figures.joining,
-        left: measured.left,
-        kernel_memory: stats_file::KernelMemory::of(&figures.kernel_memory),
-        single_stepped_probes: crate::allocators::registry::single_stepped_probes(),
-        session_links: crate::allocators::registry::session_links(),
-        bpf_run_time: measured.bpf_run_time,
-        stack_lookups: measured.stack_lookups,
-        unwind_tables: measured.unwind_tables,
-        system_preload: measured.system_preload,
-        failed_profile_writes: measured.failed_writes,
-        push: Vec::new(),
-    };
-    Ok(stats)
 }
 
 #[cfg(test)]
