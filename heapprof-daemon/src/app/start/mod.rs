@@ -8,6 +8,7 @@ mod initial_allocators;
 mod kernel_mode;
 mod metrics_endpoint;
 mod user_mode;
+mod user_object;
 
 use std::os::fd::{FromRawFd as _, OwnedFd};
 

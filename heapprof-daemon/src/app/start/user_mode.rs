@@ -2,14 +2,15 @@
 //! library's copy first), the loader's hook and the process events attached, the
 //! programs armed, the session ready.
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Result, bail};
 
-use heapprof_common::{names as map_names, unwind::UnwindMode};
+use heapprof_common::unwind::UnwindMode;
 
 use super::{
     in_process::{join_in_process, load_in_process, probes_chosen},
     initial_allocators::probe_initial_allocators,
     metrics_endpoint::serve_metrics,
+    user_object::{find_loader_hook, fork_child_pid_offset, load_user_bpf, replies_map},
 };
 use crate::{
     allocators::{AllocatorProbes, ProbeSettings, spec::CustomFunction},
@@ -91,23 +92,7 @@ pub(super) fn start_user(
         fork_offset,
     )?;
     let bpf_log = BpfLog::init(&mut ebpf);
-    let settings = ProbeSettings {
-        custom: cli
-            .allocator
-            .iter()
-            .flat_map(|spec| spec.0.clone())
-            .collect(),
-        placement: cli.probe_placement,
-        method,
-        pid,
-        // Each process the system-wide library does not serve is probed alone, with
-        // links whose filter covers its threads where the kernel's does.
-        per_process: system.then(|| probes::attach_method(cli.attach, Some(std::process::id()))),
-        sampled: sample_rate > 0,
-    };
-    if let Some(name) = duplicate(&settings.custom) {
-        bail!("--allocator names {name} twice; give each function once");
-    }
+    let settings = probe_settings(cli, pid, method, system)?;
     let mut allocators = AllocatorProbes::new(&mut ebpf, settings)?;
     // With the preload library, the C library's standard names are left to it.
     if let Some(library) = preload {
@@ -116,23 +101,7 @@ pub(super) fn start_user(
             child.hand_over(replies_map(&ebpf)?);
         }
     }
-    // The library is loaded and probed now, but joins once the programs are armed:
-    // its first report registers its thread's queue.
-    let mut joining = None;
-    let loaded = match (target, injecting) {
-        (Target::Pid(pid), true) => {
-            load_in_process(*pid, &mut ebpf, &mut allocators, &mut joining)?
-        }
-        (Target::Pid(pid), false) => {
-            joining = Some(Joining {
-                pid: *pid,
-                how: JoinedBy::Probes,
-                reason: Some(probes_chosen(cli).to_owned()),
-            });
-            None
-        }
-        _ => None,
-    };
+    let (loaded, mut joining) = load_into_target(cli, target, &mut ebpf, &mut allocators)?;
     preloading |= loaded.is_some();
     log_sampling(sample_rate, preloading);
     probe_initial_allocators(
@@ -143,16 +112,14 @@ pub(super) fn start_user(
         &mut ebpf,
         &mut allocators,
     )?;
-    let process_probes = probes::attach_process_events(&mut ebpf, loader.as_ref(), pid, method)?;
-    if fork_offset.is_some() {
-        probes::forks::attach(&mut ebpf)?;
-    }
-    // Sampled, the library reports each record at once (see `queue_record` in the C
-    // interposer), so no queue waits for a context switch or a futex call.
-    if preloading && sample_rate == 0 {
-        probes::attach_thread_switch(&mut ebpf)?;
-    }
-    probes::arm(&mut ebpf)?;
+    let process_probes = attach_process_events_and_arm(
+        &mut ebpf,
+        loader.as_ref(),
+        pid,
+        method,
+        fork_offset.is_some(),
+        preloading && sample_rate == 0,
+    )?;
     let replies = loaded.as_ref().map(|_| replies_map(&ebpf)).transpose()?;
     let system_replies = system.then(|| replies_map(&ebpf)).transpose()?;
     let config = UserSessionConfig {
@@ -189,40 +156,155 @@ pub(super) fn start_user(
     require_allocator_probed(&session, target)?;
     // Said once the session stands: where no allocator can be probed either, the
     // error alone is the one line.
-    if let Some(Joining {
-        pid,
-        how: JoinedBy::Probes,
-        reason: Some(reason),
-    }) = &joining
-    {
-        log::warn!(
-            "pid {pid}: cannot join it in-process ({reason}); using the allocator's probes, \
-             which trap into the kernel at every call"
-        );
-    }
+    warn_if_on_probes(joining.as_ref());
     let map_memory = health::map_memory::tables();
     log::info!("{}", health::map_memory::describe(&map_memory));
     if let Some(endpoint) = endpoint {
         session.export_metrics(serve_metrics(cli, target, endpoint, &map_memory));
     }
     // Last: from here on, new programs ask to join, and the session answers them.
-    let system = system_replies
-        .map(|replies| {
-            let mut started = SystemPreload::start(replies, sample_rate, session.system_joined())?;
-            started.ask_running(running.unwrap_or_default())?;
-            log::info!(
-                "system-wide preload: {} is in {} until heapprofd exits; dynamic programs \
-                 join heapprofd in-process (those running now once heapprofd has loaded it \
-                 into them), and each process it does not serve (static, another mount \
-                 namespace, one it cannot load into) gets its allocator's probes for \
-                 itself alone",
-                heapprof_common::preload::SYSTEM_LIBRARY,
-                crate::system_preload::PRELOAD_LIST
-            );
-            anyhow::Ok(started)
-        })
-        .transpose()?;
-    // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).
+    let system = match system_replies {
+        Some(replies) => Some(start_system_preload(
+            replies,
+            sample_rate,
+            &session,
+            running.unwrap_or_default(),
+        )?),
+        None => None,
+    };
+    // Logged last: once it is printed, heapprofd is fully ready.
+    log_ready(cli, target, pid, &session, process_probes);
+    let figures = StartFigures {
+        programs,
+        kernel_memory: map_memory,
+        joining,
+    };
+    Ok((session, bpf_log, figures, system))
+}
+
+/// Attaches what follows the processes (the loader's hook and exits; `forks`: the
+/// fork tracepoint; `thread_switch`: an exact session's queues applied at each
+/// switch), then arms the programs. Returns the probes attached.
+fn attach_process_events_and_arm(
+    ebpf: &mut aya::Ebpf,
+    loader: Option<&probes::DynamicLoader>,
+    pid: Option<u32>,
+    method: probes::AttachMethod,
+    forks: bool,
+    thread_switch: bool,
+) -> Result<usize> {
+    let process_probes = probes::attach_process_events(ebpf, loader, pid, method)?;
+    if forks {
+        probes::forks::attach(ebpf)?;
+    }
+    // Sampled, the library reports each record at once (see `queue_record` in the C
+    // interposer), so no queue waits for a context switch or a futex call.
+    if thread_switch {
+        probes::attach_thread_switch(ebpf)?;
+    }
+    probes::arm(ebpf)?;
+    Ok(process_probes)
+}
+
+/// How the allocators are probed: the command line's functions, the one process
+/// watched (`pid`), and, with the system-wide preload (`system`), each process it does
+/// not serve probed alone.
+fn probe_settings(
+    cli: &Cli,
+    pid: Option<u32>,
+    method: probes::AttachMethod,
+    system: bool,
+) -> Result<ProbeSettings> {
+    let settings = ProbeSettings {
+        custom: cli
+            .allocator
+            .iter()
+            .flat_map(|spec| spec.0.clone())
+            .collect(),
+        placement: cli.probe_placement,
+        method,
+        pid,
+        // Links whose filter covers the process's threads where the kernel's does.
+        per_process: system.then(|| probes::attach_method(cli.attach, Some(std::process::id()))),
+        sampled: cli.sample_rate.unwrap_or(0) > 0,
+    };
+    if let Some(name) = duplicate(&settings.custom) {
+        bail!("--allocator names {name} twice; give each function once");
+    }
+    Ok(settings)
+}
+
+/// `--pid`: loads heapprofd's library into the process where `--inject` allows it
+/// (it joins once the programs are armed: its first report registers its thread's
+/// queue), or says that the allocator's probes serve it. Returns the library loaded,
+/// if any, and how the process is joined so far.
+fn load_into_target(
+    cli: &Cli,
+    target: &Target,
+    ebpf: &mut aya::Ebpf,
+    allocators: &mut AllocatorProbes,
+) -> Result<(Option<inject::Injection>, Option<Joining>)> {
+    let Target::Pid(pid) = target else {
+        return Ok((None, None));
+    };
+    if !cli.injects(target) {
+        let joining = Joining {
+            pid: *pid,
+            how: JoinedBy::Probes,
+            reason: Some(probes_chosen(cli).to_owned()),
+        };
+        return Ok((None, Some(joining)));
+    }
+    let mut joining = None;
+    let loaded = load_in_process(*pid, ebpf, allocators, &mut joining)?;
+    Ok((loaded, joining))
+}
+
+/// Warns that a `--pid` process could not be joined in-process, and what that costs.
+fn warn_if_on_probes(joining: Option<&Joining>) {
+    if let Some(Joining {
+        pid,
+        how: JoinedBy::Probes,
+        reason: Some(reason),
+    }) = joining
+    {
+        log::warn!(
+            "pid {pid}: cannot join it in-process ({reason}); using the allocator's probes, \
+             which trap into the kernel at every call"
+        );
+    }
+}
+
+/// `--preload system`: listens for new programs asking to join, and asks those running
+/// now (`running`).
+fn start_system_preload(
+    replies: std::os::fd::OwnedFd,
+    sample_rate: u64,
+    session: &UserSession,
+    running: Vec<u32>,
+) -> Result<SystemPreload> {
+    let mut started = SystemPreload::start(replies, sample_rate, session.system_joined())?;
+    started.ask_running(running)?;
+    log::info!(
+        "system-wide preload: {} is in {} until heapprofd exits; dynamic programs \
+         join heapprofd in-process (those running now once heapprofd has loaded it \
+         into them), and each process it does not serve (static, another mount \
+         namespace, one it cannot load into) gets its allocator's probes for \
+         itself alone",
+        heapprof_common::preload::SYSTEM_LIBRARY,
+        crate::system_preload::PRELOAD_LIST
+    );
+    Ok(started)
+}
+
+/// Says what is probed and where profiles go: the start's last line.
+fn log_ready(
+    cli: &Cli,
+    target: &Target,
+    pid: Option<u32>,
+    session: &UserSession,
+    process_probes: usize,
+) {
     log::info!(
         "{} probes on {} ({}), profiles every {:?} in {}",
         session.allocator_probes() + process_probes,
@@ -235,12 +317,6 @@ pub(super) fn start_user(
         cli.interval,
         cli.output_dir().display()
     );
-    let figures = StartFigures {
-        programs,
-        kernel_memory: map_memory,
-        joining,
-    };
-    Ok((session, bpf_log, figures, system))
 }
 
 /// `--pid`: a process with no allocator heapprofd can probe is an error, with the last
@@ -260,34 +336,6 @@ fn require_allocator_probed(session: &UserSession, target: &Target) -> Result<()
     Ok(())
 }
 
-/// The dynamic loader whose hook tells when objects are mapped (new unwind tables, new
-/// allocators): the target's, the launched program's, or the system's.
-fn find_loader_hook(
-    target: &Target,
-    program: Option<&std::path::Path>,
-) -> Result<Option<probes::DynamicLoader>> {
-    let loader = match target {
-        Target::Pid(pid) => probes::ldso_hook::of_process(*pid)?,
-        // A script (a shebang, a wrapper) execs its interpreter: the system's loader.
-        Target::Launch(_) => program
-            .and_then(probes::ldso_hook::of_executable)
-            .or_else(probes::ldso_hook::system),
-        Target::All => probes::ldso_hook::system(),
-    };
-    match &loader {
-        Some(loader) => log::debug!(
-            "dynamic loader {}: _dl_debug_state at {:#x}",
-            loader.display,
-            loader.hook_offset
-        ),
-        None => log::debug!(
-            "no dynamic loader hook: new objects' unwind tables load when stacks meet them, \
-             and new allocators are found when the process's mappings are next read"
-        ),
-    }
-    Ok(loader)
-}
-
 /// Says where sampling is decided, and so what it saves.
 fn log_sampling(sample_rate: u64, preloading: bool) {
     if sample_rate != 0 && preloading {
@@ -305,71 +353,6 @@ fn log_sampling(sample_rate: u64, preloading: bool) {
     }
 }
 
-/// Where the fork tracepoint's record holds the child's pid, where forks are followed
-/// (a launched command's, and every process's with `--all`) and unwound with tables.
-fn fork_child_pid_offset(cli: &Cli, target: &Target) -> Option<u32> {
-    if matches!(target, Target::Pid(_)) || cli.unwind.mode() == UnwindMode::FramePointers {
-        return None;
-    }
-    match probes::forks::child_pid_offset() {
-        Ok(offset) => Some(offset),
-        Err(err) => {
-            log::info!(
-                "a fork's stacks are unwound only once its own mappings are read ({err:#}); \
-                 a short-lived fork's may stop at their first frame"
-            );
-            None
-        }
-    }
-}
-
-/// Loads the user-mode BPF object with the command line's capacities, tracing `pid`
-/// (all processes when `None`); `launched`: a command is held at each loader event;
-/// `fork_child_pid_offset`: see [`fork_child_pid_offset`].
-fn load_user_bpf(
-    cli: &Cli,
-    pid: Option<u32>,
-    launched: bool,
-    preloading: bool,
-    tables: TableCapacities,
-    fork_child_pid_offset: Option<u32>,
-) -> Result<aya::Ebpf> {
-    let capacities = probes::Capacities {
-        live_blocks: cli.live_blocks(),
-        sites: cli.max_sites,
-        stacks: cli.max_stacks,
-        threads: cli.max_threads,
-    };
-    // A launched command is held at each loader event until its new objects' unwind
-    // tables and allocators are in place.
-    let unwinding = probes::UnwindSettings {
-        mode: cli.unwind.mode(),
-        tables,
-        processes: cli.max_processes,
-        hold_at_loader_events: launched && !cli.empty_programs,
-        empty_programs: cli.empty_programs,
-        stacks_only: cli.stacks_only,
-        preload: preloading,
-        follow_forks: launched,
-        fork_child_pid_offset,
-    };
-    if cli.stacks_only {
-        log::info!(
-            "stacks only (a benchmark baseline): the probes match calls and find each \
-             allocation's stack, then count nothing; the profiles stay empty"
-        );
-    }
-    let cgroup = cli.cgroup_filter()?;
-    probes::load_bpf_object(
-        capacities,
-        cli.sample_rate.unwrap_or(0),
-        !cli.no_peak,
-        cgroup,
-        pid,
-        unwinding,
-    )
-}
-
 /// A function `--allocator` names twice, across its values.
 fn duplicate(functions: &[CustomFunction]) -> Option<&str> {
     functions.iter().enumerate().find_map(|(i, f)| {
@@ -378,21 +361,4 @@ fn duplicate(functions: &[CustomFunction]) -> Option<&str> {
             .any(|g| g.name == f.name)
             .then_some(f.name.as_str())
     })
-}
-
-/// A descriptor of the map where the preload library finds its answers, for the
-/// launched command.
-fn replies_map(ebpf: &aya::Ebpf) -> Result<std::os::fd::OwnedFd> {
-    use std::os::fd::AsFd as _;
-    let name = map_names::REPLIES;
-    let map = ebpf
-        .map(name)
-        .with_context(|| format!("BPF map {name} missing from the object"))?;
-    let aya::maps::Map::Array(data) = map else {
-        bail!("BPF map {name} is not an array");
-    };
-    data.fd()
-        .as_fd()
-        .try_clone_to_owned()
-        .with_context(|| format!("duplicating the descriptor of BPF map {name}"))
 }
