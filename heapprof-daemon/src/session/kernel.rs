@@ -3,7 +3,7 @@
 use std::{
     collections::HashMap,
     path::PathBuf,
-    time::{Instant, SystemTime, UNIX_EPOCH},
+    time::{Instant, SystemTime},
 };
 
 use anyhow::{Context as _, Result};
@@ -14,7 +14,7 @@ use heapprof_common::kernel::{
 
 use super::{
     Contents, DropLog, Drops, DumpTimes, ProfileToWrite, Written, column_totals, comment_drops,
-    program_figures, write_profile,
+    epoch_nanos, program_figures, write_profile,
 };
 use crate::{
     aggregate::kernel::{KernelMaps, KernelSite},
@@ -377,15 +377,33 @@ impl KernelSession {
         deferred: &[u64; DeferredFreePath::COUNT],
         skipped: Option<&str>,
     ) -> Result<Vec<u8>> {
-        let nanos = |t: SystemTime| {
-            t.duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as i64)
-        };
         let mut builder = ProfileBuilder::new(
-            nanos(SystemTime::now()),
+            epoch_nanos(SystemTime::now()),
             self.started_at.elapsed().as_nanos() as i64,
             &KERNEL_SAMPLE_TYPES,
         );
+        self.comment_session(&mut builder, drops, deferred, skipped);
+        // The core kernel first: pprof takes the first mapping as the program.
+        if let Some(start) = self.kernel_text_start() {
+            self.add_mapping(&mut builder, start);
+        }
+        let mut comms: HashMap<u32, String> = HashMap::new();
+        for site in sites.iter().filter(|site| site.counters.alloc_objects != 0) {
+            self.add_sample(&mut builder, site, &mut comms);
+        }
+        builder.finish_compressed().context("building the profile")
+    }
+
+    /// The profile's comments on the session: the version, the target and events, how
+    /// deferred frees are seen and what was undercounted, sampling, when tracing began,
+    /// what was dropped, and the kernel's own slab totals.
+    fn comment_session(
+        &self,
+        builder: &mut ProfileBuilder,
+        drops: &Drops,
+        deferred: &[u64; DeferredFreePath::COUNT],
+        skipped: Option<&str>,
+    ) {
         builder.comment(&format!("heapprofd {}", env!("CARGO_PKG_VERSION")));
         // `go tool pprof -top` then puts the flat cost on the allocator's caller; the
         // allocator frames stay in the stacks for every other reader.
@@ -447,76 +465,74 @@ impl KernelSession {
         );
         builder.comment(&format!(
             "traced since {} ns after the epoch",
-            nanos(self.started)
+            epoch_nanos(self.started)
         ));
-        comment_drops(&mut builder, drops);
+        comment_drops(builder, drops);
         // The slab totals beside the traced heap: what the kernel holds in all.
         match crate::memstats::KernelMemory::read() {
             Ok(memory) => builder.comment(&memory.to_comment()),
             Err(err) => log::debug!("cannot read /proc/meminfo: {err}"),
         }
-        // The core kernel first: pprof takes the first mapping as the program.
-        if let Some(start) = self.kernel_text_start() {
-            self.add_mapping(&mut builder, start);
-        }
+    }
 
-        let mut comms: HashMap<u32, String> = HashMap::new();
-        for site in sites {
-            if site.counters.alloc_objects == 0 {
-                continue;
+    /// Adds `site` as a sample: the allocating function, then its stack (or its call
+    /// site where no stack was taken), labelled with its process (`comms` caches their
+    /// names), module, cache and page order.
+    fn add_sample(
+        &mut self,
+        builder: &mut ProfileBuilder,
+        site: &KernelSite,
+        comms: &mut HashMap<u32, String>,
+    ) {
+        let kind = KernelAllocKind::from_u32(site.key.kind).unwrap_or(KernelAllocKind::Kmalloc);
+        let leaf = Frame {
+            function: kind.function().to_owned(),
+            file: None,
+            line: 0,
+        };
+        let mut locations = vec![builder.location(KERNEL_SPACE, 0, 1 + kind as u16, None, &[leaf])];
+        let stack: Vec<u64> = self.maps.stacks().frames(site.key.stack).collect();
+        let stack = self.visible_frames(&stack);
+        let mut module = None;
+        for &ret in stack.iter() {
+            let address = ret.wrapping_sub(1);
+            locations.push(self.location(builder, address, TAG_FRAME));
+            if module.is_none()
+                && let Some(Frame {
+                    file: Some(file), ..
+                }) = self.frame(address)
+                && file != KERNEL_MODULE
+            {
+                module = Some(file);
             }
-            let kind = KernelAllocKind::from_u32(site.key.kind).unwrap_or(KernelAllocKind::Kmalloc);
-            let leaf = Frame {
-                function: kind.function().to_owned(),
-                file: None,
-                line: 0,
-            };
-            let mut locations =
-                vec![builder.location(KERNEL_SPACE, 0, 1 + kind as u16, None, &[leaf])];
-            let stack: Vec<u64> = self.maps.stacks().frames(site.key.stack).collect();
-            let stack = self.visible_frames(&stack);
-            let mut module = None;
-            for &ret in stack.iter() {
-                let address = ret.wrapping_sub(1);
-                locations.push(self.location(&mut builder, address, TAG_FRAME));
-                if module.is_none()
-                    && let Some(Frame {
-                        file: Some(file), ..
-                    }) = self.frame(address)
-                    && file != KERNEL_MODULE
-                {
-                    module = Some(file);
-                }
-            }
-            if stack.is_empty() && site.key.call_site != 0 {
-                let address = site.key.call_site.wrapping_sub(1);
-                locations.push(self.location(&mut builder, address, TAG_CALL_SITE));
-            }
-            let pid = site.key.tgid;
-            let comm = comms
-                .entry(pid)
-                .or_insert_with(|| self.maps.comm(pid).unwrap_or_default());
-            let mut labels = vec![
-                ("pid", LabelValue::Num(i64::from(pid))),
-                ("comm", LabelValue::Str(comm)),
-            ];
-            if let Some(module) = &module {
-                labels.push(("module", LabelValue::Str(module)));
-            }
-            let cache = self.maps.cache(&site.key, crate::sys::page_size());
-            if let Some(cache) = &cache {
-                labels.push(("cache", LabelValue::Str(cache)));
-            }
-            if kind == KernelAllocKind::Pages {
-                labels.push(("order", LabelValue::Num(site.key.class as i64)));
-            }
-            builder.sample(
-                &locations,
-                &site.scaled_values(self.config.sample_rate),
-                &labels,
-            );
         }
-        builder.finish_compressed().context("building the profile")
+        if stack.is_empty() && site.key.call_site != 0 {
+            let address = site.key.call_site.wrapping_sub(1);
+            locations.push(self.location(builder, address, TAG_CALL_SITE));
+        }
+        let pid = site.key.tgid;
+        let comm = comms
+            .entry(pid)
+            .or_insert_with(|| self.maps.comm(pid).unwrap_or_default());
+        let mut labels = vec![
+            ("pid", LabelValue::Num(i64::from(pid))),
+            ("comm", LabelValue::Str(comm)),
+        ];
+        if let Some(module) = &module {
+            labels.push(("module", LabelValue::Str(module)));
+        }
+        let cache = self.maps.cache(&site.key, crate::sys::page_size());
+        if let Some(cache) = &cache {
+            labels.push(("cache", LabelValue::Str(cache)));
+        }
+        if kind == KernelAllocKind::Pages {
+            labels.push(("order", LabelValue::Num(site.key.class as i64)));
+        }
+        builder.sample(
+            &locations,
+            &site.scaled_values(self.config.sample_rate),
+            &labels,
+        );
     }
 
     fn kernel_text_start(&self) -> Option<u64> {

@@ -10,7 +10,7 @@ mod user;
 
 use std::{
     path::{Path, PathBuf},
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::Result;
@@ -70,6 +70,12 @@ fn enable_stats_for_metrics(stats: &mut Option<RunTimeStats>) {
             ),
         }
     }
+}
+
+/// A time as nanoseconds since the epoch (0 before it), as profiles give times.
+fn epoch_nanos(time: SystemTime) -> i64 {
+    time.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i64)
 }
 
 /// Records every drop counter in the profile's comments.

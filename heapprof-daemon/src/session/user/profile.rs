@@ -1,10 +1,7 @@
 //! Building a profile from the site table: samples, locations, mappings, comments;
 //! and the `--top` summary.
 
-use std::{
-    sync::Arc,
-    time::{SystemTime, UNIX_EPOCH},
-};
+use std::{sync::Arc, time::SystemTime};
 
 use super::{
     StackGaps, UserSession,
@@ -14,7 +11,7 @@ use crate::{
     aggregate::Site,
     cli::Target,
     pprof::{LabelValue, MappingKey, ProfileBuilder, builder::USER_SAMPLE_TYPES},
-    session::{Drops, comment_drops},
+    session::{Drops, comment_drops, epoch_nanos},
     symbolize::Frame,
 };
 use anyhow::{Context as _, Result};
@@ -268,12 +265,6 @@ impl UserSession {
             None => builder.location(image.space(), 0, tag, None, &[frame]),
         }
     }
-}
-
-/// A time as nanoseconds since the epoch (0 before it).
-fn epoch_nanos(time: SystemTime) -> i64 {
-    time.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as i64)
 }
 
 /// A sample's labels: its process, and its size class as a byte count; its cgroup,
