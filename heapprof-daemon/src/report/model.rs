@@ -161,21 +161,14 @@ impl Profile {
 
     /// Spells out a decoded profile.
     pub fn from_proto(path: &Path, message: &proto::Profile) -> Result<Self, String> {
-        let strings = &message.string_table;
-        let string = |index: i64| -> Result<&str, String> {
-            usize::try_from(index)
-                .ok()
-                .and_then(|i| strings.get(i))
-                .map(String::as_str)
-                .ok_or_else(|| format!("string index {index} out of range"))
-        };
+        let strings = Strings(&message.string_table);
         if message.sample_type.is_empty() {
             return Err("no sample types".into());
         }
         let sample_types = message
             .sample_type
             .iter()
-            .map(|t| string(t.r#type).map(str::to_owned))
+            .map(|t| strings.owned(t.r#type))
             .collect::<Result<Vec<_>, _>>()?;
         let mappings = message
             .mapping
@@ -185,87 +178,21 @@ impl Profile {
                     start: m.memory_start,
                     limit: m.memory_limit,
                     file_offset: m.file_offset,
-                    path: string(m.filename)?.to_owned(),
-                    build_id: Some(string(m.build_id)?.to_owned()).filter(|b| !b.is_empty()),
+                    path: strings.owned(m.filename)?,
+                    build_id: Some(strings.owned(m.build_id)?).filter(|b| !b.is_empty()),
                 })
             })
             .collect::<Result<Vec<_>, String>>()?;
-        let mapping_index = |id: u64| message.mapping.iter().position(|m| m.id == id);
-        let function_name = |id: u64| -> Result<&str, String> {
-            let function = message
-                .function
-                .iter()
-                .find(|f| f.id == id)
-                .ok_or_else(|| format!("function {id} missing"))?;
-            string(function.name)
-        };
-        let mut locations = std::collections::HashMap::new();
-        for location in &message.location {
-            let mapping = mapping_index(location.mapping_id).filter(|_| location.mapping_id != 0);
-            let mut names = location
-                .line
-                .iter()
-                .map(|line| function_name(line.function_id).map(str::to_owned))
-                .collect::<Result<Vec<_>, _>>()?;
-            if names.is_empty() {
-                names.push(match mapping {
-                    Some(index) => describe_address(&mappings[index], location.address),
-                    None => format!("{:#x}", location.address),
-                });
-            }
-            locations.insert(
-                location.id,
-                Location {
-                    address: location.address,
-                    mapping,
-                    names,
-                },
-            );
-        }
-        let mut samples = Vec::with_capacity(message.sample.len());
-        for sample in &message.sample {
-            if sample.value.len() != sample_types.len() {
-                return Err("a sample's values do not match the sample types".into());
-            }
-            let stack = sample
-                .location_id
-                .iter()
-                .map(|id| {
-                    locations
-                        .get(id)
-                        .cloned()
-                        .ok_or_else(|| format!("location {id} missing"))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let mut pid = None;
-            let mut comm = None;
-            let mut cache = None;
-            let mut order = None;
-            let mut size_class = None;
-            for label in &sample.label {
-                match string(label.key)? {
-                    "pid" => pid = u32::try_from(label.num).ok(),
-                    "comm" => comm = Some(string(label.str)?.to_owned()),
-                    "cache" => cache = Some(string(label.str)?.to_owned()),
-                    "order" => order = Some(label.num),
-                    "size_class" => size_class = Some(label.num),
-                    _ => {}
-                }
-            }
-            samples.push(Sample {
-                pid,
-                comm,
-                cache,
-                order,
-                size_class,
-                locations: stack,
-                values: sample.value.clone(),
-            });
-        }
+        let locations = read_locations(message, strings, &mappings)?;
+        let samples = message
+            .sample
+            .iter()
+            .map(|sample| read_sample(sample, strings, &locations, sample_types.len()))
+            .collect::<Result<Vec<_>, _>>()?;
         let comments = message
             .comment
             .iter()
-            .map(|&i| string(i).map(str::to_owned))
+            .map(|&i| strings.owned(i))
             .collect::<Result<Vec<_>, _>>()?;
         let processes = comments
             .iter()
@@ -320,6 +247,112 @@ pub fn describe_address(mapping: &Mapping, address: u64) -> String {
         .wrapping_sub(mapping.start)
         .wrapping_add(mapping.file_offset);
     format!("{name}+{offset:#x}")
+}
+
+/// A profile's string table, read by index.
+#[derive(Clone, Copy)]
+struct Strings<'a>(&'a [String]);
+
+impl<'a> Strings<'a> {
+    fn get(self, index: i64) -> Result<&'a str, String> {
+        usize::try_from(index)
+            .ok()
+            .and_then(|i| self.0.get(i))
+            .map(String::as_str)
+            .ok_or_else(|| format!("string index {index} out of range"))
+    }
+
+    fn owned(self, index: i64) -> Result<String, String> {
+        self.get(index).map(str::to_owned)
+    }
+}
+
+/// The profile's locations by id, each with its functions' names (or its address,
+/// described by its mapping, where it has none).
+fn read_locations(
+    message: &proto::Profile,
+    strings: Strings<'_>,
+    mappings: &[Mapping],
+) -> Result<std::collections::HashMap<u64, Location>, String> {
+    // By id, once: a profile of many stacks has tens of thousands of each.
+    let function_names: std::collections::HashMap<u64, i64> = message
+        .function
+        .iter()
+        .map(|function| (function.id, function.name))
+        .collect();
+    let mut locations = std::collections::HashMap::with_capacity(message.location.len());
+    for location in &message.location {
+        let mapping = message
+            .mapping
+            .iter()
+            .position(|m| m.id == location.mapping_id)
+            .filter(|_| location.mapping_id != 0);
+        let mut names = location
+            .line
+            .iter()
+            .map(|line| match function_names.get(&line.function_id) {
+                Some(&name) => strings.owned(name),
+                None => Err(format!("function {} missing", line.function_id)),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if names.is_empty() {
+            names.push(match mapping {
+                Some(index) => describe_address(&mappings[index], location.address),
+                None => format!("{:#x}", location.address),
+            });
+        }
+        locations.insert(
+            location.id,
+            Location {
+                address: location.address,
+                mapping,
+                names,
+            },
+        );
+    }
+    Ok(locations)
+}
+
+/// A sample with its stack spelled out and the labels the reports use.
+fn read_sample(
+    sample: &proto::Sample,
+    strings: Strings<'_>,
+    locations: &std::collections::HashMap<u64, Location>,
+    sample_types: usize,
+) -> Result<Sample, String> {
+    if sample.value.len() != sample_types {
+        return Err("a sample's values do not match the sample types".into());
+    }
+    let stack = sample
+        .location_id
+        .iter()
+        .map(|id| {
+            locations
+                .get(id)
+                .cloned()
+                .ok_or_else(|| format!("location {id} missing"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut read = Sample {
+        pid: None,
+        comm: None,
+        cache: None,
+        order: None,
+        size_class: None,
+        locations: stack,
+        values: sample.value.clone(),
+    };
+    for label in &sample.label {
+        match strings.get(label.key)? {
+            "pid" => read.pid = u32::try_from(label.num).ok(),
+            "comm" => read.comm = Some(strings.owned(label.str)?),
+            "cache" => read.cache = Some(strings.owned(label.str)?),
+            "order" => read.order = Some(label.num),
+            "size_class" => read.size_class = Some(label.num),
+            _ => {}
+        }
+    }
+    Ok(read)
 }
 
 #[cfg(test)]
