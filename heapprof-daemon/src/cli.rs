@@ -13,6 +13,15 @@ use crate::{
     probes::AttachChoice,
 };
 
+/// `--help`'s sections (clap lists them in the order of their first flags).
+const TARGET: &str = "What to trace";
+const PROFILES: &str = "Profiles";
+const PUSH: &str = "Pushing profiles";
+const SAMPLING: &str = "Sampling";
+const PROBES: &str = "Probes and joining processes";
+const CAPACITIES: &str = "Table capacities";
+const MONITORING: &str = "Monitoring";
+
 /// eBPF heap profiler: live and cumulative heap usage per call stack, written as Go-pprof heap profiles.
 #[derive(Debug, Parser)]
 #[command(
@@ -25,32 +34,32 @@ use crate::{
 )]
 pub struct Cli {
     /// Attach to the running process PID (all of its threads).
-    #[arg(short, long, value_name = "PID", conflicts_with = "all")]
+    #[arg(help_heading = TARGET, short, long, value_name = "PID", conflicts_with = "all")]
     pub pid: Option<u32>,
 
     /// Trace every process on the machine that uses the C library (samples carry pid/comm labels).
-    #[arg(long)]
+    #[arg(help_heading = TARGET, long)]
     pub all: bool,
 
     /// Profile the kernel heap (kmalloc, kmem_cache_alloc) from the kmem tracepoints instead
     /// of user space: system-wide, or only allocations made in the context of --pid PID or
     /// of a launched command and its children.
-    #[arg(long)]
+    #[arg(help_heading = TARGET, long)]
     pub kernel: bool,
 
     /// With --kernel: also count whole pages from the page allocator (mm_page_alloc/free).
-    #[arg(long, requires = "kernel")]
+    #[arg(help_heading = TARGET, long, requires = "kernel")]
     pub pages: bool,
 
     /// With --all or --kernel: trace only the processes of this cgroup v2 subtree (one
     /// container, one systemd service), as /proc/PID/cgroup names it
     /// (/system.slice/foo.service) or as a directory of the hierarchy.
-    #[arg(long, value_name = "PATH")]
+    #[arg(help_heading = TARGET, long, value_name = "PATH")]
     pub cgroup: Option<PathBuf>,
 
     /// Directory for the profiles (created with mode 0700 if missing). Default:
     /// heapprofd-profiles; with --push and no -o, profiles are only pushed.
-    #[arg(short, long, value_name = "DIR")]
+    #[arg(help_heading = PROFILES, short, long, value_name = "DIR")]
     pub output: Option<PathBuf>,
 
     /// Push every profile to a continuous-profiling backend (repeatable). The URL picks
@@ -58,79 +67,79 @@ pub struct Cli {
     /// http(s)://HOST/v1development/profiles is OTLP profiles over HTTP/protobuf;
     /// grpc://HOST:PORT or grpcs://HOST:PORT is OTLP profiles over gRPC. With --all,
     /// each process is its own series.
-    #[arg(long, value_name = "URL")]
+    #[arg(help_heading = PUSH, long, value_name = "URL")]
     pub push: Vec<String>,
 
     /// With --push: a header sent with every push, as 'NAME: VALUE' (repeatable), e.g.
     /// 'X-Scope-OrgID: tenant1' or 'Authorization: Basic ...'.
-    #[arg(long, value_name = "HEADER", requires = "push")]
+    #[arg(help_heading = PUSH, long, value_name = "HEADER", requires = "push")]
     pub push_header: Vec<String>,
 
     /// With --push: a file holding a bearer token, sent as 'Authorization: Bearer
     /// TOKEN' (read at start and again before each push, so a rotated token is used).
-    #[arg(long, value_name = "FILE", requires = "push")]
+    #[arg(help_heading = PUSH, long, value_name = "FILE", requires = "push")]
     pub push_token_file: Option<PathBuf>,
 
     /// With --push: the longest one push may take (connecting included) before it is
     /// retried, e.g. 10s.
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, requires = "push")]
+    #[arg(help_heading = PUSH, long, value_name = "DURATION", default_value = "10s", value_parser = parse_duration, requires = "push")]
     pub push_timeout: Duration,
 
     /// With --push: a PEM file of CA certificates trusted for https:// and grpcs://
     /// besides the system's roots (a backend whose certificate a private CA signed).
-    #[arg(long, value_name = "PEM", requires = "push")]
+    #[arg(help_heading = PUSH, long, value_name = "PEM", requires = "push")]
     pub push_ca_file: Option<PathBuf>,
 
     /// With --push to OTLP: whether each request also carries the gzip'd pprof in its
     /// first profile's original_payload (format "pprof"), for receivers that keep or
     /// convert the original; off sends the translated profile only.
-    #[arg(long, value_name = "on|off", default_value = "on", action = clap::ArgAction::Set,
+    #[arg(help_heading = PUSH, long, value_name = "on|off", default_value = "on", action = clap::ArgAction::Set,
           value_parser = clap::builder::BoolishValueParser::new(), requires = "push")]
     pub push_otlp_original_payload: bool,
 
     /// With --push: keep the profiles not yet pushed in DIR (one subdirectory per URL)
     /// while a backend is down, and across restarts of heapprofd; without it they wait
     /// in memory (at most 8 MiB per URL) and are lost at exit.
-    #[arg(long, value_name = "DIR", requires = "push")]
+    #[arg(help_heading = PUSH, long, value_name = "DIR", requires = "push")]
     pub push_spool: Option<PathBuf>,
 
     /// With --push-spool: the most the spool of one URL may hold, e.g. 256MiB; when
     /// full, the oldest profiles are dropped (and counted).
-    #[arg(long, value_name = "BYTES", default_value = "256MiB", value_parser = parse_byte_size, requires = "push_spool")]
+    #[arg(help_heading = PUSH, long, value_name = "BYTES", default_value = "256MiB", value_parser = parse_byte_size, requires = "push_spool")]
     pub push_spool_size: u64,
 
     /// With --push: the service name of every series (default: the process's systemd
     /// service, else its command name).
-    #[arg(long, value_name = "NAME", requires = "push")]
+    #[arg(help_heading = PUSH, long, value_name = "NAME", requires = "push")]
     pub push_service_name: Option<String>,
 
     /// Time between profiles, e.g. 10s, 500ms, 2m (100ms to 24h).
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = parse_interval)]
+    #[arg(help_heading = PROFILES, long, value_name = "DURATION", default_value = "10s", value_parser = parse_interval)]
     pub interval: Duration,
 
     /// Stop after this long, writing a final profile (default: until the target exits or SIGINT/SIGTERM).
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    #[arg(help_heading = PROFILES, long, value_name = "DURATION", value_parser = parse_duration)]
     pub duration: Option<Duration>,
 
     /// Keep only the N newest profiles in the output directory (those of earlier runs
     /// included): older ones are deleted after each profile is written.
-    #[arg(long, value_name = "N", value_parser = parse_keep)]
+    #[arg(help_heading = PROFILES, long, value_name = "N", value_parser = parse_keep)]
     pub keep: Option<NonZeroUsize>,
 
     /// Delete profiles older than this from the output directory (by the time in
     /// their names) after each profile is written, e.g. 7d, 12h. The newest stays.
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    #[arg(help_heading = PROFILES, long, value_name = "DURATION", value_parser = parse_duration)]
     pub keep_for: Option<Duration>,
 
     /// With --all: forget processes that exited more than DURATION ago (their sites,
     /// mappings and figures leave later profiles and the daemon's memory), e.g. 1h.
     /// Default: kept to the end of the run.
-    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    #[arg(help_heading = PROFILES, long, value_name = "DURATION", value_parser = parse_duration)]
     pub retain_exited: Option<Duration>,
 
     /// An allocator library to probe besides those found in the targets' mappings
     /// (heapprofd finds the object each process's malloc binds to by itself).
-    #[arg(long, value_name = "PATH", conflicts_with = "kernel")]
+    #[arg(help_heading = PROBES, long, value_name = "PATH", conflicts_with = "kernel")]
     pub libc: Option<PathBuf>,
 
     /// Custom allocator functions to probe in any object that defines them, as
@@ -138,64 +147,64 @@ pub struct Cli {
     /// free=pool_free(ptr=arg2)'. Roles: alloc, free, realloc. Fields: size=argN or
     /// size=BYTES, count=argN, ptr=argN, ret, out=argN. Repeatable; @FILE reads items
     /// from a file.
-    #[arg(long, value_name = "SPEC", value_parser = parse_allocator, conflicts_with = "kernel")]
+    #[arg(help_heading = PROBES, long, value_name = "SPEC", value_parser = parse_allocator, conflicts_with = "kernel")]
     pub allocator: Vec<AllocatorSpec>,
 
     /// Capacity of the live-block table (blocks allocated while tracing and not yet
     /// freed; about 36 bytes of kernel memory each, allocated at start). Default: from
     /// the machine's memory, the largest power of two whose table takes at most 1/128
     /// of it, from 1M to 8M blocks (4M on 24 GiB); the start-up log states the choice.
-    #[arg(long, value_name = "N", value_parser = parse_capacity)]
+    #[arg(help_heading = CAPACITIES, long, value_name = "N", value_parser = parse_capacity)]
     pub max_live_blocks: Option<u32>,
 
     /// Capacity of the per-site counter table (distinct process x stack x function).
-    #[arg(long, value_name = "N", default_value_t = 65536, value_parser = parse_capacity)]
+    #[arg(help_heading = CAPACITIES, long, value_name = "N", default_value_t = 65536, value_parser = parse_capacity)]
     pub max_sites: u32,
 
     /// Capacity of the stack-trace map (distinct user stacks).
-    #[arg(long, value_name = "N", default_value_t = 32768, value_parser = parse_capacity)]
+    #[arg(help_heading = CAPACITIES, long, value_name = "N", default_value_t = 32768, value_parser = parse_capacity)]
     pub max_stacks: u32,
 
     /// Threads with an allocator call record at once (each thread that allocates keeps
     /// one while it lives): N slots by thread id (rounded up to a power of two), and N
     /// more for threads whose slot is taken.
-    #[arg(long, value_name = "N", default_value_t = 16384, value_parser = parse_capacity)]
+    #[arg(help_heading = CAPACITIES, long, value_name = "N", default_value_t = 16384, value_parser = parse_capacity)]
     pub max_threads: u32,
 
     /// Where probes sit in each function: `auto` moves them past instructions the kernel
     /// would single-step (about 10x cheaper) when provably equivalent; `entry` never moves them.
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = PlacementMode::Auto)]
+    #[arg(help_heading = PROBES, long, value_name = "MODE", value_enum, default_value_t = PlacementMode::Auto)]
     pub probe_placement: PlacementMode,
 
     /// How user stacks are unwound: `auto` follows each object's call-frame information
     /// (.eh_frame, .debug_frame), and frame pointers where none covers an address (JIT
     /// code); `cfi` follows CFI only; `fp` follows frame pointers only (the code must
     /// keep them).
-    #[arg(long, value_name = "METHOD", value_enum, default_value_t = UnwindChoice::Auto)]
+    #[arg(help_heading = PROBES, long, value_name = "METHOD", value_enum, default_value_t = UnwindChoice::Auto)]
     pub unwind: UnwindChoice,
 
     /// Capacity of the unwind rows: the CFI tables of every object together (8 bytes
     /// each, allocated at start; a C++ program with libstdc++ needs ~60k, python3 ~120k).
-    #[arg(long, value_name = "N", default_value_t = 1 << 21, value_parser = parse_capacity)]
+    #[arg(help_heading = CAPACITIES, long, value_name = "N", default_value_t = 1 << 21, value_parser = parse_capacity)]
     pub max_unwind_rows: u32,
 
     /// Capacity of the distinct unwind rules of all objects (16 bytes each).
-    #[arg(long, value_name = "N", default_value_t = 65536, value_parser = parse_capacity)]
+    #[arg(help_heading = CAPACITIES, long, value_name = "N", default_value_t = 65536, value_parser = parse_capacity)]
     pub max_unwind_rules: u32,
 
     /// Capacity of the objects (executables, libraries) with an unwind table.
-    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = parse_capacity)]
+    #[arg(help_heading = CAPACITIES, long, value_name = "N", default_value_t = 4096, value_parser = parse_capacity)]
     pub max_unwind_objects: u32,
 
     /// Capacity of the processes whose mappings the unwinder knows (with --all; 8 KiB
     /// each, allocated when used).
-    #[arg(long, value_name = "N", default_value_t = 4096, value_parser = parse_capacity)]
+    #[arg(help_heading = CAPACITIES, long, value_name = "N", default_value_t = 4096, value_parser = parse_capacity)]
     pub max_processes: u32,
 
     /// How uprobes are attached: `auto` uses multi-uprobe links where the kernel has them
     /// (Linux 6.6+; with --pid, kernels whose link filter covers a whole process), and
     /// one perf event per probe otherwise; `perf-events` forces the latter.
-    #[arg(long, value_name = "METHOD", value_enum, default_value_t = AttachChoice::Auto)]
+    #[arg(help_heading = PROBES, long, value_name = "METHOD", value_enum, default_value_t = AttachChoice::Auto)]
     pub attach: AttachChoice,
 
     /// Record a sample of allocations instead of every one: on average one per BYTES
@@ -209,16 +218,16 @@ pub struct Cli {
     /// --kernel the tracepoint
     /// programs decide before taking the stack, and frees are matched for the sampled
     /// objects only.
-    #[arg(long, value_name = "BYTES", value_parser = parse_sample_rate)]
+    #[arg(help_heading = SAMPLING, long, value_name = "BYTES", value_parser = parse_sample_rate)]
     pub sample_rate: Option<u64>,
 
     /// Do not keep each process's exact in-use peak (recorded in every profile; it
     /// costs an atomic add per allocation and free). Sampled runs never keep it.
-    #[arg(long)]
+    #[arg(help_heading = SAMPLING, long)]
     pub no_peak: bool,
 
     /// Log the run time of heapprofd's BPF programs (kernel BPF statistics) with each profile.
-    #[arg(long)]
+    #[arg(help_heading = MONITORING, long)]
     pub bpf_stats: bool,
 
     /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9464; 0.0.0.0:9464
@@ -226,11 +235,11 @@ pub struct Cli {
     /// heapprofd's own drops, tables, BPF run time, profile writes and memory, refreshed
     /// with every profile. With --all only the processes seen allocating or freeing
     /// since the last profile are exported, at most --metrics-top of them.
-    #[arg(long, value_name = "ADDR", value_parser = parse_listen_address)]
+    #[arg(help_heading = MONITORING, long, value_name = "ADDR", value_parser = parse_listen_address)]
     pub metrics: Option<SocketAddr>,
 
     /// With --metrics: export at most N processes, those with the most bytes in use.
-    #[arg(long, value_name = "N", default_value_t = 100, requires = "metrics", value_parser = parse_metrics_top)]
+    #[arg(help_heading = MONITORING, long, value_name = "N", default_value_t = 100, requires = "metrics", value_parser = parse_metrics_top)]
     pub metrics_top: usize,
 
     /// Launch mode: `auto` puts heapprofd's interposer in the command's LD_PRELOAD (an
@@ -242,7 +251,7 @@ pub struct Cli {
     /// started meanwhile joins heapprofd in-process from its start (it costs what launch
     /// mode costs), and each process it does not serve gets the allocator's probes for
     /// itself alone. Left behind by a killed heapprofd, the entry is inert.
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = PreloadMode::Auto)]
+    #[arg(help_heading = PROBES, long, value_name = "MODE", value_enum, default_value_t = PreloadMode::Auto)]
     pub preload: PreloadMode,
 
     /// `--pid`: `auto` loads heapprofd's interposer into the running process (ptrace
@@ -253,7 +262,7 @@ pub struct Cli {
     /// allocator's probes. A program the process execs is followed. `off` uses the
     /// probes only (an entry and a return trap per allocation). With `--all --preload
     /// system` it says the same of the processes running before heapprofd.
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = InjectMode::Auto)]
+    #[arg(help_heading = PROBES, long, value_name = "MODE", value_enum, default_value_t = InjectMode::Auto)]
     pub inject: InjectMode,
 
     /// Benchmark baseline (`cargo xtask bench`): the probes are attached where they
@@ -291,7 +300,7 @@ pub struct Cli {
     pub ready_file: Option<PathBuf>,
 
     /// After the final profile, print the N allocation sites holding the most memory.
-    #[arg(long, value_name = "N", default_value_t = 0)]
+    #[arg(help_heading = PROFILES, long, value_name = "N", default_value_t = 0)]
     pub top: usize,
 
     /// Command to launch and trace from its first allocation; heapprofd exits with its status.
