@@ -155,6 +155,16 @@ pub const fn placement(ptr: u64, tgid: u32, buckets: u32) -> Placement {
 /// heap larger than the caches (the table takes 8 bytes per byte of heap it covers).
 pub const FILTER_SLOTS: u32 = 1 << 16;
 
+/// The values `LIVE_FILTER` is sized to: exact sessions (`sample_rate` 0) never
+/// read or count it, so one value spares them its 256 KiB.
+pub const fn filter_values(sample_rate: u64) -> u32 {
+    if sample_rate == 0 {
+        1
+    } else {
+        FILTER_SLOTS / 2
+    }
+}
+
 /// A value of `LIVE_FILTER`: two slots' counters (an array's values are mapped 8
 /// bytes apart, so a value of one `u32` would leave half the lines unused).
 #[repr(C)]

@@ -20,7 +20,8 @@ pub const CONTROL: &str = "CONTROL";
 /// [`crate::live`]).
 pub const LIVE: &str = "LIVE";
 /// Sampling's filter in front of [`LIVE`] (`Array<live::FilterPair>`,
-/// [`crate::live::FILTER_SLOTS`] counters; mapped by the daemon, which takes the
+/// [`crate::live::FILTER_SLOTS`] counters, one value when exact; user and kernel
+/// mode both count their entries there; mapped by the daemon, which takes the
 /// entries it removes off it too).
 pub const LIVE_FILTER: &str = "LIVE_FILTER";
 /// The sites (`HashMap<StackKey, SiteId>`): each site's index in

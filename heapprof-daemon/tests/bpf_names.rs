@@ -125,10 +125,9 @@ const ATTACH_POINTS: [(&str, &str); 10] = constants![
 
 /// Maps that only the programs use, which the daemon never names: per-CPU scratch
 /// space, the remembered walks, the log's rate limit, and aya-log's buffer.
-const PRIVATE_MAPS: [&str; 17] = [
+const PRIVATE_MAPS: [&str; 16] = [
     "AYA_LOGS",
     "KERNEL_FREE_SEEN",
-    "KERNEL_LIVE_FILTER",
     "KERNEL_RECORD_SCRATCH",
     "KERNEL_STACK_SCRATCH",
     "LAST_TRACED",

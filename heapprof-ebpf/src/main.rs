@@ -27,6 +27,8 @@ mod kernel;
 #[cfg(target_arch = "bpf")]
 mod live;
 #[cfg(target_arch = "bpf")]
+mod live_filter;
+#[cfg(target_arch = "bpf")]
 mod log;
 #[cfg(target_arch = "bpf")]
 mod maps;

@@ -3,40 +3,24 @@
 
 use aya_ebpf::{bindings::BPF_NOEXIST, helpers::bpf_get_current_pid_tgid};
 use heapprof_common::{
-    DropReason, LiveKey, SiteId, StackKey, StaleFree, UserStack,
-    live::{self as live_layout, LiveEntry},
+    DropReason, LiveKey, SiteId, StackKey, StaleFree, UserStack, live::LiveEntry,
 };
 
 use crate::{
-    atomic::{add_32, fetch_add},
+    atomic::fetch_add,
     live::{self, Inserted},
+    live_filter,
     maps::{
-        LIVE_FILTER, SITE_COUNTERS, SITE_IDS_FREE, SITE_IDS_NEXT, SITES, STACKS, STALE_FREES,
-        STALE_PENDING, count_drop, count_late_free, count_only, max_sites, sample_rate,
+        SITE_COUNTERS, SITE_IDS_FREE, SITE_IDS_NEXT, SITES, STACKS, STALE_FREES, STALE_PENDING,
+        count_drop, count_late_free, count_only, max_sites, sample_rate,
     },
 };
 
-/// When sampling, the slot of `LIVE_FILTER` counting the block at `ptr` of `tgid`.
-/// Every entry of the table is counted there from before its insert until after its
-/// removal, so a slot at 0 means none of its spans' blocks is recorded.
+/// When sampling, the slot of `LIVE_FILTER` counting the block at `ptr` of `tgid`
+/// (see `crate::live_filter`).
 #[inline(always)]
 fn filter_slot(ptr: u64, tgid: u32) -> Option<*mut u32> {
-    if sample_rate() == 0 {
-        return None; // exact: nearly every free finds its block
-    }
-    let (index, counter) = live_layout::filter_place(live_layout::filter_slot(ptr, tgid));
-    let pair = LIVE_FILTER.get_ptr_mut(index)?;
-    // SAFETY: a counter of the map value.
-    Some(unsafe { (&raw mut (*pair).counts).cast::<u32>().add(counter & 1) })
-}
-
-/// Adds `delta` (`u32::MAX` takes one away) to a filter slot, if any.
-#[inline(always)]
-fn count_in_filter(slot: Option<*mut u32>, delta: u32) {
-    if let Some(slot) = slot {
-        // SAFETY: a map value, only changed atomically.
-        unsafe { add_32(slot, delta) };
-    }
+    live_filter::slot(sample_rate() != 0, ptr, tgid)
 }
 
 /// Whether any late free is expected (one array lookup spares the others a hash
@@ -297,13 +281,12 @@ pub fn release_into(tgid: u32, ptr: u64, temporary: bool, usage: &mut Usage<'_>,
         return;
     }
     let filter = filter_slot(ptr, tgid);
-    // SAFETY: a map value; a plain read of a counter changed atomically.
-    if filter.is_some_and(|slot| unsafe { core::ptr::read_volatile(slot) } == 0) {
+    if live_filter::empty(filter) {
         return; // an unsampled block's free, most of them when sampling
     }
     // Not found: allocated before tracing began (or not tracked): ignored, never negative.
     if let Some(block) = live::remove(tgid, ptr) {
-        count_in_filter(filter, u32::MAX);
+        live_filter::add(filter, u32::MAX);
         let peaks = usage.peaks(tgid);
         add_to_site(block.site, SiteChange::free(block.size, temporary), peaks);
         usage.shrink(tgid, block.size);
@@ -370,12 +353,12 @@ pub fn allocated_at(
     };
     // Counted before the insert, so that no free finds the block with its slot at 0.
     let filter = filter_slot(ptr, tgid);
-    count_in_filter(filter, 1);
+    live_filter::add(filter, 1);
     match live::insert(tgid, &block) {
         Inserted::New => {}
         Inserted::Replaced(old) => {
             // The old entry's count is gone with it.
-            count_in_filter(filter, u32::MAX);
+            live_filter::add(filter, u32::MAX);
             // Still recorded at this address: it was freed by a path we did not see (the
             // allocator reused it), or its free waits in another thread's queue. Closed
             // now, so its site's in-use stays right.
@@ -391,7 +374,7 @@ pub fn allocated_at(
             // Its free cannot be matched: count it as released now, so that in-use stays
             // what is tracked instead of growing by blocks that may be long gone.
             count_drop(DropReason::LiveTableFull);
-            count_in_filter(filter, u32::MAX);
+            live_filter::add(filter, u32::MAX);
             add_to_site(id, SiteChange::free(size, false), peaks);
             return;
         }

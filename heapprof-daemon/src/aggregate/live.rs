@@ -77,7 +77,9 @@ impl LiveTable {
 /// Takes a removed entry off its filter slot. Sampling counts every entry there
 /// (exact mode none, whose slots stay 0): a slot left counting an entry that is gone
 /// only costs its frees a lookup, but a process's blocks dropped at its exit would
-/// leave their slots counting for good.
+/// leave their slots counting for good. Kernel mode's entries are counted at the
+/// same place (`ptr` and `tgid` as stored: the address in `LIVE` and the space),
+/// so this would uncount them right too; its session never drops entries.
 fn uncount(filter: &crate::bpf_array::MappedArray<FilterPair>, entry: &LiveEntry) {
     let (index, counter) = filter_place(filter_slot(entry.ptr, entry.tgid));
     let offset = core::mem::offset_of!(FilterPair, counts) + counter * size_of::<u32>();

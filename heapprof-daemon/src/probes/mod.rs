@@ -112,6 +112,7 @@ pub fn load_bpf_object(
     let ebpf = EbpfLoader::new()
         .override_global(names::CONFIG, &config, true)
         .map_max_entries(names::LIVE, config.live_buckets)
+        .map_max_entries(names::LIVE_FILTER, live::filter_values(sample_rate))
         .map_max_entries(names::SITES, capacities.sites)
         .map_max_entries(names::SITE_COUNTERS, capacities.sites)
         .map_max_entries(names::SITE_IDS_FREE, capacities.sites)

@@ -17,14 +17,14 @@ use heapprof_common::{
 
 use super::{
     config::{EEXIST, KERNEL_CONFIG, config_u64, layout},
-    live_objects::{KERNEL_LIVE, array_address, release},
+    live_objects::{KERNEL_LIVE, array_address, filter_slot, release},
     record::{cache_class, head_field, record_head},
-    sampling::count_in_filter,
     sites::{add_to_site, credit_free, site_id, take_stack},
     traced::counted,
 };
 use crate::{
     live::{self, Inserted},
+    live_filter,
     maps::count_kernel_drop,
     sampling::sampled_at,
 };
@@ -116,6 +116,9 @@ fn on_alloc<const ARRAY: bool>(ctx: &TracePointContext, event: KernelEvent) -> u
         _pad: 0,
         sizes: pack_sizes(bytes, requested),
     };
+    // Counted before the insert, so that no free finds the object with its slot at 0.
+    let filter = filter_slot(addr, space);
+    live_filter::add(filter, 1);
     if ARRAY {
         let entry = LiveEntry {
             ptr: array_address(addr, space),
@@ -124,14 +127,18 @@ fn on_alloc<const ARRAY: bool>(ctx: &TracePointContext, event: KernelEvent) -> u
             site: id,
         };
         match live::zeroed::insert(entry.tgid, &entry) {
-            Inserted::New => count_in_filter(&key, 1),
-            // Still recorded at this address: it was freed on a path without a
-            // tracepoint (bulk frees). Closed so its site's in-use stays right; the
-            // filter's count stands for the new entry.
-            Inserted::Replaced(old) => credit_free(old.site, old.size),
+            Inserted::New => {}
+            Inserted::Replaced(old) => {
+                // The old entry's count is gone with it (same address, same slot).
+                live_filter::add(filter, u32::MAX);
+                // Still recorded at this address: it was freed on a path without a
+                // tracepoint (bulk frees). Closed so its site's in-use stays right.
+                credit_free(old.site, old.size);
+            }
             Inserted::Full => {
                 // Its free cannot be matched: released now, so in-use stays what is
                 // tracked.
+                live_filter::add(filter, u32::MAX);
                 count_kernel_drop(DropReason::LiveTableFull);
                 credit_free(id, block.sizes);
             }
@@ -141,14 +148,14 @@ fn on_alloc<const ARRAY: bool>(ctx: &TracePointContext, event: KernelEvent) -> u
     let mut inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     if inserted == Err(-EEXIST) {
         // Still recorded at this address: it was freed on a path without a tracepoint
-        // (bulk frees). Closed so its site's in-use stays right.
+        // (bulk frees). Closed so its site's in-use stays right (and its count taken
+        // off the slot, which this object's count keeps above 0 meanwhile).
         let _ = release::<false>(addr, space);
         inserted = KERNEL_LIVE.insert(&key, &block, BPF_NOEXIST as u64);
     }
-    if inserted.is_ok() {
-        count_in_filter(&key, 1);
-    } else {
+    if inserted.is_err() {
         // Its free cannot be matched: released now, so in-use stays what is tracked.
+        live_filter::add(filter, u32::MAX);
         count_kernel_drop(DropReason::LiveTableFull);
         credit_free(id, block.sizes);
     }

@@ -13,10 +13,10 @@ use aya_ebpf::{macros::map, maps::HashMap};
 use heapprof_common::kernel::{KernelLiveBlock, KernelLiveKey, KernelSpace};
 
 use super::{
-    sampling::{count_in_filter, filter_slot},
+    config::{KERNEL_CONFIG, config_u64},
     sites::credit_free,
 };
-use crate::live;
+use crate::{live, live_filter};
 
 // Capacities are placeholders: the daemon sets them from its flags before loading.
 // The live objects are in user mode's live-block table (`LIVE`: one array changed
@@ -42,6 +42,14 @@ pub(super) fn array_address(addr: u64, space: KernelSpace) -> u64 {
     }
 }
 
+/// When sampling, the slot of `LIVE_FILTER` counting the object at `addr` in `space`:
+/// that of its entry in `LIVE`, whichever table holds it (see `crate::live_filter`).
+#[inline(always)]
+pub(super) fn filter_slot(addr: u64, space: KernelSpace) -> Option<*mut u32> {
+    let sampling = config_u64(&KERNEL_CONFIG.sample_rate) != 0;
+    live_filter::slot(sampling, array_address(addr, space), space as u32)
+}
+
 /// Credits the free of a tracked object (`addr` in `space`) to the site that
 /// allocated it; untracked objects (allocated before tracing, or not counted) are
 /// ignored. Returns whether the object was tracked.
@@ -52,18 +60,16 @@ pub(super) fn release<const ARRAY: bool>(addr: u64, space: KernelSpace) -> bool 
         space: space as u32,
         _pad: 0,
     };
-    if let Some(slot) = filter_slot(&key)
-        // SAFETY: a slot of the array; a plain read of a counter changed atomically.
-        && unsafe { core::ptr::read_volatile(slot) } == 0
-    {
-        return false;
+    let filter = filter_slot(addr, space);
+    if live_filter::empty(filter) {
+        return false; // an unsampled object's free, most of them when sampling
     }
     if ARRAY {
         // None also when another CPU freed it first: counted once.
         let Some(entry) = live::zeroed::remove(key.space, array_address(addr, space)) else {
             return false;
         };
-        count_in_filter(&key, u32::MAX);
+        live_filter::add(filter, u32::MAX);
         credit_free(entry.site, entry.size);
         return true;
     }
@@ -75,7 +81,7 @@ pub(super) fn release<const ARRAY: bool>(addr: u64, space: KernelSpace) -> bool 
         // Another CPU freed it first (a double free would be the kernel's bug): count once.
         return false;
     }
-    count_in_filter(&key, u32::MAX);
+    live_filter::add(filter, u32::MAX);
     credit_free(block.site, block.sizes);
     true
 }

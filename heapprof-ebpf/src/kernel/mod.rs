@@ -7,8 +7,8 @@
 //! The rooms, by job: `alloc` (the allocation programs), `free` (the free programs:
 //! tracepoints, and the raw tracepoints' pairs of copies), `deferred` (frees no
 //! tracepoint shows: `kvfree_call_rcu`, bulk frees), `live_objects` (the objects
-//! tracked until freed), `sites` (sites, their counters and stacks), `sampling` (the
-//! filter that lets an unsampled object's free skip the table), `record` (reading an
+//! tracked until freed, and when sampling their counts in user mode's filter,
+//! `LIVE_FILTER`), `sites` (sites, their counters and stacks), `record` (reading an
 //! event's record), `traced` (which processes count) and `config` (what the daemon
 //! sets before loading).
 //!
@@ -21,6 +21,5 @@ mod deferred;
 mod free;
 mod live_objects;
 mod record;
-mod sampling;
 mod sites;
 mod traced;

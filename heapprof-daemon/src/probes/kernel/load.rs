@@ -58,6 +58,8 @@ pub fn load_bpf_object(
         .override_global(kernel_names::KERNEL_CONFIG, &config, true)
         .override_global(names::CONFIG, &user_config, true)
         .map_max_entries(names::LIVE, live_buckets)
+        // Sampling's filter counts the objects of either table (see `KERNEL_LIVE`).
+        .map_max_entries(names::LIVE_FILTER, live::filter_values(sample_rate))
         .map_max_entries(kernel_names::KERNEL_LIVE, hashed_blocks)
         .map_max_entries(kernel_names::KERNEL_SITES, capacities.sites)
         .map_max_entries(kernel_names::KERNEL_SITE_COUNTERS, capacities.sites)
