@@ -76,15 +76,49 @@ pub struct Call {
     pub out_ptr: u64,
 }
 
-/// Whether the call being entered (stack pointer `sp`) was made by the code of the
-/// object of the call recorded in `state`: its return address, placed in that object's
-/// file through the recorded load address, lies in the object's executable code.
+/// The call being entered: its stack pointer, and its return address once read. A
+/// read of the user stack is the dearest step of an unsampled call, so each entry
+/// reads its return address at most once (the nesting checks and the new record
+/// share it).
+struct Entering<'a> {
+    ctx: &'a ProbeContext,
+    sp: u64,
+    return_address: Option<u64>,
+}
+
+impl<'a> Entering<'a> {
+    #[inline(always)]
+    fn new(ctx: &'a ProbeContext, sp: u64) -> Self {
+        Self {
+            ctx,
+            sp,
+            return_address: None,
+        }
+    }
+
+    /// The call's return address (0 if unreadable).
+    #[inline(always)]
+    fn return_address(&mut self) -> u64 {
+        match self.return_address {
+            Some(address) => address,
+            None => {
+                let address = regs::return_address_at_entry(self.ctx, self.sp);
+                self.return_address = Some(address);
+                address
+            }
+        }
+    }
+}
+
+/// Whether the call being entered was made by the code of the object of the call
+/// recorded in `state`: its return address, placed in that object's file through the
+/// recorded load address, lies in the object's executable code.
 #[inline(always)]
-fn called_by_recorded_object(ctx: &ProbeContext, sp: u64, state: &InFlight) -> bool {
+fn called_by_recorded_object(entering: &mut Entering<'_>, state: &InFlight) -> bool {
     let Some(spec) = probe_spec(state.slot) else {
         return false;
     };
-    let return_address = regs::return_address_at_entry(ctx, sp);
+    let return_address = entering.return_address();
     let offset = return_address.wrapping_sub(state.object_base);
     offset >= spec.text_start && offset < spec.text_end
 }
@@ -95,21 +129,23 @@ fn called_by_recorded_object(ctx: &ProbeContext, sp: u64, state: &InFlight) -> b
 /// `mi_heap_malloc_aligned`): its return address is the nested call's, which that
 /// call's return probe has replaced with the kernel's trampoline.
 #[inline(always)]
-fn nested(ctx: &ProbeContext, sp: u64, state: &mut InFlight) -> bool {
+fn nested(entering: &mut Entering<'_>, state: &mut InFlight) -> bool {
+    let sp = entering.sp;
     if sp >= state.entry_sp || state.entry_sp - sp > MAX_NESTING_SPAN {
         return false;
     }
-    if sp == state.nested_sp || called_by_recorded_object(ctx, sp, state) {
+    if sp == state.nested_sp || called_by_recorded_object(entering, state) {
         state.nested_sp = sp;
         return true;
     }
     false
 }
 
-/// Whether the entry of `call` at `sp` is inside the unsampled call recorded in
-/// `state` ([`CALL_UNRECORDED`]; see the module documentation).
+/// Whether the entry of `call` is inside the unsampled call recorded in `state`
+/// ([`CALL_UNRECORDED`]; see the module documentation).
 #[inline(always)]
-fn inside_unrecorded(ctx: &ProbeContext, sp: u64, call: &Call, state: &mut InFlight) -> bool {
+fn inside_unrecorded(entering: &mut Entering<'_>, call: &Call, state: &mut InFlight) -> bool {
+    let sp = entering.sp;
     if sp == state.entry_sp {
         // A tail call forwards the arguments to another function, returning where the
         // unsampled call returns. A new call from the same frame after the unsampled
@@ -117,16 +153,16 @@ fn inside_unrecorded(ctx: &ProbeContext, sp: u64, call: &Call, state: &mut InFli
         return call.slot != state.slot
             && call.size == state.size
             && call.old_ptr == state.old_ptr
-            && regs::return_address_at_entry(ctx, sp) == state.return_address;
+            && entering.return_address() == state.return_address;
     }
     if sp > state.entry_sp || state.entry_sp - sp > MAX_UNRECORDED_NESTING_SPAN {
         return false;
     }
-    if sp != state.nested_sp && !called_by_recorded_object(ctx, sp, state) {
+    if sp != state.nested_sp && !called_by_recorded_object(entering, state) {
         return false;
     }
     // The unsampled call's frame is live while its return address is in its slot.
-    if regs::return_address_at_entry(ctx, state.entry_sp) != state.return_address {
+    if regs::return_address_at_entry(entering.ctx, state.entry_sp) != state.return_address {
         return false;
     }
     state.nested_sp = sp;
@@ -144,6 +180,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
     let (ip, sp) = regs::at_entry(ctx);
     // The stack pointer at the function's entry, before the pushes the probe follows.
     let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
+    let mut entering = Entering::new(ctx, sp);
     let existing = threads::record(tid);
     let mut exec_gen = 0;
     let mut last_block = 0;
@@ -157,10 +194,11 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
                 if call.size == state.size && call.old_ptr == state.old_ptr {
                     return false; // a tail call forwarding the recorded call's arguments
                 }
-            } else if nested(ctx, sp, state) {
+            } else if nested(&mut entering, state) {
                 return false;
             }
-        } else if state.active == CALL_UNRECORDED && inside_unrecorded(ctx, sp, &call, state) {
+        } else if state.active == CALL_UNRECORDED && inside_unrecorded(&mut entering, &call, state)
+        {
             return false;
         }
     }
@@ -188,7 +226,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
         exec_gen,
         last_block: if unrecorded { 0 } else { last_block },
         return_address: if unrecorded {
-            regs::return_address_at_entry(ctx, sp)
+            entering.return_address()
         } else {
             0
         },
@@ -273,7 +311,7 @@ pub fn free_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64, ptr: u64) 
         // block no recorded call made (the allocator's own: the calls nested in another
         // are never recorded) or one the user frees (a `new` handler's), so the
         // user's free it is taken for finds nothing to release, or the right block.
-        if state.active == CALL_ACTIVE && nested(ctx, sp, state) {
+        if state.active == CALL_ACTIVE && nested(&mut Entering::new(ctx, sp), state) {
             return FreeCall::Nested;
         }
         if sp >= state.entry_sp {
