@@ -185,6 +185,13 @@ pub struct InFlight {
     /// probe hit is taken as nested in it only while that word is still there (the
     /// call's frame is live), and as its tail call only with that same return address.
     pub return_address: u64,
+    /// The address of the kernel's return-probe trampoline in the thread's process, as
+    /// learned from a recorded call's own return-address slot (0: not learned yet).
+    /// Another session's return probe on the same function (another tool's, or a
+    /// link filtered to another process, which still asks for the return) puts it in
+    /// place of an unsampled call's return address: that word then still says the
+    /// call's frame is live. Kept across the thread's calls; cleared at its exec.
+    pub trampoline: u64,
 }
 
 /// [`InFlight::active`]: no call in progress.

@@ -43,6 +43,12 @@
 //!   untouched would have to place a call from the allocator's object within a
 //!   kilobyte below it.
 //!
+//! Another session's return probe on the same function (a second heapprofd, even one
+//! whose link is filtered to another process; `bpftrace`) makes the kernel put its
+//! return trampoline in the unsampled call's slot. The thread's record learns that
+//! address from a recorded call's own slot ([`InFlight::trampoline`]), and takes it
+//! for the call's return address too.
+//!
 //! Anything else ends it, as any entry ends an abandoned call. It counts nothing: the
 //! thread's last block is cleared at the entry, as an unsampled call's return did.
 //!
@@ -62,6 +68,9 @@ use crate::{
     sampling::sampled,
     threads,
 };
+
+/// The alignment of the kernel's return-probe trampoline: the start of a page.
+const TRAMPOLINE_ALIGN: u64 = 4096;
 
 /// The arguments of an allocator call that matter for counting.
 #[derive(Clone, Copy)]
@@ -153,7 +162,7 @@ fn inside_unrecorded(entering: &mut Entering<'_>, call: &Call, state: &mut InFli
         return call.slot != state.slot
             && call.size == state.size
             && call.old_ptr == state.old_ptr
-            && entering.return_address() == state.return_address;
+            && still_returns_to(entering.return_address(), state);
     }
     if sp > state.entry_sp || state.entry_sp - sp > MAX_UNRECORDED_NESTING_SPAN {
         return false;
@@ -162,11 +171,39 @@ fn inside_unrecorded(entering: &mut Entering<'_>, call: &Call, state: &mut InFli
         return false;
     }
     // The unsampled call's frame is live while its return address is in its slot.
-    if regs::return_address_at_entry(entering.ctx, state.entry_sp) != state.return_address {
+    if !still_returns_to(
+        regs::return_address_at_entry(entering.ctx, state.entry_sp),
+        state,
+    ) {
         return false;
     }
     state.nested_sp = sp;
     true
+}
+
+/// Whether `word`, read where the unsampled call recorded in `state` keeps its return
+/// address, is still that call's: its return address, or the kernel's return-probe
+/// trampoline that another session's return probe on the function put there (a link
+/// filtered to another process still asks the kernel for the return). A call
+/// instruction never writes the trampoline's address, so the word is not a later
+/// call's; once the call has returned through the trampoline, the trampoline's own
+/// pushes (x86-64) or the caller's next call overwrite it.
+#[inline(always)]
+fn still_returns_to(word: u64, state: &InFlight) -> bool {
+    word == state.return_address || (state.trampoline != 0 && word == state.trampoline)
+}
+
+/// Learns the return-probe trampoline's address from `word`, the return address a
+/// recorded call's tail call or nested call sees in that call's slot: the call's
+/// return probe has put the trampoline there. The trampoline is the first slot of
+/// the kernel's page for the process (`[uprobes]`), so a word that is not
+/// page-aligned is a return address the kernel could not replace (a return probe it
+/// could not arm).
+#[inline(always)]
+fn learn_trampoline(word: u64, state: &mut InFlight) {
+    if word != 0 && word & (TRAMPOLINE_ALIGN - 1) == 0 {
+        state.trampoline = word;
+    }
 }
 
 /// An allocator function's entry probe in thread `tid`: records the call if it is the
@@ -184,17 +221,31 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
     let existing = threads::record(tid);
     let mut exec_gen = 0;
     let mut last_block = 0;
+    let mut trampoline = 0;
     if let Some(state) = existing {
         // SAFETY: the entry belongs to this thread; nothing else writes it.
         let state = unsafe { &mut *state };
         exec_gen = state.exec_gen;
         last_block = state.last_block;
+        trampoline = state.trampoline;
         if state.active == CALL_ACTIVE {
             if sp == state.entry_sp {
                 if call.size == state.size && call.old_ptr == state.old_ptr {
-                    return false; // a tail call forwarding the recorded call's arguments
+                    // A tail call forwarding the recorded call's arguments: its return
+                    // address is the recorded call's, which the call's return probe
+                    // replaced.
+                    if state.trampoline == 0 {
+                        learn_trampoline(entering.return_address(), state);
+                    }
+                    return false;
                 }
             } else if nested(&mut entering, state) {
+                #[cfg(not(bpf_target_arch = "aarch64"))]
+                if state.trampoline == 0 {
+                    // x86-64 keeps the recorded call's return address in its slot
+                    // (arm64's is in a register the nested call has replaced).
+                    learn_trampoline(regs::user_word(state.entry_sp), state);
+                }
                 return false;
             }
         } else if state.active == CALL_UNRECORDED && inside_unrecorded(&mut entering, &call, state)
@@ -230,6 +281,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
         } else {
             0
         },
+        trampoline,
     };
     match existing {
         // SAFETY: as above.
@@ -357,6 +409,8 @@ pub fn exec(pid_tgid: u64, exec_gen: u32) {
         unsafe {
             (*state).active = CALL_DONE;
             (*state).exec_gen = exec_gen;
+            // The new image has its own trampoline page.
+            (*state).trampoline = 0;
         }
     }
 }
