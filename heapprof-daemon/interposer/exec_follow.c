@@ -22,9 +22,6 @@ extern long syscall(long number, ...);
 typedef int (*execve_t)(const char *, char *const[], char *const[]);
 static execve_t real_execve, real_execvpe;
 
-/* Descriptors handed through an exec are placed from here up: programs expect their
- * low descriptors as their parent left them. */
-#define FIRST_HANDED_DESCRIPTOR 100
 /* Environments larger than this are passed on as they are (the exec is not followed). */
 #define MOST_VARIABLES 4096
 #define MOST_PRELOAD_BYTES 4096
@@ -104,9 +101,9 @@ static int hand_over(const struct hp_follow *follow, struct hp_follow *handed)
 {
     handed->rate = follow->rate;
     handed->children = follow->children;
-    handed->library = fcntl(follow->library, F_DUPFD, FIRST_HANDED_DESCRIPTOR);
-    handed->replies = fcntl(follow->replies, F_DUPFD, FIRST_HANDED_DESCRIPTOR);
-    handed->pidfd = fcntl(follow->pidfd, F_DUPFD, FIRST_HANDED_DESCRIPTOR);
+    handed->library = fcntl(follow->library, F_DUPFD, HP_FIRST_HIGH_DESCRIPTOR);
+    handed->replies = fcntl(follow->replies, F_DUPFD, HP_FIRST_HIGH_DESCRIPTOR);
+    handed->pidfd = fcntl(follow->pidfd, F_DUPFD, HP_FIRST_HIGH_DESCRIPTOR);
     if (handed->library >= 0 && handed->replies >= 0 && handed->pidfd >= 0)
         return 1;
     int saved = *__errno_location();

@@ -31,6 +31,29 @@ static void choose_targets(void)
 
 static void *lookup_default(const char *name) { return dlsym(RTLD_DEFAULT, name); }
 
+extern int fcntl(int fd, int command, ...);
+extern int *__errno_location(void);
+#define F_DUPFD_CLOEXEC_ 1030
+
+/* Moves a descriptor heapprofd handed over (received at the lowest free number) to
+ * HP_FIRST_HIGH_DESCRIPTOR or above. A program that put a file of its own at its old
+ * number would lose it: the library would poll that file as heapprofd's pidfd (a
+ * regular file reads as "heapprofd has exited") and close it when leaving (`configure`
+ * lost its `exec 6>&1` so). Where no higher number can be had, it stays. */
+static int move_up(int fd)
+{
+    if (fd < 0 || fd >= HP_FIRST_HIGH_DESCRIPTOR)
+        return fd;
+    int saved = *__errno_location();
+    int high = fcntl(fd, F_DUPFD_CLOEXEC_, HP_FIRST_HIGH_DESCRIPTOR);
+    if (high >= 0) {
+        close(fd);
+        fd = high;
+    }
+    *__errno_location() = saved;
+    return fd;
+}
+
 /* Receives the descriptors heapprofd sends over `socket`: the program's answers (a BPF
  * map) and heapprofd's pidfd. */
 static int receive_descriptors(int socket, int *replies, int *pidfd, int *library)
@@ -116,6 +139,9 @@ long hp_join_with(int replies_received, int pidfd, int library, uint64_t rate, u
         }
         learn_allocator();
     }
+    replies_received = move_up(replies_received);
+    pidfd = move_up(pidfd);
+    library = move_up(library);
     map_replies_fd(replies_received);
     replies_fd = replies_received;
     daemon_pidfd = pidfd;

@@ -16,6 +16,11 @@ struct hp_follow {
     int children; /* forked children stay joined */
 };
 
+/* The lowest number the join's descriptors sit at, in the joined process and in the
+ * image a following exec starts: programs place their own files at the low numbers
+ * (a shell's `exec 6>&1`, a daemon's dup2 onto 3) and expect them as they left them. */
+#define HP_FIRST_HIGH_DESCRIPTOR 100
+
 /* The most slots redirected: the allocation functions and the exec functions. */
 #define REDIRECTED_MOST 48
 

@@ -161,6 +161,36 @@ fn a_joined_process_counts_every_path_as_the_probes_do() {
     joined.finish();
 }
 
+/// A joined program that puts its own files at low descriptor numbers (a shell's
+/// `exec 6>&1` in `configure`, a daemon's dup2 onto 3) keeps them: the descriptors
+/// heapprofd hands over sit above them, so the library never takes the program's for
+/// its own (a regular file always reads as "heapprofd has exited") nor closes them,
+/// and the join goes on counting.
+#[test]
+fn a_joined_programs_own_low_descriptors_stay_its_own() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let mut joined = start_joined(dir.path());
+    let (sites, in_process, log) = session(
+        &mut joined,
+        &dir.path().join("profiles"),
+        &[],
+        &["descriptors 2000"],
+    );
+    assert!(
+        in_process,
+        "the process was not joined:\n{}",
+        log.join("\n")
+    );
+    let key = ("low_descriptors".to_owned(), "malloc".to_owned());
+    assert_eq!(
+        sites.get(&key).map(|values| values[0]),
+        Some(2000),
+        "the allocations made after the program's dup2s, per site: {sites:?}"
+    );
+}
+
 #[test]
 fn a_plugin_dlopened_after_the_join_is_redirected_too() {
     require_root();

@@ -8,7 +8,10 @@
  * - "saved N": N blocks allocated through the PLT and freed through a pointer to
  *   free taken at start-up, before any heapprofd joined (`saved_free`);
  * - "mixed N": N rounds of a block freed through that saved pointer, then one at the
- *   same address (the C library's cache hands it back) freed through the PLT.
+ *   same address (the C library's cache hands it back) freed through the PLT;
+ * - "descriptors N": puts a file of its own at descriptors 3 to 9, as a shell's
+ *   `exec 6>&1` or a daemon's dup2 does, makes N allocations in `low_descriptors`,
+ *   and says "done" only if the seven are still that file ("lost D" otherwise).
  *
  * Each round keeps one 40-byte malloc block ("kept"), so in-use is checkable.
  */
@@ -17,6 +20,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 static void (*volatile saved_free)(void *);
 
@@ -67,6 +72,35 @@ __attribute__((noinline)) static void mixed_pointers(long n)
     }
 }
 
+__attribute__((noinline)) static void low_descriptors(long n)
+{
+    for (long i = 0; i < n; i++) {
+        void *volatile p = malloc(88);
+        free(p);
+    }
+}
+
+/* The "descriptors" command: 0 if descriptors 3 to 9 stayed the file placed there. */
+static int reuse_low_descriptors(long n)
+{
+    FILE *file = tmpfile();
+    if (!file)
+        abort();
+    struct stat own;
+    if (fstat(fileno(file), &own) != 0)
+        abort();
+    for (int fd = 3; fd <= 9; fd++)
+        if (fd != fileno(file) && dup2(fileno(file), fd) != fd)
+            abort();
+    low_descriptors(n);
+    for (int fd = 3; fd <= 9; fd++) {
+        struct stat now;
+        if (fstat(fd, &now) != 0 || now.st_ino != own.st_ino || now.st_dev != own.st_dev)
+            return fd;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     saved_free = free;
@@ -100,6 +134,12 @@ int main(int argc, char **argv)
         } else if (sscanf(line, "mixed %ld", &n) == 1) {
             mixed_pointers(n);
             printf("done\n");
+        } else if (sscanf(line, "descriptors %ld", &n) == 1) {
+            int lost = reuse_low_descriptors(n);
+            if (lost)
+                printf("lost %d\n", lost);
+            else
+                printf("done\n");
         } else {
             printf("unknown command\n");
         }
