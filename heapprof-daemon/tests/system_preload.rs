@@ -189,6 +189,53 @@ echo after=$(lists)
     );
 }
 
+/// A program the system-wide preload joined at its start keeps the files it puts at
+/// low descriptor numbers (`configure`'s `exec 5>>config.log 6>&1`): the join's own
+/// descriptors sit above them, so the library neither takes the program's file for
+/// heapprofd's pidfd nor closes it, and the program's allocations after that are
+/// counted.
+#[test]
+fn a_joined_programs_own_low_descriptors_stay_its_own() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let program = compile(dir.path(), "joined", "joined", &["-O2", "-ldl"]);
+    let output = in_private_namespace(
+        dir.path(),
+        &format!(
+            r#"start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
+echo "descriptors 2000" | {program} > $D/program.out; echo program_status=$?
+echo program_said=$(tail -n 1 $D/program.out)
+kill -TERM $H; wait $H; echo heapprofd_status=$?
+"#,
+            program = program.display()
+        ),
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let context = explain(&output, dir.path());
+    assert!(output.status.success(), "{context}");
+    assert_eq!(value(&stdout, "program_status"), "0", "{context}");
+    assert_eq!(
+        value(&stdout, "program_said"),
+        "done",
+        "the program's descriptors 3-9 stayed its file (\"lost D\" names one that did not)\n{context}"
+    );
+    assert_eq!(value(&stdout, "heapprofd_status"), "0", "{context}");
+    let figures = system_figures(&dir.path().join("stats.json"));
+    assert!(
+        figures["joined"].as_u64().is_some_and(|joined| joined >= 1),
+        "the program joined: {figures}\n{context}"
+    );
+    let samples = samples(&last_profile(&dir.path().join("out")));
+    let [objects, ..] = common::totals(&samples, |s| {
+        s.stack.iter().any(|frame| frame == "low_descriptors")
+    });
+    assert_eq!(
+        objects, 2000,
+        "the allocations made after the program's dup2s\n{context}"
+    );
+}
+
 /// Another heapprofd on the same host counts its own programs exactly while the
 /// system-wide preload is active: launch mode starts its command with the opt-out, so
 /// the system-wide heapprofd leaves it alone, whether it runs on the launching
