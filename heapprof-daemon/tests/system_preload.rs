@@ -342,6 +342,22 @@ kill -TERM $H; wait $H; echo heapprofd_status=$?
         "program.out",
         "pid-out",
     );
+    // `--pid` came after the program's exec, so every allocation of its pid in the
+    // profile is the program's own: none is the system copy's (its start-up, its
+    // records), whose calls the same allocator probes see.
+    let printed = counted::parse_printed(
+        &std::fs::read_to_string(dir.path().join("program.out")).expect("program output"),
+    );
+    let samples = samples(&last_profile(&dir.path().join("pid-out")));
+    let [objects, bytes, ..] = common::totals(&samples, |s| {
+        s.labels.get("pid").is_some_and(|pid| *pid == printed.pid)
+    });
+    assert_eq!(
+        [objects, bytes],
+        [printed.total[0], printed.total[1]],
+        "allocated objects and bytes of the program's pid, all stacks, against its own \
+         count\n{context}"
+    );
 }
 
 /// A program started with `HEAPPROFD_SYSTEM_PRELOAD=off` keeps out of the system-wide
