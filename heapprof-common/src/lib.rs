@@ -12,6 +12,7 @@ pub mod names;
 pub mod preload;
 pub mod unwind;
 pub mod walk_cache;
+pub mod x86_calls;
 
 /// Maximum number of user-space frames recorded per stack.
 pub const MAX_STACK_DEPTH: u32 = 127;
@@ -100,6 +101,12 @@ pub struct ProbeSpec {
     pub text_start: u64,
     /// End of the executable code (exclusive).
     pub text_end: u64,
+    /// The function's own code, as file offsets `[start, end)` (its symbol's extent;
+    /// `end` 0 when the symbol has no size): a call whose return address lies in it
+    /// was made by the function's body, so the function's frame is live.
+    pub function_start: u64,
+    /// End of the function's code (exclusive), or 0.
+    pub function_end: u64,
     /// The size when no register holds it (`size=N` of a fixed-size pool).
     pub fixed_size: u64,
     /// A [`ProbeRole`].
@@ -126,12 +133,16 @@ pub struct ProbeSpec {
     /// spot (arm64: a probe placed after `stp x29, x30, [sp, #-N]!`); the entry program
     /// adds them back. Such a function's return probes sit on its exits.
     pub sp_adjust: u32,
+    /// The most bytes the function's own code pushes or reserves below its entry's
+    /// stack pointer ([`UNKNOWN_FRAME_BYTES`] if its code does not say): a call its
+    /// body makes enters at most that far, plus the call's return address, below.
+    pub frame_bytes: u32,
     /// Nonzero when the function's entry and return run one program through a uprobe
     /// session link (`BPF_TRACE_UPROBE_SESSION`, Linux 6.13+), whose entry may skip the
     /// return of a call it does not record (an unsampled allocation, a nested call).
     /// Set only for plain allocation functions (not resizes, not out-pointers, not
-    /// `--allocator` ones) on x86-64, where a skipped call's frame can be recognised
-    /// by its return address ([`InFlight::return_address`]).
+    /// `--allocator` ones, functions of known extent) on x86-64, where the calls
+    /// made inside a skipped call can be recognised (see [`InFlight::caller_registers`]).
     pub session: u32,
 }
 
@@ -163,11 +174,12 @@ pub struct InFlight {
     pub object_base: u64,
     /// The stack pointer of the last call found nested in this one, or 0. A probed
     /// function that a nested call jumps to (a tail call) enters at the same stack
-    /// pointer, with a return address a return probe may have replaced.
+    /// pointer, with a return address a return probe may have replaced. Below a
+    /// [`CALL_UNRECORDED`] call, the entry of [`InFlight::nested_slot`]'s call.
     pub nested_sp: u64,
     /// [`CALL_ACTIVE`] while the call is in progress, [`CALL_DONE`] once it returned (or
     /// was found abandoned), [`CALL_UNRECORDED`] for an unsampled call whose return a
-    /// session link skips (see [`InFlight::return_address`]).
+    /// session link skips (see [`InFlight::caller_registers`]).
     pub active: u32,
     /// The called function's [`ProbeSlot`].
     pub slot: u32,
@@ -180,18 +192,20 @@ pub struct InFlight {
     /// The block of the thread's last allocation, until it is freed or the thread
     /// allocates again (0: none): a free of it is a temporary allocation's.
     pub last_block: u64,
-    /// [`CALL_UNRECORDED`]: the call's return address, read at its entry (x86-64: the
-    /// word at `entry_sp`). No return probe says when such a call ends, so a later
-    /// probe hit is taken as nested in it only while that word is still there (the
-    /// call's frame is live), and as its tail call only with that same return address.
-    pub return_address: u64,
-    /// The address of the kernel's return-probe trampoline in the thread's process, as
-    /// learned from a recorded call's own return-address slot (0: not learned yet).
-    /// Another session's return probe on the same function (another tool's, or a
-    /// link filtered to another process, which still asks for the return) puts it in
-    /// place of an unsampled call's return address: that word then still says the
-    /// call's frame is live. Kept across the thread's calls; cleared at its exec.
-    pub trampoline: u64,
+    /// [`CALL_UNRECORDED`]: the caller's callee-saved registers at the call's entry,
+    /// folded into one word (no read of the user stack: the dearest step of an
+    /// unsampled call). A tail call the function makes restores them before it jumps,
+    /// so an entry at the same stack pointer with other registers is a new call.
+    pub caller_registers: u64,
+    /// [`CALL_UNRECORDED`]: where the object of the last call found nested in it
+    /// ([`InFlight::nested_slot`]) is loaded.
+    pub nested_base: u64,
+    /// [`CALL_UNRECORDED`]: the [`ProbeSlot`] of the last call found nested in it, or
+    /// [`NO_NESTED_SLOT`]. A call whose return address lies in that function's code
+    /// is nested too (libstdc++'s nothrow `new` calling `new`, which calls `malloc`).
+    pub nested_slot: u32,
+    /// Explicit padding, always zero.
+    pub _pad: u32,
 }
 
 /// [`InFlight::active`]: no call in progress.
@@ -202,6 +216,12 @@ pub const CALL_ACTIVE: u32 = 1;
 /// session links): it counts nothing, and matters only to tell its nested and tail
 /// calls, which must not be taken for the user's, while its frame is live.
 pub const CALL_UNRECORDED: u32 = 2;
+
+/// [`ProbeSpec::frame_bytes`]: the function's code does not say how deep its frame goes.
+pub const UNKNOWN_FRAME_BYTES: u32 = u32::MAX;
+
+/// [`InFlight::nested_slot`]: no call found nested yet.
+pub const NO_NESTED_SLOT: u32 = u32::MAX;
 
 /// How deep below an unsampled call whose return was skipped ([`CALL_UNRECORDED`]) a
 /// call can still be nested in it: the known allocators' functions that call another

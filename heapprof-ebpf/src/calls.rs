@@ -31,23 +31,27 @@
 //!
 //! **Unsampled calls through a session link** (`ProbeSpec::session`, sampling only):
 //! the entry skips the return of a plain allocation it does not sample, so no return
-//! says when the call ends. Its record stays as [`CALL_UNRECORDED`], with the call's
-//! return address, and only to recognise what happens inside it:
-//! - an entry at the same stack pointer, with the same arguments and return address,
-//!   of another function is its tail call (glibc's `memalign` jumping to `malloc`);
-//! - an entry a little below it ([`MAX_UNRECORDED_NESTING_SPAN`]), called from
-//!   the recorded call's object, is nested in it **if the call's return address is
-//!   still in its slot**: the call's frame is live. (A free is never taken for nested
-//!   in it: see [`free_call`].) Once the call has returned, its
-//!   caller's next call or push overwrites that word; a later frame that leaves it
-//!   untouched would have to place a call from the allocator's object within a
-//!   kilobyte below it.
+//! says when the call ends. Its record stays as [`CALL_UNRECORDED`], only to recognise
+//! what happens inside it, and without reading the user stack at its entry (that
+//! read was as dear as the rest of the program):
+//! - an entry at the same stack pointer, with the same arguments, of another function
+//!   is its tail call (glibc's `memalign` jumping to `malloc`) when the caller's
+//!   callee-saved registers are those of the unsampled call's entry (a tail call
+//!   restores them before it jumps) and the caller's call instruction, read back
+//!   from the return address, did not call the entered function itself (a caller
+//!   that called it directly, or through its PLT stub or GOT slot, made a new call);
+//! - an entry below it, within the unsampled function's frame (`ProbeSpec::frame_bytes`,
+//!   what its code pushes and reserves, plus the call's return address) or within that
+//!   of the last call found nested in it, is nested in it when its return address lies
+//!   in that function's own code (its symbol's extent): only a live frame of
+//!   that function can have made the call, and a later frame of it would have
+//!   entered through its probe and replaced the record. (A free is never taken for
+//!   nested in it: see [`free_call`].) A call from the object's other code (strdup's
+//!   malloc after an unsampled malloc) is the user's.
 //!
-//! Another session's return probe on the same function (a second heapprofd, even one
-//! whose link is filtered to another process; `bpftrace`) makes the kernel put its
-//! return trampoline in the unsampled call's slot. The thread's record learns that
-//! address from a recorded call's own slot ([`InFlight::trampoline`]), and takes it
-//! for the call's return address too.
+//! Neither check reads a return address that another session's return probe could
+//! have replaced with the kernel's trampoline: a tail call's registers and a nested
+//! call's own return address are the call instructions' own.
 //!
 //! Anything else ends it, as any entry ends an abandoned call. It counts nothing: the
 //! thread's last block is cleared at the entry, as an unsampled call's return did.
@@ -59,18 +63,16 @@
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
 use heapprof_common::{
     CALL_ACTIVE, CALL_DONE, CALL_UNRECORDED, DropReason, InFlight, MAX_NESTING_SPAN,
-    MAX_UNRECORDED_NESTING_SPAN, NO_REGISTER, ProbeRole, ProbeSlot, ProbeSpec,
+    MAX_UNRECORDED_NESTING_SPAN, NO_NESTED_SLOT, NO_REGISTER, ProbeRole, ProbeSlot, ProbeSpec,
 };
 
 use crate::{
+    call_sites,
     maps::{EXEC_GEN, armed, count_drop, ignored, probe_spec},
     regs::{self, RETURN_SP_OFFSET},
     sampling::sampled,
     threads,
 };
-
-/// The alignment of the kernel's return-probe trampoline: the start of a page.
-const TRAMPOLINE_ALIGN: u64 = 4096;
 
 /// The arguments of an allocator call that matter for counting.
 #[derive(Clone, Copy)]
@@ -150,60 +152,78 @@ fn nested(entering: &mut Entering<'_>, state: &mut InFlight) -> bool {
     false
 }
 
-/// Whether the entry of `call` is inside the unsampled call recorded in `state`
-/// ([`CALL_UNRECORDED`]; see the module documentation).
+/// Where a probed function is loaded, from a call's entry: the address of file offset 0
+/// of its object, and that of the function's first instruction.
+#[derive(Clone, Copy)]
+struct Placed {
+    object_base: u64,
+    entry: u64,
+}
+
+/// The spec of the function in `slot` if an entry at `sp` is where a call its body
+/// makes can enter, in its call that entered at `entry_sp`: below it, by at most the
+/// function's frame and the call's return address.
 #[inline(always)]
-fn inside_unrecorded(entering: &mut Entering<'_>, call: &Call, state: &mut InFlight) -> bool {
+fn frame_holds(slot: ProbeSlot, entry_sp: u64, sp: u64) -> Option<&'static ProbeSpec> {
+    let spec = probe_spec(slot)?;
+    (sp < entry_sp && entry_sp - sp <= u64::from(spec.frame_bytes) + 8).then_some(spec)
+}
+
+/// Whether `return_address` was pushed by a call in the code of the function `spec`,
+/// whose object is loaded at `object_base`.
+#[inline(always)]
+fn made_by(spec: &ProbeSpec, return_address: u64, object_base: u64) -> bool {
+    let offset = return_address.wrapping_sub(object_base);
+    // A return address follows its call: past the function's start, at most its end.
+    offset > spec.function_start && offset <= spec.function_end
+}
+
+/// Whether the entry of `call` (the function `placed`) is inside the unsampled call
+/// recorded in `state` ([`CALL_UNRECORDED`]; see the module documentation).
+#[inline(always)]
+fn inside_unrecorded(
+    entering: &mut Entering<'_>,
+    call: &Call,
+    placed: Placed,
+    state: &mut InFlight,
+) -> bool {
     let sp = entering.sp;
     if sp == state.entry_sp {
         // A tail call forwards the arguments to another function, returning where the
         // unsampled call returns. A new call from the same frame after the unsampled
-        // one returned has its own return address, or is the same function again.
+        // one returned follows the caller's own work, or calls the function itself.
+        // The reads of the caller's code come last: the cheap checks rule out almost
+        // every new call.
         return call.slot != state.slot
             && call.size == state.size
             && call.old_ptr == state.old_ptr
-            && still_returns_to(entering.return_address(), state);
+            && regs::callee_saved(entering.ctx) == state.caller_registers
+            && !call_sites::calls(entering.return_address(), placed.entry);
     }
     if sp > state.entry_sp || state.entry_sp - sp > MAX_UNRECORDED_NESTING_SPAN {
         return false;
     }
-    if sp != state.nested_sp && !called_by_recorded_object(entering, state) {
+    // Where the call enters says which body could have made it; the return address,
+    // read only then, says whether one did. (Most entries below an unsampled call are
+    // the user's next calls, from deeper frames, outside both.)
+    let recorded = frame_holds(state.slot, state.entry_sp, sp);
+    let last_nested = if state.nested_slot == NO_NESTED_SLOT {
+        None
+    } else {
+        frame_holds(state.nested_slot, state.nested_sp, sp)
+    };
+    if recorded.is_none() && last_nested.is_none() {
         return false;
     }
-    // The unsampled call's frame is live while its return address is in its slot.
-    if !still_returns_to(
-        regs::return_address_at_entry(entering.ctx, state.entry_sp),
-        state,
-    ) {
-        return false;
+    let return_address = entering.return_address();
+    let nested = recorded.is_some_and(|spec| made_by(spec, return_address, state.object_base))
+        || last_nested.is_some_and(|spec| made_by(spec, return_address, state.nested_base));
+    if nested {
+        state.nested_slot = call.slot;
+        state.nested_base = placed.object_base;
+        state.nested_sp = sp;
     }
-    state.nested_sp = sp;
-    true
-}
-
-/// Whether `word`, read where the unsampled call recorded in `state` keeps its return
-/// address, is still that call's: its return address, or the kernel's return-probe
-/// trampoline that another session's return probe on the function put there (a link
-/// filtered to another process still asks the kernel for the return). A call
-/// instruction never writes the trampoline's address, so the word is not a later
-/// call's; once the call has returned through the trampoline, the trampoline's own
-/// pushes (x86-64) or the caller's next call overwrite it.
-#[inline(always)]
-fn still_returns_to(word: u64, state: &InFlight) -> bool {
-    word == state.return_address || (state.trampoline != 0 && word == state.trampoline)
-}
-
-/// Learns the return-probe trampoline's address from `word`, the return address a
-/// recorded call's tail call or nested call sees in that call's slot: the call's
-/// return probe has put the trampoline there. The trampoline is the first slot of
-/// the kernel's page for the process (`[uprobes]`), so a word that is not
-/// page-aligned is a return address the kernel could not replace (a return probe it
-/// could not arm).
-#[inline(always)]
-fn learn_trampoline(word: u64, state: &mut InFlight) {
-    if word != 0 && word & (TRAMPOLINE_ALIGN - 1) == 0 {
-        state.trampoline = word;
-    }
+    nested
 }
 
 /// An allocator function's entry probe in thread `tid`: records the call if it is the
@@ -218,37 +238,30 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
     // The stack pointer at the function's entry, before the pushes the probe follows.
     let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
     let mut entering = Entering::new(ctx, sp);
+    let object_base = ip.wrapping_sub(spec.probe_offset);
+    let placed = Placed {
+        object_base,
+        entry: object_base.wrapping_add(spec.function_start),
+    };
     let existing = threads::record(tid);
     let mut exec_gen = 0;
     let mut last_block = 0;
-    let mut trampoline = 0;
     if let Some(state) = existing {
         // SAFETY: the entry belongs to this thread; nothing else writes it.
         let state = unsafe { &mut *state };
         exec_gen = state.exec_gen;
         last_block = state.last_block;
-        trampoline = state.trampoline;
         if state.active == CALL_ACTIVE {
             if sp == state.entry_sp {
                 if call.size == state.size && call.old_ptr == state.old_ptr {
-                    // A tail call forwarding the recorded call's arguments: its return
-                    // address is the recorded call's, which the call's return probe
-                    // replaced.
-                    if state.trampoline == 0 {
-                        learn_trampoline(entering.return_address(), state);
-                    }
+                    // A tail call forwarding the recorded call's arguments.
                     return false;
                 }
             } else if nested(&mut entering, state) {
-                #[cfg(not(bpf_target_arch = "aarch64"))]
-                if state.trampoline == 0 {
-                    // x86-64 keeps the recorded call's return address in its slot
-                    // (arm64's is in a register the nested call has replaced).
-                    learn_trampoline(regs::user_word(state.entry_sp), state);
-                }
                 return false;
             }
-        } else if state.active == CALL_UNRECORDED && inside_unrecorded(&mut entering, &call, state)
+        } else if state.active == CALL_UNRECORDED
+            && inside_unrecorded(&mut entering, &call, placed, state)
         {
             return false;
         }
@@ -265,7 +278,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
         old_ptr: call.old_ptr,
         out_ptr: call.out_ptr,
         entry_sp: sp,
-        object_base: ip.wrapping_sub(spec.probe_offset),
+        object_base,
         nested_sp: 0,
         active: if unrecorded {
             CALL_UNRECORDED
@@ -276,12 +289,14 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
         sampled: sampled as u32,
         exec_gen,
         last_block: if unrecorded { 0 } else { last_block },
-        return_address: if unrecorded {
-            entering.return_address()
+        caller_registers: if unrecorded {
+            regs::callee_saved(ctx)
         } else {
             0
         },
-        trampoline,
+        nested_base: 0,
+        nested_slot: NO_NESTED_SLOT,
+        _pad: 0,
     };
     match existing {
         // SAFETY: as above.
@@ -409,8 +424,6 @@ pub fn exec(pid_tgid: u64, exec_gen: u32) {
         unsafe {
             (*state).active = CALL_DONE;
             (*state).exec_gen = exec_gen;
-            // The new image has its own trampoline page.
-            (*state).trampoline = 0;
         }
     }
 }

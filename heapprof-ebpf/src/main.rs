@@ -19,6 +19,8 @@
 #[cfg(target_arch = "bpf")]
 mod atomic;
 #[cfg(target_arch = "bpf")]
+mod call_sites;
+#[cfg(target_arch = "bpf")]
 mod calls;
 #[cfg(target_arch = "bpf")]
 mod forks;

@@ -79,6 +79,58 @@ pub fn return_address_at_entry(ctx: &ProbeContext, sp: u64) -> u64 {
     }
 }
 
+/// The caller's callee-saved registers at an entry probe, folded into one word: x86-64's
+/// rbx, rbp and r12-r15; arm64's x19-x29. A function restores them before it returns
+/// or makes a tail call, and a caller keeps its own values in them between its calls,
+/// so the word tells a tail call (the same) from a later call that follows other work
+/// (almost always different), without reading the user stack.
+#[inline(always)]
+pub fn callee_saved(ctx: &ProbeContext) -> u64 {
+    #[cfg(bpf_target_arch = "x86_64")]
+    // SAFETY: ctx.regs is the probe's pt_regs, readable by the program.
+    unsafe {
+        let regs = &*ctx.regs;
+        fold(&[regs.rbx, regs.rbp, regs.r12, regs.r13, regs.r14, regs.r15])
+    }
+    #[cfg(bpf_target_arch = "aarch64")]
+    // SAFETY: the kernel's arm64 pt_regs begins with user_pt_regs.
+    unsafe {
+        let regs = &*(ctx.regs as *const aya_ebpf::bindings::user_pt_regs);
+        fold(&[
+            regs.regs[19],
+            regs.regs[20],
+            regs.regs[21],
+            regs.regs[22],
+            regs.regs[23],
+            regs.regs[24],
+            regs.regs[25],
+            regs.regs[26],
+            regs.regs[27],
+            regs.regs[28],
+            regs.regs[29],
+        ])
+    }
+    #[cfg(not(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64")))]
+    {
+        let _ = ctx;
+        0
+    }
+}
+
+/// Folds `words` into one, each rotated by its own amount, so that two registers
+/// swapping values or changing by the same bits do not cancel out.
+#[cfg(any(bpf_target_arch = "x86_64", bpf_target_arch = "aarch64"))]
+#[inline(always)]
+fn fold(words: &[u64]) -> u64 {
+    let mut folded = 0u64;
+    let mut rotation = 0u32;
+    for word in words {
+        folded ^= word.rotate_left(rotation);
+        rotation += 11;
+    }
+    folded
+}
+
 /// The word of user memory at `address` (0 if unreadable).
 ///
 /// A function of its own (a BPF-to-BPF call) with 8 bytes of stack, for the cost of the

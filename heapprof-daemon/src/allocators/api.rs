@@ -140,6 +140,8 @@ impl Signature {
             probe_offset,
             text_start: text.0,
             text_end: text.1,
+            function_start: 0,
+            function_end: 0,
             fixed_size,
             role: self.role as u32,
             size_reg: registers.size,
@@ -150,6 +152,7 @@ impl Signature {
             in_use: 1,
             in_library: 0,
             sp_adjust,
+            frame_bytes: heapprof_common::UNKNOWN_FRAME_BYTES,
             session: 0,
         }
     }

@@ -29,6 +29,11 @@ pub struct FoundFunction {
     pub signature: Signature,
     /// File offset of its first instruction (the address profiles show).
     pub offset: u64,
+    /// Bytes of its code, from its symbol (the largest of its names'), if given.
+    pub size: Option<u64>,
+    /// How far below its entry its own code moves the stack pointer, if known (x86-64;
+    /// see [`super::frame_depth`]).
+    pub frame_bytes: Option<u32>,
     /// Where its probes go, relative to `offset`.
     pub placement: Placement,
 }
@@ -37,6 +42,11 @@ impl FoundFunction {
     /// File offset the probes are attached at.
     pub fn probe_offset(&self) -> u64 {
         self.offset + self.placement.offset
+    }
+
+    /// Its code as file offsets `[start, end)`, or `(start, 0)` if its size is unknown.
+    pub fn extent(&self) -> (u64, u64) {
+        (self.offset, self.size.map_or(0, |size| self.offset + size))
     }
 }
 
@@ -189,11 +199,28 @@ pub fn scan(
             aliases.push((alias.clone(), name.clone()));
         }
         let placement = place(bytes, arch, offset, size, signature, mode);
+        let size = names
+            .iter()
+            .filter_map(|(.., size)| *size)
+            .max()
+            .filter(|&size| size > 0)
+            .map(|size| size as u64);
+        let frame_bytes = match (arch, size) {
+            (Some(Arch::X86_64), Some(size)) if size as usize <= MAX_FUNCTION_BYTES => {
+                usize::try_from(offset)
+                    .ok()
+                    .and_then(|start| bytes.get(start..start.checked_add(size as usize)?))
+                    .and_then(super::frame_depth::x86_frame_bytes)
+            }
+            _ => None,
+        };
         functions.push(FoundFunction {
             name,
             family,
             signature,
             offset,
+            size,
+            frame_bytes,
             placement,
         });
     }

@@ -27,7 +27,9 @@ use aya::{
 };
 use std::os::unix::fs::MetadataExt as _;
 
-use heapprof_common::{MAX_PROBE_SLOTS, NO_REGISTER, ProbeSlot, ProbeSpec, names, preload};
+use heapprof_common::{
+    MAX_PROBE_SLOTS, NO_REGISTER, ProbeSlot, ProbeSpec, UNKNOWN_FRAME_BYTES, names, preload,
+};
 
 pub use self::session_links::session_links;
 use self::session_links::{SessionProgram, session_eligible};
@@ -413,6 +415,8 @@ impl AllocatorProbes {
                 scan.text,
             );
             spec.in_library = u32::from(!executable);
+            (spec.function_start, spec.function_end) = function.extent();
+            spec.frame_bytes = function.frame_bytes.unwrap_or(UNKNOWN_FRAME_BYTES);
             spec.session = u32::from(session_eligible(function));
             self.specs
                 .set(slot, &spec, 0)

@@ -33,8 +33,9 @@ pub fn session_links() -> Option<bool> {
 /// (`ProbeSpec::session`): a plain allocation (not a resize, whose return frees the old
 /// block; not an out-pointer's, whose block is read at the return) of a known allocator
 /// (an `--allocator` pool gets its chunks from `malloc`, nested deep below its entry),
-/// with its return probe at its entry, on x86-64 (where the call's return address is in
-/// its stack slot while the call runs, which tells its nested calls from later ones).
+/// with its return probe at its entry and its symbol's size known (a call nested in an
+/// unsampled one is told by its return address in the function's code), on x86-64
+/// (arm64's session links are not used: see `ProbeSpec::session`).
 pub(super) fn session_eligible(function: &scan::FoundFunction) -> bool {
     cfg!(target_arch = "x86_64")
         && function.signature.role == heapprof_common::ProbeRole::Alloc
@@ -42,6 +43,8 @@ pub(super) fn session_eligible(function: &scan::FoundFunction) -> bool {
         && function.family != Family::Custom
         && function.placement.exits.is_empty()
         && function.placement.sp_adjust == 0
+        // The calls nested in an unsampled one are told by the function's extent.
+        && function.size.is_some()
 }
 
 /// The session program, once tried.
