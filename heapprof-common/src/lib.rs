@@ -140,8 +140,8 @@ pub struct ProbeSpec {
     /// Nonzero when the function's entry and return run one program through a uprobe
     /// session link (`BPF_TRACE_UPROBE_SESSION`, Linux 6.13+), whose entry may skip the
     /// return of a call it does not record (an unsampled allocation, a nested call).
-    /// Set only for plain allocation functions (not resizes, not out-pointers, not
-    /// `--allocator` ones, functions of known extent) on x86-64, where the calls
+    /// Set only for plain allocation and resize functions (not out-pointers, not
+    /// in-place resizes, not `--allocator` ones; of known extent) on x86-64, where the calls
     /// made inside a skipped call can be recognised (see [`InFlight::caller_registers`]).
     pub session: u32,
 }

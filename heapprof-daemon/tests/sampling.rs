@@ -252,6 +252,36 @@ fn sampled_bytes_on_the_probes_count_nested_and_sibling_calls_once() {
     }
 }
 
+/// On the probes, sampled: a resize the entry does not sample skips its return only
+/// when the live table does not hold its old block. shrink.c, on jemalloc, moves 200
+/// sampled blocks of 1 MiB with unsampled resizes; were their returns skipped, the
+/// blocks would stay in use (200 MiB) after the program freed them.
+#[test]
+fn a_sampled_resize_on_the_probes_releases_the_block_it_moved() {
+    require_root();
+    let dir = scratch();
+    let program = compile(
+        dir.path(),
+        "shrink",
+        "shrink",
+        &["-O1", "-Wl,--no-as-needed", "-l:libjemalloc.so.2"],
+    );
+    let out = dir.path().join("profiles");
+    run_ok(
+        heapprofd(&out)
+            .args(["--preload", "off", "--sample-rate", "64KiB", "--"])
+            .arg(&program)
+            .arg("200"),
+    );
+    let samples = samples(&last_profile(&out));
+    let [_, allocated, _, in_use] = totals(&samples, |s| s.stack.iter().any(|f| f == "shrink"));
+    assert!(
+        allocated >= 200 << 20,
+        "the 200 blocks of 1 MiB were sampled: {allocated} bytes allocated"
+    );
+    assert_eq!(in_use, 0, "bytes still in use after every block was freed");
+}
+
 /// The programs that ran in a launched run of family.c (4 threads, each waking the
 /// others through futexes), from `--stats-json` with `--bpf-stats`: name to runs.
 fn programs_that_ran(rate: Option<&str>) -> std::collections::BTreeMap<String, u64> {

@@ -30,7 +30,8 @@
 //!   free, not counted (the realloc is).
 //!
 //! **Unsampled calls through a session link** (`ProbeSpec::session`, sampling only):
-//! the entry skips the return of a plain allocation it does not sample, so no return
+//! the entry skips the return of a plain allocation it does not sample, and of a
+//! resize it does not sample whose old block the live table does not hold, so no return
 //! says when the call ends. Its record stays as [`CALL_UNRECORDED`], only to recognise
 //! what happens inside it, and without reading the user stack at its entry (that
 //! read was as dear as the rest of the program):
@@ -71,7 +72,7 @@ use crate::{
     maps::{EXEC_GEN, armed, count_drop, ignored, probe_spec},
     regs::{self, RETURN_SP_OFFSET},
     sampling::sampled,
-    threads,
+    sites, threads,
 };
 
 /// The arguments of an allocator call that matter for counting.
@@ -267,12 +268,19 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
         }
     }
     let sampled = sampled(call.size);
-    // A plain allocation through a session link that is not sampled: its return has
-    // nothing to count (an unsampled return only cleared the thread's last block).
+    // A call through a session link that is not sampled, and whose return has nothing
+    // to count (an unsampled return only cleared the thread's last block): a plain
+    // allocation, or a resize of a block the live table does not hold (its return
+    // would release the old block; realloc(NULL, n) has none). The filter cannot miss
+    // the block: it is counted from before its insert, and the call still owns it.
     let unrecorded = !sampled
         && spec.session != 0
-        && spec.role == ProbeRole::Alloc as u32
-        && spec.out_reg == NO_REGISTER;
+        && if spec.role == ProbeRole::Alloc as u32 {
+            spec.out_reg == NO_REGISTER
+        } else {
+            spec.role == ProbeRole::Realloc as u32
+                && !sites::maybe_tracked((tid >> 32) as u32, call.old_ptr)
+        };
     let state = InFlight {
         size: call.size,
         old_ptr: call.old_ptr,

@@ -23,6 +23,13 @@ fn filter_slot(ptr: u64, tgid: u32) -> Option<*mut u32> {
     live_filter::slot(sample_rate() != 0, ptr, tgid)
 }
 
+/// Whether the block at `ptr` of `tgid` may be in the live table: sampling's filter
+/// has an entry of its spans (always, when not sampling; never for a null block).
+#[inline(always)]
+pub fn maybe_tracked(tgid: u32, ptr: u64) -> bool {
+    ptr != 0 && !live_filter::empty(filter_slot(ptr, tgid))
+}
+
 /// Whether any late free is expected (one array lookup spares the others a hash
 /// lookup on every queued free).
 #[inline(always)]

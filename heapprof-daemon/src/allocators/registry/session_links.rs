@@ -30,16 +30,21 @@ pub fn session_links() -> Option<bool> {
 }
 
 /// Whether `function`'s entry may skip the return probe of a call it does not sample
-/// (`ProbeSpec::session`): a plain allocation (not a resize, whose return frees the old
-/// block; not an out-pointer's, whose block is read at the return) of a known allocator
+/// (`ProbeSpec::session`): a plain allocation, or a resize (whose entry then skips it
+/// only where the live table does not hold the old block), not an out-pointer's (whose
+/// block is read at the return) nor an in-place resize's, of a known allocator
 /// (an `--allocator` pool gets its chunks from `malloc`, nested deep below its entry),
 /// with its return probe at its entry and its symbol's size known (a call nested in an
 /// unsampled one is told by its return address in the function's code), on x86-64
 /// (arm64's session links are not used: see `ProbeSpec::session`).
 pub(super) fn session_eligible(function: &scan::FoundFunction) -> bool {
+    use heapprof_common::ProbeRole;
     cfg!(target_arch = "x86_64")
-        && function.signature.role == heapprof_common::ProbeRole::Alloc
-        && function.signature.out.is_none()
+        && match function.signature.role {
+            ProbeRole::Alloc => function.signature.out.is_none(),
+            ProbeRole::Realloc => true,
+            ProbeRole::Free | ProbeRole::ResizeInPlace => false,
+        }
         && function.family != Family::Custom
         && function.placement.exits.is_empty()
         && function.placement.sp_adjust == 0
