@@ -4,15 +4,16 @@
 //!
 //! x86-64 only: the sum of every `push` and every `sub $imm, %rsp` (or `lea
 //! -imm(%rsp), %rsp`) in the function. A sum over all of its code bounds every path
-//! through it (pushes in a loop are popped in it, or the stack would grow without
-//! end). Anything else that lowers the stack pointer by an amount the code does not
-//! state (`sub %reg, %rsp`, an alignment `and`, `enter`, a move into it) makes the
-//! depth unknown. Instructions that raise it (`pop`, `add`, `leave`, an epilogue's
-//! `lea`/`mov` from the frame pointer) only undo what the sum counted.
+//! through it: pushes in a loop are popped in it (a call's arguments), and a `sub`
+//! or `lea` that lowers it inside a loop (stack-clash probing, one page a turn)
+//! makes the depth unknown. So does anything else that lowers the stack pointer by
+//! an amount the code does not state (`sub %reg, %rsp`, an alignment `and`,
+//! `enter`, a move into it). Instructions that raise it (`pop`, `add`, `leave`, an
+//! epilogue's `lea`/`mov` from the frame pointer) only undo what the sum counted.
 
 use iced_x86::{
-    Decoder, DecoderOptions, Instruction, InstructionInfoFactory, Mnemonic, OpAccess, OpKind,
-    Register,
+    Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess,
+    OpKind, Register,
 };
 
 /// The bytes the function `code` (its whole extent) can push or reserve below its
@@ -21,12 +22,32 @@ pub fn x86_frame_bytes(code: &[u8]) -> Option<u32> {
     let mut decoder = Decoder::with_ip(64, code, 0, DecoderOptions::NONE);
     let mut info = InstructionInfoFactory::new();
     let mut total: u64 = 0;
+    // Where a `sub` or `lea` lowers the stack pointer, and the ranges loops span.
+    let mut reserves = Vec::new();
+    let mut loops = Vec::new();
     while decoder.can_decode() {
         let instruction = decoder.decode();
         if instruction.is_invalid() {
             return None;
         }
-        total = total.checked_add(lowers_by(&instruction, &mut info)?)?;
+        let lowered = lowers_by(&instruction, &mut info)?;
+        if lowered > 0 && instruction.mnemonic() != Mnemonic::Push {
+            reserves.push(instruction.ip());
+        }
+        if matches!(
+            instruction.flow_control(),
+            FlowControl::UnconditionalBranch | FlowControl::ConditionalBranch
+        ) && instruction.near_branch_target() <= instruction.ip()
+        {
+            loops.push(instruction.near_branch_target()..=instruction.ip());
+        }
+        total = total.checked_add(lowered)?;
+    }
+    if reserves
+        .iter()
+        .any(|ip| loops.iter().any(|turn| turn.contains(ip)))
+    {
+        return None;
     }
     u32::try_from(total).ok()
 }
@@ -127,6 +148,34 @@ mod tests {
         assert_eq!(x86_frame_bytes(&[0x48, 0x83, 0xe4, 0xe0, 0xc3]), None);
         // `mov %rax,%rsp`.
         assert_eq!(x86_frame_bytes(&[0x48, 0x89, 0xc4, 0xc3]), None);
+    }
+
+    #[test]
+    fn a_stack_probing_loop_is_unknown() {
+        // -fstack-clash-protection's probe of a large frame, a page a turn.
+        let code = [
+            0x4c, 0x8d, 0x9c, 0x24, 0x00, 0x00, 0xff, 0xff, // lea -0x10000(%rsp),%r11
+            0x48, 0x81, 0xec, 0x00, 0x10, 0x00, 0x00, // sub $0x1000,%rsp
+            0x48, 0x83, 0x0c, 0x24, 0x00, // orq $0x0,(%rsp)
+            0x4c, 0x39, 0xdc, // cmp %r11,%rsp
+            0x75, 0xef, // jne (the sub)
+            0xc3,
+        ];
+        assert_eq!(x86_frame_bytes(&code), None);
+    }
+
+    #[test]
+    fn pushes_in_a_loop_count_once() {
+        let code = [
+            0x53, // push %rbx
+            0x6a, 0x01, // push $1
+            0x58, // pop %rax
+            0xff, 0xcb, // dec %ebx
+            0x75, 0xf9, // jne (push $1)
+            0x5b, // pop %rbx
+            0xc3,
+        ];
+        assert_eq!(x86_frame_bytes(&code), Some(16));
     }
 
     #[test]

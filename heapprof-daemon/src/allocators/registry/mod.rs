@@ -422,10 +422,13 @@ impl AllocatorProbes {
                 .set(slot, &spec, 0)
                 .context("writing the probe specs")?;
             log::debug!(
-                "{} in {}: slot {slot}, probes at {}",
+                "{} in {}: slot {slot}, probes at {}, frame {}",
                 function.name,
                 object.path,
-                function.placement
+                function.placement,
+                function
+                    .frame_bytes
+                    .map_or("unknown".to_owned(), |bytes| format!("{bytes} bytes"))
             );
             if !function.placement.emulated {
                 SINGLE_STEPPED.fetch_add(1, Ordering::Relaxed);
