@@ -93,6 +93,8 @@ extern int getsockopt(int fd, int level, int name, void *value, unsigned *length
 extern int setsockopt(int fd, int level, int name, const void *value, unsigned length);
 extern long send(int fd, const void *buffer, size_t length, int flags);
 extern int access(const char *path, int mode);
+extern long syscall(long number, ...);
+extern int *__errno_location(void);
 #define RTLD_NEXT ((void *)-1L)
 #define RTLD_DEFAULT ((void *)0)
 #define SC_PAGESIZE 30 /* the same on glibc and musl */

@@ -32,7 +32,6 @@ static void choose_targets(void)
 static void *lookup_default(const char *name) { return dlsym(RTLD_DEFAULT, name); }
 
 extern int fcntl(int fd, int command, ...);
-extern int *__errno_location(void);
 #define F_DUPFD_CLOEXEC_ 1030
 
 /* Moves a descriptor heapprofd handed over (received at the lowest free number) to
@@ -146,6 +145,7 @@ long hp_join_with(int replies_received, int pidfd, int library, uint64_t rate, u
     replies_fd = replies_received;
     daemon_pidfd = pidfd;
     library_fd = library;
+    remember_handed();
     joined_pid = getpid();
     children_joined = (flags & JOIN_CHILDREN) != 0;
     sample_rate = rate;

@@ -30,14 +30,91 @@ int joined_pid;
  * bound to the wrappers already, only the exec functions are redirected. */
 int followed;
 
-/* The descriptors a join or a following exec handed over, closed when leaving. */
+/* What a handed descriptor was when it was handed over: its inode and device (statx),
+ * if the kernel said. */
+struct identity {
+    uint64_t inode;
+    uint64_t device;
+    int known;
+};
+static struct identity pidfd_identity, library_identity, replies_identity;
+
+#if defined(__x86_64__)
+#define SYS_STATX 332
+#elif defined(__aarch64__)
+#define SYS_STATX 291
+#endif
+#define AT_EMPTY_PATH_ 0x1000
+#define STATX_INO_ 0x100
+#define EBADF_ 9
+
+/* statx of descriptor `fd` into `out`: 0, or the errno (the caller's errno is kept). */
+static int identify(int fd, struct identity *out)
+{
+    uint64_t buffer[32]; /* struct statx, 256 bytes */
+    int saved = *__errno_location();
+    long result = syscall(SYS_STATX, fd, "", AT_EMPTY_PATH_, STATX_INO_, buffer);
+    int error = result == 0 ? 0 : *__errno_location();
+    *__errno_location() = saved;
+    if (error)
+        return error;
+    out->inode = buffer[4];   /* stx_ino, at byte 32 */
+    out->device = buffer[17]; /* stx_dev_major and stx_dev_minor, at byte 136 */
+    out->known = 1;
+    return 0;
+}
+
+/* Whether `fd` is still the descriptor noted as `then`. One whose identity the kernel
+ * would not say (no statx before 4.11, a seccomp filter) is trusted, as it was. */
+static int still_handed(int fd, const struct identity *then)
+{
+    if (fd < 0)
+        return 0;
+    if (!then->known)
+        return 1;
+    struct identity now = { 0, 0, 0 };
+    int error = identify(fd, &now);
+    if (error)
+        return error != EBADF_;
+    return now.inode == then->inode && now.device == then->device;
+}
+
+void remember_handed(void)
+{
+    pidfd_identity = library_identity = replies_identity = (struct identity){ 0, 0, 0 };
+    if (daemon_pidfd >= 0)
+        identify(daemon_pidfd, &pidfd_identity);
+    if (library_fd >= 0)
+        identify(library_fd, &library_identity);
+    if (replies_fd >= 0)
+        identify(replies_fd, &replies_identity);
+}
+
+int daemon_gone(void)
+{
+    if (daemon_pidfd < 0)
+        return 0;
+    if (!still_handed(daemon_pidfd, &pidfd_identity)) {
+        daemon_pidfd = -1; /* the program's now */
+        return 1;
+    }
+    struct {
+        int fd;
+        short events;
+        short revents;
+    } watch = { daemon_pidfd, 1 /* POLLIN */, 0 };
+    return poll(&watch, 1, 0) > 0;
+}
+
+/* The descriptors a join or a following exec handed over, closed when leaving: those
+ * still the ones handed (a program that dup2'd a file of its own onto one keeps it). */
 void close_handed(void)
 {
-    if (daemon_pidfd >= 0)
+    if (still_handed(daemon_pidfd, &pidfd_identity))
         close(daemon_pidfd);
-    if (library_fd >= 0)
+    if (still_handed(library_fd, &library_identity))
         close(library_fd);
-    if (replies_fd >= 0)
+    if (still_handed(replies_fd, &replies_identity))
         close(replies_fd);
     daemon_pidfd = library_fd = replies_fd = -1;
 }
@@ -160,12 +237,7 @@ __attribute__((noinline)) void injected_check(void)
 {
     if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) != ACTIVE)
         return;
-    struct {
-        int fd;
-        short events;
-        short revents;
-    } watch = { daemon_pidfd, 1 /* POLLIN */, 0 };
-    if (watch.fd >= 0 && poll(&watch, 1, 0) > 0) {
+    if (daemon_gone()) {
         heapprofd_leave_now();
         return;
     }

@@ -47,6 +47,13 @@ extern uint64_t loads_seen;
 
 /* The objects the loader has added so far. */
 uint64_t loader_adds(void);
+/* Notes what the handed descriptors (daemon_pidfd, library_fd, replies_fd) are, once
+ * they are in place: one the program later replaces (a dup2 onto its number) is then
+ * neither polled nor closed. */
+void remember_handed(void);
+/* Whether the join is over: heapprofd has exited (its pidfd reads), or its pidfd's
+ * number now holds a file of the program's (then forgotten, not closed). */
+int daemon_gone(void);
 /* Puts the slots back and passes every call on from now on; returns the slots put
  * back. */
 long heapprofd_leave_now(void);

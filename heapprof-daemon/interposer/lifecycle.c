@@ -172,6 +172,7 @@ static void start_followed(const struct hp_follow *follow)
     library_fd = follow->library;
     replies_fd = follow->replies;
     daemon_pidfd = follow->pidfd;
+    remember_handed();
     children_joined = follow->children;
     joined_pid = getpid();
     sample_rate = follow->rate;

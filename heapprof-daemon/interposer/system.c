@@ -163,18 +163,6 @@ static long ask_once(void)
 
 __attribute__((constructor)) static void on_system_load(void) { ask_once(); }
 
-/* Whether the heapprofd this copy joined has exited (its pidfd is readable); the
- * wrappers notice it only at their next look, which an idle process may not reach. */
-static int joined_daemon_gone(void)
-{
-    struct {
-        int fd;
-        short events;
-        short revents;
-    } watch = { daemon_pidfd, 1 /* POLLIN */, 0 };
-    return watch.fd >= 0 && poll(&watch, 1, 0) > 0;
-}
-
 /*
  * Called by heapprofd through ptrace in a process that ran before it. With `again` 0,
  * after heapprofd has dlopen'd this copy, whose start asked already: that answer.
@@ -188,7 +176,9 @@ EXPORT long heapprofd_system_ask(uint64_t again)
     if (!again)
         return last_answer;
     if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) == ACTIVE) {
-        if (!joined_daemon_gone())
+        /* The wrappers notice heapprofd's exit only at their next look, which an
+         * idle process may not reach. */
+        if (!daemon_gone())
             return JOIN_ALREADY;
         heapprofd_leave_now();
     }

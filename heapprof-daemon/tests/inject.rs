@@ -191,6 +191,31 @@ fn a_joined_programs_own_low_descriptors_stay_its_own() {
     );
 }
 
+/// A program that puts files of its own where the join keeps its descriptors (100
+/// and up) keeps them: the library sees that its pidfd's number now holds another
+/// file, takes the join for over, and leaves without polling or closing what is the
+/// program's now. (Before, it polled the file as heapprofd's pidfd, read "exited",
+/// and closed it.)
+#[test]
+fn a_joined_program_that_takes_the_joins_descriptors_keeps_its_files() {
+    require_root();
+    let _serial = serial();
+    let dir = scratch();
+    let mut joined = start_joined(dir.path());
+    // `session` sends the command and waits for "done" ("lost D" otherwise).
+    let (_, in_process, log) = session(
+        &mut joined,
+        &dir.path().join("profiles"),
+        &[],
+        &["high-descriptors 2000", "work 1"],
+    );
+    assert!(
+        in_process,
+        "the process was not joined:\n{}",
+        log.join("\n")
+    );
+}
+
 #[test]
 fn a_plugin_dlopened_after_the_join_is_redirected_too() {
     require_root();

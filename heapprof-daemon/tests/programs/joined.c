@@ -11,7 +11,9 @@
  *   same address (the C library's cache hands it back) freed through the PLT;
  * - "descriptors N": puts a file of its own at descriptors 3 to 9, as a shell's
  *   `exec 6>&1` or a daemon's dup2 does, makes N allocations in `low_descriptors`,
- *   and says "done" only if the seven are still that file ("lost D" otherwise).
+ *   and says "done" only if the seven are still that file ("lost D" otherwise);
+ * - "high-descriptors N": the same at descriptors 100 to 109, where the join keeps
+ *   its own (a program that dup2s there takes them).
  *
  * Each round keeps one 40-byte malloc block ("kept"), so in-use is checkable.
  */
@@ -80,8 +82,9 @@ __attribute__((noinline)) static void low_descriptors(long n)
     }
 }
 
-/* The "descriptors" command: 0 if descriptors 3 to 9 stayed the file placed there. */
-static int reuse_low_descriptors(long n)
+/* The "descriptors" commands: 0 if descriptors `first` to `last` stayed the file
+ * placed there, else the first that did not. */
+static int reuse_descriptors(long n, int first, int last)
 {
     FILE *file = tmpfile();
     if (!file)
@@ -89,11 +92,11 @@ static int reuse_low_descriptors(long n)
     struct stat own;
     if (fstat(fileno(file), &own) != 0)
         abort();
-    for (int fd = 3; fd <= 9; fd++)
+    for (int fd = first; fd <= last; fd++)
         if (fd != fileno(file) && dup2(fileno(file), fd) != fd)
             abort();
     low_descriptors(n);
-    for (int fd = 3; fd <= 9; fd++) {
+    for (int fd = first; fd <= last; fd++) {
         struct stat now;
         if (fstat(fd, &now) != 0 || now.st_ino != own.st_ino || now.st_dev != own.st_dev)
             return fd;
@@ -134,8 +137,10 @@ int main(int argc, char **argv)
         } else if (sscanf(line, "mixed %ld", &n) == 1) {
             mixed_pointers(n);
             printf("done\n");
-        } else if (sscanf(line, "descriptors %ld", &n) == 1) {
-            int lost = reuse_low_descriptors(n);
+        } else if (sscanf(line, "descriptors %ld", &n) == 1 ||
+                   sscanf(line, "high-descriptors %ld", &n) == 1) {
+            int high = strncmp(line, "high-", 5) == 0;
+            int lost = high ? reuse_descriptors(n, 100, 109) : reuse_descriptors(n, 3, 9);
             if (lost)
                 printf("lost %d\n", lost);
             else
