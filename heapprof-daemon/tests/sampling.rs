@@ -76,6 +76,17 @@ fn assert_sampled_totals_close(flags: &[&str]) {
     );
 }
 
+/// heapprofd writing to `out` on the allocator's probes (`--preload off`), exact or at
+/// `rate`.
+fn on_the_probes(out: &std::path::Path, rate: Option<&str>) -> std::process::Command {
+    let mut command = heapprofd(out);
+    command.args(["--preload", "off"]);
+    if let Some(rate) = rate {
+        command.args(["--sample-rate", rate]);
+    }
+    command
+}
+
 /// Allocated bytes of relay.c's sites (`relay` in the stack) on the allocator's probes
 /// (`--preload off`), exact and at `rate`, and the run's `session_links`.
 fn relayed_bytes(rate: Option<&str>) -> (i64, serde_json::Value) {
@@ -83,13 +94,9 @@ fn relayed_bytes(rate: Option<&str>) -> (i64, serde_json::Value) {
     let program = compile(dir.path(), "relay", "relay", &["-O1"]);
     let out = dir.path().join("profiles");
     let stats = dir.path().join("stats.json");
-    let mut command = heapprofd(&out);
-    if let Some(rate) = rate {
-        command.args(["--sample-rate", rate]);
-    }
     run_ok(
-        command
-            .args(["--preload", "off", "--stats-json"])
+        on_the_probes(&out, rate)
+            .arg("--stats-json")
             .arg(&stats)
             .arg("--")
             .arg(&program)
@@ -185,13 +192,9 @@ fn assert_relayed_bytes_sampled_within_5_percent() -> serde_json::Value {
 fn nesting_bytes(program: &std::path::Path, rate: Option<&str>) -> (i64, i64) {
     let dir = scratch();
     let out = dir.path().join("profiles");
-    let mut command = heapprofd(&out);
-    if let Some(rate) = rate {
-        command.args(["--sample-rate", rate]);
-    }
     run_ok(
-        command
-            .args(["--preload", "off", "--"])
+        on_the_probes(&out, rate)
+            .arg("--")
             .arg(program)
             .arg(NESTING_ITERATIONS.to_string()),
     );

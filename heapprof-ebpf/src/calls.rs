@@ -89,9 +89,8 @@ pub struct Call {
 }
 
 /// The call being entered: its stack pointer, and its return address once read. A
-/// read of the user stack is the dearest step of an unsampled call, so each entry
-/// reads its return address at most once (the nesting checks and the new record
-/// share it).
+/// read of the user stack is the dearest step of an entry, so each entry reads its
+/// return address at most once, and only where a check needs it.
 struct Entering<'a> {
     ctx: &'a ProbeContext,
     sp: u64,

@@ -12,9 +12,11 @@
 //! epilogue's `lea`/`mov` from the frame pointer) only undo what the sum counted.
 
 use iced_x86::{
-    Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpAccess,
-    OpKind, Register,
+    Decoder, DecoderOptions, FlowControl, Instruction, InstructionInfoFactory, Mnemonic, OpKind,
+    Register,
 };
+
+use crate::placement::x86::writes;
 
 /// The bytes the function `code` (its whole extent) can push or reserve below its
 /// entry's stack pointer, or `None` if its code does not say.
@@ -88,16 +90,11 @@ fn lowers_by(instruction: &Instruction, info: &mut InstructionInfoFactory) -> Op
             )
         }
         _ => {
-            let writes_rsp = info.info(instruction).used_registers().iter().any(|used| {
-                used.register() == Register::RSP
-                    && matches!(
-                        used.access(),
-                        OpAccess::Write
-                            | OpAccess::CondWrite
-                            | OpAccess::ReadWrite
-                            | OpAccess::ReadCondWrite
-                    )
-            });
+            let writes_rsp = info
+                .info(instruction)
+                .used_registers()
+                .iter()
+                .any(|used| used.register() == Register::RSP && writes(used.access()));
             (!writes_rsp).then_some(0)
         }
     }

@@ -221,7 +221,7 @@ fn emulated_at(arch: Arch, code: &[u8], offset: usize) -> Option<&'static str> {
 }
 
 mod arm64;
-mod x86;
+pub(crate) mod x86;
 
 /// What a register holds, in terms of the call's arguments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -47,7 +47,8 @@ fn number(register: Register) -> Option<u8> {
 
 const RSP: u8 = 7;
 
-fn writes(access: OpAccess) -> bool {
+/// Whether an operand access writes the register or memory.
+pub(crate) fn writes(access: OpAccess) -> bool {
     matches!(
         access,
         OpAccess::Write | OpAccess::CondWrite | OpAccess::ReadWrite | OpAccess::ReadCondWrite
