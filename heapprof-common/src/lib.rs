@@ -204,8 +204,11 @@ pub struct InFlight {
     /// [`NO_NESTED_SLOT`]. A call whose return address lies in that function's code
     /// is nested too (libstdc++'s nothrow `new` calling `new`, which calls `malloc`).
     pub nested_slot: u32,
-    /// Explicit padding, always zero.
-    pub _pad: u32,
+    /// Session links: how many of the thread's calls asked for their return and have
+    /// not seen it. While none has, a session program's run is an entry, told without
+    /// the kernel call that reads the probe's address. A return the kernel drops (a
+    /// `longjmp` out of the allocator) leaves it high, which costs only that call.
+    pub returns_awaited: u32,
 }
 
 /// [`InFlight::active`]: no call in progress.

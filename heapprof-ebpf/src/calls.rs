@@ -246,11 +246,13 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
     let existing = threads::record(tid);
     let mut exec_gen = 0;
     let mut last_block = 0;
+    let mut returns_awaited = 0;
     if let Some(state) = existing {
         // SAFETY: the entry belongs to this thread; nothing else writes it.
         let state = unsafe { &mut *state };
         exec_gen = state.exec_gen;
         last_block = state.last_block;
+        returns_awaited = state.returns_awaited;
         if state.active == CALL_ACTIVE {
             if sp == state.entry_sp {
                 if call.size == state.size && call.old_ptr == state.old_ptr {
@@ -303,7 +305,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
         },
         nested_base: 0,
         nested_slot: NO_NESTED_SLOT,
-        _pad: 0,
+        returns_awaited: returns_awaited.saturating_add(u32::from(!unrecorded)),
     };
     match existing {
         // SAFETY: as above.
@@ -316,7 +318,9 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
                 ..state
             };
             if !threads::create(tid, &state) {
+                // Without a record its return could count nothing.
                 count_drop(DropReason::InFlightFull);
+                return false;
             }
         }
     }
@@ -346,6 +350,25 @@ pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
     // The thread allocates again: its last block, if still in use, was not temporary.
     state.last_block = 0;
     Some(call)
+}
+
+/// Whether thread `pid_tgid` may have a session link's return to come: one of its
+/// calls asked for its return and has not seen it, or it has no record to say.
+#[inline(always)]
+pub fn return_awaited(pid_tgid: u64) -> bool {
+    threads::record(pid_tgid).is_none_or(|state| {
+        // SAFETY: this thread's own entry.
+        unsafe { (*state).returns_awaited != 0 }
+    })
+}
+
+/// A session link's return of thread `pid_tgid` ran: one fewer to come.
+#[inline(always)]
+pub fn return_arrived(pid_tgid: u64) {
+    if let Some(state) = threads::record(pid_tgid) {
+        // SAFETY: this thread's own entry.
+        unsafe { (*state).returns_awaited = (*state).returns_awaited.saturating_sub(1) };
+    }
 }
 
 /// Notes `block` as thread `pid_tgid`'s last allocation (see `InFlight::last_block`).
@@ -431,6 +454,8 @@ pub fn exec(pid_tgid: u64, exec_gen: u32) {
         unsafe {
             (*state).active = CALL_DONE;
             (*state).exec_gen = exec_gen;
+            // The old image's calls never return.
+            (*state).returns_awaited = 0;
         }
     }
 }

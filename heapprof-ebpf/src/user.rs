@@ -18,7 +18,7 @@ use aya_ebpf::{
     programs::{ProbeContext, RawTracePointContext, RetProbeContext, TracePointContext},
 };
 use heapprof_common::{
-    DropReason, ExecEvent, NO_REGISTER, ProbeRole, ProbeSlot, ProbeSpec, VALUE_REGISTERS,
+    DropReason, ExecEvent, NO_REGISTER, ProbeRole, ProbeSlot, ProbeSpec,
     unwind::{MappingsRequest, RequestReason},
 };
 
@@ -39,23 +39,17 @@ use crate::{
 /// it ever delivered, SIGCONT's default action does nothing.
 const SIGCONT: u32 = 18;
 
-/// Register `n` of the probe's copy, 0 for [`NO_REGISTER`].
-#[inline(always)]
-fn reg(registers: &[u64; VALUE_REGISTERS], n: u8) -> u64 {
-    registers.get(n as usize).copied().unwrap_or(0)
-}
-
 /// The size a call asks for: its size register (or the spec's fixed size), times its
 /// count register, rounded to pages for pvalloc.
 #[inline(always)]
-fn requested_size(registers: &[u64; VALUE_REGISTERS], spec: &ProbeSpec) -> u64 {
+fn requested_size(ctx: &ProbeContext, spec: &ProbeSpec) -> u64 {
     let mut size = if spec.size_reg == NO_REGISTER {
         spec.fixed_size
     } else {
-        reg(registers, spec.size_reg)
+        regs::value_register(ctx, spec.size_reg)
     };
     if spec.count_reg != NO_REGISTER {
-        size = size.wrapping_mul(reg(registers, spec.count_reg));
+        size = size.wrapping_mul(regs::value_register(ctx, spec.count_reg));
     }
     if spec.round_to_pages != 0 {
         // glibc hands out whole pages (and one page for a request of 0).
@@ -92,8 +86,7 @@ fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) -> bool {
 /// The thread's id is read once, here: each read is a helper call. Returns whether the
 /// call's return probe has anything to do (see [`calls::enter`]).
 #[inline(always)]
-fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) -> bool {
-    let pid_tgid = bpf_get_current_pid_tgid();
+fn on_entry(ctx: &ProbeContext, slot: ProbeSlot, pid_tgid: u64) -> bool {
     let Some(spec) = probe_spec(slot) else {
         return false;
     };
@@ -103,20 +96,19 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot) -> bool {
     if preload_call(ctx, spec, pid_tgid) {
         return false;
     }
-    let registers = regs::value_registers(ctx);
+    let old_ptr = regs::value_register(ctx, spec.ptr_reg);
     if role == ProbeRole::Free {
-        on_free(ctx, spec, pid_tgid, reg(&registers, spec.ptr_reg));
+        on_free(ctx, spec, pid_tgid, old_ptr);
         return false;
     }
-    let old_ptr = reg(&registers, spec.ptr_reg);
-    let out_ptr = reg(&registers, spec.out_reg);
+    let out_ptr = regs::value_register(ctx, spec.out_reg);
     calls::enter(
         ctx,
         spec,
         pid_tgid,
         Call {
             slot,
-            size: requested_size(&registers, spec),
+            size: requested_size(ctx, spec),
             old_ptr,
             out_ptr,
         },
@@ -143,8 +135,7 @@ fn on_free(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64, ptr: u64) {
 
 /// The shared return probe: counts the user's call when it returns.
 #[inline(always)]
-fn on_return(ctx: &RetProbeContext) {
-    let pid_tgid = bpf_get_current_pid_tgid();
+fn on_return(ctx: &RetProbeContext, pid_tgid: u64) {
     let Some(state) = calls::returned(ctx, pid_tgid) else {
         return;
     };
@@ -242,7 +233,7 @@ pub fn entry(ctx: ProbeContext) -> u32 {
     if empty_programs() {
         return 0;
     }
-    on_entry(&ctx, cookie_slot(&ctx));
+    on_entry(&ctx, cookie_slot(&ctx), bpf_get_current_pid_tgid());
     0
 }
 
@@ -251,18 +242,23 @@ pub fn entry_multi(ctx: ProbeContext) -> u32 {
     if empty_programs() {
         return 0;
     }
-    on_entry(&ctx, cookie_slot(&ctx));
+    on_entry(&ctx, cookie_slot(&ctx), bpf_get_current_pid_tgid());
     0
 }
 
 /// The entries and returns of an object's functions through one uprobe session link
 /// (`BPF_TRACE_UPROBE_SESSION`, Linux 6.13+; sampled sessions only). The kernel runs
 /// it at a call's entry and, unless the entry returned nonzero, again at its return.
-/// A return is told from an entry by the instruction pointer: at an entry it is the
-/// probe's address (`bpf_get_func_ip`, which a session program gets at both), at a
-/// return the caller's return address, which follows a call instruction and so is
-/// never a probed function's first instruction or a placement past one. (The kfunc
-/// `bpf_session_is_return` says the same; this needs no kernel BTF.)
+///
+/// A run is an entry while none of the thread's calls awaits its return
+/// (`InFlight::returns_awaited`, counted when an entry returns 0): nearly every run, as
+/// only the sampled calls ask for their return. Otherwise the instruction pointer
+/// tells: at an entry it is the probe's address (`bpf_get_func_ip`, which a session
+/// program gets at both), at a return the caller's return address, which follows a
+/// call instruction and so is never a probed function's first instruction or a
+/// placement past one. (The kfunc `bpf_session_is_return` says the same; this needs no
+/// kernel BTF.) The helper call is as dear as a fifth of an unsampled call's program,
+/// so the count spares it.
 ///
 /// Loaded by the daemon itself (aya loads multi-uprobe programs for
 /// `BPF_TRACE_UPROBE_MULTI` only), never by aya: `bpf_get_func_ip` does not exist
@@ -277,13 +273,17 @@ pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
         // least any sampler on probes pays, since every call must be seen).
         return 1;
     }
-    let (ip, _) = regs::at_entry(&ProbeContext::new(ctx));
-    // SAFETY: the helper reads the probe's address from the program's run context.
-    if ip != unsafe { bpf_get_func_ip(ctx) } {
-        session_return(ctx);
-        return 0;
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if calls::return_awaited(pid_tgid) {
+        let (ip, _) = regs::at_entry(&ProbeContext::new(ctx));
+        // SAFETY: the helper reads the probe's address from the program's run context.
+        if ip != unsafe { bpf_get_func_ip(ctx) } {
+            calls::return_arrived(pid_tgid);
+            session_return(ctx, pid_tgid);
+            return 0;
+        }
     }
-    session_entry(ctx)
+    session_entry(ctx, pid_tgid)
 }
 
 /// [`entry_session`] at an entry: 1 when the return has nothing to do. A function of
@@ -291,15 +291,15 @@ pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
 /// frame would exceed the 512 bytes of stack the verifier allows a chain of calls
 /// before 6.18 ("combined stack size of 3 calls is 560" on 6.12).
 #[inline(never)]
-fn session_entry(ctx: *mut core::ffi::c_void) -> u32 {
+fn session_entry(ctx: *mut core::ffi::c_void, pid_tgid: u64) -> u32 {
     let ctx = ProbeContext::new(ctx);
-    u32::from(!on_entry(&ctx, cookie_slot(&ctx)))
+    u32::from(!on_entry(&ctx, cookie_slot(&ctx), pid_tgid))
 }
 
 /// [`entry_session`] at a return.
 #[inline(never)]
-fn session_return(ctx: *mut core::ffi::c_void) {
-    on_return(&RetProbeContext::new(ctx));
+fn session_return(ctx: *mut core::ffi::c_void, pid_tgid: u64) {
+    on_return(&RetProbeContext::new(ctx), pid_tgid);
 }
 
 #[uretprobe]
@@ -307,7 +307,7 @@ pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     if empty_programs() {
         return 0;
     }
-    on_return(&ctx);
+    on_return(&ctx, bpf_get_current_pid_tgid());
     0
 }
 
@@ -316,7 +316,7 @@ pub fn alloc_return_multi(ctx: RetProbeContext) -> u32 {
     if empty_programs() {
         return 0;
     }
-    on_return(&ctx);
+    on_return(&ctx, bpf_get_current_pid_tgid());
     0
 }
 
