@@ -9,6 +9,7 @@
 pub mod kernel;
 pub mod live;
 pub mod names;
+pub mod page_slots;
 pub mod preload;
 pub mod unwind;
 pub mod walk_cache;

@@ -13,6 +13,11 @@ pub const IN_FLIGHT_SLOTS: &str = "IN_FLIGHT_SLOTS";
 /// attached, so that allocators found later (a new process's static binary, a
 /// preloaded library) join a running session.
 pub const PROBES: &str = "PROBES";
+/// The probe slot by its probe's page offset (`Array<u32>`,
+/// [`crate::page_slots::PAGE_OFFSET_ENTRIES`] entries; see [`crate::page_slots`]):
+/// the session program's way to its slot without the attach-cookie helper. Filled by
+/// the daemon with [`PROBES`].
+pub const SLOT_BY_PAGE_OFFSET: &str = "SLOT_BY_PAGE_OFFSET";
 /// Switches set by the daemon at run time (`Array<u32>`, indexed by
 /// [`crate::CONTROL_ARMED`]).
 pub const CONTROL: &str = "CONTROL";

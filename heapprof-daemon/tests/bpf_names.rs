@@ -33,10 +33,11 @@ macro_rules! constants {
 }
 
 /// The constants that name maps.
-const MAPS: [(&str, &str); 42] = constants![
+const MAPS: [(&str, &str); 43] = constants![
     names::IN_FLIGHT,
     names::IN_FLIGHT_SLOTS,
     names::PROBES,
+    names::SLOT_BY_PAGE_OFFSET,
     names::CONTROL,
     names::LIVE,
     names::LIVE_FILTER,

@@ -259,6 +259,48 @@ fn sampled_bytes_on_the_probes_count_nested_and_sibling_calls_once() {
 /// when the live table does not hold its old block. shrink.c, on jemalloc, moves 200
 /// sampled blocks of 1 MiB with unsampled resizes; were their returns skipped, the
 /// blocks would stay in use (200 MiB) after the program freed them.
+/// Two probed functions whose probes share their page offset (page_twins.c: each
+/// begins a page, and both probes sit on their first instruction, the same push): the
+/// session program's table of slots by page offset names neither, and it
+/// takes their slots from the attach cookie. Sampled at 1 byte every block is drawn, so
+/// the estimates are the program's own counts. An `--allocator` function's call always
+/// asks for its return, so the thread's count of awaited returns rises and falls at
+/// every call.
+#[test]
+fn probes_that_share_a_page_offset_count_every_sampled_call() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "page_twins", "page_twins", &["-O2"]);
+    let out = dir.path().join("profiles");
+    let stats = dir.path().join("stats.json");
+    let run = run_ok(
+        on_the_probes(&out, Some("1"))
+            .args([
+                "--allocator",
+                "alloc=twin_alloc(size=arg1,ret) free=twin_free(ptr=arg1)",
+                "--stats-json",
+            ])
+            .arg(&stats)
+            .arg("--")
+            .arg(&program),
+    );
+    let printed = counted::parse_printed(&String::from_utf8_lossy(&run.stdout));
+    let samples = samples(&last_profile(&out));
+    let twins = totals(&samples, |s| counted::leaf(s) == "twin_alloc");
+    assert_eq!(
+        twins, printed.total,
+        "twin_alloc's blocks (allocated objects, bytes, in use objects, bytes)"
+    );
+    let text = std::fs::read_to_string(&stats).expect("heapprofd wrote no --stats-json");
+    let json: serde_json::Value = serde_json::from_str(&text).expect("--stats-json is JSON");
+    if session_links_expected() {
+        assert_eq!(
+            json["session_links"], true,
+            "this kernel has uprobe session links"
+        );
+    }
+}
+
 #[test]
 fn a_sampled_resize_on_the_probes_releases_the_block_it_moved() {
     require_root();

@@ -11,6 +11,7 @@ use heapprof_common::{
     MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
     StackKey, StaleFree, UserStack, WalkEpoch,
     live::{FILTER_SLOTS, FilterPair, LiveBucket},
+    page_slots::{self, PAGE_OFFSET_ENTRIES},
     preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, StackReply},
     unwind::{
         CachedRule, ProcessMappings, RULE_CACHE_ENTRIES, UnwindGap, UnwindObject, UnwindRow,
@@ -28,6 +29,10 @@ pub static IN_FLIGHT: HashMap<u64, InFlight> = HashMap::with_max_entries(16384, 
 pub static IN_FLIGHT_SLOTS: Array<InFlightSlot> = Array::with_max_entries(1, BPF_F_MMAPABLE);
 #[map(name = "PROBES")]
 pub static PROBES: Array<ProbeSpec> = Array::with_max_entries(MAX_PROBE_SLOTS, 0);
+/// The probe slot by page offset (see `heapprof_common::page_slots`), for the session
+/// program.
+#[map(name = "SLOT_BY_PAGE_OFFSET")]
+pub static SLOT_BY_PAGE_OFFSET: Array<u32> = Array::with_max_entries(PAGE_OFFSET_ENTRIES, 0);
 #[map(name = "CONTROL")]
 pub static CONTROL: Array<u32> = Array::with_max_entries(CONTROL_SLOTS, 0);
 /// The live-block table, one bucket each (see `crate::live`); mapped by the daemon.
@@ -320,6 +325,15 @@ pub fn track_peak() -> bool {
 #[inline(always)]
 pub fn probe_spec(slot: ProbeSlot) -> Option<&'static ProbeSpec> {
     PROBES.get(slot).filter(|spec| spec.in_use != 0)
+}
+
+/// The slot of the probe at `address` by its page offset, if only one probe has it
+/// (see `heapprof_common::page_slots`).
+#[inline(always)]
+pub fn slot_by_page_offset(address: u64) -> Option<ProbeSlot> {
+    SLOT_BY_PAGE_OFFSET
+        .get(page_slots::index(address))
+        .and_then(|entry| page_slots::slot(*entry))
 }
 
 /// Whether the daemon has attached every probe (see [`CONTROL_ARMED`]).

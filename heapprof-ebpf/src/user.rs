@@ -27,7 +27,7 @@ use crate::{
     maps::{
         EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PRELOADED, PROCESS_MAPPINGS,
         REPORT_QUEUES, armed, count_drop, empty_programs, hold_at_loader_events, ignored,
-        page_size, preloaded, probe_spec, stacks_only, target_tgid,
+        page_size, preloaded, probe_spec, slot_by_page_offset, stacks_only, target_tgid,
     },
     regs,
     sites::{self, Frees, NewSite, Usage},
@@ -258,7 +258,9 @@ pub fn entry_multi(ctx: ProbeContext) -> u32 {
 /// call instruction and so is never a probed function's first instruction or a
 /// placement past one. (The kfunc `bpf_session_is_return` says the same; this needs no
 /// kernel BTF.) The helper call is as dear as a fifth of an unsampled call's program,
-/// so the count spares it.
+/// so the count spares it. An entry finds its function's slot by its probe's page
+/// offset (`SLOT_BY_PAGE_OFFSET`) where only one probe has that offset, sparing the
+/// attach-cookie helper as well.
 ///
 /// Loaded by the daemon itself (aya loads multi-uprobe programs for
 /// `BPF_TRACE_UPROBE_MULTI` only), never by aya: `bpf_get_func_ip` does not exist
@@ -293,7 +295,9 @@ pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
 #[inline(never)]
 fn session_entry(ctx: *mut core::ffi::c_void, pid_tgid: u64) -> u32 {
     let ctx = ProbeContext::new(ctx);
-    u32::from(!on_entry(&ctx, cookie_slot(&ctx), pid_tgid))
+    let (ip, _) = regs::at_entry(&ctx);
+    let slot = slot_by_page_offset(ip).unwrap_or_else(|| cookie_slot(&ctx));
+    u32::from(!on_entry(&ctx, slot, pid_tgid))
 }
 
 /// [`entry_session`] at a return.

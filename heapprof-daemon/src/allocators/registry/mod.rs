@@ -6,6 +6,7 @@
 //! its runs. Objects join as processes are read (at start, at exec, at loader events),
 //! each function's spec written before its probes are attached.
 
+mod page_slots;
 mod per_process;
 mod process_check;
 mod session_links;
@@ -32,7 +33,10 @@ use heapprof_common::{
 };
 
 pub use self::session_links::session_links;
-use self::session_links::{SessionProgram, session_eligible};
+use self::{
+    page_slots::PageSlots,
+    session_links::{SessionProgram, session_eligible},
+};
 
 use super::{
     api::Family,
@@ -131,6 +135,8 @@ type ScanCache = HashMap<((u64, u64), bool), Result<Arc<ObjectScan>, String>>;
 /// The session's allocator probes.
 pub struct AllocatorProbes {
     specs: Array<MapData, ProbeSpec>,
+    /// The slots by their probes' page offsets, for the session program.
+    page_slots: PageSlots,
     settings: ProbeSettings,
     slots: Vec<SlotInfo>,
     /// Per object and process (0: every process), the file offsets of the functions
@@ -170,7 +176,7 @@ pub struct AllocatorProbes {
 }
 
 impl AllocatorProbes {
-    /// Takes the `PROBES` map out of the loaded programs.
+    /// Takes the `PROBES` and `SLOT_BY_PAGE_OFFSET` maps out of the loaded programs.
     pub fn new(ebpf: &mut Ebpf, settings: ProbeSettings) -> Result<Self> {
         let specs = ebpf
             .take_map(names::PROBES)
@@ -178,6 +184,7 @@ impl AllocatorProbes {
             .with_context(|| format!("BPF map {} missing or mistyped", names::PROBES))?;
         Ok(Self {
             specs,
+            page_slots: PageSlots::new(ebpf)?,
             settings,
             slots: Vec::new(),
             attached: HashMap::new(),
@@ -421,6 +428,7 @@ impl AllocatorProbes {
             self.specs
                 .set(slot, &spec, 0)
                 .context("writing the probe specs")?;
+            self.page_slots.note(slot, function.probe_offset())?;
             log::debug!(
                 "{} in {}: slot {slot}, probes at {}, frame {}",
                 function.name,
