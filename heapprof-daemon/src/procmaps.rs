@@ -230,6 +230,26 @@ pub fn process_name(pid: u32) -> String {
         .unwrap_or_else(|_| "?".to_owned())
 }
 
+/// The kernel's mark of a process forked and not exec'd since (`PF_FORKNOEXEC`),
+/// cleared by an exec once it has replaced the address space.
+const PF_FORKNOEXEC: u32 = 0x40;
+
+/// Whether process `pid` is a fork that has not replaced its image by an exec since,
+/// or `None` when it is gone. An exec shows its new image in `/proc` (maps, name,
+/// executable) before `sched_process_exec` counts it, and clears this mark first.
+pub fn forked_without_exec(pid: u32) -> Option<bool> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_flags(&stat).map(|flags| flags & PF_FORKNOEXEC != 0)
+}
+
+/// The task's flags: field 9 of `/proc/PID/stat`, counted after the command name,
+/// which is in parentheses and may hold spaces and parentheses.
+fn parse_flags(stat: &str) -> Option<u32> {
+    let after_comm = &stat[stat.rfind(')')? + 1..];
+    // after_comm starts at field 3 (state).
+    after_comm.split_whitespace().nth(9 - 3)?.parse().ok()
+}
+
 /// The path `pid` was started as, where it differs from its executable's, `exe` (the
 /// file a symlink points to, as `/proc/PID/exe` and the maps file give it): `exe`'s
 /// directory joined with the process name, when that names the same file. That is
@@ -307,6 +327,56 @@ mod tests {
         assert_eq!(comm, "linked-sleep");
         assert_eq!(named, Some(link.display().to_string()));
         assert_eq!(started_as(pid, &exe, "real-sleep"), None);
+    }
+
+    #[test]
+    fn the_flags_are_counted_after_a_name_with_spaces_and_parentheses() {
+        let stat = "4242 (a) b (c) S 1 4242 4242 0 -1 4194368 120 0 0 0 0 0 0 0 20 0 1 0";
+        assert_eq!(parse_flags(stat), Some(4194368));
+        assert_eq!(parse_flags("4242 (short) S 1"), None);
+    }
+
+    #[test]
+    fn a_fork_is_marked_until_an_exec_replaces_its_image() {
+        let mut fds = [0; 2];
+        // SAFETY: fds has room for the two descriptors.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0, "a pipe");
+        let program = std::ffi::CString::new("/bin/sleep").expect("a path");
+        let seconds = std::ffi::CString::new("30").expect("an argument");
+        let argv = [program.as_ptr(), seconds.as_ptr(), std::ptr::null()];
+        // SAFETY: the child calls only async-signal-safe functions (read, execv, _exit).
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: as above; the buffer and argv outlive the calls.
+            unsafe {
+                let mut byte = 0u8;
+                libc::read(fds[0], (&raw mut byte).cast(), 1);
+                libc::execv(program.as_ptr(), argv.as_ptr());
+                libc::_exit(127);
+            }
+        }
+        assert!(pid > 0, "fork failed");
+        let forked = forked_without_exec(pid as u32);
+        // SAFETY: writes one byte from a live buffer.
+        unsafe { libc::write(fds[1], b"x".as_ptr().cast(), 1) };
+        // The exec clears the mark before it renames the process.
+        for _ in 0..500 {
+            if process_name(pid as u32) == "sleep" {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let after_exec = forked_without_exec(pid as u32);
+        // SAFETY: the child is this test's; its status is collected.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, std::ptr::null_mut(), 0);
+            libc::close(fds[0]);
+            libc::close(fds[1]);
+        }
+        assert_eq!(forked, Some(true), "before its exec");
+        assert_eq!(after_exec, Some(false), "after its exec");
+        assert_eq!(forked_without_exec(pid as u32), None, "gone");
     }
 
     #[test]

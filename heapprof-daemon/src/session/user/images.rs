@@ -14,7 +14,9 @@ use crate::{
     aggregate::{Maps, Site},
     cli::Target,
     pprof::builder::AddressSpace,
-    procmaps::{ObjectCache, ObjectFile, ProcessMaps, process_name, started_as},
+    procmaps::{
+        ObjectCache, ObjectFile, ProcessMaps, forked_without_exec, process_name, started_as,
+    },
     unwind::table_upload::TableUploader,
 };
 
@@ -113,6 +115,26 @@ const EXEC_READ_DELAYS: [Duration; 3] = [
     Duration::from_millis(100),
     Duration::from_secs(2),
 ];
+
+/// Whether image `exec_gen` of `pid` is a fork's, not replaced by an exec since the
+/// fork: the kernel still marks the process so, or the fork program recorded where
+/// the image came from.
+fn is_fork_image(pid: u32, exec_gen: u32, maps: &Maps) -> bool {
+    forked_without_exec(pid) == Some(true)
+        || maps
+            .fork_origin(pid, exec_gen)
+            .is_some_and(|origin| origin.tgid != pid)
+}
+
+/// Whether fork `pid`, read as its fork image, has begun an exec. From the moment an
+/// exec replaces the address space until `sched_process_exec` counts it, `/proc`
+/// shows the new image (maps, name, executable) under the old generation: a shell's
+/// fork read at its first allocation, right before its exec, got its new program's
+/// maps, and the stacks of its fork image lost every frame. Its fork origin stands
+/// in for such a read.
+fn exec_under_way(pid: u32) -> bool {
+    forked_without_exec(pid) == Some(false)
+}
 
 /// A read of an image's mappings, due at a time after its exec.
 #[derive(Debug, Clone, Copy)]
@@ -217,6 +239,7 @@ impl Images {
         // the mappings of one image under the number of another.
         for _ in 0..3 {
             let before = maps.exec_generation(pid);
+            let fork = is_fork_image(pid, before, maps);
             let read = self.objects.read_process(pid);
             let comm = process_name(pid);
             let cgroup = crate::cgroup::Cgroup::of_process(pid).ok();
@@ -233,6 +256,13 @@ impl Images {
                 exec_gen: after,
             };
             self.mark_replaced(pid, after);
+            if fork && exec_under_way(pid) {
+                log::debug!("pid {pid}: read while exec'ing; its fork origin stands in");
+                if let Some(info) = self.processes.get_mut(&image) {
+                    info.current = false;
+                }
+                return None;
+            }
             match read {
                 // An exited process not yet reaped shows no mappings: keep what was read.
                 Ok(read) if read.regions.is_empty() && self.processes.contains_key(&image) => {
