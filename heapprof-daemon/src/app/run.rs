@@ -44,14 +44,21 @@ async fn drain_ring<T: Copy>(fd: &mut AsyncFd<RingBuf<MapData>>) -> Vec<T> {
             return std::future::pending().await;
         }
     };
+    let records = read_records(guard.get_inner_mut());
+    guard.clear_ready();
+    records
+}
+
+/// Takes every record waiting in a ring buffer of the BPF side, without waiting.
+/// `T` must be the plain-integer record the BPF side writes.
+fn read_records<T: Copy>(ring: &mut RingBuf<MapData>) -> Vec<T> {
     let mut records = Vec::new();
-    while let Some(item) = guard.get_inner_mut().next() {
+    while let Some(item) = ring.next() {
         if item.len() >= std::mem::size_of::<T>() {
             // SAFETY: the BPF side writes whole records of plain integers; read unaligned.
             records.push(unsafe { std::ptr::read_unaligned(item.as_ptr().cast::<T>()) });
         }
     }
-    guard.clear_ready();
     records
 }
 
@@ -147,6 +154,14 @@ pub async fn run(
                 log::info!("the target process exited");
                 break;
             }
+        }
+    }
+    // The loop may end before it reads the exec events of forks that exec'd right
+    // before the command exited: they carry the fork origins that symbolize those
+    // forks' first images in the final profile.
+    if let Some(fd) = exec_events.as_mut() {
+        for event in read_records::<ExecEvent>(fd.get_mut()) {
+            session.exec_seen(event);
         }
     }
     let ending = Ending {
