@@ -83,8 +83,9 @@ fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) -> bool {
 }
 
 /// The entry probe of the function in `slot`: free's accounting, or the call matching.
-/// The thread's id is read once, here: each read is a helper call. Returns whether the
-/// call's return probe has anything to do (see [`calls::enter`]).
+/// `pid_tgid` is the thread's id, which the caller reads once (each read is a helper
+/// call). Returns whether the call's return probe has anything to do (see
+/// [`calls::enter`]).
 #[inline(always)]
 fn on_entry(ctx: &ProbeContext, slot: ProbeSlot, pid_tgid: u64) -> bool {
     let Some(spec) = probe_spec(slot) else {
