@@ -169,14 +169,15 @@ pub fn at_return(ctx: &RetProbeContext) -> (u64, u64, u64) {
     }
 }
 
-/// Register `n` of those an entry program can read a value from ([`heapprof_common::VALUE_REGISTERS`]:
-/// x86-64's general-purpose registers in DWARF order; arm64's x0 to x7 and x19 to
-/// x26), 0 for [`heapprof_common::NO_REGISTER`] or any other number.
+/// Register `n` of those an entry program can read a value from
+/// ([`heapprof_common::VALUE_REGISTERS`]: x86-64's general-purpose registers in DWARF
+/// order; arm64's x0 to x7 and x19 to x26), 0 for [`heapprof_common::NO_REGISTER`] or
+/// any other number.
 ///
 /// One constant-offset read of the context per register, which is all the verifier
 /// accepts there, chosen by comparisons in the order functions use them (the argument
-/// registers first): an entry reads two or three registers, and copying all sixteen
-/// to index the copy was a fifth of an unsampled call's program.
+/// registers first): an entry reads two or three registers, where a copy of all
+/// sixteen to index cost a few ns per call.
 #[inline(always)]
 pub fn value_register(ctx: &ProbeContext, n: u8) -> u64 {
     #[cfg(bpf_target_arch = "x86_64")]
