@@ -672,8 +672,13 @@ pub struct Config {
 /// its return probe, a free without the entry probes).
 pub const CONTROL_ARMED: u32 = 0;
 
+/// Index of the thread-cache flag in `CONTROL`: set once the program that clears each
+/// CPU's cached thread id at every context switch is attached (`THREAD_ON_CPU`), so
+/// that the session program may take its thread's id from there.
+pub const CONTROL_THREAD_CACHE: u32 = 1;
+
 /// Number of slots in `CONTROL`.
-pub const CONTROL_SLOTS: u32 = 1;
+pub const CONTROL_SLOTS: u32 = 2;
 
 /// Sent to the daemon when a traced process calls exec: its mappings are replaced, and
 /// the daemon reads the new ones while they are current.

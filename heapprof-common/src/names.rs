@@ -18,6 +18,10 @@ pub const PROBES: &str = "PROBES";
 /// the session program's way to its slot without the attach-cookie helper. Filled by
 /// the daemon with [`PROBES`].
 pub const SLOT_BY_PAGE_OFFSET: &str = "SLOT_BY_PAGE_OFFSET";
+/// This CPU's current thread id as the session program last read it (`PerCpuArray<u64>`,
+/// one slot; 0: not known), cleared by [`PROG_THREAD_ON_CPU_RESET`] at every context
+/// switch.
+pub const THREAD_ON_CPU: &str = "THREAD_ON_CPU";
 /// Switches set by the daemon at run time (`Array<u32>`, indexed by
 /// [`crate::CONTROL_ARMED`]).
 pub const CONTROL: &str = "CONTROL";
@@ -117,6 +121,10 @@ pub const REPORT_QUEUES: &str = "REPORT_QUEUES";
 /// Raw tracepoint on `sched_switch`: a preloaded thread's queued records are
 /// applied when it is switched out.
 pub const PROG_SWITCH: &str = "thread_switch";
+/// Raw tracepoint on `sched_switch` in sessions with uprobe session links: clears the
+/// CPU's cached thread id ([`THREAD_ON_CPU`]), so that the session program calls the
+/// helper for it once per thread and switch instead of once per allocator call.
+pub const PROG_THREAD_ON_CPU_RESET: &str = "thread_on_cpu_reset";
 /// The tracepoint it attaches to.
 pub const SWITCH_TRACEPOINT: &str = "sched_switch";
 /// Raw tracepoint on every system call's entry: a preloaded thread's queued

@@ -33,11 +33,12 @@ macro_rules! constants {
 }
 
 /// The constants that name maps.
-const MAPS: [(&str, &str); 43] = constants![
+const MAPS: [(&str, &str); 44] = constants![
     names::IN_FLIGHT,
     names::IN_FLIGHT_SLOTS,
     names::PROBES,
     names::SLOT_BY_PAGE_OFFSET,
+    names::THREAD_ON_CPU,
     names::CONTROL,
     names::LIVE,
     names::LIVE_FILTER,
@@ -81,13 +82,14 @@ const MAPS: [(&str, &str); 43] = constants![
 
 /// The constants that name programs (the kernel-mode tracepoint programs are named by
 /// [`KernelEvent::name`]).
-const PROGRAMS: [(&str, &str); 23] = constants![
+const PROGRAMS: [(&str, &str); 24] = constants![
     names::PROG_EXEC,
     names::PROG_FORK,
     names::PROG_LOADER_STATE_MULTI,
     names::PROG_LOADER_STATE,
     names::PROG_THREAD_EXIT,
     names::PROG_SWITCH,
+    names::PROG_THREAD_ON_CPU_RESET,
     names::PROG_SYSCALL,
     names::PROG_FUTEX_ENTRY,
     names::PROG_EXEC_ENTRY,

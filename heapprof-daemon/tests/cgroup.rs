@@ -213,3 +213,71 @@ fn cgroup_needs_all_or_kernel_and_an_existing_cgroup() {
         assert_eq!(stderr.lines().count(), 1, "{args:?}: one line: {stderr}");
     }
 }
+
+/// Two processes taking turns on one CPU (cpu_share.c) under `--all --cgroup`, on the
+/// probes and sampled at 1 byte (every block drawn): each process's blocks are its
+/// own. The session program keeps the current thread's id per CPU until a context
+/// switch clears it; kept across one, one process's blocks would be counted under the
+/// other.
+#[test]
+fn processes_taking_turns_on_one_cpu_keep_their_own_blocks() {
+    require_root();
+    let dir = scratch();
+    let program = compile(dir.path(), "cpu_share", "cpu_share", &["-O2"]);
+    let cgroup = TestCgroup::create("turns");
+    let out = dir.path().join("profiles");
+    let (mut daemon, log) = start_heapprofd(heapprofd(&out).args([
+        "--all",
+        "--cgroup",
+        &cgroup.path,
+        "--inject",
+        "off",
+        "--sample-rate",
+        "1",
+        "--interval",
+        "1h",
+    ]));
+    // The program joins the cgroup before it starts: a shell moves itself, then execs.
+    let procs = cgroup.dir.join("cgroup.procs");
+    let run = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "echo $$ > {} && exec {}",
+            procs.display(),
+            program.display()
+        ))
+        .output()
+        .expect("running cpu_share");
+    signal(&daemon, libc::SIGINT);
+    wait_success(&mut daemon, &log, "--all --cgroup --sample-rate 1");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success() && stdout.lines().any(|l| l == "done"),
+        "cpu_share failed ({}):\n{stdout}{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let samples = samples(&last_profile(&out));
+    let mut processes = 0;
+    for line in stdout.lines().filter(|l| l.starts_with("pid=")) {
+        let mut words = line.split_whitespace();
+        let pid = words
+            .next()
+            .and_then(|w| w.strip_prefix("pid="))
+            .unwrap_or("");
+        let printed: Vec<i64> = words
+            .filter_map(|w| w.split_once('=').and_then(|(_, v)| v.parse().ok()))
+            .collect();
+        let counted = totals(&samples, |s| {
+            s.labels.get("pid").is_some_and(|p| p == pid)
+                && s.stack.iter().any(|f| f == "allocate_round")
+        });
+        assert_eq!(
+            counted.to_vec(),
+            printed,
+            "pid {pid}'s blocks (allocated objects, bytes, in use objects, bytes): {samples:?}"
+        );
+        processes += 1;
+    }
+    assert_eq!(processes, 2, "two processes' counts in:\n{stdout}");
+}

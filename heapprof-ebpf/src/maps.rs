@@ -7,9 +7,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, Queue, RingBuf},
 };
 use heapprof_common::{
-    CONTROL_ARMED, CONTROL_SLOTS, Config, DropReason, InFlight, InFlightSlot, LiveKey,
-    MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId,
-    StackKey, StaleFree, UserStack, WalkEpoch,
+    CONTROL_ARMED, CONTROL_SLOTS, CONTROL_THREAD_CACHE, Config, DropReason, InFlight, InFlightSlot,
+    LiveKey, MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters,
+    SiteId, StackKey, StaleFree, UserStack, WalkEpoch,
     live::{FILTER_SLOTS, FilterPair, LiveBucket},
     page_slots::{self, PAGE_OFFSET_ENTRIES},
     preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, StackReply},
@@ -66,6 +66,10 @@ pub static STACK_SCRATCH: PerCpuArray<UserStack> = PerCpuArray::with_max_entries
 #[map(name = "DROPS")]
 /// Indexed by [`DropReason`], then [`heapprof_common::LATE_FREES_SLOT`].
 pub static DROPS: PerCpuArray<u64> = PerCpuArray::with_max_entries(DropReason::COUNT + 1, 0);
+/// This CPU's current thread id, cleared at every context switch (see
+/// `crate::user::current_thread`).
+#[map(name = "THREAD_ON_CPU")]
+pub static THREAD_ON_CPU: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "SAMPLER")]
 pub static SAMPLER: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 #[map(name = "EXEC_GEN")]
@@ -334,6 +338,14 @@ pub fn slot_by_page_offset(address: u64) -> Option<ProbeSlot> {
     SLOT_BY_PAGE_OFFSET
         .get(page_slots::index(address))
         .and_then(|entry| page_slots::slot(*entry))
+}
+
+/// Whether the program that clears `THREAD_ON_CPU` at every context switch is attached.
+#[inline(always)]
+pub fn thread_cache_on() -> bool {
+    CONTROL
+        .get(CONTROL_THREAD_CACHE)
+        .is_some_and(|flag| *flag != 0)
 }
 
 /// Whether the daemon has attached every probe (see [`CONTROL_ARMED`]).

@@ -26,8 +26,9 @@ use crate::{
     calls::{self, Call, FreeCall},
     maps::{
         EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PRELOADED, PROCESS_MAPPINGS,
-        REPORT_QUEUES, armed, count_drop, empty_programs, hold_at_loader_events, ignored,
-        page_size, preloaded, probe_spec, slot_by_page_offset, stacks_only, target_tgid,
+        REPORT_QUEUES, THREAD_ON_CPU, armed, count_drop, empty_programs, hold_at_loader_events,
+        ignored, page_size, preloaded, probe_spec, slot_by_page_offset, stacks_only, target_tgid,
+        thread_cache_on,
     },
     regs,
     sites::{self, Frees, NewSite, Usage},
@@ -277,7 +278,7 @@ pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
         // least any sampler on probes pays, since every call must be seen).
         return 1;
     }
-    let pid_tgid = bpf_get_current_pid_tgid();
+    let pid_tgid = current_thread();
     if calls::return_awaited(pid_tgid) {
         let (ip, _) = regs::at_entry(&ProbeContext::new(ctx));
         // SAFETY: the helper reads the probe's address from the program's run context.
@@ -372,6 +373,9 @@ pub fn loader_state_multi(_ctx: ProbeContext) -> u32 {
 /// A raw tracepoint, so that user mode needs no tracefs.
 #[raw_tracepoint(tracepoint = "sched_process_exec")]
 pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
+    // An exec from a thread other than the leader takes the leader's id, maybe with
+    // no switch since.
+    forget_thread_on_cpu();
     let pid_tgid = bpf_get_current_pid_tgid();
     let tgid = (pid_tgid >> 32) as u32;
     let target = target_tgid();
@@ -415,6 +419,51 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
         replaced_origin,
     };
     let _ = EXEC_EVENTS.output(&event, 0);
+    0
+}
+
+/// The current thread's id (`pid_tgid`): from this CPU's cache while no context switch
+/// has cleared it, else from the helper, which then fills the cache. A helper call is
+/// a run's dearest step (about 19 ns as its first call); the current task changes only
+/// through a switch, which [`thread_on_cpu_reset`] sees. The cache is used only once
+/// the daemon has attached that program (`CONTROL_THREAD_CACHE`), and filled only
+/// once the programs are armed, after it.
+#[inline(always)]
+fn current_thread() -> u64 {
+    if !thread_cache_on() {
+        return bpf_get_current_pid_tgid();
+    }
+    let Some(cached) = THREAD_ON_CPU.get_ptr_mut(0) else {
+        return bpf_get_current_pid_tgid();
+    };
+    // SAFETY: this CPU's slot; the program runs with migration disabled, and a task
+    // that preempts it is switched in and out through `thread_on_cpu_reset`.
+    let known = unsafe { *cached };
+    if known != 0 {
+        return known;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    if armed() {
+        // SAFETY: as above.
+        unsafe { *cached = pid_tgid };
+    }
+    pid_tgid
+}
+
+/// Forgets this CPU's cached thread id ([`current_thread`]).
+#[inline(always)]
+fn forget_thread_on_cpu() {
+    if let Some(cached) = THREAD_ON_CPU.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot.
+        unsafe { *cached = 0 };
+    }
+}
+
+/// A context switch: the CPU's cached thread id is no longer its current thread's.
+/// Attached in sessions with uprobe session links.
+#[raw_tracepoint(tracepoint = "sched_switch")]
+pub fn thread_on_cpu_reset(_ctx: RawTracePointContext) -> i32 {
+    forget_thread_on_cpu();
     0
 }
 

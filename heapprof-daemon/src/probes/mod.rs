@@ -16,7 +16,8 @@ use aya::{
     sys::UProbeMultiFeature,
 };
 use heapprof_common::{
-    CONTROL_ARMED, Config, kernel::names as kernel_names, live, names, unwind::UnwindMode,
+    CONTROL_ARMED, CONTROL_THREAD_CACHE, Config, kernel::names as kernel_names, live, names,
+    unwind::UnwindMode,
 };
 
 pub use self::ldso_hook::DynamicLoader;
@@ -283,6 +284,26 @@ pub fn attach_thread_switch(ebpf: &mut Ebpf) -> Result<()> {
             raw_tracepoint(ebpf, names::PROG_SYSCALL, names::SYSCALL_TRACEPOINT)
         }
     }
+}
+
+/// Sessions with uprobe session links: attaches the program that clears each CPU's
+/// cached thread id at every context switch, then lets the session program use the
+/// cache (`CONTROL_THREAD_CACHE`; see `heapprof-ebpf`'s `current_thread`).
+pub fn cache_thread_on_cpu(ebpf: &mut Ebpf) -> Result<()> {
+    raw_tracepoint(
+        ebpf,
+        names::PROG_THREAD_ON_CPU_RESET,
+        names::SWITCH_TRACEPOINT,
+    )?;
+    let mut control: Array<_, u32> = ebpf
+        .map_mut(names::CONTROL)
+        .with_context(|| format!("BPF map {} missing from the object", names::CONTROL))?
+        .try_into()
+        .with_context(|| format!("BPF map {} has an unexpected type", names::CONTROL))?;
+    control
+        .set(CONTROL_THREAD_CACHE, &1, 0)
+        .context("turning the per-CPU thread id on")?;
+    Ok(())
 }
 
 /// Loads tracepoint program `program` and attaches it to each of `tracepoints` in the

@@ -529,7 +529,7 @@ impl AllocatorProbes {
             .collect();
         // Probes for one process alone keep plain links, which are detached when it
         // exits.
-        if only.is_none() && self.attach_session(object, points) {
+        if only.is_none() && self.attach_session(ebpf, object, points) {
             return Ok(());
         }
         match method {

@@ -7,10 +7,12 @@ use std::{
     sync::atomic::{AtomicU8, Ordering},
 };
 
+use aya::Ebpf;
+
 use super::{AllocatorProbes, ProbePoints};
 use crate::{
     allocators::{api::Family, scan},
-    probes::{AttachMethod, session},
+    probes::{self, AttachMethod, session},
     procmaps::ObjectFile,
 };
 
@@ -68,7 +70,12 @@ impl AllocatorProbes {
     /// whether it did; if not (exact mode, a function whose return probes sit on its
     /// exits, a kernel without session links), the caller attaches the entry and
     /// return links. The kernel's first refusal is logged once and ends the attempts.
-    pub(super) fn attach_session(&mut self, object: &ObjectFile, points: &[ProbePoints]) -> bool {
+    pub(super) fn attach_session(
+        &mut self,
+        ebpf: &mut Ebpf,
+        object: &ObjectFile,
+        points: &[ProbePoints],
+    ) -> bool {
         if !self.settings.sampled {
             return false;
         }
@@ -93,6 +100,13 @@ impl AllocatorProbes {
                 .any(|p| !p.returns.is_empty() && p.returns != [p.entry])
         {
             return false;
+        }
+        if self.session_links.is_empty() {
+            // Before the first link: the session program may then take its thread's id
+            // from the CPU's cache, which this program keeps true.
+            if let Err(err) = probes::cache_thread_on_cpu(ebpf) {
+                log::debug!("no per-CPU thread id ({err:#}): the session program asks the kernel");
+            }
         }
         let offsets: Vec<u64> = points.iter().map(|p| p.entry).collect();
         let cookies: Vec<u64> = points.iter().map(|p| u64::from(p.slot)).collect();
