@@ -295,14 +295,17 @@ pub fn cache_thread_on_cpu(ebpf: &mut Ebpf) -> Result<()> {
         names::PROG_THREAD_ON_CPU_RESET,
         names::SWITCH_TRACEPOINT,
     )?;
+    set_control(ebpf, CONTROL_THREAD_CACHE).context("turning the per-CPU thread id on")
+}
+
+/// Sets flag `slot` of `CONTROL` to 1.
+fn set_control(ebpf: &mut Ebpf, slot: u32) -> Result<()> {
     let mut control: Array<_, u32> = ebpf
         .map_mut(names::CONTROL)
         .with_context(|| format!("BPF map {} missing from the object", names::CONTROL))?
         .try_into()
         .with_context(|| format!("BPF map {} has an unexpected type", names::CONTROL))?;
-    control
-        .set(CONTROL_THREAD_CACHE, &1, 0)
-        .context("turning the per-CPU thread id on")?;
+    control.set(slot, &1, 0)?;
     Ok(())
 }
 
@@ -330,13 +333,5 @@ fn syscall_tracepoints(ebpf: &mut Ebpf, program: &str, tracepoints: &[&str]) -> 
 /// later (a new process's allocator) count from their attachment: their specs are in
 /// place before them.
 pub fn arm(ebpf: &mut Ebpf) -> Result<()> {
-    let mut control: Array<_, u32> = ebpf
-        .map_mut(names::CONTROL)
-        .with_context(|| format!("BPF map {} missing from the object", names::CONTROL))?
-        .try_into()
-        .with_context(|| format!("BPF map {} has an unexpected type", names::CONTROL))?;
-    control
-        .set(CONTROL_ARMED, &1, 0)
-        .context("arming the BPF programs")?;
-    Ok(())
+    set_control(ebpf, CONTROL_ARMED).context("arming the BPF programs")
 }
