@@ -427,6 +427,83 @@ fn launch_mode_counts_what_forks_allocate_right_before_their_exec() {
     assert!(lost.is_empty(), "events counted as lost: {lost:?}");
 }
 
+/// Launch mode follows the command's children that its library cannot serve (a
+/// static program; every child with `--preload off`) with their allocator's probes,
+/// attached for each child alone once its new program is read: the command's own
+/// probes are filtered to its pid, which the kernel applies by thread group.
+#[test]
+fn launch_mode_probes_a_static_child_for_itself() {
+    launched_child_is_probed(&["-static"], &[]);
+}
+
+#[test]
+fn launch_mode_without_its_library_probes_each_child_for_itself() {
+    launched_child_is_probed(&[], &["--preload", "off"]);
+}
+
+fn launched_child_is_probed(cflags: &[&str], options: &[&str]) {
+    require_root();
+    let dir = scratch();
+    let mut flags = vec!["-O0"];
+    flags.extend_from_slice(cflags);
+    let binary = compile(dir.path(), "late_child", "late_child", &flags);
+    let out = dir.path().join("profiles");
+    let profiles = profiles_json(&out);
+    let (pid_file, go_file) = (dir.path().join("pid"), dir.path().join("go"));
+    let count: i64 = 300;
+    // A script's child: the shell forks, the child execs the program.
+    let (mut heapprofd, log) = start_heapprofd(
+        heapprofd(&out)
+            .arg("--profiles-json")
+            .arg(&profiles)
+            .args(["--interval", "1h"])
+            .args(options)
+            .args(["--", "sh", "-c", r#""$0" "$@"; exit $?"#])
+            .arg(&binary)
+            .arg(&pid_file)
+            .arg(&go_file)
+            .arg(count.to_string()),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let child: u32 = loop {
+        if let Ok(text) = std::fs::read_to_string(&pid_file) {
+            break text.trim().parse().expect("a pid");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the child wrote no pid"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    // Read, and its allocator probed for it, while it waits.
+    wait_for_profiles_line(&profiles, 0, "the child's new program read", |line| {
+        *line
+            == Line::ImageRead(ImageRead {
+                pid: child,
+                exec_generation: 1,
+                probed_allocator: true,
+            })
+    });
+    std::fs::write(&go_file, b"").expect("releasing the child");
+    wait_success(&mut heapprofd, &log, "launch mode with a probed child");
+
+    let samples = samples(&last_profile(&out));
+    // COUNT blocks of 48 bytes and the array of their addresses (8 bytes each); the
+    // array and a third of the blocks are freed.
+    let kept = count - count / 3;
+    assert_eq!(
+        by_caller(&samples, "child_work"),
+        [count + 1, count * 48 + count * 8, kept, kept * 48],
+        "child_work, in the script's child: {samples:#?}"
+    );
+    let sample = samples
+        .iter()
+        .find(|s| s.stack.get(1).is_some_and(|f| f == "child_work"))
+        .expect("a child_work sample");
+    assert_eq!(sample.up_to_main(), ["child_work", "main"], "{sample:?}");
+    assert_eq!(sample.labels["pid"], child.to_string());
+}
+
 #[test]
 fn pid_mode_says_when_an_exec_leaves_every_allocator_it_can_see() {
     require_root();

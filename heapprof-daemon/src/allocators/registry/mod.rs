@@ -108,6 +108,10 @@ pub struct ProbeSettings {
     /// joins, and each process it does not serve gets its allocator's probes for
     /// itself alone (attached with `process_method`), so that no other process traps.
     pub per_process: Option<AttachMethod>,
+    /// Launch mode: the session's links cover the command (`pid`) alone, so each of its
+    /// descendants (the only other processes the session reads) that the preload
+    /// library does not serve gets its allocator's probes for itself, with `method`.
+    pub descendants_alone: bool,
     /// `--sample-rate`: the entry can skip the return of an unsampled call, through a
     /// uprobe session link where the kernel has them.
     pub sampled: bool,
@@ -370,7 +374,12 @@ impl AllocatorProbes {
             .scan(object, executable)
             .map_err(|err| anyhow::anyhow!(err))?;
         let key = (object.id, only.unwrap_or(0));
-        let global = self.attached.get(&(object.id, 0));
+        // With one target, the session's links are the target's and cover no other
+        // process.
+        let global = match (only, self.settings.pid) {
+            (Some(_), Some(_)) => None,
+            _ => self.attached.get(&(object.id, 0)),
+        };
         let attached = self.attached.get(&key);
         let new: Vec<_> = scan
             .of_families(families)
@@ -511,6 +520,7 @@ impl AllocatorProbes {
             self.settings.per_process,
         ) {
             (Some(pid), Some(method)) => (UProbeScope::OneProcess(pid), method),
+            (Some(pid), None) => (UProbeScope::OneProcess(pid), self.settings.method),
             _ => match self.settings.pid.and_then(std::num::NonZeroU32::new) {
                 Some(pid) => (UProbeScope::OneProcess(pid), self.settings.method),
                 None => (UProbeScope::AllProcesses, self.settings.method),
@@ -577,6 +587,14 @@ impl AllocatorProbes {
             process.extend(links);
         }
         Ok(())
+    }
+
+    /// Whether process `pid` gets probes for itself alone (`Some(pid)`), or is covered
+    /// by the session's links (`None`): `--preload system` probes every process it
+    /// does not serve alone, launch mode each descendant of the command.
+    fn probed_alone(&self, pid: u32) -> Option<u32> {
+        let descendant = self.settings.descendants_alone && self.settings.pid != Some(pid);
+        (self.settings.per_process.is_some() || descendant).then_some(pid)
     }
 
     /// Custom functions not found in any object so far.

@@ -1,6 +1,7 @@
-//! `--preload system`: the processes the system-wide library joins, and the probes
-//! attached for one process alone (each process it does not serve), detached when the
-//! process joins, execs or exits.
+//! `--preload system`: the processes the system-wide library joins; and the probes
+//! attached for one process alone (each process that library does not serve, and each
+//! of a launched command's descendants that its library does not serve), detached
+//! when the process joins, execs or exits.
 
 use std::collections::HashSet;
 
@@ -35,7 +36,8 @@ impl AllocatorProbes {
         self.opted_out.len() as u64
     }
 
-    /// Processes with probes attached for themselves alone (`--preload system`).
+    /// Processes with probes attached for themselves alone (`--preload system`, and
+    /// launch mode's descendants).
     pub fn processes_with_own_probes(&self) -> impl Iterator<Item = u32> + '_ {
         self.process_links.keys().copied()
     }

@@ -28,9 +28,8 @@ impl AllocatorProbes {
         // heapprofd's library is first in the LD_PRELOAD it sets (the environment may
         // be unreadable, or changed since): after the program, it binds first.
         let preload_mapped = preload_id.filter(|id| process.objects.iter().any(|o| o.id == *id));
-        // The system-wide library serves a process only once it has joined it; until
-        // its start has asked (it asks before the program's main), nothing is probed.
-        let only = self.settings.per_process.map(|_| process.pid);
+        let only = self.probed_alone(process.pid);
+        let system = self.settings.per_process.is_some();
         if only.is_some() && process.exe.is_some_and(is_valgrind_tool) {
             // Valgrind runs the program's code by translating it: a probe's breakpoint
             // would stop it with SIGTRAP. (With probes for every process there is no
@@ -47,8 +46,9 @@ impl AllocatorProbes {
             return;
         }
         // Opted out of the system-wide preload: its copy never asks, and its probes would
-        // make it trap for a profile it declined (another heapprofd may serve it).
-        if only.is_some() && environ.as_ref().is_some_and(opt_out::opts_out) {
+        // make it trap for a profile it declined (another heapprofd may serve it). (A
+        // launched command opts out of other sessions' preload, for this one.)
+        if system && environ.as_ref().is_some_and(opt_out::opts_out) {
             if self.opted_out.insert(process.pid) {
                 log::info!(
                     "pid {} ({}): opted out of the system-wide preload ({}={}): heapprofd \
@@ -63,16 +63,21 @@ impl AllocatorProbes {
         }
         // A process that ran before heapprofd, not asked yet: its join comes, or its
         // probes do if it cannot be asked.
-        if only.is_some() && self.awaiting_ask.contains(&process.pid) {
+        if system && self.awaiting_ask.contains(&process.pid) {
             return;
         }
-        let preload_mapped = match (only, preload_mapped) {
-            (Some(pid), Some(id)) if crate::system_preload::contains(&self.system_joined, pid) => {
+        // The system-wide library serves a process only once it has joined it; until
+        // its start has asked (it asks before the program's main), nothing is probed.
+        // Launch mode's library serves whatever maps it, from its start.
+        let preload_mapped = match (system, preload_mapped) {
+            (true, Some(id))
+                if crate::system_preload::contains(&self.system_joined, process.pid) =>
+            {
                 Some(id)
             }
-            (Some(_), Some(_)) if !process.settled => return,
-            (Some(_), _) => None,
-            (None, mapped) => mapped,
+            (true, Some(_)) if !process.settled => return,
+            (true, _) => None,
+            (false, mapped) => mapped,
         };
         for object in &order {
             if serving::is_loader(object) || another_sessions_library(object, preload_id) {
@@ -198,8 +203,9 @@ impl AllocatorProbes {
             } else {
                 &[Family::Vendor, Family::Custom]
             };
-            // The system-wide preload probes a process's other objects for it alone.
-            let only = self.settings.per_process.map(|_| process.pid);
+            // The system-wide preload and launch mode's descendants: a process's other
+            // objects are probed for it alone.
+            let only = self.probed_alone(process.pid);
             if let Err(err) = self.probe_object_for(ebpf, object, families, executable, only) {
                 log::debug!("pid {}: {}: {err:#}", process.pid, object.path);
             }

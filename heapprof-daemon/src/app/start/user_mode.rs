@@ -92,7 +92,7 @@ pub(super) fn start_user(
         fork_offset,
     )?;
     let bpf_log = BpfLog::init(&mut ebpf);
-    let settings = probe_settings(cli, pid, method, system)?;
+    let settings = probe_settings(cli, target, pid, method, system)?;
     let mut allocators = AllocatorProbes::new(&mut ebpf, settings)?;
     // With the preload library, the C library's standard names are left to it.
     if let Some(library) = preload {
@@ -207,10 +207,12 @@ fn attach_process_events_and_arm(
 }
 
 /// How the allocators are probed: the command line's functions, the one process
-/// watched (`pid`), and, with the system-wide preload (`system`), each process it does
-/// not serve probed alone.
+/// watched (`pid`), and each process probed alone: with the system-wide preload
+/// (`system`), each process it does not serve; in launch mode, each of the command's
+/// descendants that its library does not serve.
 fn probe_settings(
     cli: &Cli,
+    target: &Target,
     pid: Option<u32>,
     method: probes::AttachMethod,
     system: bool,
@@ -226,6 +228,7 @@ fn probe_settings(
         pid,
         // Links whose filter covers the process's threads where the kernel's does.
         per_process: system.then(|| probes::attach_method(cli.attach, Some(std::process::id()))),
+        descendants_alone: matches!(target, Target::Launch(_)),
         sampled: cli.sample_rate.unwrap_or(0) > 0,
     };
     if let Some(name) = duplicate(&settings.custom) {

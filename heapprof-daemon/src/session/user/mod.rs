@@ -553,7 +553,8 @@ impl UserSession {
             }
         }
         self.images.mark_exited(&dead);
-        // Probes attached for one process alone (`--preload system`) go with it.
+        // Probes attached for one process alone (`--preload system`, launch mode's
+        // descendants) go with it.
         let gone: HashSet<u32> = self
             .allocators
             .processes_with_own_probes()
