@@ -215,10 +215,15 @@ impl AllocatorProbes {
     /// Says once per process that the preload library does not serve it, once it is
     /// past its start-up.
     fn note_preload_fallback(&mut self, process: &ProcessView<'_>, preload_id: Option<(u64, u64)>) {
-        if preload_id.is_none() || !process.settled || !self.preload_fallbacks.insert(process.pid) {
+        let system = self.settings.per_process.is_some();
+        let descendant = !system && self.probed_alone(process.pid).is_some();
+        if (preload_id.is_none() && !descendant)
+            || !process.settled
+            || !self.preload_fallbacks.insert(process.pid)
+        {
             return;
         }
-        if self.settings.per_process.is_some() {
+        if system {
             // The system-wide preload: every process running before heapprofd is one.
             log::debug!(
                 "pid {} ({}): not served by the system-wide library; probed alone",
@@ -228,11 +233,29 @@ impl AllocatorProbes {
             return;
         }
         let mapped = process.objects.iter().any(|o| Some(o.id) == preload_id);
-        let why = if mapped {
-            "its program binds malloc ahead of it"
-        } else {
-            "the library is not loaded: a static or setuid program, or LD_PRELOAD dropped"
+        let why = match (preload_id, mapped) {
+            (None, _) => "--preload off",
+            (Some(_), true) => "its program binds malloc ahead of it",
+            (Some(_), false) => {
+                "the library is not loaded: a static or setuid program, or LD_PRELOAD dropped"
+            }
         };
+        if descendant {
+            // Only the command is held until its probes are on: said once per program,
+            // in the log and in the profiles.
+            let program = process.exe.unwrap_or(process.comm);
+            self.report(
+                &format!("launched child {program}"),
+                format!(
+                    "pid {} ({}), a child of the command: heapprofd's preload library does \
+                     not serve {program} ({why}); its allocator's probes are attached for \
+                     it once its program is read, and what it allocates before (about a \
+                     tenth of a second after its exec) is not counted",
+                    process.pid, process.comm
+                ),
+            );
+            return;
+        }
         log::info!(
             "pid {} ({}): heapprofd's preload library does not serve it ({why}); its \
              allocator's probes count its calls instead (an entry and a return trap each)",

@@ -107,11 +107,14 @@ impl ProcessInfo {
 }
 
 /// After an exec, the new image's mappings are read at these delays: at once (the
-/// program and the dynamic loader), for an image that exits or execs again quickly,
-/// and later, once the loader has mapped the libraries. Until the probed C library
-/// shows up; the last read tells that it did not.
-const EXEC_READ_DELAYS: [Duration; 3] = [
+/// program and the dynamic loader), for an image that exits or execs again quickly;
+/// a few milliseconds on, when the loader has usually mapped the libraries (a
+/// launched command's child that its library does not serve is probed from then on);
+/// and later, for a slow start. Until the probed C library shows up; the last read
+/// tells that it did not.
+const EXEC_READ_DELAYS: [Duration; 4] = [
     Duration::ZERO,
+    Duration::from_millis(10),
     Duration::from_millis(100),
     Duration::from_secs(2),
 ];
