@@ -291,6 +291,8 @@ impl PausedChild {
         receiver
     }
 
+    /// The tracer thread: seizes the child, lets it exec, then answers its stops
+    /// until it is gone.
     fn trace(self, events: mpsc::UnboundedSender<ChildEvent>) {
         let Self {
             pid,
@@ -299,21 +301,7 @@ impl PausedChild {
             handed,
         } = self;
         let pid = pid as libc::pid_t;
-        // SAFETY: plain ptrace request on our own child.
-        let seized = unsafe {
-            libc::ptrace(
-                libc::PTRACE_SEIZE,
-                pid,
-                0,
-                (libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC) as libc::c_long,
-            )
-        } == 0;
-        if !seized {
-            log::warn!(
-                "cannot hold the child at exit ({}); symbols of code loaded after the last profile may be missing",
-                io::Error::last_os_error()
-            );
-        }
+        seize(pid);
         if let Err(err) = send_go(&go, handed.as_ref()) {
             log::error!("cannot release the command: {err}");
         }
@@ -331,68 +319,105 @@ impl PausedChild {
                 let _ = events.send(ChildEvent::Exited(1));
                 return;
             }
-            if libc::WIFEXITED(status) {
-                let code = libc::WEXITSTATUS(status);
-                if code == 127 {
-                    report_exec_error(&exec_error);
-                }
+            if let Some(code) = exit_status(status, &exec_error) {
                 let _ = events.send(ChildEvent::Exited(code));
                 return;
             }
-            if libc::WIFSIGNALED(status) {
-                let _ = events.send(ChildEvent::Exited(128 + libc::WTERMSIG(status)));
-                return;
-            }
-            if !libc::WIFSTOPPED(status) {
-                continue;
-            }
-            let event = (status >> 16) & 0xff;
-            if event == libc::PTRACE_EVENT_EXIT {
-                let (resume, resumed) = oneshot::channel();
-                if events.send(ChildEvent::Exiting { resume }).is_ok() {
-                    // Either answered or dropped: both mean go on.
-                    let _ = resumed.blocking_recv();
-                }
-                // SAFETY: a request on our own seized child, stopped; it passes no memory.
-                unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
-            } else if event == libc::PTRACE_EVENT_EXEC {
-                let (resume, resumed) = oneshot::channel();
-                if events.send(ChildEvent::Exec { resume }).is_ok() {
-                    let _ = resumed.blocking_recv();
-                }
-                // SAFETY: a request on our own seized child, stopped; it passes no memory.
-                unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
-            } else if event == libc::PTRACE_EVENT_STOP {
-                if is_stop_signal(libc::WSTOPSIG(status)) {
-                    // A group stop (SIGSTOP, SIGTSTP...): stay stopped, as without a tracer.
-                    // SAFETY: a request on our own seized child, stopped; it passes no memory.
-                    unsafe { libc::ptrace(libc::PTRACE_LISTEN, pid, 0, 0) };
-                } else {
-                    // A notification trap (WSTOPSIG is SIGTRAP): a seized tracee traps like
-                    // this when it gets SIGCONT, as `timeout` sends after its signal. It is
-                    // not a group stop: answering with PTRACE_LISTEN would hold it stopped
-                    // for good, with its pending SIGINT/SIGTERM never delivered.
-                    // SAFETY: a request on our own seized child, stopped; it passes no memory.
-                    unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, 0) };
-                }
-            } else {
-                // A signal on its way to the child: deliver it unchanged, unless it is the
-                // programs' hold at a loader event (answered by the session).
-                let mut signal = libc::WSTOPSIG(status);
-                if signal == libc::SIGCONT && sent_by_kernel(pid) {
-                    let (resume, resumed) = oneshot::channel();
-                    if events.send(ChildEvent::KernelSigcont { resume }).is_ok()
-                        && resumed.blocking_recv() == Ok(true)
-                    {
-                        signal = 0;
-                    }
-                }
-                // SAFETY: a request on our own seized child, stopped; it passes no memory,
-                // only a signal number.
-                unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, signal as libc::c_long) };
+            if libc::WIFSTOPPED(status) {
+                answer_stop(pid, status, &events);
             }
         }
     }
+}
+
+/// Seizes the child with ptrace, asking for its exit and exec events only.
+fn seize(pid: libc::pid_t) {
+    // SAFETY: plain ptrace request on our own child.
+    let seized = unsafe {
+        libc::ptrace(
+            libc::PTRACE_SEIZE,
+            pid,
+            0,
+            (libc::PTRACE_O_TRACEEXIT | libc::PTRACE_O_TRACEEXEC) as libc::c_long,
+        )
+    } == 0;
+    if !seized {
+        log::warn!(
+            "cannot hold the child at exit ({}); symbols of code loaded after the last profile may be missing",
+            io::Error::last_os_error()
+        );
+    }
+}
+
+/// The child's exit status as a shell reports it (128+N for signal N), once it has
+/// ended; an exec that failed is said here.
+fn exit_status(status: libc::c_int, exec_error: &OwnedFd) -> Option<i32> {
+    if libc::WIFEXITED(status) {
+        let code = libc::WEXITSTATUS(status);
+        if code == 127 {
+            report_exec_error(exec_error);
+        }
+        return Some(code);
+    }
+    libc::WIFSIGNALED(status).then(|| 128 + libc::WTERMSIG(status))
+}
+
+/// Lets the stopped child go on: after the session's answer at its exit, its exec and
+/// the programs' hold at a loader event; stopped still at a group stop, as without a
+/// tracer; with any other signal delivered unchanged.
+fn answer_stop(pid: libc::pid_t, status: libc::c_int, events: &mpsc::UnboundedSender<ChildEvent>) {
+    let event = (status >> 16) & 0xff;
+    if event == libc::PTRACE_EVENT_EXIT {
+        held_until_answered(events, |resume| ChildEvent::Exiting { resume });
+        continue_child(pid, 0);
+    } else if event == libc::PTRACE_EVENT_EXEC {
+        held_until_answered(events, |resume| ChildEvent::Exec { resume });
+        continue_child(pid, 0);
+    } else if event == libc::PTRACE_EVENT_STOP {
+        if is_stop_signal(libc::WSTOPSIG(status)) {
+            // A group stop (SIGSTOP, SIGTSTP...): stay stopped, as without a tracer.
+            // SAFETY: a request on our own seized child, stopped; it passes no memory.
+            unsafe { libc::ptrace(libc::PTRACE_LISTEN, pid, 0, 0) };
+        } else {
+            // A notification trap (WSTOPSIG is SIGTRAP): a seized tracee traps like
+            // this when it gets SIGCONT, as `timeout` sends after its signal. It is
+            // not a group stop: answering with PTRACE_LISTEN would hold it stopped
+            // for good, with its pending SIGINT/SIGTERM never delivered.
+            continue_child(pid, 0);
+        }
+    } else {
+        // A signal on its way to the child: deliver it unchanged, unless it is the
+        // programs' hold at a loader event (answered by the session).
+        let mut signal = libc::WSTOPSIG(status);
+        if signal == libc::SIGCONT && sent_by_kernel(pid) {
+            let (resume, resumed) = oneshot::channel();
+            if events.send(ChildEvent::KernelSigcont { resume }).is_ok()
+                && resumed.blocking_recv() == Ok(true)
+            {
+                signal = 0;
+            }
+        }
+        continue_child(pid, signal);
+    }
+}
+
+/// Tells the session of a hold (`event`, made with the answer's sender) and waits for
+/// its answer; a dropped answer means go on too.
+fn held_until_answered(
+    events: &mpsc::UnboundedSender<ChildEvent>,
+    event: impl FnOnce(oneshot::Sender<()>) -> ChildEvent,
+) {
+    let (resume, resumed) = oneshot::channel();
+    if events.send(event(resume)).is_ok() {
+        let _ = resumed.blocking_recv();
+    }
+}
+
+/// Resumes the stopped child, delivering `signal` (0 for none).
+fn continue_child(pid: libc::pid_t, signal: libc::c_int) {
+    // SAFETY: a request on our own seized child, stopped; it passes no memory, only a
+    // signal number.
+    unsafe { libc::ptrace(libc::PTRACE_CONT, pid, 0, signal as libc::c_long) };
 }
 
 /// How long a launched command may take to end after a passed signal before heapprofd

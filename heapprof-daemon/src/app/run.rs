@@ -70,16 +70,16 @@ pub async fn run(
     push: Option<PushConfig>,
 ) -> Result<ExitCode> {
     let Started {
-        mut session,
+        session,
         child,
         target_exit,
-        mut sigint,
-        mut sigterm,
-        mut bpf_log,
+        sigint,
+        sigterm,
+        bpf_log,
         figures,
-        mut system,
+        system,
     } = started;
-    let mut outputs = Outputs::open(cli, push)?;
+    let outputs = Outputs::open(cli, push)?;
     // Ready once every process is served: with the system-wide preload, once those
     // running before heapprofd have been asked to join.
     let mut ready_file = cli.ready_file.as_deref();
@@ -87,15 +87,95 @@ pub async fn run(
         say_ready_once(&mut ready_file)?;
     }
     let child_pid = child.as_ref().map(|c| c.pid);
-    let mut child_events = child.map(PausedChild::release);
+    let mut state = LoopState {
+        exec_events: None,
+        mapping_requests: None,
+        session,
+        outputs,
+        system,
+        bpf_log,
+        child_pid,
+        child_events: child.map(PausedChild::release),
+        relay: child_pid.map(SignalRelay::new),
+        target_exit,
+        sigint,
+        sigterm,
+    };
+    state.exec_events = state.session.take_exec_events();
+    state.mapping_requests = state.session.take_mapping_requests();
+    let exit_code = event_loop(cli, target, &mut state, ready_file).await?;
+    let LoopState {
+        mut session,
+        mut exec_events,
+        system,
+        bpf_log,
+        outputs,
+        ..
+    } = state;
+    // The loop may end before it reads the exec events of forks that exec'd right
+    // before the command exited: they carry the fork origins that symbolize those
+    // forks' first images in the final profile.
+    if let Some(fd) = exec_events.as_mut() {
+        for event in read_records::<ExecEvent>(fd.get_mut()) {
+            session.exec_seen(event);
+        }
+    }
+    let ending = Ending {
+        session,
+        system,
+        bpf_log,
+        figures,
+        outputs,
+    };
+    finish(cli, target, ending).await?;
+    Ok(exit_code)
+}
+
+/// What the event loop watches and acts on.
+struct LoopState {
+    session: AnySession,
+    outputs: Outputs,
+    system: Option<SystemPreload>,
+    bpf_log: Option<crate::health::bpf_log::BpfLog>,
+    /// Launch mode: the command, its events and the signals passed on to it.
+    child_pid: Option<u32>,
+    child_events: Option<tokio::sync::mpsc::UnboundedReceiver<ChildEvent>>,
+    relay: Option<SignalRelay>,
+    /// `--pid`: readable once the target has exited.
+    target_exit: Option<AsyncFd<std::os::fd::OwnedFd>>,
+    sigint: tokio::signal::unix::Signal,
+    sigterm: tokio::signal::unix::Signal,
+    exec_events: Option<AsyncFd<RingBuf<MapData>>>,
+    mapping_requests: Option<AsyncFd<RingBuf<MapData>>>,
+}
+
+/// Serves the session's events until it ends (the command or the target exits, a
+/// signal, `--duration`); returns the exit status. `ready_file` is created once the
+/// system-wide preload has asked the processes running before heapprofd, if not yet.
+async fn event_loop(
+    cli: &Cli,
+    target: &Target,
+    state: &mut LoopState,
+    mut ready_file: Option<&std::path::Path>,
+) -> Result<ExitCode> {
+    // Each watched thing its own borrow: the select's arms wait on them at once.
+    let LoopState {
+        session,
+        outputs,
+        system,
+        bpf_log,
+        child_pid,
+        child_events,
+        relay,
+        target_exit,
+        sigint,
+        sigterm,
+        exec_events,
+        mapping_requests,
+    } = state;
     let mut ticks = profile_ticks(cli.interval);
     let deadline = cli.duration.map(|d| Instant::now() + d);
     let far_future = Instant::now() + Duration::from_secs(100 * 365 * 86400);
-    let mut exit_code = ExitCode::SUCCESS;
-    let mut relay = child_pid.map(SignalRelay::new);
-    let mut exec_events = session.take_exec_events();
-    let mut mapping_requests = session.take_mapping_requests();
-
     loop {
         let next_exec_read = session.next_exec_read();
         tokio::select! {
@@ -123,12 +203,12 @@ pub async fn run(
                 outputs.images_read(session.read_due_images());
             }
             () = async { match bpf_log.as_mut() { Some(log) => log.forward().await, None => std::future::pending().await } } => {}
-            _ = ticks.tick() => outputs.interval_profile(&mut session, bpf_log.as_mut(), target),
+            _ = ticks.tick() => outputs.interval_profile(session, bpf_log.as_mut(), target),
             signal = async { tokio::select! { _ = sigint.recv() => libc::SIGINT, _ = sigterm.recv() => libc::SIGTERM } } => {
                 // Launch mode passes the signal on: the command's exit ends the run.
                 match relay.as_mut().map(|relay| relay.on_signal(signal, Instant::now().into_std())) {
                     Some(Relayed::Passed | Relayed::Repeat) => {}
-                    Some(Relayed::StopNow) | None => break,
+                    Some(Relayed::StopNow) | None => return Ok(ExitCode::SUCCESS),
                 }
             }
             _ = tokio::time::sleep_until(relay.as_ref().and_then(SignalRelay::warning_due).map_or(far_future, Instant::from_std)), if relay.as_ref().is_some_and(|r| r.warning_due().is_some()) => {
@@ -138,41 +218,21 @@ pub async fn run(
             }
             _ = tokio::time::sleep_until(deadline.unwrap_or(far_future)), if deadline.is_some() => {
                 log::info!("--duration reached");
-                break;
+                return Ok(ExitCode::SUCCESS);
             }
             event = async { match child_events.as_mut() { Some(events) => events.recv().await, None => std::future::pending().await } } => {
-                match on_command_event(event, child_pid, &mut session, relay.as_mut()) {
+                match on_command_event(event, *child_pid, session, relay.as_mut()) {
                     CommandFlow::Running => {}
-                    CommandFlow::Exited(code) => {
-                        exit_code = code;
-                        break;
-                    }
-                    CommandFlow::Gone => break,
+                    CommandFlow::Exited(code) => return Ok(code),
+                    CommandFlow::Gone => return Ok(ExitCode::SUCCESS),
                 }
             }
-            _ = async { match &target_exit { Some(fd) => { let _ = fd.readable().await; }, None => std::future::pending().await } } => {
+            _ = async { match target_exit { Some(fd) => { let _ = fd.readable().await; }, None => std::future::pending().await } } => {
                 log::info!("the target process exited");
-                break;
+                return Ok(ExitCode::SUCCESS);
             }
         }
     }
-    // The loop may end before it reads the exec events of forks that exec'd right
-    // before the command exited: they carry the fork origins that symbolize those
-    // forks' first images in the final profile.
-    if let Some(fd) = exec_events.as_mut() {
-        for event in read_records::<ExecEvent>(fd.get_mut()) {
-            session.exec_seen(event);
-        }
-    }
-    let ending = Ending {
-        session,
-        system,
-        bpf_log,
-        figures,
-        outputs,
-    };
-    finish(cli, target, ending).await?;
-    Ok(exit_code)
 }
 
 /// What a launched command's event means for the session.

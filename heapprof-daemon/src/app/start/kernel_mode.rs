@@ -2,6 +2,7 @@
 //! and attached (deferred frees where the kernel has them), the session ready.
 
 use anyhow::Result;
+use heapprof_common::kernel::{EventLayout, KernelEvent};
 
 use super::metrics_endpoint::serve_metrics;
 use crate::{
@@ -29,26 +30,7 @@ pub(super) fn start_kernel(
     };
     let events = probes::kernel::resolve_events(&tracing, selection)?;
     pprof::writer::prepare_output_dir(&cli.output_dir())?;
-    let capacities = probes::Capacities {
-        live_blocks: cli.live_blocks(),
-        sites: cli.max_sites,
-        stacks: cli.max_stacks,
-        threads: cli.max_threads,
-    };
-    let filter = !matches!(target, Target::All);
-    let mut ebpf = probes::kernel::load_bpf_object(
-        capacities,
-        &events,
-        filter,
-        cli.cgroup_filter()?,
-        cli.sample_rate.unwrap_or(0),
-    )?;
-    if let Some(rate) = cli.sample_rate {
-        log::info!(
-            "sampling about one kernel allocation per {rate} bytes, decided in the \
-             tracepoint programs before the stack is taken; values are scaled estimates"
-        );
-    }
+    let mut ebpf = load_kernel_bpf(cli, target, &events)?;
     let bpf_log = BpfLog::init(&mut ebpf);
     let config = KernelSessionConfig {
         target: target.clone(),
@@ -78,9 +60,57 @@ pub(super) fn start_kernel(
     if let Some(endpoint) = endpoint {
         session.export_metrics(serve_metrics(cli, target, endpoint, &map_memory));
     }
+    log_ready(cli, target, pid, attached, &events, &session);
+    let figures = StartFigures {
+        programs,
+        kernel_memory: map_memory,
+        joining: None,
+    };
+    Ok((session, bpf_log, figures))
+}
+
+/// Loads the kernel programs for `events`, with the capacities, the filters and the
+/// sampling the command line asks for.
+fn load_kernel_bpf(
+    cli: &Cli,
+    target: &Target,
+    events: &[(KernelEvent, EventLayout)],
+) -> Result<aya::Ebpf> {
+    let capacities = probes::Capacities {
+        live_blocks: cli.live_blocks(),
+        sites: cli.max_sites,
+        stacks: cli.max_stacks,
+        threads: cli.max_threads,
+    };
+    let filter = !matches!(target, Target::All);
+    let ebpf = probes::kernel::load_bpf_object(
+        capacities,
+        events,
+        filter,
+        cli.cgroup_filter()?,
+        cli.sample_rate.unwrap_or(0),
+    )?;
+    if let Some(rate) = cli.sample_rate {
+        log::info!(
+            "sampling about one kernel allocation per {rate} bytes, decided in the \
+             tracepoint programs before the stack is taken; values are scaled estimates"
+        );
+    }
+    Ok(ebpf)
+}
+
+/// Says what is probed and where profiles go: the start's last line, once heapprofd is
+/// fully ready (tests wait for it).
+fn log_ready(
+    cli: &Cli,
+    target: &Target,
+    pid: Option<u32>,
+    attached: usize,
+    events: &[(KernelEvent, EventLayout)],
+    session: &KernelSession,
+) {
     let mut names: Vec<&str> = events.iter().map(|(event, _)| event.name()).collect();
     names.extend(session.deferred_frees().seen.iter().copied());
-    // Logged last: once it is printed, heapprofd is fully ready (tests wait for it).
     log::info!(
         "{attached} probes on kernel tracepoints and functions ({}) for {}, profiles every {:?} in {}",
         names.join(" "),
@@ -96,10 +126,4 @@ pub(super) fn start_kernel(
         cli.interval,
         cli.output_dir().display()
     );
-    let figures = StartFigures {
-        programs,
-        kernel_memory: map_memory,
-        joining: None,
-    };
-    Ok((session, bpf_log, figures))
 }

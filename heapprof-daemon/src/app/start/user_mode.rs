@@ -42,7 +42,7 @@ pub(super) fn user_pid(target: &Target, child: Option<&PausedChild>) -> Option<u
 pub(super) fn start_user(
     cli: &Cli,
     target: &Target,
-    mut child: Option<&mut PausedChild>,
+    child: Option<&mut PausedChild>,
     preload: Option<PreloadLibrary>,
     endpoint: Option<Endpoint>,
     method: probes::AttachMethod,
@@ -53,6 +53,66 @@ pub(super) fn start_user(
     Option<SystemPreload>,
 )> {
     pprof::writer::prepare_output_dir(&cli.output_dir())?;
+    let mut armed = arm_probes(cli, target, child, preload, method)?;
+    let (pid, process_probes, bpf_log) = (armed.pid, armed.process_probes, armed.bpf_log.take());
+    let programs = StartFigures::programs_of(&armed.ebpf);
+    let (mut session, joining, system) = stand_session(cli, target, armed)?;
+    require_allocator_probed(&session, target)?;
+    // Said once the session stands: where no allocator can be probed either, the
+    // error alone is the one line.
+    warn_if_on_probes(joining.as_ref());
+    let map_memory = health::map_memory::tables();
+    log::info!("{}", health::map_memory::describe(&map_memory));
+    if let Some(endpoint) = endpoint {
+        session.export_metrics(serve_metrics(cli, target, endpoint, &map_memory));
+    }
+    // Last: from here on, new programs ask to join, and the session answers them.
+    let system = match system {
+        Some((replies, running)) => Some(start_system_preload(
+            replies,
+            cli.sample_rate.unwrap_or(0),
+            &session,
+            running,
+        )?),
+        None => None,
+    };
+    // Logged last: once it is printed, heapprofd is fully ready.
+    log_ready(cli, target, pid, &session, process_probes);
+    let figures = StartFigures {
+        programs,
+        kernel_memory: map_memory,
+        joining,
+    };
+    Ok((session, bpf_log, figures, system))
+}
+
+/// The BPF side of a user-mode start, armed: what the session is made of.
+struct ArmedProbes {
+    ebpf: aya::Ebpf,
+    allocators: AllocatorProbes,
+    bpf_log: Option<BpfLog>,
+    /// The one process watched (`--pid`, the launched command).
+    pid: Option<u32>,
+    /// `--pid`: heapprofd's library loaded into the process, to be joined.
+    loaded: Option<inject::Injection>,
+    joining: Option<Joining>,
+    /// The loader's hook and the process events.
+    process_probes: usize,
+    tables: TableCapacities,
+    /// `--preload system`.
+    system: bool,
+}
+
+/// Loads the BPF object, probes the allocators (the preload library's copy first),
+/// loads heapprofd's library into a `--pid` target where it may, attaches the process
+/// events and arms the programs.
+fn arm_probes(
+    cli: &Cli,
+    target: &Target,
+    mut child: Option<&mut PausedChild>,
+    preload: Option<PreloadLibrary>,
+    method: probes::AttachMethod,
+) -> Result<ArmedProbes> {
     let sample_rate = cli.sample_rate.unwrap_or(0);
     let pid = user_pid(target, child.as_deref());
     let tables = TableCapacities {
@@ -66,28 +126,15 @@ pub(super) fn start_user(
             .and_then(|program| launch::resolve_program(program).ok()),
         _ => None,
     };
-    let injecting = cli.injects(target);
     let system = cli.system_preload(target);
-    // The system-wide preload probes no process it does not have to: the loader's hook
-    // would be a breakpoint in every process (valgrind stops at it). New objects' unwind
-    // tables then load when stacks meet them.
-    let loader = if system {
-        None
-    } else {
-        find_loader_hook(target, program.as_deref())?
-    };
-    let preload = if system {
-        Some(PreloadLibrary::install_system()?)
-    } else {
-        preload
-    };
+    let (loader, preload) = loader_and_library(target, program.as_deref(), system, preload)?;
     let mut preloading = preload.is_some();
     let fork_offset = fork_child_pid_offset(cli, target);
     let mut ebpf = load_user_bpf(
         cli,
         pid,
         child.is_some(),
-        preloading || injecting,
+        preloading || cli.injects(target),
         tables,
         fork_offset,
     )?;
@@ -101,7 +148,7 @@ pub(super) fn start_user(
             child.hand_over(replies_map(&ebpf)?);
         }
     }
-    let (loaded, mut joining) = load_into_target(cli, target, &mut ebpf, &mut allocators)?;
+    let (loaded, joining) = load_into_target(cli, target, &mut ebpf, &mut allocators)?;
     preloading |= loaded.is_some();
     log_sampling(sample_rate, preloading);
     probe_initial_allocators(
@@ -120,6 +167,56 @@ pub(super) fn start_user(
         fork_offset.is_some(),
         preloading && sample_rate == 0,
     )?;
+    Ok(ArmedProbes {
+        ebpf,
+        allocators,
+        bpf_log,
+        pid,
+        loaded,
+        joining,
+        process_probes,
+        tables,
+        system,
+    })
+}
+
+/// The loader's hook to probe, and the preload library to use: the system-wide
+/// preload installs its own and probes no loader (the hook would be a breakpoint in
+/// every process, and valgrind stops at it; new objects' unwind tables then load
+/// when stacks meet them).
+fn loader_and_library(
+    target: &Target,
+    program: Option<&std::path::Path>,
+    system: bool,
+    preload: Option<PreloadLibrary>,
+) -> Result<(Option<probes::DynamicLoader>, Option<PreloadLibrary>)> {
+    if system {
+        return Ok((None, Some(PreloadLibrary::install_system()?)));
+    }
+    Ok((find_loader_hook(target, program)?, preload))
+}
+
+/// What `--preload system` starts with once the session stands: the map its answers
+/// go through, and the processes running now, to be asked to join.
+type SystemStart = (std::os::fd::OwnedFd, Vec<u32>);
+
+/// Makes the session of the armed probes, reads the processes running now, and joins
+/// a `--pid` target into which heapprofd's library was loaded.
+fn stand_session(
+    cli: &Cli,
+    target: &Target,
+    armed: ArmedProbes,
+) -> Result<(UserSession, Option<Joining>, Option<SystemStart>)> {
+    let ArmedProbes {
+        ebpf,
+        allocators,
+        loaded,
+        mut joining,
+        tables,
+        system,
+        ..
+    } = armed;
+    let sample_rate = cli.sample_rate.unwrap_or(0);
     let replies = loaded.as_ref().map(|_| replies_map(&ebpf)).transpose()?;
     let system_replies = system.then(|| replies_map(&ebpf)).transpose()?;
     let config = UserSessionConfig {
@@ -131,7 +228,6 @@ pub(super) fn start_user(
         retain_exited: cli.retain_exited,
         system_preload: system,
     };
-    let programs = StartFigures::programs_of(&ebpf);
     let mut session = UserSession::new(config, ebpf, allocators)?;
     // The processes running now are asked to join once the socket listens: until their
     // copy asks, the session leaves them alone (they count from their join).
@@ -153,33 +249,8 @@ pub(super) fn start_user(
             sample_rate,
         ));
     }
-    require_allocator_probed(&session, target)?;
-    // Said once the session stands: where no allocator can be probed either, the
-    // error alone is the one line.
-    warn_if_on_probes(joining.as_ref());
-    let map_memory = health::map_memory::tables();
-    log::info!("{}", health::map_memory::describe(&map_memory));
-    if let Some(endpoint) = endpoint {
-        session.export_metrics(serve_metrics(cli, target, endpoint, &map_memory));
-    }
-    // Last: from here on, new programs ask to join, and the session answers them.
-    let system = match system_replies {
-        Some(replies) => Some(start_system_preload(
-            replies,
-            sample_rate,
-            &session,
-            running.unwrap_or_default(),
-        )?),
-        None => None,
-    };
-    // Logged last: once it is printed, heapprofd is fully ready.
-    log_ready(cli, target, pid, &session, process_probes);
-    let figures = StartFigures {
-        programs,
-        kernel_memory: map_memory,
-        joining,
-    };
-    Ok((session, bpf_log, figures, system))
+    let system = system_replies.map(|replies| (replies, running.unwrap_or_default()));
+    Ok((session, joining, system))
 }
 
 /// Attaches what follows the processes (the loader's hook and exits; `forks`: the
