@@ -19,7 +19,8 @@ use prometheus_client::{
     registry::Unit,
 };
 
-use super::{ProcessFigures, Published, lock};
+use super::{ProcessFigures, Published, TableFigure, lock};
+use crate::health::stats::ProgramStats;
 
 /// Encodes the figures last published.
 #[derive(Debug)]
@@ -101,134 +102,170 @@ fn counters<'a>(
         .map(move |p| (process_labels(p), ConstCounter::new(value(p))))
 }
 
+/// The samples of a table family, one per table: `--metrics` exposes entries,
+/// capacities and kernel memory alike.
+fn table_gauges(
+    figures: &[TableFigure],
+) -> impl Iterator<Item = ([(&'static str, &'static str); 1], ConstGauge<u64>)> + '_ {
+    figures
+        .iter()
+        .map(|t| ([("table", t.table)], ConstGauge::new(t.value)))
+}
+
 impl Collector for SnapshotCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), fmt::Error> {
         let state = lock(&self.state);
-        let processes = &state.processes;
-        let bytes = Some(&Unit::Bytes);
-        family(
-            &mut encoder,
-            "inuse",
-            "Heap bytes in use per process (allocated while traced and not freed), as in the profile of the same interval",
-            bytes,
-            MetricType::Gauge,
-            gauges(processes, |p| Some(p.inuse_bytes)),
-        )?;
-        family(
-            &mut encoder,
-            "inuse_objects",
-            "Heap blocks in use per process",
-            None,
-            MetricType::Gauge,
-            gauges(processes, |p| Some(p.inuse_objects)),
-        )?;
-        family(
-            &mut encoder,
-            "allocated",
-            "Heap bytes allocated per process since tracing began",
-            bytes,
-            MetricType::Counter,
-            counters(processes, |p| p.allocated_bytes),
-        )?;
-        family(
-            &mut encoder,
-            "allocated_objects",
-            "Heap blocks allocated per process since tracing began",
-            None,
-            MetricType::Counter,
-            counters(processes, |p| p.allocated_objects),
-        )?;
-        family(
-            &mut encoder,
-            "peak_inuse",
-            "Exact peak of heap bytes in use per process (exact mode without --no-peak only)",
-            bytes,
-            MetricType::Gauge,
-            gauges(processes, |p| p.peak_inuse_bytes),
-        )?;
-        let drops = state.profiled.then_some(state.drops);
-        family(
-            &mut encoder,
-            "dropped",
-            "Events heapprofd could not record fully, by reason (as in the profiles' comments)",
-            None,
-            MetricType::Counter,
-            drops.into_iter().flat_map(|drops| {
-                DropReason::ALL.into_iter().map(move |reason| {
-                    (
-                        [("reason", reason_label(reason))],
-                        ConstCounter::new(drops[reason as usize]),
-                    )
-                })
-            }),
-        )?;
-        family(
-            &mut encoder,
-            "table_entries",
-            "Entries in heapprofd's tables (live_blocks: blocks in use that the live-block table holds)",
-            None,
-            MetricType::Gauge,
-            state
-                .tables
-                .iter()
-                .map(|t| ([("table", t.table)], ConstGauge::new(t.value))),
-        )?;
-        family(
-            &mut encoder,
-            "table_capacity",
-            "Capacity of heapprofd's tables (the --max-* flags)",
-            None,
-            MetricType::Gauge,
-            state
-                .capacities
-                .iter()
-                .map(|t| ([("table", t.table)], ConstGauge::new(t.value))),
-        )?;
-        family(
-            &mut encoder,
-            "table_kernel_memory",
-            "Kernel memory of heapprofd's tables' BPF maps, allocated at start for their capacities",
-            Some(&Unit::Bytes),
-            MetricType::Gauge,
-            state
-                .kernel_memory
-                .iter()
-                .map(|t| ([("table", t.table)], ConstGauge::new(t.value))),
-        )?;
-        family(
-            &mut encoder,
-            "bpf_run",
-            "Time the kernel spent running each of heapprofd's BPF programs (kernel BPF statistics)",
-            Some(&Unit::Seconds),
-            MetricType::Counter,
-            state.programs.iter().map(|p| {
-                (
-                    [("program", p.name.as_str())],
-                    ConstCounter::new(p.run_time.as_secs_f64()),
-                )
-            }),
-        )?;
-        family(
-            &mut encoder,
-            "bpf_runs",
-            "Runs of each of heapprofd's BPF programs (kernel BPF statistics)",
-            None,
-            MetricType::Counter,
-            state
-                .programs
-                .iter()
-                .map(|p| ([("program", p.name.as_str())], ConstCounter::new(p.runs))),
-        )?;
-        // No labels: the one sample is encoded without a label set (not as `{}`).
-        let metric = encoder.encode_descriptor(
-            "resident_memory",
-            "heapprofd's own resident memory (/proc/self/statm) when it last wrote a profile",
-            bytes,
-            MetricType::Gauge,
-        )?;
-        if let Some(resident) = state.resident_bytes {
-            ConstGauge::new(resident).encode(metric)?;
-        }
-        Ok(())
+        encode_process_families(&mut encoder, &state.processes)?;
+        encode_dropped(&mut encoder, &state)?;
+        encode_table_families(&mut encoder, &state)?;
+        encode_program_families(&mut encoder, &state.programs)?;
+        encode_resident_memory(&mut encoder, state.resident_bytes)
     }
+}
+
+/// The per-process families: bytes and blocks in use, allocated, and the exact peak.
+fn encode_process_families(
+    encoder: &mut DescriptorEncoder,
+    processes: &[ProcessFigures],
+) -> Result<(), fmt::Error> {
+    let bytes = Some(&Unit::Bytes);
+    family(
+        encoder,
+        "inuse",
+        "Heap bytes in use per process (allocated while traced and not freed), as in the profile of the same interval",
+        bytes,
+        MetricType::Gauge,
+        gauges(processes, |p| Some(p.inuse_bytes)),
+    )?;
+    family(
+        encoder,
+        "inuse_objects",
+        "Heap blocks in use per process",
+        None,
+        MetricType::Gauge,
+        gauges(processes, |p| Some(p.inuse_objects)),
+    )?;
+    family(
+        encoder,
+        "allocated",
+        "Heap bytes allocated per process since tracing began",
+        bytes,
+        MetricType::Counter,
+        counters(processes, |p| p.allocated_bytes),
+    )?;
+    family(
+        encoder,
+        "allocated_objects",
+        "Heap blocks allocated per process since tracing began",
+        None,
+        MetricType::Counter,
+        counters(processes, |p| p.allocated_objects),
+    )?;
+    family(
+        encoder,
+        "peak_inuse",
+        "Exact peak of heap bytes in use per process (exact mode without --no-peak only)",
+        bytes,
+        MetricType::Gauge,
+        gauges(processes, |p| p.peak_inuse_bytes),
+    )
+}
+
+/// The drop counters by reason; without samples until the first profile.
+fn encode_dropped(encoder: &mut DescriptorEncoder, state: &Published) -> Result<(), fmt::Error> {
+    let drops = state.profiled.then_some(state.drops);
+    family(
+        encoder,
+        "dropped",
+        "Events heapprofd could not record fully, by reason (as in the profiles' comments)",
+        None,
+        MetricType::Counter,
+        drops.into_iter().flat_map(|drops| {
+            DropReason::ALL.into_iter().map(move |reason| {
+                (
+                    [("reason", reason_label(reason))],
+                    ConstCounter::new(drops[reason as usize]),
+                )
+            })
+        }),
+    )
+}
+
+/// The families of heapprofd's own tables: entries, capacities, kernel memory.
+fn encode_table_families(
+    encoder: &mut DescriptorEncoder,
+    state: &Published,
+) -> Result<(), fmt::Error> {
+    family(
+        encoder,
+        "table_entries",
+        "Entries in heapprofd's tables (live_blocks: blocks in use that the live-block table holds)",
+        None,
+        MetricType::Gauge,
+        table_gauges(&state.tables),
+    )?;
+    family(
+        encoder,
+        "table_capacity",
+        "Capacity of heapprofd's tables (the --max-* flags)",
+        None,
+        MetricType::Gauge,
+        table_gauges(&state.capacities),
+    )?;
+    family(
+        encoder,
+        "table_kernel_memory",
+        "Kernel memory of heapprofd's tables' BPF maps, allocated at start for their capacities",
+        Some(&Unit::Bytes),
+        MetricType::Gauge,
+        table_gauges(&state.kernel_memory),
+    )
+}
+
+/// The kernel's BPF statistics of heapprofd's programs: run time and runs.
+fn encode_program_families(
+    encoder: &mut DescriptorEncoder,
+    programs: &[ProgramStats],
+) -> Result<(), fmt::Error> {
+    family(
+        encoder,
+        "bpf_run",
+        "Time the kernel spent running each of heapprofd's BPF programs (kernel BPF statistics)",
+        Some(&Unit::Seconds),
+        MetricType::Counter,
+        programs.iter().map(|p| {
+            (
+                [("program", p.name.as_str())],
+                ConstCounter::new(p.run_time.as_secs_f64()),
+            )
+        }),
+    )?;
+    family(
+        encoder,
+        "bpf_runs",
+        "Runs of each of heapprofd's BPF programs (kernel BPF statistics)",
+        None,
+        MetricType::Counter,
+        programs
+            .iter()
+            .map(|p| ([("program", p.name.as_str())], ConstCounter::new(p.runs))),
+    )
+}
+
+/// heapprofd's own resident memory: a descriptor always, a sample once known.
+fn encode_resident_memory(
+    encoder: &mut DescriptorEncoder,
+    resident_bytes: Option<u64>,
+) -> Result<(), fmt::Error> {
+    // No labels: the one sample is encoded without a label set (not as `{}`).
+    let metric = encoder.encode_descriptor(
+        "resident_memory",
+        "heapprofd's own resident memory (/proc/self/statm) when it last wrote a profile",
+        Some(&Unit::Bytes),
+        MetricType::Gauge,
+    )?;
+    if let Some(resident) = resident_bytes {
+        ConstGauge::new(resident).encode(metric)?;
+    }
+    Ok(())
 }
