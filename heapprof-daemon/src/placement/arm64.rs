@@ -59,12 +59,30 @@ fn sp(number: u8) -> Option<u8> {
 
 /// The effect of the common integer, load/store and system instructions (ARMv8-A
 /// encodings); `None` for any other, which ends the search.
+///
+/// Each instruction class is decoded on its own: each answers `None` only for the
+/// words outside the encodings it knows, so the next class is tried.
 fn effect(word: u32) -> Option<Effect> {
+    data_processing_immediate(word)
+        .or_else(|| data_processing_register(word))
+        .or_else(|| load_store(word))
+        .or_else(|| system(word))
+}
+
+/// An instruction that writes these registers (`None`s for fewer than three).
+fn writes(a: Option<u8>, b: Option<u8>, c: Option<u8>) -> Option<Effect> {
+    Some(Effect::Writes([a, b, c]))
+}
+
+/// Whether an add/sub sets the flags (adds, subs, cmp, cmn): its rd 31 is then the
+/// zero register rather than the stack pointer.
+fn sets_flags(word: u32) -> bool {
+    word & 0x2000_0000 != 0
+}
+
+/// Data processing, immediate: add/sub, logical, move wide, bitfield, extract.
+fn data_processing_immediate(word: u32) -> Option<Effect> {
     let rd = field(word, 0);
-    let rn = field(word, 5);
-    let writes = |a: Option<u8>, b: Option<u8>, c: Option<u8>| Some(Effect::Writes([a, b, c]));
-    let flag_setting = word & 0x2000_0000 != 0;
-    // Data processing, immediate.
     if word & 0x1f00_0000 == 0x1100_0000 {
         // sub sp, sp, #imm{, lsl #12} (64-bit, no flags): a push.
         if word & 0xff80_03ff == 0xd100_03ff {
@@ -74,7 +92,7 @@ fn effect(word: u32) -> Option<Effect> {
             });
         }
         // add/sub (immediate): rd 31 is sp unless flags are set (cmp, cmn).
-        return writes(if flag_setting { zr(rd) } else { sp(rd) }, None, None);
+        return writes(if sets_flags(word) { zr(rd) } else { sp(rd) }, None, None);
     }
     if word & 0x1f80_0000 == 0x1200_0000 {
         // Logical (immediate): and/orr/eor into sp, ands (tst) into xzr.
@@ -85,7 +103,13 @@ fn effect(word: u32) -> Option<Effect> {
         // Move wide, bitfield (shifts, extends), extract.
         return writes(zr(rd), None, None);
     }
-    // Data processing, register.
+    None
+}
+
+/// Data processing, register: logical (with `mov`), add/sub, conditional, one, two
+/// and three sources (with `mul`).
+fn data_processing_register(word: u32) -> Option<Effect> {
+    let rd = field(word, 0);
     if word & 0x1f00_0000 == 0x0a00_0000 {
         // Logical (shifted register); orr xd, xzr, xm is `mov xd, xm`.
         let mov64 = word & 0xffe0_ffe0 == 0xaa00_03e0;
@@ -102,7 +126,7 @@ fn effect(word: u32) -> Option<Effect> {
     }
     if word & 0x1f20_0000 == 0x0b20_0000 {
         // add/sub (extended register): rd 31 is sp unless flags are set.
-        return writes(if flag_setting { zr(rd) } else { sp(rd) }, None, None);
+        return writes(if sets_flags(word) { zr(rd) } else { sp(rd) }, None, None);
     }
     if word & 0x1fe0_0000 == 0x1a40_0000 {
         return Some(Effect::Nothing); // ccmp/ccmn: flags only
@@ -120,13 +144,20 @@ fn effect(word: u32) -> Option<Effect> {
         if madd64 && field(word, 10) == 31 && rd != 31 {
             return Some(Effect::Multiply {
                 to: rd,
-                left: rn,
+                left: field(word, 5),
                 right: field(word, 16),
             });
         }
         return writes(zr(rd), None, None);
     }
-    // Loads and stores of general-purpose registers (V = 0).
+    None
+}
+
+/// Loads and stores of general-purpose registers (V = 0): single registers at the
+/// offsets and indexings, and pairs (with the prologue's push).
+fn load_store(word: u32) -> Option<Effect> {
+    let rd = field(word, 0);
+    let rn = field(word, 5);
     let load = word & 0x0040_0000 != 0;
     if word & 0x3f00_0000 == 0x3900_0000 {
         // Register, unsigned offset: no write back. PRFM loads nothing.
@@ -164,9 +195,13 @@ fn effect(word: u32) -> Option<Effect> {
         };
         return writes(rt, rt2, write_back.then(|| sp(rn)).flatten());
     }
-    // System.
+    None
+}
+
+/// System: `mrs` and the hints (with the pointer-authentication ones on lr).
+fn system(word: u32) -> Option<Effect> {
     if word & 0xfff0_0000 == 0xd530_0000 {
-        return writes(zr(rd), None, None); // mrs
+        return writes(zr(field(word, 0)), None, None); // mrs
     }
     if word & 0xffff_f01f == 0xd503_201f {
         // Hints: nop, bti...; the pointer-authentication ones sign or check lr.
