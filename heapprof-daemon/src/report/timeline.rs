@@ -112,109 +112,160 @@ pub fn memory_sum(snapshot: &Snapshot) -> Option<ProcessMemory> {
 pub fn write_csv(session: &Session, top: usize, out: &mut dyn Write) -> Result<()> {
     let pids = session.pids();
     let several = pids.len() > 1;
-    let extra = !matches!(session.tracked.as_str(), "inuse_space" | "inuse_objects");
     let sites: Vec<(u32, Vec<SiteKey>)> = pids
         .iter()
         .map(|&pid| (pid, top_sites(session, Some(pid), top)))
         .collect();
-    let mut text = String::from(
-        "seconds,profile,pid,comm,site,inuse_bytes,inuse_objects,vm_rss,rss_anon,heap,minflt,majflt,peak_inuse",
-    );
-    if extra {
-        text.push(',');
-        text.push_str(&csv_cell(&session.tracked));
-    }
-    let kernel = session
-        .snapshots
-        .iter()
-        .any(|snapshot| snapshot.kernel_memory.is_some());
-    if kernel {
-        text.push_str(",slab,sunreclaim");
-    }
-    text.push('\n');
+    let columns = Columns::of(session);
+    let mut text = columns.header(session);
     for snapshot in &session.snapshots {
-        let row = |text: &mut String,
-                   pid: &str,
-                   comm: &str,
-                   site: &str,
-                   values: Values,
-                   memory: Option<&ProcessMemory>| {
-            let _ = write!(
-                text,
-                "{:.3},{},{pid},{},{},{},{}",
-                snapshot.seconds,
-                csv_cell(&snapshot.file_name),
-                csv_cell(comm),
-                csv_cell(site),
-                values.bytes,
-                values.objects
-            );
-            match memory {
-                Some(m) => {
-                    let _ = write!(
-                        text,
-                        ",{},{},{},{},{},{}",
-                        m.vm_rss,
-                        m.rss_anon,
-                        m.heap,
-                        m.minor_faults,
-                        m.major_faults,
-                        m.peak_inuse.map(|p| p.to_string()).unwrap_or_default()
-                    );
-                }
-                None => text.push_str(",,,,,,"),
-            }
-            if extra {
-                let _ = write!(text, ",{}", values.tracked);
-            }
-            if kernel {
-                match snapshot.kernel_memory.as_ref().filter(|_| site == "*") {
-                    Some(k) => {
-                        let _ = write!(text, ",{},{}", k.slab, k.slab_unreclaimable);
-                    }
-                    None => text.push_str(",,"),
-                }
-            }
-            text.push('\n');
-        };
         if several {
-            row(
-                &mut text,
-                "*",
-                "*",
-                "*",
-                snapshot.total(),
-                memory_sum(snapshot).as_ref(),
-            );
+            let sum = memory_sum(snapshot);
+            let all = Row {
+                pid: "*",
+                comm: "*",
+                site: "*",
+                values: snapshot.total(),
+                memory: sum.as_ref(),
+            };
+            columns.write_row(&mut text, snapshot, &all);
         }
         for (pid, keys) in &sites {
-            let Some(process) = snapshot.processes.get(pid) else {
-                continue;
-            };
-            let pid_text = pid.to_string();
-            let comm = session.comm(*pid);
-            row(
-                &mut text,
-                &pid_text,
-                comm,
-                "*",
-                process.inuse,
-                process.memory.as_ref(),
-            );
-            for key in keys {
-                row(
-                    &mut text,
-                    &pid_text,
-                    comm,
-                    session.site_name(key.site),
-                    snapshot.site(*key),
-                    None,
-                );
-            }
+            write_process_rows(&mut text, &columns, session, snapshot, *pid, keys);
         }
     }
     out.write_all(text.as_bytes())
         .context("writing the timeline")
+}
+
+/// Writes a profile's rows of process `pid`: its total, then each of its `keys`
+/// sites; none when the process is not in the profile.
+fn write_process_rows(
+    text: &mut String,
+    columns: &Columns,
+    session: &Session,
+    snapshot: &Snapshot,
+    pid: u32,
+    keys: &[SiteKey],
+) {
+    let Some(process) = snapshot.processes.get(&pid) else {
+        return;
+    };
+    let pid_text = pid.to_string();
+    let comm = session.comm(pid);
+    let total = Row {
+        pid: &pid_text,
+        comm,
+        site: "*",
+        values: process.inuse,
+        memory: process.memory.as_ref(),
+    };
+    columns.write_row(text, snapshot, &total);
+    for key in keys {
+        let site = Row {
+            pid: &pid_text,
+            comm,
+            site: session.site_name(key.site),
+            values: snapshot.site(*key),
+            memory: None,
+        };
+        columns.write_row(text, snapshot, &site);
+    }
+}
+
+/// The optional columns of a session's timeline.
+struct Columns {
+    /// The tracked type's column, when `--sample-index` is another in-use type.
+    tracked: bool,
+    /// `slab` and `sunreclaim`, when a profile recorded the kernel's memory.
+    kernel: bool,
+}
+
+/// One row's own cells: who, where, and the figures.
+struct Row<'a> {
+    pid: &'a str,
+    comm: &'a str,
+    /// `*` for a process's (or all processes') total.
+    site: &'a str,
+    values: Values,
+    /// The memory figures, on the rows of processes whose profile recorded them.
+    memory: Option<&'a ProcessMemory>,
+}
+
+impl Columns {
+    /// The optional columns `session` needs.
+    fn of(session: &Session) -> Columns {
+        Columns {
+            tracked: !matches!(session.tracked.as_str(), "inuse_space" | "inuse_objects"),
+            kernel: session
+                .snapshots
+                .iter()
+                .any(|snapshot| snapshot.kernel_memory.is_some()),
+        }
+    }
+
+    /// The header line.
+    fn header(&self, session: &Session) -> String {
+        let mut text = String::from(
+            "seconds,profile,pid,comm,site,inuse_bytes,inuse_objects,vm_rss,rss_anon,heap,minflt,majflt,peak_inuse",
+        );
+        if self.tracked {
+            text.push(',');
+            text.push_str(&csv_cell(&session.tracked));
+        }
+        if self.kernel {
+            text.push_str(",slab,sunreclaim");
+        }
+        text.push('\n');
+        text
+    }
+
+    /// Appends `row` of profile `snapshot` as one line.
+    fn write_row(&self, text: &mut String, snapshot: &Snapshot, row: &Row) {
+        let _ = write!(
+            text,
+            "{:.3},{},{},{},{},{},{}",
+            snapshot.seconds,
+            csv_cell(&snapshot.file_name),
+            row.pid,
+            csv_cell(row.comm),
+            csv_cell(row.site),
+            row.values.bytes,
+            row.values.objects
+        );
+        write_memory_cells(text, row.memory);
+        if self.tracked {
+            let _ = write!(text, ",{}", row.values.tracked);
+        }
+        if self.kernel {
+            match snapshot.kernel_memory.as_ref().filter(|_| row.site == "*") {
+                Some(k) => {
+                    let _ = write!(text, ",{},{}", k.slab, k.slab_unreclaimable);
+                }
+                None => text.push_str(",,"),
+            }
+        }
+        text.push('\n');
+    }
+}
+
+/// Appends the memory cells (`vm_rss` to `peak_inuse`): empty without figures.
+fn write_memory_cells(text: &mut String, memory: Option<&ProcessMemory>) {
+    match memory {
+        Some(m) => {
+            let _ = write!(
+                text,
+                ",{},{},{},{},{},{}",
+                m.vm_rss,
+                m.rss_anon,
+                m.heap,
+                m.minor_faults,
+                m.major_faults,
+                m.peak_inuse.map(|p| p.to_string()).unwrap_or_default()
+            );
+        }
+        None => text.push_str(",,,,,,"),
+    }
 }
 
 #[cfg(test)]
