@@ -7,8 +7,9 @@
 
 use std::{
     io,
+    marker::PhantomData,
     mem::{align_of, size_of},
-    os::fd::{AsFd, AsRawFd as _},
+    os::fd::{AsFd, AsRawFd as _, BorrowedFd},
 };
 
 use aya::Pod;
@@ -68,37 +69,137 @@ pub fn for_each_batch_upto<K: Pod, V: Pod>(
         return Ok(true);
     }
     let mut left = limit;
-    // The kernel lays per-CPU values out 8-byte aligned: a plain `[V]` only when
-    // their size is a multiple of 8 (true of every table read this way). The
-    // buffers are of u64, aligned for any key and value.
-    if align_of::<K>() > 8
-        || align_of::<V>() > 8
-        || per_cpu.is_some() && !size_of::<V>().is_multiple_of(8)
-    {
+    let Some(mut buffers) = BatchBuffers::<K, V>::new(per_cpu, limit) else {
         return Ok(false);
-    }
-    let slots = per_cpu.map_or(1, |cpus| cpus.max(1));
-    let mut entries = (BATCH_BYTES / (size_of::<V>() * slots).max(1))
-        .clamp(*BATCH_ENTRIES.start(), *BATCH_ENTRIES.end())
-        .min(limit);
-    let mut keys = vec![0u64; (entries * size_of::<K>()).div_ceil(8)];
-    let mut values = vec![0u64; (entries * size_of::<V>() * slots).div_ceil(8)];
-    // The batch token of a hash map is a bucket number (u32); room for a u64.
-    let mut token_in = 0u64;
-    let mut token_out = 0u64;
-    let mut first = true;
+    };
     loop {
+        let (error, copied) = buffers.lookup(map.as_fd(), left);
+        let can_grow = buffers.entries < MAX_GROWN_ENTRIES;
+        let last = match classify(error, buffers.first, can_grow) {
+            Answer::More => false,
+            Answer::Last => true,
+            Answer::Grow => {
+                buffers.grow();
+                continue;
+            }
+            Answer::Unsupported => return Ok(false),
+            Answer::Failed(err) => return Err(err),
+        };
+        let (batch_keys, batch_values) = buffers.batch(copied, left);
+        let count = batch_keys.len();
+        if count > 0 {
+            each(batch_keys, batch_values);
+        }
+        left -= count;
+        if last || left == 0 {
+            return Ok(true);
+        }
+        buffers.next_batch();
+    }
+}
+
+/// What the answer to one batch lookup means for the walk.
+enum Answer {
+    /// A batch, with more to come.
+    More,
+    /// The last batch.
+    Last,
+    /// Nothing copied: ask for the same batch again with bigger buffers.
+    Grow,
+    /// The kernel has no batch lookups for this map: the caller walks it instead.
+    Unsupported,
+    /// Any other error, the walk's.
+    Failed(io::Error),
+}
+
+/// The meaning of a lookup's `error` (`None`: success); `first` for the walk's first
+/// lookup, `can_grow` while the buffers may still grow.
+fn classify(error: Option<io::Error>, first: bool, can_grow: bool) -> Answer {
+    match error {
+        None => Answer::More,
+        // The last batch: `count` entries were still copied.
+        Some(err) if err.raw_os_error() == Some(libc::ENOENT) => Answer::Last,
+        // One bucket holds more entries than asked for (colliding keys): the
+        // same batch again, with room for twice as many.
+        Some(err) if err.raw_os_error() == Some(libc::ENOSPC) && can_grow => Answer::Grow,
+        // No batch operations for this kernel or map type.
+        Some(err)
+            if first
+                && matches!(
+                    err.raw_os_error(),
+                    Some(
+                        libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | 524 /* ENOTSUPP */
+                    )
+                ) =>
+        {
+            Answer::Unsupported
+        }
+        Some(err) => Answer::Failed(err),
+    }
+}
+
+/// The buffers a walk hands the kernel, and where the walk is: typed by the map's
+/// key `K` and value `V`.
+struct BatchBuffers<K, V> {
+    /// Room for `entries` keys, as u64s (aligned for any key).
+    keys: Vec<u64>,
+    /// Room for `entries` values of each of `slots` CPUs, as u64s.
+    values: Vec<u64>,
+    /// Entries asked for per call.
+    entries: usize,
+    /// Values per key: the possible CPUs of a per-CPU map, else 1.
+    slots: usize,
+    /// The batch token of a hash map is a bucket number (u32); room for a u64.
+    token_in: u64,
+    token_out: u64,
+    /// Whether no batch was read yet (the lookup starts at the map's beginning).
+    first: bool,
+    types: PhantomData<(K, V)>,
+}
+
+impl<K: Pod, V: Pod> BatchBuffers<K, V> {
+    /// Buffers for up to `limit` entries a call; `None` when the kernel's layout of
+    /// `K` and `V` cannot be read as typed slices.
+    fn new(per_cpu: Option<usize>, limit: usize) -> Option<Self> {
+        // The kernel lays per-CPU values out 8-byte aligned: a plain `[V]` only when
+        // their size is a multiple of 8 (true of every table read this way). The
+        // buffers are of u64, aligned for any key and value.
+        if align_of::<K>() > 8
+            || align_of::<V>() > 8
+            || per_cpu.is_some() && !size_of::<V>().is_multiple_of(8)
+        {
+            return None;
+        }
+        let slots = per_cpu.map_or(1, |cpus| cpus.max(1));
+        let entries = (BATCH_BYTES / (size_of::<V>() * slots).max(1))
+            .clamp(*BATCH_ENTRIES.start(), *BATCH_ENTRIES.end())
+            .min(limit);
+        Some(Self {
+            keys: vec![0u64; (entries * size_of::<K>()).div_ceil(8)],
+            values: vec![0u64; (entries * size_of::<V>() * slots).div_ceil(8)],
+            entries,
+            slots,
+            token_in: 0,
+            token_out: 0,
+            first: true,
+            types: PhantomData,
+        })
+    }
+
+    /// Asks the kernel for the next batch of at most `left` entries: the error, if
+    /// any, and the entries it says it copied.
+    fn lookup(&mut self, map: BorrowedFd<'_>, left: usize) -> (Option<io::Error>, u32) {
         let mut attr = BatchAttr {
-            in_batch: if first {
+            in_batch: if self.first {
                 0
             } else {
-                std::ptr::addr_of_mut!(token_in) as u64
+                std::ptr::addr_of_mut!(self.token_in) as u64
             },
-            out_batch: std::ptr::addr_of_mut!(token_out) as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: values.as_mut_ptr() as u64,
-            count: entries.min(left) as u32,
-            map_fd: map.as_fd().as_raw_fd() as u32,
+            out_batch: std::ptr::addr_of_mut!(self.token_out) as u64,
+            keys: self.keys.as_mut_ptr() as u64,
+            values: self.values.as_mut_ptr() as u64,
+            count: self.entries.min(left) as u32,
+            map_fd: map.as_raw_fd() as u32,
             ..Default::default()
         };
         // SAFETY: `attr` is a valid `bpf_attr` batch member whose buffers hold
@@ -114,52 +215,36 @@ pub fn for_each_batch_upto<K: Pod, V: Pod>(
             )
         };
         let error = (ret < 0).then(io::Error::last_os_error);
-        let done = match &error {
-            None => false,
-            // The last batch: `count` entries were still copied.
-            Some(err) if err.raw_os_error() == Some(libc::ENOENT) => true,
-            // One bucket holds more entries than asked for (colliding keys): the
-            // same batch again, with room for twice as many.
-            Some(err)
-                if err.raw_os_error() == Some(libc::ENOSPC) && entries < MAX_GROWN_ENTRIES =>
-            {
-                entries *= 2;
-                keys.resize((entries * size_of::<K>()).div_ceil(8), 0);
-                values.resize((entries * size_of::<V>() * slots).div_ceil(8), 0);
-                continue;
-            }
-            // No batch operations for this kernel or map type.
-            Some(err)
-                if first
-                    && matches!(
-                        err.raw_os_error(),
-                        Some(
-                            libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP | 524 /* ENOTSUPP */
-                        )
-                    ) =>
-            {
-                return Ok(false);
-            }
-            Some(_) => return Err(error.unwrap_or_else(io::Error::last_os_error)),
-        };
-        let count = (attr.count as usize).min(entries).min(left);
+        (error, attr.count)
+    }
+
+    /// Doubles the entries asked for, and the buffers with them.
+    fn grow(&mut self) {
+        self.entries *= 2;
+        self.keys
+            .resize((self.entries * size_of::<K>()).div_ceil(8), 0);
+        self.values
+            .resize((self.entries * size_of::<V>() * self.slots).div_ceil(8), 0);
+    }
+
+    /// The keys and values of the batch just read: the `copied` entries the kernel
+    /// says it wrote, at most `left`.
+    fn batch(&self, copied: u32, left: usize) -> (&[K], &[V]) {
+        let count = (copied as usize).min(self.entries).min(left);
         // SAFETY: the kernel wrote `count` keys and `count * slots` values, packed,
         // into buffers aligned for K and V; both are Pod, so any bytes are valid.
-        let (batch_keys, batch_values) = unsafe {
+        unsafe {
             (
-                std::slice::from_raw_parts(keys.as_ptr().cast::<K>(), count),
-                std::slice::from_raw_parts(values.as_ptr().cast::<V>(), count * slots),
+                std::slice::from_raw_parts(self.keys.as_ptr().cast::<K>(), count),
+                std::slice::from_raw_parts(self.values.as_ptr().cast::<V>(), count * self.slots),
             )
-        };
-        if count > 0 {
-            each(batch_keys, batch_values);
         }
-        left -= count;
-        if done || left == 0 {
-            return Ok(true);
-        }
-        token_in = token_out;
-        first = false;
+    }
+
+    /// Moves on past the batch just read.
+    fn next_batch(&mut self) {
+        self.token_in = self.token_out;
+        self.first = false;
     }
 }
 
