@@ -229,6 +229,30 @@ pub fn amount(tracked: &str, value: f64) -> String {
 /// second, tau, site.
 pub fn write_table(session: &Session, limit: usize, out: &mut dyn Write) -> Result<()> {
     let suspects = find(session, limit);
+    let profiles = session.snapshots.len();
+    let mut text = preamble(session);
+    let undercounted = super::losses::frees_undercounted(&session.last.comments);
+    if suspects.is_empty() {
+        text.push_str(if profiles < MIN_PROFILES {
+            "No suspects: a trend needs at least 3 profiles; profile longer or with a shorter --interval.\n"
+        } else {
+            "No suspects: no site's in-use grew steadily across the session.\n"
+        });
+    } else {
+        let rows: Vec<[String; 6]> = suspects
+            .iter()
+            .enumerate()
+            .map(|(rank, suspect)| table_row(session, rank + 1, suspect, undercounted))
+            .collect();
+        push_aligned(&mut text, &rows);
+    }
+    out.write_all(text.as_bytes())
+        .context("writing the suspects")
+}
+
+/// The lines above the table: what was searched and by which rules, then the
+/// session's losses.
+fn preamble(session: &Session) -> String {
     let tracked = &session.tracked;
     let profiles = session.snapshots.len();
     let mut text = format!(
@@ -244,88 +268,83 @@ pub fn write_table(session: &Session, limit: usize, out: &mut dyn Write) -> Resu
         text.push_str(&loss.line());
         text.push('\n');
     }
-    let undercounted = super::losses::frees_undercounted(&session.last.comments);
-    if suspects.is_empty() {
-        text.push_str(if profiles < MIN_PROFILES {
-            "No suspects: a trend needs at least 3 profiles; profile longer or with a shorter --interval.\n"
-        } else {
-            "No suspects: no site's in-use grew steadily across the session.\n"
-        });
-    } else {
-        let rows: Vec<[String; 6]> = suspects
-            .iter()
-            .enumerate()
-            .map(|(rank, s)| {
-                let t = &s.trend;
-                [
-                    (rank + 1).to_string(),
-                    s.key.pid.to_string(),
-                    format!(
-                        "{} -> {} ({})",
-                        amount(tracked, t.first),
-                        amount(tracked, t.last),
-                        if tracked.ends_with("space") {
-                            units::bytes_change(t.last - t.first)
-                        } else {
-                            format!("{:+.0}", t.last - t.first)
-                        }
-                    ),
-                    format!("{}/s", amount(tracked, t.slope)),
-                    format!("{:.2}", t.tau),
-                    if undercounted {
-                        format!(
-                            "{} ({})",
-                            session.site_name(s.key.site),
-                            super::losses::FREES_UNDERCOUNTED
-                        )
-                    } else {
-                        session.site_name(s.key.site).to_owned()
-                    },
-                ]
-            })
-            .collect();
-        let header = [
-            "rank",
-            "pid",
-            "growth (first -> last)",
-            "slope",
-            "tau",
-            "site",
-        ];
-        let widths: Vec<usize> = (0..5)
-            .map(|c| {
-                rows.iter()
-                    .map(|r| r[c].chars().count())
-                    .chain([header[c].len()])
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect();
-        let line = |cells: [&str; 6]| {
+    text
+}
+
+/// The cells of the suspect ranked `rank`; its site marked when the session's frees
+/// were undercounted (then its growth may be frees heapprofd missed).
+fn table_row(session: &Session, rank: usize, suspect: &Suspect, undercounted: bool) -> [String; 6] {
+    let tracked = &session.tracked;
+    let t = &suspect.trend;
+    [
+        rank.to_string(),
+        suspect.key.pid.to_string(),
+        format!(
+            "{} -> {} ({})",
+            amount(tracked, t.first),
+            amount(tracked, t.last),
+            if tracked.ends_with("space") {
+                units::bytes_change(t.last - t.first)
+            } else {
+                format!("{:+.0}", t.last - t.first)
+            }
+        ),
+        format!("{}/s", amount(tracked, t.slope)),
+        format!("{:.2}", t.tau),
+        if undercounted {
             format!(
-                "{:>w0$}  {:>w1$}  {:<w2$}  {:>w3$}  {:>w4$}  {}\n",
-                cells[0],
-                cells[1],
-                cells[2],
-                cells[3],
-                cells[4],
-                cells[5],
-                w0 = widths[0],
-                w1 = widths[1],
-                w2 = widths[2],
-                w3 = widths[3],
-                w4 = widths[4],
+                "{} ({})",
+                session.site_name(suspect.key.site),
+                super::losses::FREES_UNDERCOUNTED
             )
-        };
-        text.push_str(&line(header));
-        for row in &rows {
-            text.push_str(&line([
-                &row[0], &row[1], &row[2], &row[3], &row[4], &row[5],
-            ]));
-        }
+        } else {
+            session.site_name(suspect.key.site).to_owned()
+        },
+    ]
+}
+
+/// Appends the header and `rows`, each column as wide as its widest cell (the
+/// growth column left-aligned, the numbers right-aligned, the site last, unpadded).
+fn push_aligned(text: &mut String, rows: &[[String; 6]]) {
+    let header = [
+        "rank",
+        "pid",
+        "growth (first -> last)",
+        "slope",
+        "tau",
+        "site",
+    ];
+    let widths: Vec<usize> = (0..5)
+        .map(|c| {
+            rows.iter()
+                .map(|r| r[c].chars().count())
+                .chain([header[c].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let line = |cells: [&str; 6]| {
+        format!(
+            "{:>w0$}  {:>w1$}  {:<w2$}  {:>w3$}  {:>w4$}  {}\n",
+            cells[0],
+            cells[1],
+            cells[2],
+            cells[3],
+            cells[4],
+            cells[5],
+            w0 = widths[0],
+            w1 = widths[1],
+            w2 = widths[2],
+            w3 = widths[3],
+            w4 = widths[4],
+        )
+    };
+    text.push_str(&line(header));
+    for row in rows {
+        text.push_str(&line([
+            &row[0], &row[1], &row[2], &row[3], &row[4], &row[5],
+        ]));
     }
-    out.write_all(text.as_bytes())
-        .context("writing the suspects")
 }
 
 #[cfg(test)]
