@@ -76,7 +76,33 @@ pub fn load_bpf_object(
     target: Option<u32>,
     unwind: UnwindSettings,
 ) -> Result<Ebpf> {
-    let config = Config {
+    let config = user_config(capacities, sample_rate, track_peak, cgroup, target, &unwind);
+    let mut loader = EbpfLoader::new();
+    loader.override_global(names::CONFIG, &config, true);
+    size_user_maps(&mut loader, &config, capacities, target, &unwind);
+    size_unused_kernel_maps(&mut loader);
+    let ebpf = loader
+        .load(BPF_OBJECT)
+        .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")?;
+    // Sampled: the uprobe session program, while every map is still in `ebpf`. x86-64
+    // only: there an unsampled call's frame is known by its return address's slot.
+    // With `--empty-programs` it is the sampled trap floor: one trap per call.
+    if cfg!(target_arch = "x86_64") && sample_rate > 0 {
+        session::prepare(BPF_OBJECT, &ebpf);
+    }
+    Ok(ebpf)
+}
+
+/// The programs' global configuration for user mode (see [`load_bpf_object`]).
+fn user_config(
+    capacities: Capacities,
+    sample_rate: u64,
+    track_peak: bool,
+    cgroup: Option<CgroupFilter>,
+    target: Option<u32>,
+    unwind: &UnwindSettings,
+) -> Config {
+    Config {
         page_size: crate::sys::page_size(),
         ignore_tgid: std::process::id(),
         target_tgid: target.unwrap_or(0),
@@ -94,7 +120,18 @@ pub fn load_bpf_object(
         in_flight_slots: capacities.threads.max(1).next_power_of_two(),
         usage_slots: unwind.processes.max(1).next_power_of_two(),
         fork_child_pid_offset: unwind.fork_child_pid_offset.unwrap_or(0),
-    };
+    }
+}
+
+/// Sizes the user-mode maps: the capacities asked for, with the unwind tables and
+/// the per-process maps shrunk to one entry where nothing would fill them.
+fn size_user_maps(
+    loader: &mut EbpfLoader<'_>,
+    config: &Config,
+    capacities: Capacities,
+    target: Option<u32>,
+    unwind: &UnwindSettings,
+) {
     // Frame pointers need no tables: one entry each.
     let tables = if unwind.mode == UnwindMode::FramePointers {
         TableCapacities {
@@ -110,10 +147,9 @@ pub fn load_bpf_object(
         Some(_) if !unwind.follow_forks => 1,
         _ => unwind.processes,
     };
-    let ebpf = EbpfLoader::new()
-        .override_global(names::CONFIG, &config, true)
+    loader
         .map_max_entries(names::LIVE, config.live_buckets)
-        .map_max_entries(names::LIVE_FILTER, live::filter_values(sample_rate))
+        .map_max_entries(names::LIVE_FILTER, live::filter_values(config.sample_rate))
         .map_max_entries(names::SITES, capacities.sites)
         .map_max_entries(names::SITE_COUNTERS, capacities.sites)
         .map_max_entries(names::SITE_IDS_FREE, capacities.sites)
@@ -145,24 +181,19 @@ pub fn load_bpf_object(
             } else {
                 1
             },
-        )
-        // The kernel-mode tables are not used: one entry each.
+        );
+}
+
+/// The kernel-mode tables are not used in user mode: one entry each.
+fn size_unused_kernel_maps(loader: &mut EbpfLoader<'_>) {
+    loader
         .map_max_entries(kernel_names::KERNEL_SITES, 1)
         .map_max_entries(kernel_names::KERNEL_SITE_COUNTERS, 1)
         .map_max_entries(kernel_names::KERNEL_SITE_IDS, 1)
         .map_max_entries(kernel_names::KERNEL_LIVE, 1)
         .map_max_entries(kernel_names::KERNEL_STACKS, 1)
         .map_max_entries(kernel_names::TRACED, 1)
-        .map_max_entries(kernel_names::COMMS, 1)
-        .load(BPF_OBJECT)
-        .context("loading the BPF programs into the kernel (needs root or CAP_BPF+CAP_PERFMON)")?;
-    // Sampled: the uprobe session program, while every map is still in `ebpf`. x86-64
-    // only: there an unsampled call's frame is known by its return address's slot.
-    // With `--empty-programs` it is the sampled trap floor: one trap per call.
-    if cfg!(target_arch = "x86_64") && sample_rate > 0 {
-        session::prepare(BPF_OBJECT, &ebpf);
-    }
-    Ok(ebpf)
+        .map_max_entries(kernel_names::COMMS, 1);
 }
 
 /// The uprobe program `name`, loaded into the kernel on first use.
