@@ -15,7 +15,7 @@
 //! (`src/kernel/resolver.rs`), which a machine without its modules' files on disk
 //! cannot do.
 
-use std::sync::Arc;
+use std::{collections::HashMap, sync::Arc};
 
 use thiserror::Error;
 
@@ -90,53 +90,33 @@ impl KernelSymbols {
     /// Parses the text of `/proc/kallsyms` and `/proc/modules`.
     pub fn parse(kallsyms: &str, modules: &str) -> Result<Self, KallsymsError> {
         let mut symbols = Vec::new();
-        let mut module_names: std::collections::HashMap<&str, Arc<str>> =
-            std::collections::HashMap::new();
-        let kernel: Arc<str> = Arc::from(KERNEL_MODULE);
+        let mut module_names = ModuleNames::default();
         let mut nonzero = false;
         let (mut text_start, mut text_end) = (None, None);
         for (index, line) in kallsyms.lines().enumerate() {
-            let malformed = || KallsymsError::Malformed {
-                line: index + 1,
-                text: line.chars().take(200).collect(),
-            };
             if line.trim().is_empty() {
                 continue;
             }
-            let mut parts = line.split_whitespace();
-            let (Some(address), Some(kind), Some(name)) =
-                (parts.next(), parts.next(), parts.next())
-            else {
-                return Err(malformed());
+            let Some(entry) = KallsymsLine::parse(line, &mut module_names) else {
+                return Err(KallsymsError::Malformed {
+                    line: index + 1,
+                    text: line.chars().take(200).collect(),
+                });
             };
-            let address = u64::from_str_radix(address, 16).map_err(|_| malformed())?;
-            if kind.len() != 1 {
-                return Err(malformed());
-            }
-            let module = match parts.next() {
-                Some(module) if module.starts_with('[') && module.ends_with(']') => {
-                    let interned = module_names
-                        .entry(module)
-                        .or_insert_with(|| Arc::from(module));
-                    Arc::clone(interned)
-                }
-                Some(_) => return Err(malformed()),
-                None => Arc::clone(&kernel),
-            };
-            nonzero |= address != 0;
-            match name {
-                "_stext" => text_start = Some(address),
-                "_etext" => text_end = Some(address),
+            nonzero |= entry.address != 0;
+            match entry.name {
+                "_stext" => text_start = Some(entry.address),
+                "_etext" => text_end = Some(entry.address),
                 _ => {}
             }
             // Text symbols only: t/T (and weak w/W, which are functions in kallsyms).
-            if !matches!(kind, "t" | "T" | "w" | "W") {
+            if !matches!(entry.kind, "t" | "T" | "w" | "W") {
                 continue;
             }
             symbols.push(KernelSymbol {
-                address,
-                name: Arc::from(name),
-                module,
+                address: entry.address,
+                name: Arc::from(entry.name),
+                module: entry.module,
             });
         }
         if symbols.is_empty() {
@@ -151,34 +131,12 @@ impl KernelSymbols {
             && start < end
         {
             ranges.push(ModuleRange {
-                name: Arc::clone(&kernel),
+                name: Arc::clone(&module_names.kernel),
                 start,
                 end,
             });
         }
-        // /proc/modules: `name size refcount deps state address`.
-        for line in modules.lines() {
-            let parts: Vec<&str> = line.split_whitespace().collect();
-            let (Some(name), Some(size), Some(address)) =
-                (parts.first(), parts.get(1), parts.get(5))
-            else {
-                continue;
-            };
-            let (Ok(size), Ok(start)) = (
-                size.parse::<u64>(),
-                u64::from_str_radix(address.trim_start_matches("0x"), 16),
-            ) else {
-                continue;
-            };
-            if start == 0 || size == 0 {
-                continue;
-            }
-            ranges.push(ModuleRange {
-                name: Arc::from(format!("[{name}]")),
-                start,
-                end: start.saturating_add(size),
-            });
-        }
+        ranges.extend(modules.lines().filter_map(module_range));
         ranges.sort_by_key(|r| r.start);
         Ok(Self { symbols, ranges })
     }
@@ -217,6 +175,85 @@ impl KernelSymbols {
     pub fn is_empty(&self) -> bool {
         self.symbols.is_empty()
     }
+}
+
+/// The module names met so far, each allocated once and shared by its symbols.
+#[derive(Debug)]
+struct ModuleNames<'a> {
+    /// [`KERNEL_MODULE`], for the symbols with no `[module]` column.
+    kernel: Arc<str>,
+    seen: HashMap<&'a str, Arc<str>>,
+}
+
+impl Default for ModuleNames<'_> {
+    fn default() -> Self {
+        ModuleNames {
+            kernel: Arc::from(KERNEL_MODULE),
+            seen: HashMap::new(),
+        }
+    }
+}
+
+impl<'a> ModuleNames<'a> {
+    /// The shared name `[module]`, or the core kernel's when there is none; `None` if
+    /// the column is not a bracketed name.
+    fn intern(&mut self, column: Option<&'a str>) -> Option<Arc<str>> {
+        match column {
+            Some(module) if module.starts_with('[') && module.ends_with(']') => Some(Arc::clone(
+                self.seen.entry(module).or_insert_with(|| Arc::from(module)),
+            )),
+            Some(_) => None,
+            None => Some(Arc::clone(&self.kernel)),
+        }
+    }
+}
+
+/// One line of `/proc/kallsyms`: `address type name [module]`.
+struct KallsymsLine<'a> {
+    address: u64,
+    kind: &'a str,
+    name: &'a str,
+    module: Arc<str>,
+}
+
+impl<'a> KallsymsLine<'a> {
+    /// The line's fields; `None` if it is malformed.
+    fn parse(line: &'a str, module_names: &mut ModuleNames<'a>) -> Option<Self> {
+        let mut parts = line.split_whitespace();
+        let (address, kind, name) = (parts.next()?, parts.next()?, parts.next()?);
+        let address = u64::from_str_radix(address, 16).ok()?;
+        if kind.len() != 1 {
+            return None;
+        }
+        let module = module_names.intern(parts.next())?;
+        Some(KallsymsLine {
+            address,
+            kind,
+            name,
+            module,
+        })
+    }
+}
+
+/// A module's range from a line of `/proc/modules` (`name size refcount deps state
+/// address`); `None` for a line without one (short, unreadable, or hidden as zero).
+fn module_range(line: &str) -> Option<ModuleRange> {
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    let (name, size, address) = (parts.first()?, parts.get(1)?, parts.get(5)?);
+    let (Ok(size), Ok(start)) = (
+        size.parse::<u64>(),
+        u64::from_str_radix(address.trim_start_matches("0x"), 16),
+    ) else {
+        return None;
+    };
+    if start == 0 || size == 0 {
+        return None;
+    }
+    Some(ModuleRange {
+        name: Arc::from(format!("[{name}]")),
+        start,
+        end: start.saturating_add(size),
+    })
 }
 
 #[cfg(test)]
