@@ -121,9 +121,7 @@ pub async fn run(mut worker: Worker, mut jobs: mpsc::Receiver<Job>) -> PushFigur
             worker.spool.len()
         );
     }
-    let mut backoff = FIRST_BACKOFF;
-    let mut next_attempt = Instant::now();
-    let mut failing: Option<String> = None;
+    let mut attempts = Attempts::new();
     let mut closed_at: Option<Instant> = None;
     loop {
         update_gauges(&worker);
@@ -136,60 +134,94 @@ pub async fn run(mut worker: Worker, mut jobs: mpsc::Receiver<Job>) -> PushFigur
                 Some(job) => accept(&mut worker, &job),
                 None => {
                     closed_at = Some(Instant::now());
-                    if failing.is_none() {
-                        next_attempt = Instant::now();
+                    if attempts.failing.is_none() {
+                        attempts.next = Instant::now();
                     }
                 }
             },
-            () = tokio::time::sleep_until(next_attempt), if !worker.spool.is_empty() => {
-                let Some(front) = worker.spool.front() else { continue };
-                let upload = match front {
-                    Ok(upload) => upload,
-                    Err(err) => {
-                        log::warn!("push to {name}: dropping a spooled profile: {err}");
-                        worker.metrics.dropped.inc();
-                        continue;
-                    }
-                };
-                let headers = worker.headers.current(&name);
-                match transport.send(&upload, &headers).await {
-                    Outcome::Sent => {
-                        worker.spool.pop_front();
-                        worker.metrics.sent.inc();
-                        backoff = FIRST_BACKOFF;
-                        next_attempt = Instant::now();
-                        if failing.take().is_some() {
-                            log::info!(
-                                "push to {name} works again; {} profiles waiting are being sent",
-                                worker.spool.len()
-                            );
-                        }
-                    }
-                    Outcome::Retry(why) => {
-                        worker.metrics.failed.inc();
-                        if failing.is_none() {
-                            log::warn!(
-                                "push to {name} failed: {why}; profiles wait in {} and are retried \
-                                 with backoff (local profiles are still written)",
-                                spool_description(&worker.spool)
-                            );
-                        }
-                        failing = Some(why);
-                        next_attempt = Instant::now() + backoff;
-                        backoff = (backoff * 2).min(MAX_BACKOFF);
-                    }
-                    Outcome::Rejected(why) => {
-                        worker.metrics.failed.inc();
-                        worker.metrics.dropped.inc();
-                        worker.spool.pop_front();
-                        log::warn!("push to {name}: the backend rejected a profile, dropped: {why}");
-                    }
-                }
+            () = tokio::time::sleep_until(attempts.next), if !worker.spool.is_empty() => {
+                send_front(&mut worker, &mut transport, &name, &mut attempts).await;
             }
-            () = tokio::time::sleep_until(drain_deadline.unwrap_or(next_attempt)), if drain_deadline.is_some() => break,
+            () = tokio::time::sleep_until(drain_deadline.unwrap_or(attempts.next)), if drain_deadline.is_some() => break,
         }
     }
-    finish(&worker, &name, failing.as_deref())
+    finish(&worker, &name, attempts.failing.as_deref())
+}
+
+/// When the next push is tried, and how the backend has been answering.
+struct Attempts {
+    /// The wait after the next failure.
+    backoff: Duration,
+    /// When the oldest upload is tried next.
+    next: Instant,
+    /// Why the backend fails, while it does.
+    failing: Option<String>,
+}
+
+impl Attempts {
+    fn new() -> Self {
+        Attempts {
+            backoff: FIRST_BACKOFF,
+            next: Instant::now(),
+            failing: None,
+        }
+    }
+}
+
+/// Pushes the oldest upload in the spool and acts on the backend's answer: sent or
+/// rejected, it leaves the spool; a failure to retry keeps it and backs off. A
+/// spooled upload that cannot be read is dropped.
+async fn send_front(
+    worker: &mut Worker,
+    transport: &mut Transport,
+    name: &str,
+    attempts: &mut Attempts,
+) {
+    let Some(front) = worker.spool.front() else {
+        return;
+    };
+    let upload = match front {
+        Ok(upload) => upload,
+        Err(err) => {
+            log::warn!("push to {name}: dropping a spooled profile: {err}");
+            worker.metrics.dropped.inc();
+            return;
+        }
+    };
+    let headers = worker.headers.current(name);
+    match transport.send(&upload, &headers).await {
+        Outcome::Sent => {
+            worker.spool.pop_front();
+            worker.metrics.sent.inc();
+            attempts.backoff = FIRST_BACKOFF;
+            attempts.next = Instant::now();
+            if attempts.failing.take().is_some() {
+                log::info!(
+                    "push to {name} works again; {} profiles waiting are being sent",
+                    worker.spool.len()
+                );
+            }
+        }
+        Outcome::Retry(why) => {
+            worker.metrics.failed.inc();
+            if attempts.failing.is_none() {
+                log::warn!(
+                    "push to {name} failed: {why}; profiles wait in {} and are retried \
+                     with backoff (local profiles are still written)",
+                    spool_description(&worker.spool)
+                );
+            }
+            attempts.failing = Some(why);
+            attempts.next = Instant::now() + attempts.backoff;
+            attempts.backoff = (attempts.backoff * 2).min(MAX_BACKOFF);
+        }
+        Outcome::Rejected(why) => {
+            worker.metrics.failed.inc();
+            worker.metrics.dropped.inc();
+            worker.spool.pop_front();
+            log::warn!("push to {name}: the backend rejected a profile, dropped: {why}");
+        }
+    }
 }
 
 /// Splits a written profile into uploads and queues them.
