@@ -78,67 +78,30 @@ pub(super) fn peak(session: &Session, single: Option<u32>) -> Option<Peak> {
 /// The in-use chart: the top sites of the one process, or the top processes, stacked.
 pub(super) fn inuse_chart(session: &Session, single: Option<u32>, peak: Option<&Peak>) -> Chart {
     let times: Vec<f64> = session.snapshots.iter().map(|s| s.seconds).collect();
-    let tracked = |v: session::Values| v.tracked as f64;
-    let mut stacked = Vec::new();
+    let (bands, other_label) = named_bands(session, single);
+    // What the named bands add up to, at each profile.
     let mut named = vec![0.0; times.len()];
-    let mut push = |label: String, values: Vec<f64>, stacked: &mut Vec<Series>| {
-        for (sum, v) in named.iter_mut().zip(&values) {
-            *sum += v;
-        }
-        let color = PALETTE[stacked.len() % PALETTE.len()].to_owned();
-        stacked.push(Series {
-            label,
-            values: values.into_iter().map(Some).collect(),
-            color,
-            dashed: false,
-        });
-    };
-    let other_label = match single {
-        Some(pid) => {
-            for key in timeline::top_sites(session, Some(pid), MAX_BANDS) {
-                let values = session
-                    .snapshots
-                    .iter()
-                    .map(|s| tracked(s.site(key)))
-                    .collect();
-                push(session.site_name(key.site).to_owned(), values, &mut stacked);
+    let mut stacked: Vec<Series> = bands
+        .into_iter()
+        .enumerate()
+        .map(|(index, (label, values))| {
+            for (sum, v) in named.iter_mut().zip(&values) {
+                *sum += v;
             }
-            "other sites"
-        }
-        None => {
-            for pid in timeline::top_processes(session, MAX_BANDS) {
-                let values = session
-                    .snapshots
-                    .iter()
-                    .map(|s| s.processes.get(&pid).map_or(0.0, |p| tracked(p.inuse)))
-                    .collect();
-                push(
-                    format!("{} ({pid})", session.comm(pid)),
-                    values,
-                    &mut stacked,
-                );
+            Series {
+                label,
+                values: values.into_iter().map(Some).collect(),
+                color: PALETTE[index % PALETTE.len()].to_owned(),
+                dashed: false,
             }
-            "other processes"
-        }
-    };
+        })
+        .collect();
     let totals: Vec<f64> = session
         .snapshots
         .iter()
-        .map(|s| tracked(s.total()))
+        .map(|s| tracked_value(s.total()))
         .collect();
-    let other: Vec<Option<f64>> = totals
-        .iter()
-        .zip(&named)
-        .map(|(t, n)| Some((t - n).max(0.0)))
-        .collect();
-    if other.iter().flatten().any(|&v| v > 0.0) {
-        stacked.push(Series {
-            label: other_label.into(),
-            values: other,
-            color: OTHER_COLOR.into(),
-            dashed: false,
-        });
-    }
+    stacked.extend(other_band(other_label, &totals, &named));
     let unit = if session.tracked.ends_with("space") {
         Unit::Bytes
     } else {
@@ -165,6 +128,66 @@ pub(super) fn inuse_chart(session: &Session, single: Option<u32>, peak: Option<&
         note: None,
         unit,
     }
+}
+
+/// The tracked value of `values`, as the charts plot it.
+fn tracked_value(values: session::Values) -> f64 {
+    values.tracked as f64
+}
+
+/// The in-use chart's named bands, each a label and its values at every profile:
+/// the top sites of the one process, or the top processes. With the label of the
+/// band of the rest.
+fn named_bands(session: &Session, single: Option<u32>) -> (Vec<(String, Vec<f64>)>, &'static str) {
+    match single {
+        Some(pid) => {
+            let bands = timeline::top_sites(session, Some(pid), MAX_BANDS)
+                .into_iter()
+                .map(|key| {
+                    let values = session
+                        .snapshots
+                        .iter()
+                        .map(|s| tracked_value(s.site(key)))
+                        .collect();
+                    (session.site_name(key.site).to_owned(), values)
+                })
+                .collect();
+            (bands, "other sites")
+        }
+        None => {
+            let bands = timeline::top_processes(session, MAX_BANDS)
+                .into_iter()
+                .map(|pid| {
+                    let values = session
+                        .snapshots
+                        .iter()
+                        .map(|s| {
+                            s.processes
+                                .get(&pid)
+                                .map_or(0.0, |p| tracked_value(p.inuse))
+                        })
+                        .collect();
+                    (format!("{} ({pid})", session.comm(pid)), values)
+                })
+                .collect();
+            (bands, "other processes")
+        }
+    }
+}
+
+/// The band of what the named bands leave out of the totals, if anything ever is.
+fn other_band(label: &str, totals: &[f64], named: &[f64]) -> Option<Series> {
+    let other: Vec<Option<f64>> = totals
+        .iter()
+        .zip(named)
+        .map(|(t, n)| Some((t - n).max(0.0)))
+        .collect();
+    other.iter().flatten().any(|&v| v > 0.0).then(|| Series {
+        label: label.into(),
+        values: other,
+        color: OTHER_COLOR.into(),
+        dashed: false,
+    })
 }
 
 /// The RSS chart: heap in-use bytes filled, RSS, anonymous RSS and the `[heap]`
