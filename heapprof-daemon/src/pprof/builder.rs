@@ -366,9 +366,29 @@ pub struct ValidationError(pub String);
 
 /// Checks the rules pprof readers rely on (see profile.proto).
 pub fn validate(profile: &Profile) -> Result<(), ValidationError> {
-    let fail = |msg: String| Err(ValidationError(msg));
+    check_string_indices(profile)?;
+    let mappings = unique_ids("mapping", profile.mapping.iter().map(|m| m.id))?;
+    let locations = unique_ids("location", profile.location.iter().map(|l| l.id))?;
+    let functions = unique_ids("function", profile.function.iter().map(|f| f.id))?;
+    for mapping in &profile.mapping {
+        if mapping.memory_start >= mapping.memory_limit {
+            return Err(ValidationError(format!(
+                "mapping {} has an empty address range",
+                mapping.id
+            )));
+        }
+    }
+    check_locations(profile, &mappings, &functions)?;
+    check_samples(profile, &locations)
+}
+
+/// The string table starts with the empty string, and every string index in the
+/// profile is within it.
+fn check_string_indices(profile: &Profile) -> Result<(), ValidationError> {
     if profile.string_table.first().map(String::as_str) != Some("") {
-        return fail("string_table[0] must be the empty string".into());
+        return Err(ValidationError(
+            "string_table[0] must be the empty string".into(),
+        ));
     }
     let strings = profile.string_table.len() as i64;
     let string_ok = |index: i64| (0..strings).contains(&index);
@@ -393,64 +413,71 @@ pub fn validate(profile: &Profile) -> Result<(), ValidationError> {
         }
     }
     if let Some(bad) = indices.iter().find(|i| !string_ok(**i)) {
-        return fail(format!(
+        return Err(ValidationError(format!(
             "string index {bad} out of range ({strings} strings)"
-        ));
+        )));
     }
+    Ok(())
+}
 
-    fn unique_ids(
-        kind: &str,
-        ids: impl Iterator<Item = u64>,
-    ) -> Result<HashSet<u64>, ValidationError> {
-        let mut seen = HashSet::new();
-        for id in ids {
-            if id == 0 || !seen.insert(id) {
-                return Err(ValidationError(format!(
-                    "{kind} id {id} is zero or repeated"
-                )));
-            }
-        }
-        Ok(seen)
-    }
-    let mappings = unique_ids("mapping", profile.mapping.iter().map(|m| m.id))?;
-    let locations = unique_ids("location", profile.location.iter().map(|l| l.id))?;
-    let functions = unique_ids("function", profile.function.iter().map(|f| f.id))?;
-    for mapping in &profile.mapping {
-        if mapping.memory_start >= mapping.memory_limit {
-            return fail(format!("mapping {} has an empty address range", mapping.id));
+/// The `kind` ids, each nonzero and given once.
+fn unique_ids(kind: &str, ids: impl Iterator<Item = u64>) -> Result<HashSet<u64>, ValidationError> {
+    let mut seen = HashSet::new();
+    for id in ids {
+        if id == 0 || !seen.insert(id) {
+            return Err(ValidationError(format!(
+                "{kind} id {id} is zero or repeated"
+            )));
         }
     }
+    Ok(seen)
+}
+
+/// Every location's mapping (0: none) and its lines' functions exist.
+fn check_locations(
+    profile: &Profile,
+    mappings: &HashSet<u64>,
+    functions: &HashSet<u64>,
+) -> Result<(), ValidationError> {
     for location in &profile.location {
         if location.mapping_id != 0 && !mappings.contains(&location.mapping_id) {
-            return fail(format!(
+            return Err(ValidationError(format!(
                 "location {} names missing mapping {}",
                 location.id, location.mapping_id
-            ));
+            )));
         }
         if let Some(line) = location
             .line
             .iter()
             .find(|l| !functions.contains(&l.function_id))
         {
-            return fail(format!(
+            return Err(ValidationError(format!(
                 "location {} names missing function {}",
                 location.id, line.function_id
-            ));
+            )));
         }
     }
+    Ok(())
+}
+
+/// Every sample has a value per sample type, and at least one location, each of
+/// which exists.
+fn check_samples(profile: &Profile, locations: &HashSet<u64>) -> Result<(), ValidationError> {
     for sample in &profile.sample {
         if sample.value.len() != profile.sample_type.len() {
-            return fail(format!(
+            return Err(ValidationError(format!(
                 "a sample has {} values for {} sample types",
                 sample.value.len(),
                 profile.sample_type.len()
-            ));
+            )));
         }
         if sample.location_id.is_empty() {
-            return fail("a sample has no locations".into());
+            return Err(ValidationError("a sample has no locations".into()));
         }
         if let Some(id) = sample.location_id.iter().find(|id| !locations.contains(id)) {
-            return fail(format!("a sample names missing location {id}"));
+            return Err(ValidationError(format!(
+                "a sample names missing location {id}"
+            )));
         }
     }
     Ok(())
