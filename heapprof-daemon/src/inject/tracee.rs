@@ -185,6 +185,41 @@ fn wait_stop(tid: i32, deadline: Instant, function: u64) -> Result<Stop, TraceEr
     }
 }
 
+/// The signal mask of the stopped thread `tid`.
+fn signal_mask(tid: i32) -> Result<u64, TraceError> {
+    let mut mask = 0u64;
+    // SAFETY: PTRACE_GETSIGMASK writes 8 bytes to `mask`.
+    if unsafe {
+        ptrace(
+            libc::PTRACE_GETSIGMASK as u32,
+            tid,
+            std::mem::size_of::<u64>(),
+            &raw mut mask as usize,
+        )
+    } != 0
+    {
+        return Err(ptrace_error("GETSIGMASK", tid));
+    }
+    Ok(mask)
+}
+
+/// Sets the signal mask of the stopped thread `tid`.
+fn set_signal_mask(tid: i32, mask: u64) -> Result<(), TraceError> {
+    // SAFETY: PTRACE_SETSIGMASK reads 8 bytes from `mask`.
+    if unsafe {
+        ptrace(
+            libc::PTRACE_SETSIGMASK as u32,
+            tid,
+            std::mem::size_of::<u64>(),
+            &raw const mask as usize,
+        )
+    } != 0
+    {
+        return Err(ptrace_error("SETSIGMASK", tid));
+    }
+    Ok(())
+}
+
 impl Tracee {
     /// Seizes thread `tid` of process `pid` and stops it. The caller checks with
     /// [`Tracee::syscall`] whether it stopped at a safe point.
@@ -219,26 +254,7 @@ impl Tracee {
             #[cfg(target_arch = "aarch64")]
             saved_fpsimd: None,
         };
-        // SAFETY: as above.
-        if unsafe { ptrace(libc::PTRACE_INTERRUPT as u32, tid, 0, 0) } != 0 {
-            return Err(ptrace_error("INTERRUPT", tid));
-        }
-        let deadline = Instant::now() + Duration::from_secs(2);
-        loop {
-            match wait_stop(tid, deadline, 0)? {
-                Stop::Event => break,
-                Stop::Syscall => {
-                    // SAFETY: as above.
-                    unsafe { ptrace(libc::PTRACE_CONT as u32, tid, 0, 0) };
-                }
-                // A signal arrived first: kept for later, the interrupt still comes.
-                Stop::Signal(signal) => {
-                    tracee.pending.push(signal);
-                    // SAFETY: as above.
-                    unsafe { ptrace(libc::PTRACE_CONT as u32, tid, 0, 0) };
-                }
-            }
-        }
+        tracee.interrupt()?;
         tracee.saved = tracee.registers()?;
         // Without it there is no stub (its frame needs it), only calls returning to 0.
         #[cfg(target_arch = "aarch64")]
@@ -246,34 +262,36 @@ impl Tracee {
             Ok(state) => tracee.saved_fpsimd = Some(state),
             Err((request, err)) => log::debug!("thread {tid}: {request} NT_PRFPREG: {err}"),
         }
-        let mut mask = 0u64;
-        // SAFETY: PTRACE_GETSIGMASK writes 8 bytes to `mask`.
-        if unsafe {
-            ptrace(
-                libc::PTRACE_GETSIGMASK as u32,
-                tid,
-                std::mem::size_of::<u64>(),
-                &raw mut mask as usize,
-            )
-        } != 0
-        {
-            return Err(ptrace_error("GETSIGMASK", tid));
-        }
-        tracee.saved_mask = mask;
-        let all = HELD_MASK;
-        // SAFETY: PTRACE_SETSIGMASK reads 8 bytes from `all`.
-        if unsafe {
-            ptrace(
-                libc::PTRACE_SETSIGMASK as u32,
-                tid,
-                std::mem::size_of::<u64>(),
-                &raw const all as usize,
-            )
-        } != 0
-        {
-            return Err(ptrace_error("SETSIGMASK", tid));
-        }
+        tracee.saved_mask = signal_mask(tid)?;
+        set_signal_mask(tid, HELD_MASK)?;
         Ok(tracee)
+    }
+
+    /// Stops the seized thread (PTRACE_INTERRUPT) and waits, at most 2 seconds, for
+    /// that stop; the system calls it passes on the way are let run, the signals that
+    /// arrive first are kept for when it is given back.
+    fn interrupt(&mut self) -> Result<(), TraceError> {
+        let tid = self.tid;
+        // SAFETY: plain ptrace requests on a thread id; failures are returned.
+        if unsafe { ptrace(libc::PTRACE_INTERRUPT as u32, tid, 0, 0) } != 0 {
+            return Err(ptrace_error("INTERRUPT", tid));
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            match wait_stop(tid, deadline, 0)? {
+                Stop::Event => return Ok(()),
+                Stop::Syscall => {
+                    // SAFETY: as above.
+                    unsafe { ptrace(libc::PTRACE_CONT as u32, tid, 0, 0) };
+                }
+                // A signal arrived first: kept for later, the interrupt still comes.
+                Stop::Signal(signal) => {
+                    self.pending.push(signal);
+                    // SAFETY: as above.
+                    unsafe { ptrace(libc::PTRACE_CONT as u32, tid, 0, 0) };
+                }
+            }
+        }
     }
 
     /// The system call the thread was stopped in (or had just returned from), with
