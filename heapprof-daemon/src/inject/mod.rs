@@ -457,11 +457,7 @@ fn find_functions(pid: u32) -> Result<Functions, NotJoined> {
     let mut seen = std::collections::HashSet::new();
     for line in &lines {
         let name = line.path.rsplit('/').next().unwrap_or("");
-        let wanted = name.starts_with("libc.so")
-            || name.starts_with("libc-")
-            || name.starts_with("ld-musl")
-            || name.starts_with("libdl.so");
-        if !wanted || line.offset != 0 || !seen.insert((line.dev, line.inode)) {
+        if !is_c_library(name) || line.offset != 0 || !seen.insert((line.dev, line.inode)) {
             continue;
         }
         let path = format!("/proc/{pid}/map_files/{:x}-{:x}", line.start, line.end);
@@ -471,7 +467,25 @@ fn find_functions(pid: u32) -> Result<Functions, NotJoined> {
         let Ok(file) = object::File::parse(&*data) else {
             continue;
         };
-        let base = line.start - lowest_load(&file);
+        functions.take_from(&file, line.start - lowest_load(&file));
+    }
+    functions.check()?;
+    Ok(functions)
+}
+
+/// Whether the object file `name` may hold the functions heapprofd calls: the C
+/// library (glibc's or musl's) or libdl.
+fn is_c_library(name: &str) -> bool {
+    name.starts_with("libc.so")
+        || name.starts_with("libc-")
+        || name.starts_with("ld-musl")
+        || name.starts_with("libdl.so")
+}
+
+impl Functions {
+    /// Takes the addresses of the functions not found yet from `file`, an object
+    /// loaded at `base` (the first object to define a function gives it).
+    fn take_from(&mut self, file: &object::File<'_>, base: u64) {
         for symbol in file.dynamic_symbols() {
             let (Ok(name), true) = (symbol.name(), symbol.is_definition()) else {
                 continue;
@@ -479,13 +493,13 @@ fn find_functions(pid: u32) -> Result<Functions, NotJoined> {
             let name = name.split('@').next().unwrap_or(name);
             let address = base + symbol.address();
             let slot = match name {
-                "dlopen" => &mut functions.dlopen,
-                "dlerror" => &mut functions.dlerror,
-                "memfd_create" => &mut functions.memfd_create,
-                "socketpair" => &mut functions.socketpair,
-                "close" => &mut functions.close,
-                "mmap" => &mut functions.mmap,
-                "munmap" => &mut functions.munmap,
+                "dlopen" => &mut self.dlopen,
+                "dlerror" => &mut self.dlerror,
+                "memfd_create" => &mut self.memfd_create,
+                "socketpair" => &mut self.socketpair,
+                "close" => &mut self.close,
+                "mmap" => &mut self.mmap,
+                "munmap" => &mut self.munmap,
                 _ => continue,
             };
             if *slot == 0 {
@@ -493,33 +507,37 @@ fn find_functions(pid: u32) -> Result<Functions, NotJoined> {
             }
         }
         #[cfg(target_arch = "x86_64")]
-        if functions.restorer == 0
+        if self.restorer == 0
             && let Some(text) = file.section_by_name(".text")
             && let Ok(code) = text.data()
             && let Some(at) = code
                 .windows(RESTORER_CODE.len())
                 .position(|w| w == RESTORER_CODE)
         {
-            functions.restorer = base + text.address() + at as u64;
+            self.restorer = base + text.address() + at as u64;
         }
     }
-    if functions.close == 0 {
-        return Err(not_joined(
-            "it maps no C library heapprofd can call (a static program, or Go)",
-        ));
+
+    /// Why heapprofd cannot join with the functions found, if a needed one is missing.
+    fn check(&self) -> Result<(), NotJoined> {
+        if self.close == 0 {
+            return Err(not_joined(
+                "it maps no C library heapprofd can call (a static program, or Go)",
+            ));
+        }
+        if self.dlopen == 0 {
+            return Err(not_joined(
+                "its C library has no dlopen (glibc before 2.34 without libdl loaded, or a \
+                 static program)",
+            ));
+        }
+        if self.memfd_create == 0 || self.socketpair == 0 {
+            return Err(not_joined(
+                "its C library lacks memfd_create or socketpair (glibc before 2.27)",
+            ));
+        }
+        Ok(())
     }
-    if functions.dlopen == 0 {
-        return Err(not_joined(
-            "its C library has no dlopen (glibc before 2.34 without libdl loaded, or a \
-             static program)",
-        ));
-    }
-    if functions.memfd_create == 0 || functions.socketpair == 0 {
-        return Err(not_joined(
-            "its C library lacks memfd_create or socketpair (glibc before 2.27)",
-        ));
-    }
-    Ok(functions)
 }
 
 /// The lowest address an ELF file's loadable segments ask for, page-aligned.
