@@ -302,54 +302,22 @@ pub(super) fn place(code: &[u8], needs: Needs, return_probe: bool) -> Placement 
         .iter()
         .map(|c| u32::from_le_bytes(*c))
         .collect();
-    let mut registers = Registers::at_entry();
-    // The registers before each skipped instruction, for the branches back into them.
-    let mut before = Vec::new();
-    let mut candidate = None;
-    for (index, &word) in words.iter().enumerate().take(MAX_SKIPPED_INSTRUCTIONS + 1) {
-        if let Some(what) = simulated(word) {
-            candidate = Some((index as u64 * 4, what));
-            break;
-        }
-        before.push(registers.clone());
-        let Some(effect) = effect(word) else {
-            return entry("entry: an instruction before the first simulated one is not understood");
-        };
-        if !registers.apply(effect) {
-            return entry(
-                "entry: an instruction before the first simulated one writes the stack pointer",
-            );
-        }
-    }
-    let Some((offset, what)) = candidate else {
-        return entry("entry: no simulated instruction near the start");
+    let skipped = match Skipped::follow(&words) {
+        Ok(skipped) => skipped,
+        Err(why) => return entry(why),
     };
+    let (offset, what) = (skipped.offset, skipped.what);
     if offset == 0 {
         return entry(&format!("entry: the first instruction is a {what}"));
     }
+    let registers = &skipped.registers;
     let Some(located) = registers.values.locate(needs) else {
         return entry(
             "entry: a value the probe reads is overwritten before the first simulated instruction",
         );
     };
-    for (index, &word) in words.iter().enumerate() {
-        if indirect_jump(word) {
-            return entry("entry: the function has an indirect jump");
-        }
-        if let Some(target) = branch_target(word, index as i64 * 4)
-            && target > 0
-            && target <= offset as i64
-            && !loops_back_alike(
-                &words,
-                &before,
-                target as usize / 4,
-                offset as usize / 4,
-                needs,
-                located,
-            )
-        {
-            return entry("entry: a branch in the function lands in the skipped instructions");
-        }
+    if let Some(why) = jump_into_skipped(&words, &skipped, needs, located) {
+        return entry(why);
     }
     // Past a push, or where the return address is signed, a return probe at the spot
     // would replace a return address the function no longer returns through: the
@@ -367,6 +335,81 @@ pub(super) fn place(code: &[u8], needs: Needs, return_probe: bool) -> Placement 
         exits,
         ..Placement::moved(Arch::Aarch64, offset, what, needs, located)
     }
+}
+
+/// The instructions before the first simulated one, which the probe skips.
+struct Skipped {
+    /// The registers at the simulated instruction.
+    registers: Registers,
+    /// The registers before each skipped instruction, for the branches back into them.
+    before: Vec<Registers>,
+    /// Where the simulated instruction is, in bytes from the function's start.
+    offset: u64,
+    /// What it is.
+    what: &'static str,
+}
+
+impl Skipped {
+    /// Follows the registers from the entry to the first simulated instruction among
+    /// the first ones; why the probe stays at the entry if that fails.
+    fn follow(words: &[u32]) -> Result<Skipped, &'static str> {
+        let mut registers = Registers::at_entry();
+        let mut before = Vec::new();
+        for (index, &word) in words.iter().enumerate().take(MAX_SKIPPED_INSTRUCTIONS + 1) {
+            if let Some(what) = simulated(word) {
+                return Ok(Skipped {
+                    registers,
+                    before,
+                    offset: index as u64 * 4,
+                    what,
+                });
+            }
+            before.push(registers.clone());
+            let Some(effect) = effect(word) else {
+                return Err(
+                    "entry: an instruction before the first simulated one is not understood",
+                );
+            };
+            if !registers.apply(effect) {
+                return Err(
+                    "entry: an instruction before the first simulated one writes the stack pointer",
+                );
+            }
+        }
+        Err("entry: no simulated instruction near the start")
+    }
+}
+
+/// Why a jump in the function keeps the probe at the entry, if one does: an indirect
+/// jump (it could land anywhere), or a branch into the skipped instructions that does
+/// not reach the spot as the entry did.
+fn jump_into_skipped(
+    words: &[u32],
+    skipped: &Skipped,
+    needs: Needs,
+    located: ValueRegisters,
+) -> Option<&'static str> {
+    let offset = skipped.offset;
+    for (index, &word) in words.iter().enumerate() {
+        if indirect_jump(word) {
+            return Some("entry: the function has an indirect jump");
+        }
+        if let Some(target) = branch_target(word, index as i64 * 4)
+            && target > 0
+            && target <= offset as i64
+            && !loops_back_alike(
+                words,
+                &skipped.before,
+                target as usize / 4,
+                offset as usize / 4,
+                needs,
+                located,
+            )
+        {
+            return Some("entry: a branch in the function lands in the skipped instructions");
+        }
+    }
+    None
 }
 
 /// Whether a branch back to instruction `target` of the skipped ones (before the spot,
