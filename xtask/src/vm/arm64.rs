@@ -14,7 +14,10 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use super::debian::{PrivateApt, arm64_sources, debian_archive, extract, find_deb};
+use super::debian::{
+    PrivateApt, arm64_sources, copy_vmlinuz, debian_archive, extract, find_deb, fresh_dir,
+    kernel_release, source_line,
+};
 use crate::{CmdExt as _, step, workspace_root};
 
 /// The kernel's metapackage: its dependency names the current 6.1 image.
@@ -61,59 +64,34 @@ pub fn ensure_assets() -> Result<PathBuf> {
     let base = workspace_root().join("target/arm64-vm");
     let assets = base.join("assets");
     let complete = assets.join(".complete");
-    if std::fs::read_to_string(&complete).is_ok_and(|marker| {
-        marker.lines().skip(1).eq(PACKAGES
-            .iter()
-            .chain(MODULES.iter())
-            .chain([&FENTRY_KERNEL_SUITE])
-            .copied())
-    }) {
+    if std::fs::read_to_string(&complete)
+        .is_ok_and(|marker| marker.lines().skip(1).eq(marked_lists()))
+    {
         return Ok(assets);
     }
     step("fetching Debian's arm64 kernel, busybox and C and C++ libraries for the VM test");
     let (archive, signed_by) = debian_archive()?;
-    let signed_by = signed_by.map(|s| format!(" {s}")).unwrap_or_default();
-    let sources = format!(
-        "{}deb [arch=arm64{signed_by}] {archive} {FENTRY_KERNEL_SUITE} main\n",
-        arm64_sources()?
-    );
+    let sources = arm64_sources()?
+        + &source_line("arm64", &archive, signed_by.as_deref(), FENTRY_KERNEL_SUITE);
     let apt = PrivateApt::new(&base.join("apt"), "arm64", &sources)?;
     apt.update()?;
     let kernel = apt.depends_on(KERNEL_METAPACKAGE)?;
     let fentry_kernel = apt.depends_on(&format!("{KERNEL_METAPACKAGE}/{FENTRY_KERNEL_SUITE}"))?;
     let debs = base.join("debs");
-    let _ = std::fs::remove_dir_all(&debs);
-    std::fs::create_dir_all(&debs)?;
+    fresh_dir(&debs)?;
     let mut packages = vec![kernel.as_str()];
     packages.extend(PACKAGES);
     apt.download(&debs, &packages)?;
     // Apart from the others: only its vmlinuz is unpacked, not over the 6.1 kernel's.
     let fentry_debs = base.join("fentry-debs");
-    let _ = std::fs::remove_dir_all(&fentry_debs);
-    std::fs::create_dir_all(&fentry_debs)?;
+    fresh_dir(&fentry_debs)?;
     apt.download(&fentry_debs, &[&fentry_kernel])?;
     let unpacked = base.join("unpacked");
-    let _ = std::fs::remove_dir_all(&unpacked);
-    std::fs::create_dir_all(&unpacked)?;
-    for deb in std::fs::read_dir(&debs)? {
-        let deb = deb?.path();
-        Command::new("dpkg-deb")
-            .arg("-x")
-            .arg(&deb)
-            .arg(&unpacked)
-            .run()?;
-    }
+    fresh_dir(&unpacked)?;
+    unpack_all(&debs, &unpacked)?;
     let _ = std::fs::remove_dir_all(&assets);
     std::fs::create_dir_all(assets.join("bin"))?;
-    let vmlinuz = std::fs::read_dir(unpacked.join("boot"))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("vmlinuz-"))
-        })
-        .context("the kernel package has no /boot/vmlinuz-*")?;
-    std::fs::copy(&vmlinuz, assets.join("vmlinuz"))?;
+    keep_vmlinuz(&unpacked, &assets)?;
     std::fs::copy(unpacked.join("bin/busybox"), assets.join("bin/busybox"))?;
     // The C library with its loader: lib/ld-linux-aarch64.so.1 and lib/aarch64-linux-gnu/.
     Command::new("cp")
@@ -123,6 +101,65 @@ pub fn ensure_assets() -> Result<PathBuf> {
         .run()?;
     keep_modules(&unpacked, &assets)?;
     let _ = std::fs::remove_dir_all(assets.join("lib/modules"));
+    keep_libstdcxx(&unpacked, &assets)?;
+    keep_allocators(&unpacked, &assets)?;
+    keep_fentry_kernel(
+        &fentry_debs,
+        &fentry_kernel,
+        &base.join("unpacked-fentry"),
+        &assets,
+    )?;
+    let _ = std::fs::remove_dir_all(&fentry_debs);
+    let mut marker = kernel;
+    for package in marked_lists() {
+        marker.push('\n');
+        marker.push_str(package);
+    }
+    std::fs::write(&complete, marker)?;
+    let _ = std::fs::remove_dir_all(&unpacked);
+    Ok(assets)
+}
+
+/// What `.complete` lists after the kernel package: [`PACKAGES`], [`MODULES`] and
+/// [`FENTRY_KERNEL_SUITE`].
+fn marked_lists() -> impl Iterator<Item = &'static str> {
+    PACKAGES
+        .iter()
+        .chain(MODULES.iter())
+        .chain([&FENTRY_KERNEL_SUITE])
+        .copied()
+}
+
+/// Unpacks every .deb in `debs`, whole, into `unpacked`.
+fn unpack_all(debs: &Path, unpacked: &Path) -> Result<()> {
+    for deb in std::fs::read_dir(debs)? {
+        let deb = deb?.path();
+        Command::new("dpkg-deb")
+            .arg("-x")
+            .arg(&deb)
+            .arg(unpacked)
+            .run()?;
+    }
+    Ok(())
+}
+
+/// Copies the unpacked kernel package's `/boot/vmlinuz-*` to `assets/vmlinuz`.
+fn keep_vmlinuz(unpacked: &Path, assets: &Path) -> Result<()> {
+    let vmlinuz = std::fs::read_dir(unpacked.join("boot"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("vmlinuz-"))
+        })
+        .context("the kernel package has no /boot/vmlinuz-*")?;
+    std::fs::copy(&vmlinuz, assets.join("vmlinuz"))?;
+    Ok(())
+}
+
+/// Copies the unpacked libstdc++6's `libstdc++.so.6*` into `lib/aarch64-linux-gnu/`
+/// of the assets.
+fn keep_libstdcxx(unpacked: &Path, assets: &Path) -> Result<()> {
     // libstdc++ is under /usr/lib/aarch64-linux-gnu: next to the C library, where the
     // dynamic loader looks first (the VM has no ld.so.cache), it needs no other path.
     let usr_lib = unpacked.join("usr/lib/aarch64-linux-gnu");
@@ -145,7 +182,11 @@ pub fn ensure_assets() -> Result<PathBuf> {
         .arg("-a")
         .args(&libstdcxx)
         .arg(assets.join("lib/aarch64-linux-gnu"))
-        .run()?;
+        .run()
+}
+
+/// Copies [`ALLOCATORS`] of the unpacked packages into `allocators/` of the assets.
+fn keep_allocators(unpacked: &Path, assets: &Path) -> Result<()> {
     std::fs::create_dir_all(assets.join("allocators"))?;
     for library in ALLOCATORS {
         let from = unpacked.join(library);
@@ -157,45 +198,20 @@ pub fn ensure_assets() -> Result<PathBuf> {
             .context("an allocator library without a file name")?;
         std::fs::copy(&from, assets.join("allocators").join(name))?;
     }
-    keep_fentry_kernel(
-        &fentry_debs,
-        &fentry_kernel,
-        &base.join("unpacked-fentry"),
-        &assets,
-    )?;
-    let _ = std::fs::remove_dir_all(&fentry_debs);
-    let mut marker = kernel;
-    for package in PACKAGES
-        .iter()
-        .chain(MODULES.iter())
-        .chain([&FENTRY_KERNEL_SUITE])
-    {
-        marker.push('\n');
-        marker.push_str(package);
-    }
-    std::fs::write(&complete, marker)?;
-    let _ = std::fs::remove_dir_all(&unpacked);
-    Ok(assets)
+    Ok(())
 }
 
 /// Unpacks the vmlinuz of the kernel package `kernel` (downloaded into `debs`) into
 /// `assets/kernels/<release>/`.
 fn keep_fentry_kernel(debs: &Path, kernel: &str, unpacked: &Path, assets: &Path) -> Result<()> {
-    let release = kernel
-        .strip_prefix("linux-image-")
-        .context("a kernel package not named linux-image-*")?;
+    let release = kernel_release(kernel)?;
     let deb = find_deb(debs, &format!("{kernel}_"))?;
-    let _ = std::fs::remove_dir_all(unpacked);
-    std::fs::create_dir_all(unpacked)?;
+    fresh_dir(unpacked)?;
     let vmlinuz = format!("./boot/vmlinuz-{release}");
     extract(&deb, unpacked, &[&vmlinuz])?;
     let dir = assets.join("kernels").join(release);
     std::fs::create_dir_all(&dir)?;
-    std::fs::copy(
-        unpacked.join(vmlinuz.trim_start_matches("./")),
-        dir.join("vmlinuz"),
-    )
-    .with_context(|| format!("{kernel} has no {vmlinuz}"))?;
+    copy_vmlinuz(unpacked, &vmlinuz, &dir, kernel)?;
     let _ = std::fs::remove_dir_all(unpacked);
     Ok(())
 }

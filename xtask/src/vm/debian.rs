@@ -1,7 +1,8 @@
 //! Debian's archive, as the VM tests' assets are fetched from it: the machine's own
 //! archive and sources read from `/etc/apt`, an apt of the tests' own
 //! ([`PrivateApt`]) that downloads packages without reading or changing the
-//! machine's apt state, and the unpacking of single members of a `.deb`.
+//! machine's apt state, and the unpacking of single members of a `.deb` (a kernel
+//! package's image among them).
 
 use std::{
     path::{Path, PathBuf},
@@ -138,6 +139,21 @@ pub(crate) fn debian_archive() -> Result<(String, Option<String>)> {
     bail!("no Debian archive (other than its security updates) in /etc/apt's sources")
 }
 
+/// The one-line sources entry of `suite`'s main component in the Debian `archive`
+/// for `arch`, with the archive's `signed-by=...` option if it has one.
+pub(crate) fn source_line(
+    arch: &str,
+    archive: &str,
+    signed_by: Option<&str>,
+    suite: &str,
+) -> String {
+    let options = match signed_by {
+        Some(signed) => format!("[arch={arch} {signed}]"),
+        None => format!("[arch={arch}]"),
+    };
+    format!("deb {options} {archive} {suite} main\n")
+}
+
 /// The machine's Debian sources (deb822 or one-line format), as one-line entries for arm64.
 pub(crate) fn arm64_sources() -> Result<String> {
     let mut lines = Vec::new();
@@ -222,6 +238,33 @@ pub(crate) fn find_deb(dir: &Path, prefix: &str) -> Result<PathBuf> {
                 .is_some_and(|n| n.starts_with(prefix) && n.ends_with(".deb"))
         })
         .with_context(|| format!("apt downloaded no {prefix}*.deb into {}", dir.display()))
+}
+
+/// An empty directory `dir`, whatever was there before removed: where packages are
+/// downloaded or unpacked afresh.
+pub(crate) fn fresh_dir(dir: &Path) -> Result<()> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir)?;
+    Ok(())
+}
+
+/// The kernel release (as `uname -r` gives it) of the kernel image package `kernel`
+/// (`linux-image-<release>`).
+pub(crate) fn kernel_release(kernel: &str) -> Result<&str> {
+    kernel
+        .strip_prefix("linux-image-")
+        .context("a kernel package not named linux-image-*")
+}
+
+/// Copies the kernel image `vmlinuz` (a member `./...` of the kernel package
+/// `kernel`, unpacked under `unpacked`) to `dir/vmlinuz`.
+pub(crate) fn copy_vmlinuz(unpacked: &Path, vmlinuz: &str, dir: &Path, kernel: &str) -> Result<()> {
+    std::fs::copy(
+        unpacked.join(vmlinuz.trim_start_matches("./")),
+        dir.join("vmlinuz"),
+    )
+    .with_context(|| format!("{kernel} has no {vmlinuz}"))?;
+    Ok(())
 }
 
 /// Whether `deb` holds the file `member` (`./path`).

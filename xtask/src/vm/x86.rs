@@ -18,7 +18,10 @@ use anyhow::{Context as _, Result, bail};
 
 use super::{
     bpftrace,
-    debian::{PrivateApt, debian_archive, extract, find_deb, has_member},
+    debian::{
+        PrivateApt, copy_vmlinuz, debian_archive, extract, find_deb, fresh_dir, has_member,
+        kernel_release, source_line,
+    },
 };
 use crate::{step, workspace_root};
 
@@ -82,16 +85,50 @@ pub fn ensure_assets() -> Result<PathBuf> {
          the x86-64 VM test",
     );
     let (archive, signed_by) = debian_archive()?;
-    let options = match &signed_by {
-        Some(signed) => format!("[arch=amd64 {signed}]"),
-        None => "[arch=amd64]".to_owned(),
-    };
-    let sources: String = SUITES
-        .iter()
-        .map(|suite| format!("deb {options} {archive} {suite} main\n"))
-        .collect();
+    let source = |suite: &str| source_line("amd64", &archive, signed_by.as_deref(), suite);
+    let sources: String = SUITES.iter().map(|suite| source(suite)).collect();
     let apt = PrivateApt::new(&base.join("apt"), "amd64", &sources)?;
     apt.update()?;
+    let (kernels, bpftrace_kernel) = kernel_packages(&apt)?;
+    let debs = base.join("debs");
+    fresh_dir(&debs)?;
+    let mut packages: Vec<&str> = kernels.iter().map(String::as_str).collect();
+    packages.push(BUSYBOX);
+    apt.download(&debs, &packages)?;
+    let _ = std::fs::remove_dir_all(&assets);
+    std::fs::create_dir_all(assets.join("bin"))?;
+    let unpacked = base.join("unpacked");
+    let busybox = keep_busybox(&debs, &unpacked, &assets)?;
+    let unpacker = KernelUnpacker {
+        apt: &apt,
+        debs: &debs,
+        unpacked: &unpacked,
+        busybox: &busybox,
+    };
+    for kernel in &kernels {
+        let with_disk = bpftrace_kernel.as_ref() == Some(kernel);
+        unpacker.keep(kernel, with_disk, &assets)?;
+    }
+    if bpftrace_kernel.is_none() {
+        bail!("no kernel of {BPFTRACE_KERNEL_SUITE}, the suite whose boot runs bpftrace");
+    }
+    step("fetching bpftrace and its libraries into a disk image for the x86-64 VM test");
+    bpftrace::build_image(
+        &base.join("bpftrace"),
+        &source(bpftrace::SUITE),
+        &assets.join(bpftrace::IMAGE),
+    )?;
+    let mut marker: Vec<&str> = head;
+    marker.extend(kernels.iter().map(String::as_str));
+    std::fs::write(&complete, marker.join("\n") + "\n")?;
+    let _ = std::fs::remove_dir_all(&unpacked);
+    let _ = std::fs::remove_dir_all(&debs);
+    Ok(assets)
+}
+
+/// The kernel image packages of [`SUITES`], in their order, and the one of
+/// [`BPFTRACE_KERNEL_SUITE`] (whose boot also mounts the bpftrace disk).
+fn kernel_packages(apt: &PrivateApt) -> Result<(Vec<String>, Option<String>)> {
     let mut kernels = Vec::new();
     let mut bpftrace_kernel = None;
     for suite in SUITES {
@@ -101,104 +138,121 @@ pub fn ensure_assets() -> Result<PathBuf> {
         }
         kernels.push(kernel);
     }
-    let debs = base.join("debs");
-    let _ = std::fs::remove_dir_all(&debs);
-    std::fs::create_dir_all(&debs)?;
-    let mut packages: Vec<&str> = kernels.iter().map(String::as_str).collect();
-    packages.push(BUSYBOX);
-    apt.download(&debs, &packages)?;
-    let _ = std::fs::remove_dir_all(&assets);
-    std::fs::create_dir_all(assets.join("bin"))?;
-    let busybox_deb = find_deb(&debs, "busybox-static_")?;
-    let unpacked = base.join("unpacked");
-    let _ = std::fs::remove_dir_all(&unpacked);
-    std::fs::create_dir_all(&unpacked)?;
-    extract(&busybox_deb, &unpacked, &["./bin/busybox"])?;
+    Ok((kernels, bpftrace_kernel))
+}
+
+/// Unpacks busybox from its .deb in `debs` (through a fresh `unpacked`) into
+/// `assets/bin/busybox`; returns that path (it also decompresses the modules).
+fn keep_busybox(debs: &Path, unpacked: &Path, assets: &Path) -> Result<PathBuf> {
+    let busybox_deb = find_deb(debs, "busybox-static_")?;
+    fresh_dir(unpacked)?;
+    extract(&busybox_deb, unpacked, &["./bin/busybox"])?;
     let busybox = assets.join("bin/busybox");
     std::fs::copy(unpacked.join("bin/busybox"), &busybox)?;
-    for kernel in &kernels {
-        let deb = find_deb(&debs, &format!("{kernel}_"))?;
-        let release = kernel
-            .strip_prefix("linux-image-")
-            .context("a kernel package not named linux-image-*")?;
+    Ok(busybox)
+}
+
+/// What unpacking the kernel packages shares: the apt that downloads the packages
+/// Debian 13 splits off, where the .debs are, where they are unpacked and the busybox
+/// whose unxz decompresses the modules.
+struct KernelUnpacker<'a> {
+    apt: &'a PrivateApt,
+    debs: &'a Path,
+    unpacked: &'a Path,
+    busybox: &'a Path,
+}
+
+impl KernelUnpacker<'_> {
+    /// Keeps the kernel package `kernel`'s vmlinuz and [`BRD`] in
+    /// `assets/kernels/<release>/`, and with `with_disk` also [`DISK_MODULES`] in its
+    /// `disk/`.
+    fn keep(&self, kernel: &str, with_disk: bool, assets: &Path) -> Result<()> {
+        let deb = find_deb(self.debs, &format!("{kernel}_"))?;
+        let release = kernel_release(kernel)?;
         let dir = assets.join("kernels").join(release);
         std::fs::create_dir_all(&dir)?;
-        let vmlinuz = format!("./boot/vmlinuz-{release}");
-        // Debian 13's kernels (trixie and its backports) split the image package: the
-        // kernel is in linux-binary-*, the modules in linux-modules-*, under /usr/lib.
-        let with_disk = bpftrace_kernel.as_ref() == Some(kernel);
         let mut wanted = vec![BRD];
         if with_disk {
             wanted.extend(DISK_MODULES);
         }
-        let (vmlinuz, modules) = if has_member(&deb, &vmlinuz)? {
-            let mut patterns = vec![vmlinuz.clone()];
-            patterns.extend(
-                wanted
-                    .iter()
-                    .map(|module| format!("./lib/modules/{release}/{module}*")),
-            );
-            let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
-            extract(&deb, &unpacked, &patterns)?;
-            (vmlinuz, format!("lib/modules/{release}"))
-        } else {
-            let binary = format!("linux-binary-{release}");
-            let modules = format!("linux-modules-{release}");
-            apt.download(&debs, &[&binary, &modules])?;
-            let vmlinuz = format!("./usr/lib/modules/{release}/vmlinuz");
-            extract(
-                &find_deb(&debs, &format!("{binary}_"))?,
-                &unpacked,
-                &[&vmlinuz],
-            )?;
-            let patterns: Vec<String> = wanted
-                .iter()
-                .map(|module| format!("./usr/lib/modules/{release}/{module}*"))
-                .collect();
-            let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
-            extract(
-                &find_deb(&debs, &format!("{modules}_"))?,
-                &unpacked,
-                &patterns,
-            )?;
-            (vmlinuz, format!("usr/lib/modules/{release}"))
-        };
-        std::fs::copy(
-            unpacked.join(vmlinuz.trim_start_matches("./")),
-            dir.join("vmlinuz"),
-        )
-        .with_context(|| format!("{kernel} has no {vmlinuz}"))?;
-        let modules = unpacked.join(modules);
-        keep_module(&modules, BRD, &dir, &busybox).with_context(|| kernel.clone())?;
+        let (vmlinuz, modules) = self.extract_kernel(&deb, release, &wanted)?;
+        copy_vmlinuz(self.unpacked, &vmlinuz, &dir, kernel)?;
+        let modules = self.unpacked.join(modules);
+        keep_module(&modules, BRD, &dir, self.busybox).with_context(|| kernel.to_owned())?;
         if with_disk {
-            let disk = dir.join("disk");
-            std::fs::create_dir_all(&disk)?;
-            let mut order = String::new();
-            for module in DISK_MODULES {
-                let name = keep_module(&modules, module, &disk, &busybox)
-                    .with_context(|| kernel.clone())?;
-                order.push_str(&name);
-                order.push('\n');
-            }
-            std::fs::write(disk.join("order"), order)?;
+            keep_disk_modules(&modules, &dir, self.busybox, kernel)?;
         }
+        Ok(())
     }
-    if bpftrace_kernel.is_none() {
-        bail!("no kernel of {BPFTRACE_KERNEL_SUITE}, the suite whose boot runs bpftrace");
+
+    /// Unpacks the kernel image and the `wanted` modules of the kernel package `deb`
+    /// (or of the packages it is split into); returns the image's member (`./...`)
+    /// and the modules' directory, both as unpacked under `unpacked`.
+    fn extract_kernel(
+        &self,
+        deb: &Path,
+        release: &str,
+        wanted: &[&str],
+    ) -> Result<(String, String)> {
+        let vmlinuz = format!("./boot/vmlinuz-{release}");
+        // Debian 13's kernels (trixie and its backports) split the image package: the
+        // kernel is in linux-binary-*, the modules in linux-modules-*, under /usr/lib.
+        if !has_member(deb, &vmlinuz)? {
+            return self.extract_split_kernel(release, wanted);
+        }
+        let mut patterns = vec![vmlinuz.clone()];
+        patterns.extend(module_patterns("./lib/modules", release, wanted));
+        let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
+        extract(deb, self.unpacked, &patterns)?;
+        Ok((vmlinuz, format!("lib/modules/{release}")))
     }
-    step("fetching bpftrace and its libraries into a disk image for the x86-64 VM test");
-    let bpftrace_sources = format!("deb {options} {archive} {} main\n", bpftrace::SUITE);
-    bpftrace::build_image(
-        &base.join("bpftrace"),
-        &bpftrace_sources,
-        &assets.join(bpftrace::IMAGE),
-    )?;
-    let mut marker: Vec<&str> = head;
-    marker.extend(kernels.iter().map(String::as_str));
-    std::fs::write(&complete, marker.join("\n") + "\n")?;
-    let _ = std::fs::remove_dir_all(&unpacked);
-    let _ = std::fs::remove_dir_all(&debs);
-    Ok(assets)
+
+    /// [`Self::extract_kernel`] for a Debian 13 kernel: downloads its
+    /// linux-binary-* and linux-modules-* packages and unpacks from them.
+    fn extract_split_kernel(&self, release: &str, wanted: &[&str]) -> Result<(String, String)> {
+        let binary = format!("linux-binary-{release}");
+        let modules = format!("linux-modules-{release}");
+        self.apt.download(self.debs, &[&binary, &modules])?;
+        let vmlinuz = format!("./usr/lib/modules/{release}/vmlinuz");
+        extract(
+            &find_deb(self.debs, &format!("{binary}_"))?,
+            self.unpacked,
+            &[&vmlinuz],
+        )?;
+        let patterns = module_patterns("./usr/lib/modules", release, wanted);
+        let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
+        extract(
+            &find_deb(self.debs, &format!("{modules}_"))?,
+            self.unpacked,
+            &patterns,
+        )?;
+        Ok((vmlinuz, format!("usr/lib/modules/{release}")))
+    }
+}
+
+/// The tar wildcards of the `wanted` modules (each plain or compressed) of the
+/// kernel `release` under the package's `root` (`./lib/modules` or `./usr/lib/modules`).
+fn module_patterns(root: &str, release: &str, wanted: &[&str]) -> Vec<String> {
+    wanted
+        .iter()
+        .map(|module| format!("{root}/{release}/{module}*"))
+        .collect()
+}
+
+/// Keeps [`DISK_MODULES`] of the kernel package `kernel`'s unpacked `modules` in
+/// `dir/disk/`, with the file `order` naming them in their loading order.
+fn keep_disk_modules(modules: &Path, dir: &Path, busybox: &Path, kernel: &str) -> Result<()> {
+    let disk = dir.join("disk");
+    std::fs::create_dir_all(&disk)?;
+    let mut order = String::new();
+    for module in DISK_MODULES {
+        let name =
+            keep_module(modules, module, &disk, busybox).with_context(|| kernel.to_owned())?;
+        order.push_str(&name);
+        order.push('\n');
+    }
+    std::fs::write(disk.join("order"), order)?;
+    Ok(())
 }
 
 /// Copies the module `module` (`kernel/.../name.ko`, or its `.ko.xz`, unpacked) of
