@@ -316,6 +316,41 @@ fn report(
         text,
         "\n## Kernel mode: {cycles} pipe2/close cycles ({runs} runs; the loop's own time, median, min-max; added over bare; x kstack, x floor = added / their added)\n"
     );
+    let modes = mode_lines(results, bare, kstack, floor, text);
+    let totals = SampledTotals::of(results);
+    totals.write(text);
+    if let Some(stats) = bpf_stats {
+        let _ = writeln!(text, "heapprofd --kernel exact, {}", stats.describe());
+    }
+    let goals = goals(
+        added(KernelMode::Exact) / kstack,
+        added(KernelMode::Sampled) / floor,
+        totals.worst(),
+    );
+    KernelReport {
+        json: json!({
+            "cycles": cycles,
+            "modes": modes,
+            "exact_bytes": number(totals.exact_bytes),
+            "exact_objects": number(totals.exact_objects),
+            "sampled_bytes_error": totals.errors.iter().map(|&e| number(e)).collect::<Vec<_>>(),
+            "sampled_objects_error": totals.object_errors.iter().map(|&e| number(e)).collect::<Vec<_>>(),
+            "expected_standard_error": number(totals.standard_error),
+        }),
+        goals,
+    }
+}
+
+/// Writes each mode's line (its loop time, added time over `bare` and that as a
+/// multiple of `kstack`'s and `floor`'s added time, or its failure) to `text`;
+/// returns the modes' JSON, by key.
+fn mode_lines(
+    results: &[ModeRuns],
+    bare: f64,
+    kstack: f64,
+    floor: f64,
+    text: &mut String,
+) -> Map<String, Value> {
     let mut modes = Map::new();
     for mode in KernelMode::ALL {
         let r = &results[mode as usize];
@@ -349,47 +384,86 @@ fn report(
             }),
         );
     }
-    // Sampled totals against the exact runs' median.
-    let exact = &results[KernelMode::Exact as usize].totals;
-    let sampled = &results[KernelMode::Sampled as usize].totals;
-    let exact_bytes = spread(&exact.iter().map(|t| t.1 as f64).collect::<Vec<_>>()).median;
-    let exact_objects = spread(&exact.iter().map(|t| t.0 as f64).collect::<Vec<_>>()).median;
-    let errors: Vec<f64> = sampled
-        .iter()
-        .map(|t| t.1 as f64 / exact_bytes - 1.0)
-        .collect();
-    let object_errors: Vec<f64> = sampled
-        .iter()
-        .map(|t| t.0 as f64 / exact_objects - 1.0)
-        .collect();
-    let standard_error = (SAMPLE_RATE as f64 / exact_bytes).sqrt();
-    let worst = errors.iter().fold(0.0f64, |w, e| w.max(e.abs()));
-    let _ = writeln!(
-        text,
-        "\nsampled totals vs exact ({:.0} objects, {:.1} MB allocated): bytes {}, objects {}; expected standard error of the bytes sqrt(rate / total) = {:.1}%",
-        exact_objects,
-        exact_bytes / 1e6,
-        errors
+    modes
+}
+
+/// Sampled totals against the exact runs' median.
+struct SampledTotals {
+    /// The exact runs' median bytes allocated.
+    exact_bytes: f64,
+    /// The exact runs' median objects allocated.
+    exact_objects: f64,
+    /// Each sampled run's bytes as a relative error against `exact_bytes`.
+    errors: Vec<f64>,
+    /// Each sampled run's objects as a relative error against `exact_objects`.
+    object_errors: Vec<f64>,
+    /// The bytes' expected relative standard error, `sqrt(rate / total)`.
+    standard_error: f64,
+}
+
+impl SampledTotals {
+    /// The sampled runs' totals of `results` against the exact runs'.
+    fn of(results: &[ModeRuns]) -> Self {
+        let exact = &results[KernelMode::Exact as usize].totals;
+        let sampled = &results[KernelMode::Sampled as usize].totals;
+        let exact_bytes = spread(&exact.iter().map(|t| t.1 as f64).collect::<Vec<_>>()).median;
+        let exact_objects = spread(&exact.iter().map(|t| t.0 as f64).collect::<Vec<_>>()).median;
+        let errors: Vec<f64> = sampled
             .iter()
-            .map(|e| format!("{:+.1}%", e * 100.0))
-            .collect::<Vec<_>>()
-            .join(" "),
-        object_errors
+            .map(|t| t.1 as f64 / exact_bytes - 1.0)
+            .collect();
+        let object_errors: Vec<f64> = sampled
             .iter()
-            .map(|e| format!("{:+.1}%", e * 100.0))
-            .collect::<Vec<_>>()
-            .join(" "),
-        standard_error * 100.0
-    );
-    if let Some(stats) = bpf_stats {
-        let _ = writeln!(text, "heapprofd --kernel exact, {}", stats.describe());
+            .map(|t| t.0 as f64 / exact_objects - 1.0)
+            .collect();
+        let standard_error = (SAMPLE_RATE as f64 / exact_bytes).sqrt();
+        Self {
+            exact_bytes,
+            exact_objects,
+            errors,
+            object_errors,
+            standard_error,
+        }
     }
-    let goals = vec![
+
+    /// The largest bytes error, in either direction.
+    fn worst(&self) -> f64 {
+        self.errors.iter().fold(0.0f64, |w, e| w.max(e.abs()))
+    }
+
+    /// Writes the comparison's line to `text`.
+    fn write(&self, text: &mut String) {
+        let _ = writeln!(
+            text,
+            "\nsampled totals vs exact ({:.0} objects, {:.1} MB allocated): bytes {}, objects {}; expected standard error of the bytes sqrt(rate / total) = {:.1}%",
+            self.exact_objects,
+            self.exact_bytes / 1e6,
+            percents(&self.errors),
+            percents(&self.object_errors),
+            self.standard_error * 100.0
+        );
+    }
+}
+
+/// Relative errors as signed percentages, space-separated (`+1.2% -0.4%`).
+fn percents(errors: &[f64]) -> String {
+    errors
+        .iter()
+        .map(|e| format!("{:+.1}%", e * 100.0))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The section's goals: exact's added time as a multiple of bpftrace kstack's
+/// (`x_kstack`), sampled's as a multiple of the floor's (`x_floor`), and the sampled
+/// bytes' `worst` error.
+fn goals(x_kstack: f64, x_floor: f64, worst: f64) -> Vec<(&'static str, GoalFigure)> {
+    vec![
         (
             "pipes",
             GoalFigure {
                 text: "kernel exact added / bpftrace kstack added".into(),
-                value: added(KernelMode::Exact) / kstack,
+                value: x_kstack,
                 limit: KSTACK_GOAL,
                 relation: "at most",
                 unit: "x",
@@ -399,7 +473,7 @@ fn report(
             "pipes",
             GoalFigure {
                 text: "kernel sampled 512KiB added / tracepoint floor added".into(),
-                value: added(KernelMode::Sampled) / floor,
+                value: x_floor,
                 limit: FLOOR_GOAL,
                 relation: "at most",
                 unit: "x",
@@ -415,19 +489,7 @@ fn report(
                 unit: "%",
             },
         ),
-    ];
-    KernelReport {
-        json: json!({
-            "cycles": cycles,
-            "modes": modes,
-            "exact_bytes": number(exact_bytes),
-            "exact_objects": number(exact_objects),
-            "sampled_bytes_error": errors.iter().map(|&e| number(e)).collect::<Vec<_>>(),
-            "sampled_objects_error": object_errors.iter().map(|&e| number(e)).collect::<Vec<_>>(),
-            "expected_standard_error": number(standard_error),
-        }),
-        goals,
-    }
+    ]
 }
 
 #[cfg(test)]
