@@ -39,7 +39,7 @@ use self::{
         start_workload, wait_for_line, wait_until_ready, wait_with_usage,
     },
     programs::{Programs, ensure_gxx, ensure_tracefs},
-    summary::{SectionsJson, Summary, write_summary},
+    summary::{GoalFigure, SectionsJson, Summary, write_summary},
 };
 use crate::{
     profiles_json::{self, Follower, Kind, Written},
@@ -548,39 +548,19 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         stats_files: Cell::new(0),
     };
     let load_before = load_average();
-    let named_sections = named_sections(options, &workloads)?;
-    // Sections named: those alone (with the workloads named); none named: all.
-    let section = |key: &str| named_sections.is_empty() || named_sections.contains(&key);
+    let sections = Sections {
+        bench: &bench,
+        programs: &programs,
+        options,
+        named: named_sections(options, &workloads)?,
+    };
     let mut summary = Summary::default();
     let chosen = |w: &&Workload| options.only.is_empty() || options.only.iter().any(|k| k == w.key);
     for workload in workloads.iter().filter(chosen) {
         workload::measure(&bench, workload, options, &mut summary)?;
     }
     let mut json = SectionsJson::default();
-    if section("launch") {
-        note_foreign_tracers("launch", &mut summary.warnings);
-        let report = launch::section(
-            &bench,
-            &programs.stl,
-            options.runs,
-            options.quick,
-            &mut summary.text,
-        )?;
-        for (key, goal) in &report.goals {
-            let _ = writeln!(summary.goals_text, "{key} (launch): {}", goal.describe());
-            summary.json_goals.push(goal.json(key));
-        }
-        json.launch = report.json;
-    }
-    if section("kernel") {
-        note_foreign_tracers("kernel", &mut summary.warnings);
-        let report = kernel::section(&bench, options.runs, options.quick, &mut summary.text)?;
-        for (key, goal) in &report.goals {
-            let _ = writeln!(summary.goals_text, "{key} (kernel): {}", goal.describe());
-            summary.json_goals.push(goal.json(key));
-        }
-        json.kernel = report.json;
-    }
+    sections.run_goal_sections(&mut summary, &mut json)?;
     let _ = writeln!(
         summary.text,
         "\n## Goals (figures of this run, never pass/fail; ratios of added time per allocation, medians)\n\n{}",
@@ -591,44 +571,97 @@ pub fn bench(heapprofd: &Path, options: &Options) -> Result<()> {
         "## Unwind tables of heapprofd exact, per workload (BPF map memory)\n\n{}",
         summary.tables_text
     );
-    if section("library") {
-        note_foreign_tracers("largest library", &mut summary.warnings);
-        json.library =
-            sections::largest_library(&bench, &programs.dlopen, options.runs, &mut summary.text)?;
-    }
-    if section("dumps") {
-        note_foreign_tracers("profile dumps", &mut summary.warnings);
-        json.dumps = sections::dumps(&bench, &programs.stacks, options.runs, &mut summary.text)?;
-    }
-    if section("shutdown") {
-        note_foreign_tracers("shutdown", &mut summary.warnings);
-        json.shutdown =
-            sections::shutdown(&bench, &programs.pairs, options.runs, &mut summary.text)?;
-    }
-    if section("redis") {
-        note_foreign_tracers("redis", &mut summary.warnings);
-        json.redis = redis::section(&bench, options.runs, options.quick, &mut summary.text)?;
-    }
-    if section("nginx") {
-        note_foreign_tracers("nginx", &mut summary.warnings);
-        json.nginx = nginx::section(&bench, options.runs, options.quick, &mut summary.text)?;
-    }
-    if section("fleet") {
-        note_foreign_tracers("fleet", &mut summary.warnings);
-        json.fleet = redis::fleet::section(
-            &bench,
-            &programs.stl,
-            options.runs,
-            options.quick,
-            &mut summary.text,
-        )?;
-    }
-    if section("load") {
-        note_foreign_tracers("daemon load", &mut summary.warnings);
-        let seconds = if options.quick { 12 } else { 35 };
-        json.load = sections::daemon_load(&bench, &programs.churn, seconds, &mut summary.text)?;
-    }
+    sections.run_other_sections(&mut summary, &mut json)?;
     write_summary(&dir, options, &load_before, &summary, &json)
+}
+
+/// The sections a run measures besides the workloads, and what they run with.
+struct Sections<'a> {
+    bench: &'a Bench,
+    programs: &'a Programs,
+    options: &'a Options,
+    /// The sections `--only` names.
+    named: Vec<&'a str>,
+}
+
+impl Sections<'_> {
+    /// Whether the section `key` runs: sections named, those alone (with the
+    /// workloads named); none named, all.
+    fn wanted(&self, key: &str) -> bool {
+        self.named.is_empty() || self.named.contains(&key)
+    }
+
+    /// Runs the sections with goals of their own (launch, kernel), which the summary
+    /// lists before its goals: their text into `summary`, their JSON into `json`.
+    fn run_goal_sections(&self, summary: &mut Summary, json: &mut SectionsJson) -> Result<()> {
+        let (bench, options) = (self.bench, self.options);
+        if self.wanted("launch") {
+            note_foreign_tracers("launch", &mut summary.warnings);
+            let report = launch::section(
+                bench,
+                &self.programs.stl,
+                options.runs,
+                options.quick,
+                &mut summary.text,
+            )?;
+            add_goals(summary, "launch", &report.goals);
+            json.launch = report.json;
+        }
+        if self.wanted("kernel") {
+            note_foreign_tracers("kernel", &mut summary.warnings);
+            let report = kernel::section(bench, options.runs, options.quick, &mut summary.text)?;
+            add_goals(summary, "kernel", &report.goals);
+            json.kernel = report.json;
+        }
+        Ok(())
+    }
+
+    /// Runs the sections the summary lists after its goals and unwind tables: their
+    /// text into `summary`, their JSON into `json`.
+    fn run_other_sections(&self, summary: &mut Summary, json: &mut SectionsJson) -> Result<()> {
+        let (bench, programs, options) = (self.bench, self.programs, self.options);
+        let text = &mut summary.text;
+        if self.wanted("library") {
+            note_foreign_tracers("largest library", &mut summary.warnings);
+            json.library = sections::largest_library(bench, &programs.dlopen, options.runs, text)?;
+        }
+        if self.wanted("dumps") {
+            note_foreign_tracers("profile dumps", &mut summary.warnings);
+            json.dumps = sections::dumps(bench, &programs.stacks, options.runs, text)?;
+        }
+        if self.wanted("shutdown") {
+            note_foreign_tracers("shutdown", &mut summary.warnings);
+            json.shutdown = sections::shutdown(bench, &programs.pairs, options.runs, text)?;
+        }
+        if self.wanted("redis") {
+            note_foreign_tracers("redis", &mut summary.warnings);
+            json.redis = redis::section(bench, options.runs, options.quick, text)?;
+        }
+        if self.wanted("nginx") {
+            note_foreign_tracers("nginx", &mut summary.warnings);
+            json.nginx = nginx::section(bench, options.runs, options.quick, text)?;
+        }
+        if self.wanted("fleet") {
+            note_foreign_tracers("fleet", &mut summary.warnings);
+            json.fleet =
+                redis::fleet::section(bench, &programs.stl, options.runs, options.quick, text)?;
+        }
+        if self.wanted("load") {
+            note_foreign_tracers("daemon load", &mut summary.warnings);
+            let seconds = if options.quick { 12 } else { 35 };
+            json.load = sections::daemon_load(bench, &programs.churn, seconds, text)?;
+        }
+        Ok(())
+    }
+}
+
+/// Adds a section's `goals` to the summary's list of goals (text and JSON), each
+/// labelled with its workload key and the `section`.
+fn add_goals(summary: &mut Summary, section: &str, goals: &[(&'static str, GoalFigure)]) {
+    for (key, goal) in goals {
+        let _ = writeln!(summary.goals_text, "{key} ({section}): {}", goal.describe());
+        summary.json_goals.push(goal.json(key));
+    }
 }
 
 /// What the benchmark needs before it compiles anything: root, a sane `--runs`,
