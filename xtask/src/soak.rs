@@ -18,8 +18,8 @@
 
 use std::{
     fmt::Write as _,
-    path::Path,
-    process::{Command, Stdio},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
     time::{Duration, Instant},
 };
 
@@ -27,7 +27,7 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{
     is_root,
-    profiles_json::{Follower, Kind},
+    profiles_json::{Follower, Kind, Written},
     step, workspace_root,
 };
 
@@ -47,6 +47,37 @@ struct Sample {
     allocated: u64,
     live_blocks: u64,
     dump_ms: f64,
+}
+
+impl Sample {
+    /// The reading at the interval profile `written` of heapprofd, process `pid`,
+    /// `started` when the soak did: the profile's figures and the memory heapprofd
+    /// has now.
+    fn read(pid: u32, started: Instant, written: &Written) -> Self {
+        Sample {
+            seconds: started.elapsed().as_secs_f64(),
+            rss_kib: status_kib(pid, "RssAnon:"),
+            total_rss_kib: status_kib(pid, "VmRSS:"),
+            sites: written.sites,
+            allocated: written.allocated_blocks,
+            live_blocks: written.inuse_blocks,
+            dump_ms: written.dump_ms,
+        }
+    }
+
+    /// Logs the reading's line.
+    fn log(&self) {
+        eprintln!(
+            "xtask: soak {:>7.1} s: heapprofd anonymous RSS {:>6} KiB (all {:>6} KiB), {} sites, {} live blocks, {} allocations counted, dump {:.1} ms",
+            self.seconds,
+            self.rss_kib,
+            self.total_rss_kib,
+            self.sites,
+            self.live_blocks,
+            self.allocated,
+            self.dump_ms
+        );
+    }
 }
 
 /// A memory figure of `/proc/PID/status` in KiB (`field` with its colon).
@@ -167,6 +198,46 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
     let out = root.join("target/soak");
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out)?;
+    let workload = compile_workload(&root, &out)?;
+    let schedule = Schedule::new(minutes);
+    let profiles = out.join("profiles.jsonl");
+    let mut command = Command::new(heapprofd);
+    command
+        .args(["--interval", &format!("{}s", schedule.interval), "-o"])
+        .arg(out.join("profiles"))
+        .arg("--profiles-json")
+        .arg(&profiles);
+    let _coming_and_going = add_workload(&mut command, &workload, &schedule, all)?;
+    let log_path = out.join("heapprofd.log");
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let mut daemon = command
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", heapprofd.display()))?;
+    let (status, samples) = follow(&mut daemon, &profiles)?;
+    if !status.success() {
+        bail!("heapprofd failed ({status}); its log is in target/soak/heapprofd.log");
+    }
+    if samples.len() < 4 {
+        bail!("only {} interval readings: soak longer", samples.len());
+    }
+    write_csv(&out.join("soak.csv"), &samples)?;
+    let (early, late, flat) = verdict(&samples);
+    let summary = summary(&samples, minutes, all, (early, late, flat));
+    std::fs::write(out.join("soak.txt"), &summary)?;
+    print!("{summary}");
+    if !flat {
+        bail!("heapprofd's memory grew from {early} KiB to {late} KiB under a bounded workload");
+    }
+    Ok(())
+}
+
+/// Compiles the churn workload (heapprof-daemon/tests/programs/load.c) into
+/// `out/load`; returns its path.
+fn compile_workload(root: &Path, out: &Path) -> Result<PathBuf> {
     let workload = out.join("load");
     let status = Command::new("gcc")
         .args(["-O2", "-g", "-fno-omit-frame-pointer", "-pthread", "-o"])
@@ -177,22 +248,52 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
     if !status.success() {
         bail!("compiling load.c failed");
     }
-    // About 60 readings, at most one a second and at least one every 30 s.
-    let interval = (u64::from(minutes)).clamp(1, 30);
-    let seconds = u64::from(minutes) * 60;
-    let profiles = out.join("profiles.jsonl");
-    let mut command = Command::new(heapprofd);
-    command
-        .args(["--interval", &format!("{interval}s"), "-o"])
-        .arg(out.join("profiles"))
-        .arg("--profiles-json")
-        .arg(&profiles);
-    let _coming_and_going = if all {
+    Ok(workload)
+}
+
+/// How long the soak runs and how often heapprofd writes a profile.
+struct Schedule {
+    minutes: u32,
+    /// Seconds between interval profiles.
+    interval: u64,
+    /// The soak's length in seconds.
+    seconds: u64,
+}
+
+impl Schedule {
+    /// The schedule of a soak of `minutes`.
+    fn new(minutes: u32) -> Self {
+        // About 60 readings, at most one a second and at least one every 30 s.
+        let interval = (u64::from(minutes)).clamp(1, 30);
+        let seconds = u64::from(minutes) * 60;
+        Self {
+            minutes,
+            interval,
+            seconds,
+        }
+    }
+}
+
+/// Adds what heapprofd traces to its `command`: with `all`, the cgroup of processes
+/// coming and going, started here and returned (it lives as long as the soak
+/// holds it); otherwise the `workload` as heapprofd's command.
+fn add_workload(
+    command: &mut Command,
+    workload: &Path,
+    schedule: &Schedule,
+    all: bool,
+) -> Result<Option<ComingAndGoing>> {
+    let Schedule {
+        minutes,
+        interval,
+        seconds,
+    } = *schedule;
+    if all {
         step(&format!(
             "soak: {minutes} min of processes coming and going under heapprofd --all \
              --retain-exited, a profile every {interval} s"
         ));
-        let (workload, cgroup) = ComingAndGoing::start(&workload)?;
+        let (coming_and_going, cgroup) = ComingAndGoing::start(workload)?;
         command.args([
             "--all",
             "--cgroup",
@@ -202,29 +303,26 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
             "--duration",
             &format!("{seconds}s"),
         ]);
-        Some(workload)
+        Ok(Some(coming_and_going))
     } else {
         step(&format!(
             "soak: {minutes} min of churn under heapprofd, a profile every {interval} s"
         ));
         command
             .arg("--")
-            .arg(&workload)
+            .arg(workload)
             .args(["churn", &seconds.to_string()]);
-        None
-    };
-    let log_path = out.join("heapprofd.log");
-    let log = std::fs::File::create(&log_path)
-        .with_context(|| format!("creating {}", log_path.display()))?;
-    let mut daemon = command
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .with_context(|| format!("starting {}", heapprofd.display()))?;
+        Ok(None)
+    }
+}
+
+/// Follows the running `daemon`'s `profiles` (its `--profiles-json`) until it exits,
+/// taking a [`Sample`] at each interval profile; returns its exit status and the
+/// samples.
+fn follow(daemon: &mut Child, profiles: &Path) -> Result<(ExitStatus, Vec<Sample>)> {
     let pid = daemon.id();
     let started = Instant::now();
-    let mut follower = Follower::new(&profiles);
+    let mut follower = Follower::new(profiles);
     let mut samples = Vec::new();
     let status = loop {
         let exited = daemon.try_wait().context("waiting for heapprofd")?;
@@ -234,25 +332,8 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
             if written.kind != Kind::Interval || exited.is_some() {
                 continue;
             }
-            let sample = Sample {
-                seconds: started.elapsed().as_secs_f64(),
-                rss_kib: status_kib(pid, "RssAnon:"),
-                total_rss_kib: status_kib(pid, "VmRSS:"),
-                sites: written.sites,
-                allocated: written.allocated_blocks,
-                live_blocks: written.inuse_blocks,
-                dump_ms: written.dump_ms,
-            };
-            eprintln!(
-                "xtask: soak {:>7.1} s: heapprofd anonymous RSS {:>6} KiB (all {:>6} KiB), {} sites, {} live blocks, {} allocations counted, dump {:.1} ms",
-                sample.seconds,
-                sample.rss_kib,
-                sample.total_rss_kib,
-                sample.sites,
-                sample.live_blocks,
-                sample.allocated,
-                sample.dump_ms
-            );
+            let sample = Sample::read(pid, started, &written);
+            sample.log();
             samples.push(sample);
         }
         if let Some(status) = exited {
@@ -260,23 +341,27 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    if !status.success() {
-        bail!("heapprofd failed ({status}); its log is in target/soak/heapprofd.log");
-    }
-    if samples.len() < 4 {
-        bail!("only {} interval readings: soak longer", samples.len());
-    }
+    Ok((status, samples))
+}
+
+/// Writes the samples as CSV to `path`.
+fn write_csv(path: &Path, samples: &[Sample]) -> Result<()> {
     let mut csv =
         String::from("seconds,anon_rss_kib,rss_kib,sites,live_blocks,allocations,dump_ms\n");
-    for s in &samples {
+    for s in samples {
         let _ = writeln!(
             csv,
             "{:.1},{},{},{},{},{},{:.1}",
             s.seconds, s.rss_kib, s.total_rss_kib, s.sites, s.live_blocks, s.allocated, s.dump_ms
         );
     }
-    std::fs::write(out.join("soak.csv"), csv)?;
-    let (early, late, flat) = verdict(&samples);
+    std::fs::write(path, csv)?;
+    Ok(())
+}
+
+/// The soak's summary (soak.txt) from its `samples` and their [`verdict`].
+fn summary(samples: &[Sample], minutes: u32, all: bool, verdict: (u64, u64, bool)) -> String {
+    let (early, late, flat) = verdict;
     let max_rss = samples.iter().map(|s| s.rss_kib).max().unwrap_or(0);
     let first_total = samples.first().map_or(0, |s| s.total_rss_kib);
     let last_total = samples.last().map_or(0, |s| s.total_rss_kib);
@@ -288,7 +373,7 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
     } else {
         "churn in one process"
     };
-    let summary = format!(
+    format!(
         "soak ({what}): {minutes} min, {} readings, {total} allocations counted\n\
          heapprofd anonymous RSS: median {early} KiB in the second quarter, {late} KiB in the last, max {max_rss} KiB: {}\n\
          heapprofd RSS with file pages: {first_total} KiB at the first reading, {last_total} KiB at the last\n\
@@ -296,13 +381,7 @@ pub fn soak(heapprofd: &Path, minutes: u32, all: bool) -> Result<()> {
          readings: target/soak/soak.csv\n",
         samples.len(),
         if flat { "flat" } else { "GROWING" },
-    );
-    std::fs::write(out.join("soak.txt"), &summary)?;
-    print!("{summary}");
-    if !flat {
-        bail!("heapprofd's memory grew from {early} KiB to {late} KiB under a bounded workload");
-    }
-    Ok(())
+    )
 }
 
 #[cfg(test)]
