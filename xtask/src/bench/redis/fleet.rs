@@ -33,7 +33,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 use serde_json::{Map, Value, json};
 
-use super::{TESTS, client_with, server::Redis};
+use super::{TESTS, client_with, requests_per_test, server::Redis, spread_of};
 use crate::{
     bench::{
         Bench,
@@ -393,7 +393,7 @@ pub fn section(
     quick: bool,
     text: &mut String,
 ) -> Result<Value> {
-    let requests = if quick { 20_000 } else { 100_000 };
+    let requests = requests_per_test(quick);
     step(&format!(
         "fleet: redis-benchmark -t {TESTS} -n {requests} under the unit's flags, {runs} runs x {} modes",
         FleetMode::ALL.len()
@@ -406,10 +406,32 @@ pub fn section(
         |p: &Pass| p.requests_per_second,
         |mode| pass(bench, mode, requests),
     );
-    let median = |mode: FleetMode, f: fn(&Pass) -> f64| {
-        spread(&passes[mode.index()].iter().map(f).collect::<Vec<_>>()).median
-    };
-    let bare_rps = median(FleetMode::Bare, |p| p.requests_per_second);
+    let rate = |mode: FleetMode| spread_of(&passes[mode.index()], |p| p.requests_per_second).median;
+    let bare_rps = rate(FleetMode::Bare);
+    write_table_heading(text, runs);
+    let mut json = Map::new();
+    for mode in FleetMode::ALL {
+        let (line, mode_json) = mode_row(
+            mode,
+            &passes[mode.index()],
+            failures[mode.index()].as_deref(),
+            bare_rps,
+        );
+        let _ = writeln!(text, "{line}");
+        json.insert(mode.key().to_owned(), mode_json);
+    }
+    let goals = write_goals(text, |mode| rate(mode) / bare_rps);
+    json.insert("goals".to_owned(), goals);
+    let cxx = cxx_entry_left(bench, stl, runs, quick, text).unwrap_or_else(|err| {
+        eprintln!("xtask:   fleet, the C++ workload with the entry left failed: {err:#}");
+        json!({ "failed": format!("{err:#}") })
+    });
+    json.insert("cxx_entry_left".to_owned(), cxx);
+    Ok(Value::Object(json))
+}
+
+/// Appends the section's title and its table's column heads to `text`.
+fn write_table_heading(text: &mut String, runs: usize) {
     let _ = writeln!(
         text,
         "\n## The fleet daemon: redis-server under `heapprofd {}` ({runs} runs)\n",
@@ -420,46 +442,47 @@ pub fn section(
         "{:<34} {:>12} {:>14} {:>10} {:>10} {:>8}",
         "mode", "requests/s", "min-max", "x bare", "cpu us/req", "joined"
     );
-    let mut json = Map::new();
-    for mode in FleetMode::ALL {
-        let mode_passes = &passes[mode.index()];
-        let rates = spread(
-            &mode_passes
-                .iter()
-                .map(|p| p.requests_per_second)
-                .collect::<Vec<_>>(),
-        );
-        let cpu = median(mode, |p| p.cpu_us_per_request);
-        let joined = mode_passes.iter().filter_map(|p| p.joined).min();
-        let line = match failures[mode.index()].as_deref() {
-            Some(failure) if mode_passes.is_empty() => {
-                format!("{:<34} failed: {failure}", mode.name())
-            }
-            _ => format!(
-                "{:<34} {:>12.0} {:>6.0}-{:<7.0} {:>10.3} {:>10.2} {:>8}",
-                mode.name(),
-                rates.median,
-                rates.min,
-                rates.max,
-                rates.median / bare_rps,
-                cpu,
-                joined.map_or("-".into(), |n| n.to_string())
-            ),
-        };
-        let _ = writeln!(text, "{line}");
-        json.insert(
-            mode.key().to_owned(),
-            json!({
-                "runs": mode_passes.len(),
-                "requests_per_second": number(rates.median),
-                "to_bare": number(rates.median / bare_rps),
-                "cpu_us_per_request": number(cpu),
-                "processes_joined": joined,
-                "failed": failures[mode.index()],
-            }),
-        );
-    }
-    let ratio = |mode: FleetMode| median(mode, |p| p.requests_per_second) / bare_rps;
+}
+
+/// The table row and JSON member of `mode` (its passes, and why it failed if it did).
+fn mode_row(
+    mode: FleetMode,
+    passes: &[Pass],
+    failure: Option<&str>,
+    bare_rps: f64,
+) -> (String, Value) {
+    let rates = spread_of(passes, |p| p.requests_per_second);
+    let cpu = spread_of(passes, |p| p.cpu_us_per_request).median;
+    let joined = passes.iter().filter_map(|p| p.joined).min();
+    let line = match failure {
+        Some(failure) if passes.is_empty() => {
+            format!("{:<34} failed: {failure}", mode.name())
+        }
+        _ => format!(
+            "{:<34} {:>12.0} {:>6.0}-{:<7.0} {:>10.3} {:>10.2} {:>8}",
+            mode.name(),
+            rates.median,
+            rates.min,
+            rates.max,
+            rates.median / bare_rps,
+            cpu,
+            joined.map_or("-".into(), |n| n.to_string())
+        ),
+    };
+    let json = json!({
+        "runs": passes.len(),
+        "requests_per_second": number(rates.median),
+        "to_bare": number(rates.median / bare_rps),
+        "cpu_us_per_request": number(cpu),
+        "processes_joined": joined,
+        "failed": failure,
+    });
+    (line, json)
+}
+
+/// Appends the goals' line (each mode's requests/s by `ratio`, a fraction of bare's)
+/// and returns their JSON object; figures, never pass/fail.
+fn write_goals(text: &mut String, ratio: impl Fn(FleetMode) -> f64) -> Value {
     let goal = |value: f64| value.is_finite().then_some(value >= JOINED_GOAL);
     let _ = writeln!(
         text,
@@ -469,18 +492,9 @@ pub fn section(
         ratio(FleetMode::Probes),
         ratio(FleetMode::EntryLeft)
     );
-    json.insert(
-        "goals".to_owned(),
-        json!({
-            "started_after_met": goal(ratio(FleetMode::After)),
-            "started_before_met": goal(ratio(FleetMode::Before)),
-            "entry_left_met": ratio(FleetMode::EntryLeft).is_finite().then(|| ratio(FleetMode::EntryLeft) >= 0.99),
-        }),
-    );
-    let cxx = cxx_entry_left(bench, stl, runs, quick, text).unwrap_or_else(|err| {
-        eprintln!("xtask:   fleet, the C++ workload with the entry left failed: {err:#}");
-        json!({ "failed": format!("{err:#}") })
-    });
-    json.insert("cxx_entry_left".to_owned(), cxx);
-    Ok(Value::Object(json))
+    json!({
+        "started_after_met": goal(ratio(FleetMode::After)),
+        "started_before_met": goal(ratio(FleetMode::Before)),
+        "entry_left_met": ratio(FleetMode::EntryLeft).is_finite().then(|| ratio(FleetMode::EntryLeft) >= 0.99),
+    })
 }

@@ -34,7 +34,7 @@ use crate::{
         Bench,
         figures::{DaemonStats, joined_answer},
         process::{cpu_seconds, interrupt, rotated_rounds},
-        summary::{number, spread},
+        summary::{Spread, number, spread},
     },
     step,
 };
@@ -320,77 +320,77 @@ fn check_tools() -> Result<()> {
     Ok(())
 }
 
+/// The requests of each of [`TESTS`] in one timed pass (a fifth of them warm redis
+/// first): the redis and fleet sections time the same client.
+fn requests_per_test(quick: bool) -> u32 {
+    if quick { 20_000 } else { 100_000 }
+}
+
+/// The spread of `figure` over one mode's passes (the redis and fleet sections both
+/// take medians and ranges of their passes this way).
+fn spread_of<P>(passes: &[P], figure: impl Fn(&P) -> f64) -> Spread {
+    spread(&passes.iter().map(figure).collect::<Vec<_>>())
+}
+
+/// The medians of every mode's passes, against bare's: what the lines under the table
+/// compare.
+struct Medians<'a> {
+    passes: &'a [Vec<Pass>],
+    bare_rps: f64,
+    bare_cpu: f64,
+}
+
+impl<'a> Medians<'a> {
+    fn new(passes: &'a [Vec<Pass>]) -> Medians<'a> {
+        let median = |f: fn(&Pass) -> f64| spread_of(&passes[RedisMode::Bare.index()], f).median;
+        Medians {
+            passes,
+            bare_rps: median(|p| p.requests_per_second),
+            bare_cpu: median(|p| p.cpu_us_per_request),
+        }
+    }
+
+    /// The median of `f` over `mode`'s passes.
+    fn median(&self, mode: RedisMode, f: fn(&Pass) -> f64) -> f64 {
+        spread_of(&self.passes[mode.index()], f).median
+    }
+
+    /// redis's CPU per request that `mode` adds to bare's, microseconds.
+    fn added(&self, mode: RedisMode) -> f64 {
+        self.median(mode, |p| p.cpu_us_per_request) - self.bare_cpu
+    }
+
+    /// `mode`'s requests/s as a fraction of bare's.
+    fn rate(&self, mode: RedisMode) -> f64 {
+        self.median(mode, |p| p.requests_per_second) / self.bare_rps
+    }
+}
+
 /// Runs the section; appends its table to `text` and returns its JSON object.
 pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Result<Value> {
     check_tools()?;
-    let requests = if quick { 20_000 } else { 100_000 };
+    let requests = requests_per_test(quick);
     step(&format!(
         "redis: redis-benchmark -t {TESTS} -n {requests}, {runs} runs x {} modes",
         RedisMode::ALL.len()
     ));
     let Passes { passes, failures } = run_passes(bench, runs, requests);
-    let median = |mode: RedisMode, f: fn(&Pass) -> f64| {
-        spread(&passes[mode.index()].iter().map(f).collect::<Vec<_>>()).median
-    };
-    let bare_rps = median(RedisMode::Bare, |p| p.requests_per_second);
-    let bare_cpu = median(RedisMode::Bare, |p| p.cpu_us_per_request);
-    let _ = writeln!(
-        text,
-        "\n## redis-server (jemalloc) under redis-benchmark -c 20 -d 256 -t {TESTS} -n {requests}, {runs} runs\n"
-    );
-    let _ = writeln!(
-        text,
-        "{:<32} {:>12} {:>12} {:>14} {:>10} {:>15}",
-        "mode", "requests/s", "min-max", "x bare", "cpu us/req", "single-stepped"
-    );
+    let medians = Medians::new(&passes);
+    write_table_heading(text, requests, runs);
     let mut json = Map::new();
     for (index, mode) in RedisMode::ALL.iter().enumerate() {
-        let (line, mode_json) =
-            mode_row(*mode, &passes[index], failures[index].as_deref(), bare_rps);
+        let (line, mode_json) = mode_row(
+            *mode,
+            &passes[index],
+            failures[index].as_deref(),
+            medians.bare_rps,
+        );
         let _ = writeln!(text, "{line}");
         json.insert(mode.key().to_owned(), mode_json);
     }
-    let added = |mode: RedisMode| median(mode, |p| p.cpu_us_per_request) - bare_cpu;
-    let (floor_added, exact_added) = (added(RedisMode::Floor), added(RedisMode::Exact));
-    let stacks_only_added = added(RedisMode::StacksOnly);
-    let _ = writeln!(
-        text,
-        "redis CPU added per request: exact {exact_added:.2} us, trap floor {floor_added:.2} us: exact = {:.2}x the floor; stacks only {stacks_only_added:.2} us = {:.2}x the floor; launch exact {:.2} us, launch sampled {:.2} us",
-        exact_added / floor_added,
-        stacks_only_added / floor_added,
-        added(RedisMode::LaunchExact),
-        added(RedisMode::LaunchSampled)
-    );
-    let rate = |mode: RedisMode| median(mode, |p| p.requests_per_second) / bare_rps;
-    let _ = writeln!(
-        text,
-        "sampled on the probes: {:.3}x bare, CPU added {:.2} us per request; its trap floor (one trap per call) {:.3}x bare, {:.2} us: sampled = {:.2}x that floor",
-        rate(RedisMode::Sampled),
-        added(RedisMode::Sampled),
-        rate(RedisMode::SampledFloor),
-        added(RedisMode::SampledFloor),
-        added(RedisMode::Sampled) / added(RedisMode::SampledFloor)
-    );
-    let _ = writeln!(
-        text,
-        "joined in-process (--inject auto), redis CPU added per request: exact {:.2} us, sampled {:.2} us",
-        added(RedisMode::JoinedExact),
-        added(RedisMode::JoinedSampled)
-    );
-    let joined: Vec<String> = RedisMode::ALL
-        .iter()
-        .filter(|mode| mode.flags().is_some())
-        .map(|mode| {
-            format!(
-                "{} {}",
-                mode.name(),
-                joined_answer(passes[mode.index()].iter().map(|p| &p.joined)).0
-            )
-        })
-        .collect();
-    let _ = writeln!(text, "how --pid joined redis: {}", joined.join("; "));
-    let sampled = median(RedisMode::LaunchSampled, |p| p.requests_per_second) / bare_rps;
-    let (goal_line, goal_json) = launch_goal(sampled);
+    write_costs(text, &medians);
+    let _ = writeln!(text, "how --pid joined redis: {}", how_joined(&passes));
+    let (goal_line, goal_json) = launch_goal(medians.rate(RedisMode::LaunchSampled));
     let _ = writeln!(text, "goal: {goal_line}");
     let zmalloc = |mode: RedisMode| zmalloc_answer(&passes[mode.index()]);
     let _ = writeln!(
@@ -418,6 +418,68 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
     Ok(Value::Object(json))
 }
 
+/// Appends the section's title and its table's column heads to `text`.
+fn write_table_heading(text: &mut String, requests: u32, runs: usize) {
+    let _ = writeln!(
+        text,
+        "\n## redis-server (jemalloc) under redis-benchmark -c 20 -d 256 -t {TESTS} -n {requests}, {runs} runs\n"
+    );
+    let _ = writeln!(
+        text,
+        "{:<32} {:>12} {:>12} {:>14} {:>10} {:>15}",
+        "mode", "requests/s", "min-max", "x bare", "cpu us/req", "single-stepped"
+    );
+}
+
+/// Appends the lines on what each way of profiling costs redis: CPU added per request
+/// (exact and stacks only against the trap floor, the launches), the sampled probes
+/// against their own floor, and the in-process join.
+fn write_costs(text: &mut String, medians: &Medians) {
+    let added = |mode: RedisMode| medians.added(mode);
+    let (floor_added, exact_added) = (added(RedisMode::Floor), added(RedisMode::Exact));
+    let stacks_only_added = added(RedisMode::StacksOnly);
+    let _ = writeln!(
+        text,
+        "redis CPU added per request: exact {exact_added:.2} us, trap floor {floor_added:.2} us: exact = {:.2}x the floor; stacks only {stacks_only_added:.2} us = {:.2}x the floor; launch exact {:.2} us, launch sampled {:.2} us",
+        exact_added / floor_added,
+        stacks_only_added / floor_added,
+        added(RedisMode::LaunchExact),
+        added(RedisMode::LaunchSampled)
+    );
+    let rate = |mode: RedisMode| medians.rate(mode);
+    let _ = writeln!(
+        text,
+        "sampled on the probes: {:.3}x bare, CPU added {:.2} us per request; its trap floor (one trap per call) {:.3}x bare, {:.2} us: sampled = {:.2}x that floor",
+        rate(RedisMode::Sampled),
+        added(RedisMode::Sampled),
+        rate(RedisMode::SampledFloor),
+        added(RedisMode::SampledFloor),
+        added(RedisMode::Sampled) / added(RedisMode::SampledFloor)
+    );
+    let _ = writeln!(
+        text,
+        "joined in-process (--inject auto), redis CPU added per request: exact {:.2} us, sampled {:.2} us",
+        added(RedisMode::JoinedExact),
+        added(RedisMode::JoinedSampled)
+    );
+}
+
+/// How `--pid` joined redis in each `--pid` mode, as one line's list.
+fn how_joined(passes: &[Vec<Pass>]) -> String {
+    let joined: Vec<String> = RedisMode::ALL
+        .iter()
+        .filter(|mode| mode.flags().is_some())
+        .map(|mode| {
+            format!(
+                "{} {}",
+                mode.name(),
+                joined_answer(passes[mode.index()].iter().map(|p| &p.joined)).0
+            )
+        })
+        .collect();
+    joined.join("; ")
+}
+
 /// The table row and JSON member of `mode`.
 fn mode_row(
     mode: RedisMode,
@@ -425,19 +487,8 @@ fn mode_row(
     failure: Option<&str>,
     bare_rps: f64,
 ) -> (String, Value) {
-    let rates = spread(
-        &passes
-            .iter()
-            .map(|p| p.requests_per_second)
-            .collect::<Vec<_>>(),
-    );
-    let cpu = spread(
-        &passes
-            .iter()
-            .map(|p| p.cpu_us_per_request)
-            .collect::<Vec<_>>(),
-    )
-    .median;
+    let rates = spread_of(passes, |p| p.requests_per_second);
+    let cpu = spread_of(passes, |p| p.cpu_us_per_request).median;
     let stepped = passes.iter().filter_map(|p| p.single_stepped).max();
     let line = match failure {
         Some(failure) if passes.is_empty() => format!("{:<32} failed: {failure}", mode.name()),
