@@ -136,6 +136,18 @@ pub fn run_heapprofd(heapprofd: &Path, args: &[String]) -> Result<std::process::
         .with_context(|| format!("cannot start {}", heapprofd.display()))
 }
 
+/// `cargo xtask run` on this machine: builds the release heapprofd, then profiles the
+/// demo workload without `args`, or runs heapprofd with them (its exit status is not
+/// the command's: heapprofd has printed why it failed).
+pub fn run_here(args: &[String]) -> Result<()> {
+    let heapprofd = build_release()?;
+    if args.is_empty() {
+        demo(&heapprofd)
+    } else {
+        run_heapprofd(&heapprofd, args).map(|_| ())
+    }
+}
+
 /// Builds the bundled leaky workload, profiles it and prints the top sites.
 pub fn demo(heapprofd: &Path) -> Result<()> {
     let root = workspace_root();
@@ -229,6 +241,39 @@ pub fn test() -> Result<()> {
     // real `cargo xtask package`, checked the same way.
     step("building the Debian package and checking it");
     package::package(true).map(|_| ())
+}
+
+/// Only the VM tests (arm64 with and without BTF, arm64 fentry, x86-64 kernels), with
+/// the binaries and VM assets they read.
+pub fn vm_test() -> Result<()> {
+    cargo()
+        .args(["test", "-p", "heapprof-daemon", "--test", "arm64_vm"])
+        .args(["--test", "arm64_vm_fentry", "--test", "x86_vm"])
+        .args(["--", "--nocapture"])
+        .envs(vm_test_env()?)
+        .run()
+}
+
+/// The load tests at full scale (`HEAPPROFD_LOAD=full`), one test at a time; they load
+/// BPF programs, so root only.
+pub fn stress() -> Result<()> {
+    if !is_root() {
+        bail!("the stress tests load BPF programs: run them as root (sudo -E cargo xtask stress)");
+    }
+    cargo()
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "heapprof-daemon",
+            "--test",
+            "load",
+            "--test",
+            "inject_stress",
+        ])
+        .args(["--", "--nocapture", "--test-threads", "1"])
+        .env("HEAPPROFD_LOAD", "full")
+        .run()
 }
 
 /// The `bpf_target_arch` values the BPF programs are checked for: the daemon's targets

@@ -9,8 +9,8 @@
 use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
 use xtask::{
-    CmdExt as _, arch::Arch, bench, build_release, cargo, cross, demo, is_root, package, remote,
-    run_heapprofd, setup, soak, test, vm_test_env,
+    arch::Arch, bench, build_release, cross, package, remote, run_here, setup, soak, stress, test,
+    vm_test,
 };
 
 #[derive(Parser)]
@@ -146,12 +146,7 @@ fn run(args: Args) -> Result<()> {
             args,
         } => {
             setup::ensure(setup::Needs::Build)?;
-            let heapprofd = build_release()?;
-            if args.is_empty() {
-                demo(&heapprofd)
-            } else {
-                run_heapprofd(&heapprofd, &args).map(|_| ())
-            }
+            run_here(&args)
         }
         Cmd::Test => {
             setup::ensure(setup::Needs::Test)?;
@@ -159,34 +154,11 @@ fn run(args: Args) -> Result<()> {
         }
         Cmd::VmTest => {
             setup::ensure(setup::Needs::Test)?;
-            cargo()
-                .args(["test", "-p", "heapprof-daemon", "--test", "arm64_vm"])
-                .args(["--test", "arm64_vm_fentry", "--test", "x86_vm"])
-                .args(["--", "--nocapture"])
-                .envs(vm_test_env()?)
-                .run()
+            vm_test()
         }
         Cmd::Stress => {
             setup::ensure(setup::Needs::Test)?;
-            if !is_root() {
-                bail!(
-                    "the stress tests load BPF programs: run them as root (sudo -E cargo xtask stress)"
-                );
-            }
-            cargo()
-                .args([
-                    "test",
-                    "--release",
-                    "-p",
-                    "heapprof-daemon",
-                    "--test",
-                    "load",
-                    "--test",
-                    "inject_stress",
-                ])
-                .args(["--", "--nocapture", "--test-threads", "1"])
-                .env("HEAPPROFD_LOAD", "full")
-                .run()
+            stress()
         }
         Cmd::Soak { minutes, all } => {
             setup::ensure(setup::Needs::Build)?;
