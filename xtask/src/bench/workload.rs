@@ -178,11 +178,25 @@ fn write_mode_table(
     timings: &Timings,
     summary: &mut Summary,
 ) -> Map<String, Value> {
-    let text = &mut summary.text;
+    write_table_heading(&mut summary.text, workload, timings.allocations);
+    if rounds.disturbed > 0 {
+        warn_disturbed(workload, runs, rounds, summary);
+    }
+    let mut json_modes = Map::new();
+    for mode in Mode::ALL {
+        let (line, json) = mode_row(mode, &rounds.runs[&mode], timings);
+        let _ = writeln!(summary.text, "{line}");
+        json_modes.insert(mode.key().to_owned(), json);
+    }
+    json_modes
+}
+
+/// Appends the workload's heading and its table's column heads to `text`.
+fn write_table_heading(text: &mut String, workload: &Workload, allocations: u64) {
     let _ = writeln!(
         text,
-        "\n## {} ({} allocations counted by heapprofd)\n",
-        workload.name, timings.allocations
+        "\n## {} ({allocations} allocations counted by heapprofd)\n",
+        workload.name
     );
     let _ = writeln!(
         text,
@@ -197,72 +211,71 @@ fn write_mode_table(
         "daemon cpu",
         "peak RSS"
     );
-    if rounds.disturbed > 0 {
-        let warning = format!(
-            "WARNING: other tracers were active before {} of {} runs (first seen: {}); they trap this workload's allocator calls too, bare runs included: these figures do not measure heapprofd alone",
-            rounds.disturbed,
-            runs * Mode::ALL.len(),
-            rounds.foreign_seen.join(", ")
-        );
-        let _ = writeln!(text, "{warning}\n");
-        summary
-            .warnings
-            .push(format!("{}: {warning}", workload.key));
-    }
-    let mut json_modes = Map::new();
-    for mode in Mode::ALL {
-        let mode_runs = &rounds.runs[&mode];
-        let s = spread(&timings.walls(mode));
-        let cpu: Vec<f64> = mode_runs.iter().filter_map(|r| r.daemon_cpu).collect();
-        let rss = mode_runs.iter().filter_map(|r| r.daemon_rss_kib).max();
-        let cpu_median = spread(&cpu).median;
-        let start: Vec<f64> = mode_runs.iter().filter_map(|r| r.start).collect();
-        let start_median = spread(&start).median;
-        let ratio = if mode == Mode::Bare {
-            f64::NAN
+}
+
+/// Appends the warning that other tracers were active before some of the runs, and
+/// keeps it among the summary's warnings.
+fn warn_disturbed(workload: &Workload, runs: usize, rounds: &Rounds, summary: &mut Summary) {
+    let warning = format!(
+        "WARNING: other tracers were active before {} of {} runs (first seen: {}); they trap this workload's allocator calls too, bare runs included: these figures do not measure heapprofd alone",
+        rounds.disturbed,
+        runs * Mode::ALL.len(),
+        rounds.foreign_seen.join(", ")
+    );
+    let _ = writeln!(summary.text, "{warning}\n");
+    summary
+        .warnings
+        .push(format!("{}: {warning}", workload.key));
+}
+
+/// The table row and summary.json entry of `mode`, from its runs `mode_runs`.
+fn mode_row(mode: Mode, mode_runs: &[Run], timings: &Timings) -> (String, Value) {
+    let s = spread(&timings.walls(mode));
+    let cpu: Vec<f64> = mode_runs.iter().filter_map(|r| r.daemon_cpu).collect();
+    let rss = mode_runs.iter().filter_map(|r| r.daemon_rss_kib).max();
+    let cpu_median = spread(&cpu).median;
+    let start: Vec<f64> = mode_runs.iter().filter_map(|r| r.start).collect();
+    let start_median = spread(&start).median;
+    let ratio = if mode == Mode::Bare {
+        f64::NAN
+    } else {
+        timings.to_floor(mode)
+    };
+    let line = format!(
+        "{:<32} {:>9.3} {:>9.3} {:>9.3} {:>14.3} {:>8} {:>8} {:>10} {:>9}",
+        mode.name(),
+        s.median,
+        s.min,
+        s.max,
+        timings.added(mode),
+        if ratio.is_finite() {
+            format!("{ratio:.2}x")
         } else {
-            timings.to_floor(mode)
-        };
-        let _ = writeln!(
-            text,
-            "{:<32} {:>9.3} {:>9.3} {:>9.3} {:>14.3} {:>8} {:>8} {:>10} {:>9}",
-            mode.name(),
-            s.median,
-            s.min,
-            s.max,
-            timings.added(mode),
-            if ratio.is_finite() {
-                format!("{ratio:.2}x")
-            } else {
-                "-".into()
-            },
-            if start.is_empty() {
-                "-".into()
-            } else {
-                format!("{start_median:.2}")
-            },
-            if cpu.is_empty() {
-                "-".into()
-            } else {
-                format!("{cpu_median:.3} s")
-            },
-            rss.map_or("-".into(), |r| format!("{} MiB", r / 1024)),
-        );
-        json_modes.insert(
-            mode.key().to_owned(),
-            json!({
-                "median_s": number(s.median),
-                "min_s": number(s.min),
-                "max_s": number(s.max),
-                "added_us_per_alloc": number(timings.added(mode)),
-                "ratio_to_floor": number(ratio),
-                "start_s": number(start_median),
-                "daemon_cpu_s": number(cpu_median),
-                "daemon_peak_rss_kib": rss,
-            }),
-        );
-    }
-    json_modes
+            "-".into()
+        },
+        if start.is_empty() {
+            "-".into()
+        } else {
+            format!("{start_median:.2}")
+        },
+        if cpu.is_empty() {
+            "-".into()
+        } else {
+            format!("{cpu_median:.3} s")
+        },
+        rss.map_or("-".into(), |r| format!("{} MiB", r / 1024)),
+    );
+    let json = json!({
+        "median_s": number(s.median),
+        "min_s": number(s.min),
+        "max_s": number(s.max),
+        "added_us_per_alloc": number(timings.added(mode)),
+        "ratio_to_floor": number(ratio),
+        "start_s": number(start_median),
+        "daemon_cpu_s": number(cpu_median),
+        "daemon_peak_rss_kib": rss,
+    });
+    (line, json)
 }
 
 /// The goals the workload is measured against, with this run's figures.
