@@ -32,14 +32,14 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 
 use self::{
-    baselines::{empty_probes_script, memleak_script},
     figures::{BpfRunTime, DaemonStats, UnwindTables},
     process::{
-        Daemon, interrupt, libc_of, lines_of, load_average, note_foreign_tracers, send_go,
-        start_workload, wait_for_line, wait_until_ready, wait_with_usage,
+        Daemon, interrupt, lines_of, load_average, note_foreign_tracers, send_go, start_workload,
+        wait_until_ready, wait_with_usage,
     },
     programs::{Programs, ensure_gxx, ensure_tracefs},
     summary::{GoalFigure, SectionsJson, Summary, write_summary},
+    tool::Tool,
 };
 use crate::{
     profiles_json::{self, Follower, Kind, Written},
@@ -57,6 +57,7 @@ mod programs;
 mod redis;
 mod sections;
 mod summary;
+mod tool;
 mod workload;
 
 /// Settings of a benchmark run.
@@ -291,52 +292,8 @@ impl Bench {
         let pid = target.id();
         let tool_started = Instant::now();
         let stats = self.stats_path();
-        let mut tool = match mode.heapprofd_flags() {
-            None if mode == Mode::Bare => None,
-            None => {
-                let libc = libc_of(pid)?;
-                let script = if mode == Mode::EmptyProbes {
-                    empty_probes_script(&libc)
-                } else {
-                    memleak_script(&libc)
-                };
-                let child = Command::new("bpftrace")
-                    .args(["-p", &pid.to_string(), "-e", &script])
-                    .env("BPFTRACE_MAP_KEYS_MAX", "1048576")
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .context("starting bpftrace")?;
-                Some(child)
-            }
-            Some(flags) => {
-                let child = self
-                    .heapprofd_command(flags, pid, &stats)
-                    .spawn()
-                    .context("starting heapprofd")?;
-                Some(child)
-            }
-        };
-        let mut log = Vec::new();
-        let lines = match tool.as_mut() {
-            Some(child) => {
-                let lines = match (child.stdout.take(), child.stderr.take()) {
-                    (Some(out), _) => lines_of(out),
-                    (None, Some(err)) => lines_of(err),
-                    (None, None) => bail!("no output from the tool"),
-                };
-                let ready = if mode.is_bpftrace() {
-                    wait_for_line(&lines, "ready", &mut log)
-                } else {
-                    wait_until_ready(&ready_file(&stats), child, &lines, &mut log)
-                };
-                if let Err(err) = ready {
-                    let _ = target.kill();
-                    let _ = target.wait();
-                    return Err(err);
-                }
-                Some(lines)
-            }
+        let tool = match Tool::spawn(self, mode, pid, &stats)? {
+            Some(child) => Some(Tool::attach(child, mode, &stats, &mut target)?),
             None => None,
         };
         let start = tool.is_some().then(|| tool_started.elapsed().as_secs_f64());
@@ -353,23 +310,8 @@ impl Bench {
             start,
             ..Run::default()
         };
-        if let Some(child) = tool {
-            if mode.is_bpftrace() {
-                interrupt(&child);
-            }
-            let (cpu, rss) = wait_with_usage(child.id())?;
-            if let Some(lines) = lines {
-                log.extend(lines.try_iter());
-            }
-            if !mode.is_bpftrace() {
-                let figures = DaemonStats::read(&stats)?;
-                run.daemon_cpu = Some(cpu);
-                run.daemon_rss_kib = Some(rss);
-                run.allocations = Some(figures.final_profile.allocated_blocks);
-                run.profile = Some(figures.final_profile.path);
-                run.unwind_tables = figures.unwind_tables;
-                run.single_stepped = Some(figures.single_stepped_probes);
-            }
+        if let Some(tool) = tool {
+            tool.finish(mode, &stats, &mut run)?;
         }
         Ok(run)
     }
