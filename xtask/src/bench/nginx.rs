@@ -294,8 +294,33 @@ pub(super) fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String
     let median = |index: usize, f: fn(&Pass) -> f64| {
         spread(&passes[index].iter().map(f).collect::<Vec<_>>()).median
     };
-    let bare_rps = median(0, |p| p.requests_per_second);
-    let bare_cpu = median(0, |p| p.cpu_us_per_request);
+    let bare = Bare {
+        rps: median(0, |p| p.requests_per_second),
+        cpu: median(0, |p| p.cpu_us_per_request),
+    };
+    write_table_heading(text, requests, runs);
+    let mut json = Map::new();
+    for (index, mode) in NginxMode::ALL.iter().enumerate() {
+        let (line, row) = mode_row(*mode, &passes[index], failures[index].as_deref(), &bare);
+        let _ = writeln!(text, "{line}");
+        json.insert(mode.key().to_owned(), row);
+    }
+    let joined = median(2, |p| p.requests_per_second) / bare.rps;
+    let goal = write_goal(text, joined);
+    json.insert("joined_exact_goal".to_owned(), goal);
+    Ok(Value::Object(json))
+}
+
+/// Bare nginx's medians, what the other modes are compared with.
+struct Bare {
+    /// Requests per second.
+    rps: f64,
+    /// The worker's CPU per request, microseconds.
+    cpu: f64,
+}
+
+/// Appends the section's title and its table's column heads to `text`.
+fn write_table_heading(text: &mut String, requests: u32, runs: usize) {
     let _ = writeln!(
         text,
         "\n## nginx (one worker) serving {PAGE_BYTES} bytes under ab -k -c {CONNECTIONS} -n {requests}, {runs} runs\n"
@@ -305,47 +330,63 @@ pub(super) fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String
         "{:<32} {:>12} {:>13} {:>8} {:>11} {:>10} joined",
         "mode", "requests/s", "min-max", "x bare", "cpu us/req", "added us"
     );
-    let mut json = Map::new();
-    for (index, mode) in NginxMode::ALL.iter().enumerate() {
-        let rates = spread(
-            &passes[index]
-                .iter()
-                .map(|p| p.requests_per_second)
-                .collect::<Vec<_>>(),
-        );
-        let cpu = median(index, |p| p.cpu_us_per_request);
-        let (how, reason) = joined_answer(passes[index].iter().map(|p| &p.joined));
-        let line = match &failures[index] {
-            Some(failure) if passes[index].is_empty() => {
-                format!("{:<32} failed: {failure}", mode.name())
-            }
-            _ => format!(
-                "{:<32} {:>12.0} {:>6.0}-{:<6.0} {:>8.3} {:>11.2} {:>10.2} {}",
-                mode.name(),
-                rates.median,
-                rates.min,
-                rates.max,
-                rates.median / bare_rps,
-                cpu,
-                cpu - bare_cpu,
-                if mode.flags().is_some() { how } else { "-" }
-            ),
-        };
-        let _ = writeln!(text, "{line}");
-        let mut row = json!({
-            "runs": passes[index].len(),
-            "requests_per_second": number(rates.median),
-            "to_bare": number(rates.median / bare_rps),
-            "cpu_us_per_request": number(cpu),
-            "failed": failures[index],
-        });
-        if let (Some(_), Value::Object(object)) = (mode.flags(), &mut row) {
-            object.insert("joined".to_owned(), json!(how));
-            object.insert("not_injected_because".to_owned(), json!(reason));
+}
+
+/// The table row and JSON member of `mode` (its passes, and why it failed if it did);
+/// the `--pid` modes say how heapprofd joined the worker.
+fn mode_row(
+    mode: NginxMode,
+    passes: &[Pass],
+    failure: Option<&str>,
+    bare: &Bare,
+) -> (String, Value) {
+    let rates = spread(
+        &passes
+            .iter()
+            .map(|p| p.requests_per_second)
+            .collect::<Vec<_>>(),
+    );
+    let cpu = spread(
+        &passes
+            .iter()
+            .map(|p| p.cpu_us_per_request)
+            .collect::<Vec<_>>(),
+    )
+    .median;
+    let (how, reason) = joined_answer(passes.iter().map(|p| &p.joined));
+    let line = match failure {
+        Some(failure) if passes.is_empty() => {
+            format!("{:<32} failed: {failure}", mode.name())
         }
-        json.insert(mode.key().to_owned(), row);
+        _ => format!(
+            "{:<32} {:>12.0} {:>6.0}-{:<6.0} {:>8.3} {:>11.2} {:>10.2} {}",
+            mode.name(),
+            rates.median,
+            rates.min,
+            rates.max,
+            rates.median / bare.rps,
+            cpu,
+            cpu - bare.cpu,
+            if mode.flags().is_some() { how } else { "-" }
+        ),
+    };
+    let mut row = json!({
+        "runs": passes.len(),
+        "requests_per_second": number(rates.median),
+        "to_bare": number(rates.median / bare.rps),
+        "cpu_us_per_request": number(cpu),
+        "failed": failure,
+    });
+    if let (Some(_), Value::Object(object)) = (mode.flags(), &mut row) {
+        object.insert("joined".to_owned(), json!(how));
+        object.insert("not_injected_because".to_owned(), json!(reason));
     }
-    let joined = median(2, |p| p.requests_per_second) / bare_rps;
+    (line, row)
+}
+
+/// Appends the goal's line for `joined`, `--pid` joined exact's requests/s as a fraction
+/// of bare's, and returns its JSON object; a figure, never pass/fail.
+fn write_goal(text: &mut String, joined: f64) -> Value {
     let met = joined.is_finite().then_some(joined >= JOINED_EXACT_GOAL);
     let _ = writeln!(
         text,
@@ -356,9 +397,5 @@ pub(super) fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String
             None => "no figure",
         }
     );
-    json.insert(
-        "joined_exact_goal".to_owned(),
-        json!({ "value": number(joined), "limit": JOINED_EXACT_GOAL, "met": met }),
-    );
-    Ok(Value::Object(json))
+    json!({ "value": number(joined), "limit": JOINED_EXACT_GOAL, "met": met })
 }
