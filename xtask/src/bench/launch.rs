@@ -402,6 +402,34 @@ fn report_workload(
 ) -> (Value, GoalFigure) {
     let (counted, by_heaptrack) = allocations;
     let count = counted.or(by_heaptrack).unwrap_or(0);
+    write_workload_heading(text, workload, counted, by_heaptrack);
+    let figures = figures(results, count, costs);
+    let mut json = Map::new();
+    for (index, mode) in LaunchMode::ALL.iter().enumerate() {
+        let (runs, f) = (&results[index], &figures[index]);
+        let _ = writeln!(text, "{}", mode_line(*mode, runs, f));
+        json.insert(mode.key().to_owned(), mode_json(runs, f));
+    }
+    let goal = write_goal(text, &figures);
+    let object = json!({
+        "name": workload.name,
+        "key": workload.key,
+        "allocations": counted,
+        "allocations_heaptrack": by_heaptrack,
+        "modes": json,
+        "goal": goal.json(workload.key),
+    });
+    (object, goal)
+}
+
+/// Appends a workload's heading (with the allocations heapprofd and heaptrack
+/// counted), what its columns mean and their heads to `text`.
+fn write_workload_heading(
+    text: &mut String,
+    workload: &LaunchWorkload,
+    counted: Option<u64>,
+    by_heaptrack: Option<u64>,
+) {
     let show_count = |n: Option<u64>| n.map_or("-".into(), |n| n.to_string());
     let _ = writeln!(
         text,
@@ -427,31 +455,32 @@ fn report_workload(
         "w/o start us",
         "w/o start x ht"
     );
-    let figures = figures(results, count, costs);
-    let mut json = Map::new();
-    for (index, mode) in LaunchMode::ALL.iter().enumerate() {
-        let (runs, f) = (&results[index], &figures[index]);
-        let s = spread(&runs.walls);
-        if runs.walls.is_empty() {
-            let failure = runs.failure.as_deref().unwrap_or("no run");
-            let _ = writeln!(text, "{:<34} failed: {failure}", mode.name());
-        } else {
-            let _ = writeln!(
-                text,
-                "{:<34} {:>9.3} {:>9.3} {:>9.3} {:>9} {:>9} {:>11} {:>13} {:>13}",
-                mode.name(),
-                s.median,
-                s.min,
-                s.max,
-                shown(f.added_s, 3, ""),
-                shown(f.per_alloc, 3, ""),
-                shown(f.to_heaptrack, 2, "x"),
-                shown(f.per_alloc_without_start, 3, ""),
-                shown(f.to_heaptrack_without_start, 2, "x")
-            );
-        }
-        json.insert(mode.key().to_owned(), mode_json(runs, f));
+}
+
+/// One mode's table row (or why it failed, when it has no run).
+fn mode_line(mode: LaunchMode, runs: &ModeRuns, f: &Figures) -> String {
+    if runs.walls.is_empty() {
+        let failure = runs.failure.as_deref().unwrap_or("no run");
+        return format!("{:<34} failed: {failure}", mode.name());
     }
+    let s = spread(&runs.walls);
+    format!(
+        "{:<34} {:>9.3} {:>9.3} {:>9.3} {:>9} {:>9} {:>11} {:>13} {:>13}",
+        mode.name(),
+        s.median,
+        s.min,
+        s.max,
+        shown(f.added_s, 3, ""),
+        shown(f.per_alloc, 3, ""),
+        shown(f.to_heaptrack, 2, "x"),
+        shown(f.per_alloc_without_start, 3, ""),
+        shown(f.to_heaptrack_without_start, 2, "x")
+    )
+}
+
+/// Appends the goal's lines (heapprofd exact's added time against heaptrack's, with
+/// and without the start-up costs) to `text`; returns the goal.
+fn write_goal(text: &mut String, figures: &[Figures]) -> GoalFigure {
     let exact = LaunchMode::ALL
         .iter()
         .position(|m| *m == LaunchMode::Exact)
@@ -469,15 +498,7 @@ fn report_workload(
         "without the fixed start-up costs (the `true` table): exact / heaptrack {}",
         shown(figures[exact].to_heaptrack_without_start, 2, "x")
     );
-    let object = json!({
-        "name": workload.name,
-        "key": workload.key,
-        "allocations": counted,
-        "allocations_heaptrack": by_heaptrack,
-        "modes": json,
-        "goal": goal.json(workload.key),
-    });
-    (object, goal)
+    goal
 }
 
 /// One mode's object in summary.json.
