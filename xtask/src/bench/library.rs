@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use super::{
     Bench,
     figures::{DaemonStats, Tables},
-    summary::{number, spread},
+    summary::{Spread, number, spread},
 };
 
 impl Bench {
@@ -122,26 +122,77 @@ pub(super) struct LibraryBuild {
     skipped: Vec<String>,
 }
 
+/// What the library's table adds, from the medians of the runs with it and without.
+struct Growth {
+    build_with: Spread,
+    build_without: Spread,
+    /// Build and load of its table, ms: the medians' difference.
+    build: f64,
+    rows: f64,
+    rules: f64,
+    kib: f64,
+    /// Rows in all with it.
+    rows_with: f64,
+    /// Objects whose table did not fit, the most of a run with it.
+    not_fitting: u64,
+    /// Objects without it and with it.
+    objects: (f64, f64),
+}
+
 impl LibraryBuild {
     /// The summary's section and the JSON object.
     pub(super) fn report(&self, runs: usize) -> (String, Value) {
+        let growth = self.growth();
+        let mut text = String::new();
+        self.write_heading(&mut text, runs);
+        growth.write(&mut text);
+        let list = |tables: &[Tables]| tables.iter().map(Tables::json).collect::<Vec<_>>();
+        let json = json!({
+            "library": self.library,
+            "size_bytes": self.size,
+            "dependencies": self.dependencies,
+            "rows": number(growth.rows),
+            "rules": number(growth.rules),
+            "bpf_map_kib": number(growth.kib),
+            "build_ms": number(growth.build),
+            "build_ms_with": number(growth.build_with.median),
+            "build_ms_without": number(growth.build_without.median),
+            "with": list(&self.with),
+            "without": list(&self.without),
+            "skipped": self.skipped,
+        });
+        (text, json)
+    }
+
+    /// What the library's table adds: the runs with it against the runs without.
+    fn growth(&self) -> Growth {
         let median = |tables: &[Tables], field: fn(&Tables) -> u64| {
             spread(&tables.iter().map(|t| field(t) as f64).collect::<Vec<_>>())
         };
         let build_with = median(&self.with, |t| t.build_ms);
         let build_without = median(&self.without, |t| t.build_ms);
-        let build = build_with.median - build_without.median;
         let more = |field: fn(&Tables) -> u64| {
             median(&self.with, field).median - median(&self.without, field).median
         };
-        let (rows, rules, kib) = (more(|t| t.rows), more(|t| t.rules), more(|t| t.kib));
-        let rows_with = median(&self.with, |t| t.rows).median;
-        let not_fitting = self.with.iter().map(|t| t.not_fitting).max().unwrap_or(0);
-        let objects = (
-            median(&self.without, |t| t.objects).median,
-            median(&self.with, |t| t.objects).median,
-        );
-        let mut text = String::new();
+        Growth {
+            build_with,
+            build_without,
+            build: build_with.median - build_without.median,
+            rows: more(|t| t.rows),
+            rules: more(|t| t.rules),
+            kib: more(|t| t.kib),
+            rows_with: median(&self.with, |t| t.rows).median,
+            not_fitting: self.with.iter().map(|t| t.not_fitting).max().unwrap_or(0),
+            objects: (
+                median(&self.without, |t| t.objects).median,
+                median(&self.with, |t| t.objects).median,
+            ),
+        }
+    }
+
+    /// Appends the section's title, the larger libraries skipped and which library was
+    /// measured, how, to `text`.
+    fn write_heading(&self, text: &mut String, runs: usize) {
         let _ = writeln!(
             text,
             "## Unwind-table build of the largest library ({runs} runs with it, {runs} without, interleaved)\n"
@@ -164,11 +215,27 @@ impl LibraryBuild {
                 .map_or("?".into(), |p| p.display().to_string()),
             self.dependencies
         );
+    }
+}
+
+impl Growth {
+    /// Appends the lines on the library's table (its size, against the default
+    /// `--max-unwind-rows`) and on its build time to `text`.
+    fn write(&self, text: &mut String) {
+        let Growth {
+            rows,
+            rules,
+            kib,
+            rows_with,
+            not_fitting,
+            build,
+            ..
+        } = *self;
         let _ = writeln!(
             text,
             "its table: {rows:.0} rows, {rules:.0} more rules, {kib:.0} KiB more BPF map memory (objects {:.0} -> {:.0}; {rows_with:.0} rows in all, {} the default --max-unwind-rows {DEFAULT_ROWS}{})",
-            objects.0,
-            objects.1,
+            self.objects.0,
+            self.objects.1,
             if rows_with <= DEFAULT_ROWS as f64 {
                 "within"
             } else {
@@ -180,32 +247,12 @@ impl LibraryBuild {
                 String::new()
             }
         );
+        let (with, without) = (self.build_with, self.build_without);
         let _ = writeln!(
             text,
             "build and load of its table: {build:.0} ms = {:.0} ms with it ({:.0}-{:.0}) - {:.0} ms without it ({:.0}-{:.0}), medians of heapprofd's `built in` figure",
-            build_with.median,
-            build_with.min,
-            build_with.max,
-            build_without.median,
-            build_without.min,
-            build_without.max
+            with.median, with.min, with.max, without.median, without.min, without.max
         );
-        let list = |tables: &[Tables]| tables.iter().map(Tables::json).collect::<Vec<_>>();
-        let json = json!({
-            "library": self.library,
-            "size_bytes": self.size,
-            "dependencies": self.dependencies,
-            "rows": number(rows),
-            "rules": number(rules),
-            "bpf_map_kib": number(kib),
-            "build_ms": number(build),
-            "build_ms_with": number(build_with.median),
-            "build_ms_without": number(build_without.median),
-            "with": list(&self.with),
-            "without": list(&self.without),
-            "skipped": self.skipped,
-        });
-        (text, json)
     }
 }
 
