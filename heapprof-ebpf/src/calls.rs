@@ -160,6 +160,18 @@ struct Placed {
     entry: u64,
 }
 
+impl Placed {
+    /// Where the function `spec` is loaded, from its probe's address `ip`.
+    #[inline(always)]
+    fn at(ip: u64, spec: &ProbeSpec) -> Placed {
+        let object_base = ip.wrapping_sub(spec.probe_offset);
+        Placed {
+            object_base,
+            entry: object_base.wrapping_add(spec.function_start),
+        }
+    }
+}
+
 /// The spec of the function in `slot` if an entry at `sp` is where a call its body
 /// makes can enter, in its call that entered at `entry_sp`: below it, by at most the
 /// function's frame and the call's return address.
@@ -238,11 +250,7 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
     // The stack pointer at the function's entry, before the pushes the probe follows.
     let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
     let mut entering = Entering::new(ctx, sp);
-    let object_base = ip.wrapping_sub(spec.probe_offset);
-    let placed = Placed {
-        object_base,
-        entry: object_base.wrapping_add(spec.function_start),
-    };
+    let placed = Placed::at(ip, spec);
     let existing = threads::record(tid);
     let mut exec_gen = 0;
     let mut last_block = 0;
@@ -253,41 +261,20 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
         exec_gen = state.exec_gen;
         last_block = state.last_block;
         returns_awaited = state.returns_awaited;
-        if state.active == CALL_ACTIVE {
-            if sp == state.entry_sp {
-                if call.size == state.size && call.old_ptr == state.old_ptr {
-                    // A tail call forwarding the recorded call's arguments.
-                    return false;
-                }
-            } else if nested(&mut entering, state) {
-                return false;
-            }
-        } else if state.active == CALL_UNRECORDED
-            && inside_unrecorded(&mut entering, &call, placed, state)
-        {
+        if inside_recorded(&mut entering, &call, placed, state) {
             return false;
         }
     }
     let sampled = sampled(call.size);
     // A call through a session link that is not sampled, and whose return has nothing
-    // to count (an unsampled return only cleared the thread's last block): a plain
-    // allocation, or a resize of a block the live table does not hold (its return
-    // would release the old block; realloc(NULL, n) has none). The filter cannot miss
-    // the block: it is counted from before its insert, and the call still owns it.
-    let unrecorded = !sampled
-        && spec.session != 0
-        && if spec.role == ProbeRole::Alloc as u32 {
-            spec.out_reg == NO_REGISTER
-        } else {
-            spec.role == ProbeRole::Realloc as u32
-                && !sites::maybe_tracked((tid >> 32) as u32, call.old_ptr)
-        };
+    // to count.
+    let unrecorded = !sampled && return_has_nothing(spec, tid, &call);
     let state = InFlight {
         size: call.size,
         old_ptr: call.old_ptr,
         out_ptr: call.out_ptr,
         entry_sp: sp,
-        object_base,
+        object_base: placed.object_base,
         nested_sp: 0,
         active: if unrecorded {
             CALL_UNRECORDED
@@ -325,6 +312,43 @@ pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool
         }
     }
     !unrecorded
+}
+
+/// Whether the entry of `call` belongs to the call recorded in `state` (a tail call of
+/// a recorded call, a call nested in it, or one inside an unsampled call): then it is
+/// not the user's, and records nothing.
+#[inline(always)]
+fn inside_recorded(
+    entering: &mut Entering<'_>,
+    call: &Call,
+    placed: Placed,
+    state: &mut InFlight,
+) -> bool {
+    if state.active == CALL_ACTIVE {
+        if entering.sp == state.entry_sp {
+            // A tail call forwarding the recorded call's arguments.
+            return call.size == state.size && call.old_ptr == state.old_ptr;
+        }
+        return nested(entering, state);
+    }
+    state.active == CALL_UNRECORDED && inside_unrecorded(entering, call, placed, state)
+}
+
+/// For an unsampled `call` of thread `tid` to the function `spec`: whether its return
+/// has nothing to count (an unsampled return only cleared the thread's last block),
+/// so that a session link may skip it. A plain allocation, or a resize of a block the
+/// live table does not hold (its return would release the old block;
+/// realloc(NULL, n) has none). The filter cannot miss the block: it is counted from
+/// before its insert, and the call still owns it.
+#[inline(always)]
+fn return_has_nothing(spec: &ProbeSpec, tid: u64, call: &Call) -> bool {
+    spec.session != 0
+        && if spec.role == ProbeRole::Alloc as u32 {
+            spec.out_reg == NO_REGISTER
+        } else {
+            spec.role == ProbeRole::Realloc as u32
+                && !sites::maybe_tracked((tid >> 32) as u32, call.old_ptr)
+        }
 }
 
 /// The shared return probe: the recorded call, if this is its return.
