@@ -32,7 +32,8 @@ use crate::{
     },
     regs,
     sites::{self, Frees, NewSite, Usage},
-    stack, walk_cache,
+    stack,
+    walk_cache::{self, WalkStart},
 };
 
 /// The signal that holds a launched command at a loader event. Its tracer intercepts
@@ -199,27 +200,29 @@ fn on_return(ctx: &RetProbeContext, pid_tgid: u64) {
         stack::find_only(&start);
         return;
     }
-    if let Some(site) = stack::remembered(&start) {
-        sites::allocated_at(
-            tgid,
-            (ptr, state.size),
-            site,
-            &mut Usage::direct(),
-            Frees::OnTime,
-        );
+    count_at_site(&start, tgid, ptr, state.size);
+}
+
+/// Counts the sampled block `ptr` of `size` bytes of process `tgid` at the site of
+/// the stack `start` begins: a remembered walk's, or a new walk's (remembered for the
+/// next call when it can be).
+#[inline(always)]
+fn count_at_site(start: &WalkStart, tgid: u32, ptr: u64, size: u64) {
+    if let Some(site) = stack::remembered(start) {
+        sites::allocated_at(tgid, (ptr, size), site, &mut Usage::direct(), Frees::OnTime);
         return;
     }
-    if let Some(recorded) = stack::walk(&start)
+    if let Some(recorded) = stack::walk(start)
         && let Some(site) = sites::allocated(
             tgid,
             ptr,
-            state.size,
+            size,
             &recorded.site,
             NewSite::Stack(recorded.frames),
         )
         && recorded.remembered
     {
-        walk_cache::note_site(&start, site);
+        walk_cache::note_site(start, site);
     }
 }
 
