@@ -34,8 +34,8 @@ use heapprof_common::preload::{REPLY_READS, StackReply};
 
 use crate::maps::{
     MAPPINGS_REQUESTED, MAPPINGS_REQUESTS, PROCESS_MAPPINGS, REPLY_SCRATCH, RULE_CACHE,
-    STACK_REACH, STACK_SCRATCH, STACK_WINDOW, STACK_WINDOW_BYTES, STACK_WINDOW_WORDS, UNWIND_GAPS,
-    UNWIND_OBJECTS, UNWIND_ROWS, UNWIND_RULES, count_drop, count_only,
+    ReplyScratch, STACK_REACH, STACK_SCRATCH, STACK_WINDOW, STACK_WINDOW_BYTES, STACK_WINDOW_WORDS,
+    StackReach, UNWIND_GAPS, UNWIND_OBJECTS, UNWIND_ROWS, UNWIND_RULES, count_drop, count_only,
 };
 
 /// Multiplier of the stack hash (2^64 / golden ratio).
@@ -702,17 +702,7 @@ pub fn unwind(
     answer: bool,
 ) -> u64 {
     let tgid = (pid_tgid >> 32) as u32;
-    let mappings = if mode == UnwindMode::FramePointers as u32 {
-        None
-    } else {
-        // SAFETY: the value is only read; the daemon replaces whole entries.
-        let mappings = unsafe { PROCESS_MAPPINGS.get(&tgid) };
-        if mappings.is_none() {
-            // A fork unwinds with its origin's meanwhile (see `origin_step`).
-            request_mappings(tgid, RequestReason::UnknownAddress);
-        }
-        mappings
-    };
+    let mappings = walk_mappings(tgid, mode);
     let reach_slot = STACK_REACH.get_ptr_mut(0);
     // SAFETY: this CPU's slot; programs on one CPU do not interleave.
     let reach = reach_slot
@@ -747,19 +737,50 @@ pub fn unwind(
     walk.flags = 0;
     walk.fp_source = FP_FROM_CALLER;
     let reply_slot = if answer {
-        REPLY_SCRATCH.get_ptr_mut(0)
+        start_noting_reads(walk, sp)
     } else {
         None
     };
-    if let Some(slot) = reply_slot {
-        // SAFETY: this CPU's slot; programs on one CPU do not interleave.
-        unsafe {
-            (*slot).reply.status = 0;
-            (*slot).reply.reads = 0;
-            (*slot).base = sp;
-        }
-        walk.flags |= NOTING_READS;
+    walk_frames();
+    end_walk(walk, pid_tgid, reach_slot, reply_slot);
+    walk.hash
+}
+
+/// The mappings that unwind the stacks of process `tgid` by CFI (none in frame-pointer
+/// `mode`); without them, asks the daemon for them.
+#[inline(always)]
+fn walk_mappings(tgid: u32, mode: u32) -> Option<&'static ProcessMappings> {
+    if mode == UnwindMode::FramePointers as u32 {
+        return None;
     }
+    // SAFETY: the value is only read; the daemon replaces whole entries.
+    let mappings = unsafe { PROCESS_MAPPINGS.get(&tgid) };
+    if mappings.is_none() {
+        // A fork unwinds with its origin's meanwhile (see `origin_step`).
+        request_mappings(tgid, RequestReason::UnknownAddress);
+    }
+    mappings
+}
+
+/// Readies this CPU's `REPLY_SCRATCH` for a walk from the stack pointer `sp` that notes
+/// where it reads the stack; returns the slot (`None`: no slot, nothing noted).
+#[inline(always)]
+fn start_noting_reads(walk: &mut Walk, sp: u64) -> Option<*mut ReplyScratch> {
+    let slot = REPLY_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot; programs on one CPU do not interleave.
+    unsafe {
+        (*slot).reply.status = 0;
+        (*slot).reply.reads = 0;
+        (*slot).base = sp;
+    }
+    walk.flags |= NOTING_READS;
+    Some(slot)
+}
+
+/// Walks the frames of this CPU's `WALK_SCRATCH`: [`walk_one`] per frame, at most
+/// [`MAX_STACK_DEPTH`] of them.
+#[inline(always)]
+fn walk_frames() {
     // SAFETY: the callback is a BPF subprogram; it takes no context.
     unsafe {
         bpf_loop(
@@ -769,8 +790,20 @@ pub fn unwind(
             0,
         );
     }
+}
+
+/// After the walk of thread `pid_tgid`: keeps how far its stack is known to be mapped
+/// in `reach_slot`, and, when it noted its reads into `reply_slot`, says whether its
+/// answer holds and whether it used frame pointers.
+#[inline(always)]
+fn end_walk(
+    walk: &Walk,
+    pid_tgid: u64,
+    reach_slot: Option<*mut StackReach>,
+    reply_slot: Option<*mut ReplyScratch>,
+) {
     if let Some(slot) = reach_slot {
-        // SAFETY: as above.
+        // SAFETY: this CPU's slot; programs on one CPU do not interleave.
         unsafe {
             (*slot).pid_tgid = pid_tgid;
             (*slot).end = walk.reach;
@@ -785,5 +818,4 @@ pub fn unwind(
             (*slot).reply.uses_fp = u32::from(walk.flags & USES_FP != 0);
         }
     }
-    walk.hash
 }
