@@ -129,11 +129,28 @@ fn items(text: &str) -> Result<Vec<String>, SpecError> {
     Ok(items)
 }
 
+/// Parses one item, `ROLE=FUNCTION(FIELDS)`, checking its fields fit its role.
 fn parse_item(item: &str) -> Result<CustomFunction, SpecError> {
-    let fail = |reason: &str| SpecError::Item {
+    let (role, rest) = split_role(item)?;
+    let (name, fields) = split_function(item, rest)?;
+    let signature = Fields::parse(item, fields)?.signature(item, role)?;
+    Ok(CustomFunction {
+        name: name.to_owned(),
+        signature,
+    })
+}
+
+/// The refusal of `item`, for `reason`.
+fn item_error(item: &str, reason: &str) -> SpecError {
+    SpecError::Item {
         item: item.to_owned(),
         reason: reason.to_owned(),
-    };
+    }
+}
+
+/// Splits `ROLE=` off `item`: its role, and the rest (`FUNCTION(FIELDS)`).
+fn split_role(item: &str) -> Result<(ProbeRole, &str), SpecError> {
+    let fail = |reason: &str| item_error(item, reason);
     let before_fields = item.split('(').next().unwrap_or(item);
     let (role, _) = before_fields
         .split_once('=')
@@ -145,6 +162,13 @@ fn parse_item(item: &str) -> Result<CustomFunction, SpecError> {
         "realloc" => ProbeRole::Realloc,
         _ => return Err(fail("the role must be alloc, free or realloc")),
     };
+    Ok((role, rest))
+}
+
+/// Splits `FUNCTION(FIELDS)` (`rest` of `item`) into the function's name, checked to
+/// be a symbol, and the fields between the parentheses.
+fn split_function<'a>(item: &str, rest: &'a str) -> Result<(&'a str, &'a str), SpecError> {
+    let fail = |reason: &str| item_error(item, reason);
     let (name, fields) = rest
         .strip_suffix(')')
         .and_then(|rest| rest.split_once('('))
@@ -157,86 +181,113 @@ fn parse_item(item: &str) -> Result<CustomFunction, SpecError> {
     if !valid_name {
         return Err(fail("the function's name is not a symbol"));
     }
-    let mut size = None;
-    let mut count = None;
-    let mut ptr = None;
-    let mut out = None;
-    let mut ret = false;
-    for field in fields.split(',').filter(|f| !f.is_empty()) {
-        let (key, value) = field.split_once('=').unwrap_or((field, ""));
-        let arg = || -> Result<u8, SpecError> {
-            value
-                .strip_prefix("arg")
-                .and_then(|n| n.parse::<u8>().ok())
-                .filter(|n| (1..=MAX_ARG).contains(n))
-                .map(|n| n - 1)
-                .ok_or_else(|| fail(&format!("{key}= takes arg1 to arg{MAX_ARG}")))
-        };
-        let seen = match key {
-            "size" => {
-                let parsed = match value.parse::<u64>() {
-                    Ok(bytes) => Size::Fixed(bytes),
-                    Err(_) => Size::Arg(arg().map_err(|_| {
-                        fail(&format!(
-                            "size= takes arg1 to arg{MAX_ARG} or a number of bytes"
-                        ))
-                    })?),
-                };
-                size.replace(parsed).is_some()
+    Ok((name, fields))
+}
+
+/// An item's fields as written, each at most once, before they are checked against
+/// its role.
+#[derive(Default)]
+struct Fields {
+    size: Option<Size>,
+    count: Option<u8>,
+    ptr: Option<u8>,
+    out: Option<u8>,
+    ret: bool,
+}
+
+impl Fields {
+    /// Reads the comma-separated `fields` of `item`, refusing unknown or repeated ones.
+    fn parse(item: &str, fields: &str) -> Result<Self, SpecError> {
+        let fail = |reason: &str| item_error(item, reason);
+        let mut parsed = Self::default();
+        for field in fields.split(',').filter(|f| !f.is_empty()) {
+            let (key, value) = field.split_once('=').unwrap_or((field, ""));
+            let arg = || argument(item, key, value);
+            let seen = match key {
+                "size" => {
+                    let size = match value.parse::<u64>() {
+                        Ok(bytes) => Size::Fixed(bytes),
+                        Err(_) => Size::Arg(arg().map_err(|_| {
+                            fail(&format!(
+                                "size= takes arg1 to arg{MAX_ARG} or a number of bytes"
+                            ))
+                        })?),
+                    };
+                    parsed.size.replace(size).is_some()
+                }
+                "count" => parsed.count.replace(arg()?).is_some(),
+                "ptr" => parsed.ptr.replace(arg()?).is_some(),
+                "out" => parsed.out.replace(arg()?).is_some(),
+                "ret" if value.is_empty() => std::mem::replace(&mut parsed.ret, true),
+                _ => return Err(fail(&format!("unknown field `{field}`"))),
+            };
+            if seen {
+                return Err(fail(&format!("{key} given twice")));
             }
-            "count" => count.replace(arg()?).is_some(),
-            "ptr" => ptr.replace(arg()?).is_some(),
-            "out" => out.replace(arg()?).is_some(),
-            "ret" if value.is_empty() => std::mem::replace(&mut ret, true),
-            _ => return Err(fail(&format!("unknown field `{field}`"))),
-        };
-        if seen {
-            return Err(fail(&format!("{key} given twice")));
         }
+        Ok(parsed)
     }
-    let signature = match role {
-        ProbeRole::Free => {
+
+    /// The signature of a function of `role` with these fields, or why they do not fit
+    /// it (in `item`).
+    fn signature(self, item: &str, role: ProbeRole) -> Result<Signature, SpecError> {
+        let fail = |reason: &str| item_error(item, reason);
+        let Self {
+            size,
+            count,
+            ptr,
+            out,
+            ret,
+        } = self;
+        if role == ProbeRole::Free {
             if size.is_some() || count.is_some() || out.is_some() || ret {
                 return Err(fail("free takes only ptr=argN"));
             }
-            Signature::free(ptr.ok_or_else(|| fail("free needs ptr=argN"))?)
+            return Ok(Signature::free(
+                ptr.ok_or_else(|| fail("free needs ptr=argN"))?,
+            ));
         }
-        ProbeRole::Alloc | ProbeRole::Realloc | ProbeRole::ResizeInPlace => {
-            let size = size.ok_or_else(|| fail("a size=argN or size=BYTES is needed"))?;
-            if role == ProbeRole::Realloc && ptr.is_none() {
-                return Err(fail("realloc needs ptr=argN, the block moved"));
-            }
-            if role == ProbeRole::Alloc && ptr.is_some() {
-                return Err(fail(
-                    "alloc takes no ptr= (use out=argN for an out-pointer)",
-                ));
-            }
-            match (ret, out) {
-                (true, None) => {}
-                (false, Some(_)) if role == ProbeRole::Alloc => {}
-                (true, Some(_)) => return Err(fail("give either ret or out=argN, not both")),
-                _ => {
-                    return Err(fail(if role == ProbeRole::Alloc {
-                        "say where the new block is: ret or out=argN"
-                    } else {
-                        "realloc needs ret (the new block is the return value)"
-                    }));
-                }
-            }
-            Signature {
-                role,
-                size,
-                count,
-                ptr,
-                out,
-                round_to_pages: false,
+        let size = size.ok_or_else(|| fail("a size=argN or size=BYTES is needed"))?;
+        if role == ProbeRole::Realloc && ptr.is_none() {
+            return Err(fail("realloc needs ptr=argN, the block moved"));
+        }
+        if role == ProbeRole::Alloc && ptr.is_some() {
+            return Err(fail(
+                "alloc takes no ptr= (use out=argN for an out-pointer)",
+            ));
+        }
+        match (ret, out) {
+            (true, None) => {}
+            (false, Some(_)) if role == ProbeRole::Alloc => {}
+            (true, Some(_)) => return Err(fail("give either ret or out=argN, not both")),
+            _ => {
+                return Err(fail(if role == ProbeRole::Alloc {
+                    "say where the new block is: ret or out=argN"
+                } else {
+                    "realloc needs ret (the new block is the return value)"
+                }));
             }
         }
-    };
-    Ok(CustomFunction {
-        name: name.to_owned(),
-        signature,
-    })
+        Ok(Signature {
+            role,
+            size,
+            count,
+            ptr,
+            out,
+            round_to_pages: false,
+        })
+    }
+}
+
+/// The argument register `value` names (`argN`, counted from 1) for field `key` of
+/// `item`, as a 0-based index.
+fn argument(item: &str, key: &str, value: &str) -> Result<u8, SpecError> {
+    value
+        .strip_prefix("arg")
+        .and_then(|n| n.parse::<u8>().ok())
+        .filter(|n| (1..=MAX_ARG).contains(n))
+        .map(|n| n - 1)
+        .ok_or_else(|| item_error(item, &format!("{key}= takes arg1 to arg{MAX_ARG}")))
 }
 
 #[cfg(test)]
