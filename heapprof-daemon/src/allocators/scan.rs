@@ -114,70 +114,151 @@ pub fn scan(
     let bytes = file.bytes();
     let elf =
         ElfFile64::<Endianness>::parse(bytes).map_err(|_| ScanError::NotElf(display.to_owned()))?;
-    let endian = elf.endian();
-    let headers = elf.elf_program_headers();
-    let loads: Vec<(u64, u64, u64)> = headers
-        .iter()
-        .filter(|ph| ph.p_type(endian) == PT_LOAD)
-        .map(|ph| (ph.p_vaddr(endian), ph.p_filesz(endian), ph.p_offset(endian)))
-        .collect();
-    let text = headers
-        .iter()
-        .filter(|ph| ph.p_type(endian) == PT_LOAD && ph.p_flags(endian).contains(PF_X))
-        .map(|ph| {
-            let start = ph.p_offset(endian);
-            (start, start.saturating_add(ph.p_filesz(endian)))
-        })
-        .reduce(|(a, b), (c, d)| (a.min(c), b.max(d)))
-        .unwrap_or((0, 0));
-    let static_executable = executable && !headers.iter().any(|ph| ph.p_type(endian) == PT_INTERP);
-    let file_offset = |address: u64| {
-        loads
-            .iter()
-            .find(|(vaddr, size, _)| (*vaddr..vaddr.saturating_add(*size)).contains(&address))
-            .map(|(vaddr, _, offset)| address - vaddr + offset)
-    };
-
+    let segments = Segments::of(&elf);
+    let static_executable = executable && !segments.interpreted;
     let has_symbol_table = elf.symbols().next().is_some();
-    // Every defined function with a name we probe, by address.
-    let mut by_address: HashMap<u64, Vec<Named>> = HashMap::new();
-    let mut defines_malloc = false;
-    let exported = elf.dynamic_symbols().map(|s| (s, true));
-    // A library's calls come through its exports, unless a custom function may be
-    // internal to it; a program's own allocator (static, or a Rust program's prefixed
-    // jemalloc) is in its symbol table. Skipping the symbol tables of large libraries
-    // (hundreds of thousands of symbols in a compiler's) keeps `--all`'s start fast.
-    let read_local = executable || !custom.is_empty();
-    let local = elf.symbols().take_while(|_| read_local).map(|s| (s, false));
-    for (symbol, is_exported) in exported.chain(local) {
-        if !symbol.is_definition() || symbol.kind() != SymbolKind::Text {
-            continue;
-        }
-        let Ok(name) = symbol.name() else { continue };
-        let found = match custom.iter().find(|c| c.name == name) {
-            Some(custom) => Some((Family::Custom, custom.signature, 0)),
-            None => api::known(name).and_then(|known| {
-                // A library's local definition of a C name is not what calls bind to.
-                let usable = known.family != Family::Standard || is_exported || static_executable;
-                usable.then_some((known.family, known.signature, known.rank + 1))
-            }),
-        };
-        let Some((family, signature, rank)) = found else {
-            continue;
-        };
-        if family == Family::Standard && name == "malloc" {
-            defines_malloc = true;
-        }
-        let Some(offset) = file_offset(symbol.address()) else {
-            continue;
-        };
-        let size = usize::try_from(symbol.size()).ok();
-        let names = by_address.entry(offset).or_default();
-        if !names.iter().any(|(n, ..)| n == name) {
-            names.push((name.to_owned(), family, signature, rank, size));
+    let names = NamesByAddress::collect(&elf, &segments, executable, static_executable, custom);
+    let (functions, aliases) = found_functions(bytes, names.by_address, mode);
+    Ok(ObjectScan {
+        functions,
+        aliases,
+        defines_malloc: names.defines_malloc,
+        static_executable,
+        has_symbol_table,
+        text: segments.text,
+    })
+}
+
+/// What an object's program headers say: where its loaded bytes lie in the file,
+/// where its code is, and whether it names a dynamic loader.
+struct Segments {
+    /// Each `PT_LOAD` segment: (virtual address, size in the file, file offset).
+    loads: Vec<(u64, u64, u64)>,
+    /// The executable code, as file offsets `[start, end)` (`(0, 0)` if none).
+    text: (u64, u64),
+    /// It has a `PT_INTERP` header: the dynamic loader starts it.
+    interpreted: bool,
+}
+
+impl Segments {
+    /// Reads the program headers of `elf`.
+    fn of(elf: &ElfFile64<'_, Endianness>) -> Self {
+        let endian = elf.endian();
+        let headers = elf.elf_program_headers();
+        let loads = headers
+            .iter()
+            .filter(|ph| ph.p_type(endian) == PT_LOAD)
+            .map(|ph| (ph.p_vaddr(endian), ph.p_filesz(endian), ph.p_offset(endian)))
+            .collect();
+        let text = headers
+            .iter()
+            .filter(|ph| ph.p_type(endian) == PT_LOAD && ph.p_flags(endian).contains(PF_X))
+            .map(|ph| {
+                let start = ph.p_offset(endian);
+                (start, start.saturating_add(ph.p_filesz(endian)))
+            })
+            .reduce(|(a, b), (c, d)| (a.min(c), b.max(d)))
+            .unwrap_or((0, 0));
+        let interpreted = headers.iter().any(|ph| ph.p_type(endian) == PT_INTERP);
+        Self {
+            loads,
+            text,
+            interpreted,
         }
     }
 
+    /// The file offset of virtual `address`, if a loaded segment holds it.
+    fn file_offset(&self, address: u64) -> Option<u64> {
+        self.loads
+            .iter()
+            .find(|(vaddr, size, _)| (*vaddr..vaddr.saturating_add(*size)).contains(&address))
+            .map(|(vaddr, _, offset)| address - vaddr + offset)
+    }
+}
+
+/// The names an object defines that are probed, grouped by the file offset of their
+/// code.
+struct NamesByAddress {
+    /// Every defined function with a name we probe, by address.
+    by_address: HashMap<u64, Vec<Named>>,
+    /// Calls to `malloc` can bind here (see [`ObjectScan::defines_malloc`]).
+    defines_malloc: bool,
+}
+
+impl NamesByAddress {
+    /// Reads the symbols of `elf` for the known allocator functions and the `custom`
+    /// ones: its exports, and its symbol table when it may hold what is probed.
+    fn collect(
+        elf: &ElfFile64<'_, Endianness>,
+        segments: &Segments,
+        executable: bool,
+        static_executable: bool,
+        custom: &[CustomFunction],
+    ) -> Self {
+        let mut by_address: HashMap<u64, Vec<Named>> = HashMap::new();
+        let mut defines_malloc = false;
+        let exported = elf.dynamic_symbols().map(|s| (s, true));
+        // A library's calls come through its exports, unless a custom function may be
+        // internal to it; a program's own allocator (static, or a Rust program's prefixed
+        // jemalloc) is in its symbol table. Skipping the symbol tables of large libraries
+        // (hundreds of thousands of symbols in a compiler's) keeps `--all`'s start fast.
+        let read_local = executable || !custom.is_empty();
+        let local = elf.symbols().take_while(|_| read_local).map(|s| (s, false));
+        for (symbol, is_exported) in exported.chain(local) {
+            if !symbol.is_definition() || symbol.kind() != SymbolKind::Text {
+                continue;
+            }
+            let Ok(name) = symbol.name() else { continue };
+            let Some((family, signature, rank)) =
+                probed_as(name, custom, is_exported || static_executable)
+            else {
+                continue;
+            };
+            if family == Family::Standard && name == "malloc" {
+                defines_malloc = true;
+            }
+            let Some(offset) = segments.file_offset(symbol.address()) else {
+                continue;
+            };
+            let size = usize::try_from(symbol.size()).ok();
+            let names = by_address.entry(offset).or_default();
+            if !names.iter().any(|(n, ..)| n == name) {
+                names.push((name.to_owned(), family, signature, rank, size));
+            }
+        }
+        Self {
+            by_address,
+            defines_malloc,
+        }
+    }
+}
+
+/// How a function named `name` is probed, if it is: (family, signature, rank; a
+/// custom function ranks first). `bindable`: calls can bind to this definition (it is
+/// exported, or in a static executable).
+fn probed_as(
+    name: &str,
+    custom: &[CustomFunction],
+    bindable: bool,
+) -> Option<(Family, Signature, usize)> {
+    match custom.iter().find(|c| c.name == name) {
+        Some(custom) => Some((Family::Custom, custom.signature, 0)),
+        None => api::known(name).and_then(|known| {
+            // A library's local definition of a C name is not what calls bind to.
+            let usable = known.family != Family::Standard || bindable;
+            usable.then_some((known.family, known.signature, known.rank + 1))
+        }),
+    }
+}
+
+/// One function per address of `by_address`, in file order, each under its
+/// lowest-ranked name and with its probes placed; and the other names as aliases
+/// (alias, name probed).
+fn found_functions(
+    bytes: &[u8],
+    by_address: HashMap<u64, Vec<Named>>,
+    mode: PlacementMode,
+) -> (Vec<FoundFunction>, Vec<(String, String)>) {
     let arch = Arch::of_elf_header(bytes);
     let mut functions = Vec::new();
     let mut aliases = Vec::new();
@@ -205,33 +286,32 @@ pub fn scan(
             .max()
             .filter(|&size| size > 0)
             .map(|size| size as u64);
-        let frame_bytes = match (arch, size) {
-            (Some(Arch::X86_64), Some(size)) if size as usize <= MAX_FUNCTION_BYTES => {
-                usize::try_from(offset)
-                    .ok()
-                    .and_then(|start| bytes.get(start..start.checked_add(size as usize)?))
-                    .and_then(super::frame_depth::x86_frame_bytes)
-            }
-            _ => None,
-        };
         functions.push(FoundFunction {
             name,
             family,
             signature,
             offset,
             size,
-            frame_bytes,
+            frame_bytes: frame_bytes(bytes, arch, offset, size),
             placement,
         });
     }
-    Ok(ObjectScan {
-        functions,
-        aliases,
-        defines_malloc,
-        static_executable,
-        has_symbol_table,
-        text,
-    })
+    (functions, aliases)
+}
+
+/// How far below its entry the function at `offset` of `size` bytes moves the stack
+/// pointer, where its code can be read and decoded (x86-64, up to
+/// [`MAX_FUNCTION_BYTES`]).
+fn frame_bytes(bytes: &[u8], arch: Option<Arch>, offset: u64, size: Option<u64>) -> Option<u32> {
+    match (arch, size) {
+        (Some(Arch::X86_64), Some(size)) if size as usize <= MAX_FUNCTION_BYTES => {
+            usize::try_from(offset)
+                .ok()
+                .and_then(|start| bytes.get(start..start.checked_add(size as usize)?))
+                .and_then(super::frame_depth::x86_frame_bytes)
+        }
+        _ => None,
+    }
 }
 
 /// Places the probes of the function at file offset `offset` with symbol size `size`.
