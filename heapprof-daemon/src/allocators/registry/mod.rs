@@ -10,6 +10,7 @@ mod page_slots;
 mod per_process;
 mod process_check;
 mod session_links;
+mod slots;
 
 use std::{
     collections::{HashMap, HashSet},
@@ -28,19 +29,14 @@ use aya::{
 };
 use std::os::unix::fs::MetadataExt as _;
 
-use heapprof_common::{
-    MAX_PROBE_SLOTS, NO_REGISTER, ProbeSlot, ProbeSpec, UNKNOWN_FRAME_BYTES, names, preload,
-};
+use heapprof_common::{NO_REGISTER, ProbeSlot, ProbeSpec, names, preload};
 
 pub use self::session_links::session_links;
-use self::{
-    page_slots::PageSlots,
-    session_links::{SessionProgram, session_eligible},
-};
+use self::{page_slots::PageSlots, session_links::SessionProgram};
 
 use super::{
     api::Family,
-    scan::{self, ObjectScan},
+    scan::{self, FoundFunction, ObjectScan},
     spec::CustomFunction,
 };
 use crate::{
@@ -374,114 +370,48 @@ impl AllocatorProbes {
             .scan(object, executable)
             .map_err(|err| anyhow::anyhow!(err))?;
         let key = (object.id, only.unwrap_or(0));
-        // With one target, the session's links are the target's and cover no other
-        // process.
-        let global = match (only, self.settings.pid) {
-            (Some(_), Some(_)) => None,
-            _ => self.attached.get(&(object.id, 0)),
-        };
-        let attached = self.attached.get(&key);
-        let new: Vec<_> = scan
-            .of_families(families)
-            .filter(|f| attached.is_none_or(|offsets| !offsets.contains(&f.offset)))
-            .filter(|f| global.is_none_or(|offsets| !offsets.contains(&f.offset)))
-            .cloned()
-            .collect();
+        let new = self.unprobed(&scan, families, key);
         if new.is_empty() {
             return Ok(0);
         }
-        let first = self.slots.len();
-        let fresh = new
-            .iter()
-            .filter(|f| !self.slot_of.contains_key(&(object.id, f.offset)))
-            .count();
-        if first + fresh > MAX_PROBE_SLOTS as usize {
-            bail!(
-                "the probe table is full ({MAX_PROBE_SLOTS} functions): {} is not probed",
-                object.path
-            );
-        }
+        self.check_slots_left(object, &new)?;
         for (alias, name) in &scan.aliases {
             log::debug!(
                 "{alias} is {name} in {}: traced once, as {name}",
                 object.path
             );
         }
-        let mut points = Vec::new();
-        let mut next_slot = first;
-        let mut fresh_slots = Vec::new();
-        for function in &new {
-            let slot = match self.slot_of.get(&(object.id, function.offset)) {
-                Some(slot) => {
-                    // Probed for another process already: its spec is in place.
-                    points.push(ProbePoints {
-                        slot: *slot,
-                        entry: function.probe_offset(),
-                        returns: return_offsets(function),
-                    });
-                    continue;
-                }
-                None => next_slot as ProbeSlot,
-            };
-            next_slot += 1;
-            fresh_slots.push((function, slot));
-            let mut spec = function.signature.spec(
-                function.probe_offset(),
-                (function.placement.registers, function.placement.sp_adjust),
-                scan.text,
-            );
-            spec.in_library = u32::from(!executable);
-            (spec.function_start, spec.function_end) = function.extent();
-            spec.frame_bytes = function.frame_bytes.unwrap_or(UNKNOWN_FRAME_BYTES);
-            spec.session = u32::from(session_eligible(function));
-            self.specs
-                .set(slot, &spec, 0)
-                .context("writing the probe specs")?;
-            self.page_slots.note(slot, function.probe_offset())?;
-            log::debug!(
-                "{} in {}: slot {slot}, probes at {}, frame {}",
-                function.name,
-                object.path,
-                function.placement,
-                function
-                    .frame_bytes
-                    .map_or("unknown".to_owned(), |bytes| format!("{bytes} bytes"))
-            );
-            if !function.placement.emulated {
-                SINGLE_STEPPED.fetch_add(1, Ordering::Relaxed);
-                log::warn!(
-                    "{} in {}: the probe at +{} is single-stepped by the kernel on every call \
-                     (about 10x an emulated probe's cost): {}",
-                    function.name,
-                    object.path,
-                    function.placement.offset,
-                    function.placement.reason
-                );
-            }
-            points.push(ProbePoints {
-                slot,
-                entry: function.probe_offset(),
-                returns: return_offsets(function),
-            });
-        }
-        self.attach(ebpf, object, &points, only)?;
-        for (function, slot) in fresh_slots {
-            self.slot_of.insert((object.id, function.offset), slot);
-            self.slots.push(SlotInfo {
-                function: function.name.clone(),
-                object: object.id,
-                object_path: object.path.clone(),
-                offset: function.offset,
-            });
-            if function.family == Family::Custom {
-                self.custom_found.insert(function.name.clone());
-            }
-        }
+        let plan = self.assign_slots(object, &new, executable, scan.text)?;
+        self.attach(ebpf, object, &plan.points, only)?;
+        self.record_slots(object, plan.fresh);
         self.attached
             .entry(key)
             .or_default()
             .extend(new.iter().map(|f| f.offset));
         Ok(new.len())
+    }
+
+    /// The functions of `families` in `scan` not attached yet for `key` (object,
+    /// process) nor by the session's links where they cover that process.
+    fn unprobed(
+        &self,
+        scan: &ObjectScan,
+        families: &[Family],
+        key: ((u64, u64), u32),
+    ) -> Vec<FoundFunction> {
+        let (object, only) = key;
+        // With one target, the session's links are the target's and cover no other
+        // process.
+        let global = match (only, self.settings.pid) {
+            (1.., Some(_)) => None,
+            _ => self.attached.get(&(object, 0)),
+        };
+        let attached = self.attached.get(&key);
+        scan.of_families(families)
+            .filter(|f| attached.is_none_or(|offsets| !offsets.contains(&f.offset)))
+            .filter(|f| global.is_none_or(|offsets| !offsets.contains(&f.offset)))
+            .cloned()
+            .collect()
     }
 
     /// Probes an object found without a process: all its functions if `malloc` can
