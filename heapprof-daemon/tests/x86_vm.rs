@@ -113,7 +113,7 @@ echo "==KERNEL $(uname -r) $(uname -m)"
 insmod /modules/brd.ko rd_nr=1 rd_size=8192
 echo "==INSMOD brd $?"
 # Whatever hangs, the VM ends and the host sees how far it got.
-(sleep 240; echo "==WATCHDOG: the scenarios took too long"; poweroff -f) &
+(sleep 240; echo "==WATCHDOG: the scenarios took too long"; ps; cat /tmp/agree.log /tmp/bpftrace.err 2>/dev/null; poweroff -f) &
 out=/tmp/out
 mkdir -p $out
 /heapprofd --kernel -o $out/deferred -- /t/deferred_frees TIMERFDS CHILDREN 2>&1

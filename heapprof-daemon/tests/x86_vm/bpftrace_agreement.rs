@@ -37,22 +37,26 @@ if [ -e /modules/disk/order ]; then
     exec 4> /tmp/pipes.in
     tries=0
     until grep -q ready /tmp/pipes.out || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
+    echo "==STEP workload ready $(cut -d' ' -f1 /proc/uptime)"
     /heapprofd --kernel --pages --pid $pipes --ready-file /tmp/agree.ready -o $out/agree > /tmp/agree.log 2>&1 4>&- &
     heapprofd=$!
     tries=0
     until [ -e /tmp/agree.ready ] || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
+    echo "==STEP heapprofd ready $(cut -d' ' -f1 /proc/uptime)"
     # Run by the disk's own loader and libraries: the initramfs has no C library of
     # its own but the host's, for user mode.
     /mnt/lib/ld-linux-x86-64.so.2 --library-path /mnt/lib /mnt/bin/bpftrace /t/count.bt $pipes > /tmp/bpftrace.out 2> /tmp/bpftrace.err 4>&- &
     bpftrace=$!
     tries=0
     until grep -q counting /tmp/bpftrace.out || [ $tries -ge 1200 ]; do sleep 0.1; tries=$((tries + 1)); done
+    echo "==STEP bpftrace counting $(cut -d' ' -f1 /proc/uptime)"
     echo >&4
     tries=0
     until grep -q opened /tmp/pipes.out || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
     echo >&4
     tries=0
     until grep -q closed /tmp/pipes.out || [ $tries -ge 600 ]; do sleep 0.1; tries=$((tries + 1)); done
+    echo "==STEP workload done $(cut -d' ' -f1 /proc/uptime)"
     kill -INT $bpftrace
     wait $bpftrace
     echo "==STATUS bpftrace $?"
