@@ -76,12 +76,7 @@ fn load_kernel_bpf(
     target: &Target,
     events: &[(KernelEvent, EventLayout)],
 ) -> Result<aya::Ebpf> {
-    let capacities = probes::Capacities {
-        live_blocks: cli.live_blocks(),
-        sites: cli.max_sites,
-        stacks: cli.max_stacks,
-        threads: cli.max_threads,
-    };
+    let capacities = super::map_capacities(cli);
     let filter = !matches!(target, Target::All);
     let ebpf = probes::kernel::load_bpf_object(
         capacities,

@@ -134,3 +134,13 @@ fn pidfd(pid: u32) -> Result<AsyncFd<OwnedFd>> {
     // SAFETY: the AsyncFd owns the OwnedFd, which stays open and unchanged until it is dropped.
     unsafe { AsyncFd::register(fd) }.map_err(|err| anyhow::anyhow!("registering the pidfd: {err}"))
 }
+
+/// The BPF tables' sizes the command line asks for, in user and kernel mode alike.
+fn map_capacities(cli: &Cli) -> probes::Capacities {
+    probes::Capacities {
+        live_blocks: cli.live_blocks(),
+        sites: cli.max_sites,
+        stacks: cli.max_stacks,
+        threads: cli.max_threads,
+    }
+}

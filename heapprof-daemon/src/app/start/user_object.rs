@@ -68,12 +68,7 @@ pub(super) fn load_user_bpf(
     tables: TableCapacities,
     fork_child_pid_offset: Option<u32>,
 ) -> Result<aya::Ebpf> {
-    let capacities = probes::Capacities {
-        live_blocks: cli.live_blocks(),
-        sites: cli.max_sites,
-        stacks: cli.max_stacks,
-        threads: cli.max_threads,
-    };
+    let capacities = super::map_capacities(cli);
     // A launched command is held at each loader event until its new objects' unwind
     // tables and allocators are in place.
     let unwinding = probes::UnwindSettings {
