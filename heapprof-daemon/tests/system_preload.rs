@@ -249,11 +249,25 @@ fn another_heapprofd_counts_its_programs_exactly_beside_the_system_preload() {
     let output = in_private_namespace(
         dir.path(),
         &format!(
-            r#"start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json
-$HEAPPROFD -o $D/launched -- {program} > $D/launched.out 2>>$D/heapprofd.log
-echo launched_status=$?
-$HEAPPROFD -o $D/probed --preload off -- {program} > $D/probed.out 2>>$D/heapprofd.log
-echo probed_status=$?
+            r#"start --all --preload system -o $D/out --interval 60s --stats-json $D/stats.json --profiles-json $D/system.jsonl
+# Each program waits until the system-wide heapprofd has read its image (and so
+# seen its opt-out) before it works and exits: a short program could otherwise be
+# gone before a loaded machine's daemon reads it, and say nothing of the opt-out.
+launch() {{
+    name=$1; shift
+    rm -f $D/in; mkfifo $D/in
+    $HEAPPROFD -o $D/$name "$@" -- {program} wait < $D/in > $D/$name.out 2>>$D/heapprofd.log &
+    L=$!
+    exec 3>$D/in
+    for i in $(seq 600); do grep -q ready $D/$name.out && break; sleep 0.1; done
+    P=$(pgrep -x -P $L alloc_abc)
+    for i in $(seq 600); do grep -q "\"kind\":\"image_read\",\"pid\":$P," $D/system.jsonl && break; sleep 0.1; done
+    echo ${{name}}_read=$(grep -c "\"pid\":$P," $D/system.jsonl)
+    echo go >&3; exec 3>&-
+    wait $L; echo ${{name}}_status=$?
+}}
+launch launched
+launch probed --preload off
 kill -TERM $H; wait $H; echo heapprofd_status=$?
 "#,
             program = program.display()
@@ -264,6 +278,13 @@ kill -TERM $H; wait $H; echo heapprofd_status=$?
     assert!(output.status.success(), "{context}");
     for key in ["launched_status", "probed_status", "heapprofd_status"] {
         assert_eq!(value(&stdout, key), "0", "{key}\n{context}");
+    }
+    for key in ["launched_read", "probed_read"] {
+        assert_ne!(
+            value(&stdout, key),
+            "0",
+            "the system-wide heapprofd read the program's image ({key})\n{context}"
+        );
     }
     for (how, name) in [
         ("launched with its library", "launched"),
