@@ -571,6 +571,10 @@ echo left=$(lists)
 # No heapprofd: the library is loaded, finds no one to join, and changes nothing.
 {program} > $D/inert.out; echo inert_status=$?
 {valgrind} {program} > $D/inert_valgrind.out; echo inert_valgrind_status=$?
+# Nor does it stand between the program and its allocator: the dynamic loader's own
+# account of each symbol it binds.
+mkdir $D/bindings
+LD_DEBUG=bindings LD_DEBUG_OUTPUT=$D/bindings/of {program} > /dev/null; echo bindings_status=$?
 # The next heapprofd replaces the dead one's socket and keeps the one entry.
 start --all --preload system -o $D/second --interval 60s --stats-json $D/stats.json
 echo retaken=$(lists)
@@ -605,6 +609,8 @@ echo after=$(lists)
             "{file} counted its allocations:\n{printed}"
         );
     }
+    assert_eq!(value(&stdout, "bindings_status"), "0", "{context}");
+    check_allocator_bound_past_the_library(&dir.path().join("bindings"));
     assert_eq!(
         value(&stdout, "retaken"),
         "1",
@@ -629,6 +635,57 @@ echo after=$(lists)
             .is_some_and(|asked| asked >= 1),
         "the shell's copy, joined to the killed heapprofd, was asked again: {figures}\n{context}"
     );
+}
+
+/// The C allocation functions a program calls.
+const ALLOCATOR_SYMBOLS: [&str; 5] = ["malloc", "free", "calloc", "realloc", "posix_memalign"];
+
+/// From the dynamic loader's `LD_DEBUG=bindings` output in `dir` (one file per
+/// process): the system-wide library was loaded (it bound symbols of its own), and
+/// every allocation function the program called was bound to an object that is not
+/// heapprofd's. An inert copy costs a program nothing per call: no call passes
+/// through it.
+fn check_allocator_bound_past_the_library(dir: &Path) {
+    let mut text = String::new();
+    for entry in std::fs::read_dir(dir).expect("the bindings directory") {
+        let path = entry.expect("a directory entry").path();
+        text += &std::fs::read_to_string(&path).expect("a bindings file");
+    }
+    // "binding file A [0] to B [0]: normal symbol `malloc' [GLIBC_2.2.5]"
+    let bindings: Vec<(&str, &str, &str)> = text
+        .lines()
+        .filter_map(|line| {
+            let rest = line.split_once("binding file ")?.1;
+            let (from, rest) = rest.split_once(" [")?;
+            let to = rest.split_once("] to ")?.1.split_once(" [")?.0;
+            let symbol = rest.split_once('`')?.1.split_once('\'')?.0;
+            Some((from, to, symbol))
+        })
+        .collect();
+    assert!(
+        bindings
+            .iter()
+            .any(|(from, _, _)| from.contains("heapprofd")),
+        "the system-wide library was not loaded into the program:\n{text}"
+    );
+    let allocator: Vec<_> = bindings
+        .iter()
+        .filter(|(from, _, symbol)| {
+            !from.contains("heapprofd") && ALLOCATOR_SYMBOLS.contains(symbol)
+        })
+        .collect();
+    for symbol in ["malloc", "free"] {
+        assert!(
+            allocator.iter().any(|(_, _, bound)| *bound == symbol),
+            "the program's `{symbol}` was never bound:\n{text}"
+        );
+    }
+    for (from, to, symbol) in allocator {
+        assert!(
+            !to.contains("heapprofd"),
+            "{from}'s `{symbol}` was bound to {to}, not past the inert library"
+        );
+    }
 }
 
 #[test]
