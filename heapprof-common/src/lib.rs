@@ -667,18 +667,20 @@ pub struct Config {
     pub fork_child_pid_offset: u32,
 }
 
-/// Index of the "armed" flag in `CONTROL`: the programs ignore every call until the
-/// daemon has attached all of them, so that no call is half seen (an entry without
-/// its return probe, a free without the entry probes).
-pub const CONTROL_ARMED: u32 = 0;
-
-/// Index of the thread-cache flag in `CONTROL`: set once the program that clears each
-/// CPU's cached thread id at every context switch is attached (`THREAD_ON_CPU`), so
-/// that the session program may take its thread's id from there.
-pub const CONTROL_THREAD_CACHE: u32 = 1;
-
-/// Number of slots in `CONTROL`.
-pub const CONTROL_SLOTS: u32 = 2;
+/// The switches the daemon sets at run time: the one value of `CONTROL`, read whole by
+/// a program's one lookup.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Control {
+    /// Nonzero once the daemon has attached all the programs: they ignore every call
+    /// until then, so that no call is half seen (an entry without its return probe, a
+    /// free without the entry probes).
+    pub armed: u32,
+    /// Nonzero once the program that clears each CPU's cached thread id at every
+    /// context switch is attached (`THREAD_ON_CPU`), so that the session program may
+    /// take its thread's id from there.
+    pub thread_cache: u32,
+}
 
 /// Sent to the daemon when a traced process calls exec: its mappings are replaced, and
 /// the daemon reads the new ones while they are current.
@@ -706,6 +708,7 @@ pub const MAX_SAMPLE_RATE: u64 = 1 << 40;
 )]
 mod pod {
     // SAFETY: all of these are repr(C), Copy, made only of integers, with explicit padding.
+    unsafe impl aya::Pod for super::Control {}
     unsafe impl aya::Pod for super::InFlight {}
     unsafe impl aya::Pod for super::InFlightSlot {}
     unsafe impl aya::Pod for super::StackKey {}

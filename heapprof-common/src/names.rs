@@ -22,8 +22,7 @@ pub const SLOT_BY_PAGE_OFFSET: &str = "SLOT_BY_PAGE_OFFSET";
 /// one slot; 0: not known), cleared by [`PROG_THREAD_ON_CPU_RESET`] at every context
 /// switch.
 pub const THREAD_ON_CPU: &str = "THREAD_ON_CPU";
-/// Switches set by the daemon at run time (`Array<u32>`, indexed by
-/// [`crate::CONTROL_ARMED`]).
+/// Switches set by the daemon at run time (`Array<crate::Control>`, one value).
 pub const CONTROL: &str = "CONTROL";
 /// The live-block table (`Array<live::LiveBucket>`, one per bucket; see
 /// [`crate::live`]).

@@ -69,7 +69,7 @@ use heapprof_common::{
 
 use crate::{
     call_sites,
-    maps::{EXEC_GEN, armed, count_drop, ignored, probe_spec},
+    maps::{EXEC_GEN, count_drop, probe_spec},
     regs::{self, RETURN_SP_OFFSET},
     sampling::sampled,
     sites, threads,
@@ -238,20 +238,22 @@ fn inside_unrecorded(
     nested
 }
 
-/// An allocator function's entry probe in thread `tid`: records the call if it is the
-/// user's. Returns whether the call's return probe has anything to do: a session link
-/// (`spec.session`) then skips the return of the calls it has not.
+/// An allocator function's entry probe in thread `tid`, whose call record is
+/// `existing` (armed programs only): records the call if it is the user's. Returns
+/// whether the call's return probe has anything to do: a session link (`spec.session`)
+/// then skips the return of the calls it has not.
 #[inline(always)]
-pub fn enter(ctx: &ProbeContext, spec: &ProbeSpec, tid: u64, call: Call) -> bool {
-    if ignored(tid) || !armed() {
-        return false;
-    }
+pub fn enter(
+    ctx: &ProbeContext,
+    spec: &ProbeSpec,
+    (tid, existing): (u64, Option<*mut InFlight>),
+    call: Call,
+) -> bool {
     let (ip, sp) = regs::at_entry(ctx);
     // The stack pointer at the function's entry, before the pushes the probe follows.
     let sp = sp.wrapping_add(u64::from(spec.sp_adjust));
     let mut entering = Entering::new(ctx, sp);
     let placed = Placed::at(ip, spec);
-    let existing = threads::record(tid);
     let mut exec_gen = 0;
     let mut last_block = 0;
     let mut returns_awaited = 0;
@@ -376,20 +378,22 @@ pub fn returned(ctx: &RetProbeContext, pid_tgid: u64) -> Option<InFlight> {
     Some(call)
 }
 
-/// Whether thread `pid_tgid` may have a session link's return to come: one of its
-/// calls asked for its return and has not seen it, or it has no record to say.
+/// Whether a thread whose call record is `record` may have a session link's return to
+/// come: one of its calls asked for its return and has not seen it, or it has no
+/// record to say.
 #[inline(always)]
-pub fn return_awaited(pid_tgid: u64) -> bool {
-    threads::record(pid_tgid).is_none_or(|state| {
+pub fn return_awaited(record: Option<*mut InFlight>) -> bool {
+    record.is_none_or(|state| {
         // SAFETY: this thread's own entry.
         unsafe { (*state).returns_awaited != 0 }
     })
 }
 
-/// A session link's return of thread `pid_tgid` ran: one fewer to come.
+/// A session link's return ran in the thread whose call record is `record`: one fewer
+/// to come.
 #[inline(always)]
-pub fn return_arrived(pid_tgid: u64) {
-    if let Some(state) = threads::record(pid_tgid) {
+pub fn return_arrived(record: Option<*mut InFlight>) {
+    if let Some(state) = record {
         // SAFETY: this thread's own entry.
         unsafe { (*state).returns_awaited = (*state).returns_awaited.saturating_sub(1) };
     }
@@ -415,11 +419,17 @@ pub enum FreeCall {
     Other,
 }
 
-/// free's entry probe (`spec`) for block `ptr`: whether the free is the allocator's
-/// own, or frees the thread's last allocation.
+/// free's entry probe (`spec`) for block `ptr`, in the thread whose call record is
+/// `record`: whether the free is the allocator's own, or frees the thread's last
+/// allocation.
 #[inline(always)]
-pub fn free_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64, ptr: u64) -> FreeCall {
-    let Some(state) = threads::record(pid_tgid) else {
+pub fn free_call(
+    ctx: &ProbeContext,
+    spec: &ProbeSpec,
+    ptr: u64,
+    record: Option<*mut InFlight>,
+) -> FreeCall {
+    let Some(state) = record else {
         return FreeCall::Other;
     };
     // SAFETY: this thread's own entry.

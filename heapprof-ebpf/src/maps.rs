@@ -7,9 +7,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray, Queue, RingBuf},
 };
 use heapprof_common::{
-    CONTROL_ARMED, CONTROL_SLOTS, CONTROL_THREAD_CACHE, Config, DropReason, InFlight, InFlightSlot,
-    LiveKey, MAX_PROBE_SLOTS, ProbeSlot, ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters,
-    SiteId, StackKey, StaleFree, UserStack, WalkEpoch,
+    Config, Control, DropReason, InFlight, InFlightSlot, LiveKey, MAX_PROBE_SLOTS, ProbeSlot,
+    ProbeSpec, ProcessUsage, ProcessUsageSlot, SiteCounters, SiteId, StackKey, StaleFree,
+    UserStack, WalkEpoch,
     live::{FILTER_SLOTS, FilterPair, LiveBucket},
     page_slots::{self, PAGE_OFFSET_ENTRIES},
     preload::{Preloaded, QueueState, REPLY_READS, REPLY_SLOTS, StackReply},
@@ -34,7 +34,7 @@ pub static PROBES: Array<ProbeSpec> = Array::with_max_entries(MAX_PROBE_SLOTS, 0
 #[map(name = "SLOT_BY_PAGE_OFFSET")]
 pub static SLOT_BY_PAGE_OFFSET: Array<u32> = Array::with_max_entries(PAGE_OFFSET_ENTRIES, 0);
 #[map(name = "CONTROL")]
-pub static CONTROL: Array<u32> = Array::with_max_entries(CONTROL_SLOTS, 0);
+pub static CONTROL: Array<Control> = Array::with_max_entries(1, 0);
 /// The live-block table, one bucket each (see `crate::live`); mapped by the daemon.
 #[map(name = "LIVE")]
 pub static LIVE: Array<LiveBucket> = Array::with_max_entries(1, BPF_F_MMAPABLE);
@@ -340,18 +340,16 @@ pub fn slot_by_page_offset(address: u64) -> Option<ProbeSlot> {
         .and_then(|entry| page_slots::slot(*entry))
 }
 
-/// Whether the program that clears `THREAD_ON_CPU` at every context switch is attached.
+/// The daemon's switches (all off until it sets them), in one lookup.
 #[inline(always)]
-pub fn thread_cache_on() -> bool {
-    CONTROL
-        .get(CONTROL_THREAD_CACHE)
-        .is_some_and(|flag| *flag != 0)
+pub fn control() -> Control {
+    CONTROL.get(0).copied().unwrap_or_default()
 }
 
-/// Whether the daemon has attached every probe (see [`CONTROL_ARMED`]).
+/// Whether the daemon has attached every probe (see [`Control::armed`]).
 #[inline(always)]
 pub fn armed() -> bool {
-    CONTROL.get(CONTROL_ARMED).is_some_and(|flag| *flag != 0)
+    control().armed != 0
 }
 
 /// Whether the calling process is the one the daemon asked to ignore (itself), or

@@ -18,7 +18,7 @@ use aya_ebpf::{
     programs::{ProbeContext, RawTracePointContext, RetProbeContext, TracePointContext},
 };
 use heapprof_common::{
-    DropReason, ExecEvent, NO_REGISTER, ProbeRole, ProbeSlot, ProbeSpec,
+    DropReason, ExecEvent, InFlight, NO_REGISTER, ProbeRole, ProbeSlot, ProbeSpec,
     unwind::{MappingsRequest, RequestReason},
 };
 
@@ -26,13 +26,13 @@ use crate::{
     calls::{self, Call, FreeCall},
     maps::{
         EXEC_EVENTS, EXEC_GEN, LOADER_SYNCS, MAPPINGS_REQUESTS, PRELOADED, PROCESS_MAPPINGS,
-        REPORT_QUEUES, THREAD_ON_CPU, armed, count_drop, empty_programs, hold_at_loader_events,
-        ignored, page_size, preloaded, probe_spec, slot_by_page_offset, stacks_only, target_tgid,
-        thread_cache_on,
+        REPORT_QUEUES, THREAD_ON_CPU, armed, control, count_drop, empty_programs,
+        hold_at_loader_events, ignored, page_size, preloaded, probe_spec, slot_by_page_offset,
+        stacks_only, target_tgid,
     },
     regs,
     sites::{self, Frees, NewSite, Usage},
-    stack,
+    stack, threads,
     walk_cache::{self, WalkStart},
 };
 
@@ -84,12 +84,21 @@ fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) -> bool {
     spec.in_library != 0 && offset >= spec.text_start && offset < spec.text_end
 }
 
-/// The entry probe of the function in `slot`: free's accounting, or the call matching.
-/// `pid_tgid` is the thread's id, which the caller reads once (each read is a helper
-/// call). Returns whether the call's return probe has anything to do (see
-/// [`calls::enter`]).
+/// The entry probe of the function in `slot`, once the programs are armed: free's
+/// accounting, or the call matching. `pid_tgid` is the thread's id and `record` its
+/// call record, which the caller reads once (the id's read is a helper call, and the
+/// record's a table lookup the session program makes anyway). Returns whether the
+/// call's return probe has anything to do (see [`calls::enter`]).
 #[inline(always)]
-fn on_entry(ctx: &ProbeContext, slot: ProbeSlot, pid_tgid: u64) -> bool {
+fn on_entry(
+    ctx: &ProbeContext,
+    slot: ProbeSlot,
+    pid_tgid: u64,
+    record: Option<*mut InFlight>,
+) -> bool {
+    if ignored(pid_tgid) {
+        return false;
+    }
     let Some(spec) = probe_spec(slot) else {
         return false;
     };
@@ -101,14 +110,14 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot, pid_tgid: u64) -> bool {
     }
     let old_ptr = regs::value_register(ctx, spec.ptr_reg);
     if role == ProbeRole::Free {
-        on_free(ctx, spec, pid_tgid, old_ptr);
+        on_free(ctx, spec, pid_tgid, old_ptr, record);
         return false;
     }
     let out_ptr = regs::value_register(ctx, spec.out_reg);
     calls::enter(
         ctx,
         spec,
-        pid_tgid,
+        (pid_tgid, record),
         Call {
             slot,
             size: requested_size(ctx, spec),
@@ -121,11 +130,14 @@ fn on_entry(ctx: &ProbeContext, slot: ProbeSlot, pid_tgid: u64) -> bool {
 /// A free function's probe: credits the block to its site, unless an allocator call
 /// in progress made it (realloc's own free).
 #[inline(always)]
-fn on_free(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64, ptr: u64) {
-    if ignored(pid_tgid) || !armed() {
-        return;
-    }
-    let temporary = match calls::free_call(ctx, spec, pid_tgid, ptr) {
+fn on_free(
+    ctx: &ProbeContext,
+    spec: &ProbeSpec,
+    pid_tgid: u64,
+    ptr: u64,
+    record: Option<*mut InFlight>,
+) {
+    let temporary = match calls::free_call(ctx, spec, ptr, record) {
         FreeCall::Nested => return,
         FreeCall::Temporary => true,
         FreeCall::Other => false,
@@ -233,21 +245,25 @@ fn cookie_slot(ctx: &ProbeContext) -> ProbeSlot {
     unsafe { bpf_get_attach_cookie(ctx.as_ptr()) as ProbeSlot }
 }
 
+/// An entry probe's run on a kernel without session links.
+#[inline(always)]
+fn classic_entry(ctx: &ProbeContext) {
+    if empty_programs() || !armed() {
+        return;
+    }
+    let pid_tgid = bpf_get_current_pid_tgid();
+    on_entry(ctx, cookie_slot(ctx), pid_tgid, threads::record(pid_tgid));
+}
+
 #[uprobe]
 pub fn entry(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, cookie_slot(&ctx), bpf_get_current_pid_tgid());
+    classic_entry(&ctx);
     0
 }
 
 #[uprobe(multi)]
 pub fn entry_multi(ctx: ProbeContext) -> u32 {
-    if empty_programs() {
-        return 0;
-    }
-    on_entry(&ctx, cookie_slot(&ctx), bpf_get_current_pid_tgid());
+    classic_entry(&ctx);
     0
 }
 
@@ -281,17 +297,23 @@ pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
         // least any sampler on probes pays, since every call must be seen).
         return 1;
     }
-    let pid_tgid = current_thread();
-    if calls::return_awaited(pid_tgid) {
+    let control = control();
+    if control.armed == 0 {
+        // Nothing counts yet, and no call asked for its return.
+        return 1;
+    }
+    let pid_tgid = current_thread(control.thread_cache != 0);
+    let record = threads::record(pid_tgid);
+    if calls::return_awaited(record) {
         let (ip, _) = regs::at_entry(&ProbeContext::new(ctx));
         // SAFETY: the helper reads the probe's address from the program's run context.
         if ip != unsafe { bpf_get_func_ip(ctx) } {
-            calls::return_arrived(pid_tgid);
+            calls::return_arrived(record);
             session_return(ctx, pid_tgid);
             return 0;
         }
     }
-    session_entry(ctx, pid_tgid)
+    session_entry(ctx, pid_tgid, record)
 }
 
 /// [`entry_session`] at an entry: 1 when the return has nothing to do. A function of
@@ -299,11 +321,11 @@ pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
 /// frame would exceed the 512 bytes of stack the verifier allows a chain of calls
 /// before 6.18 ("combined stack size of 3 calls is 560" on 6.12).
 #[inline(never)]
-fn session_entry(ctx: *mut core::ffi::c_void, pid_tgid: u64) -> u32 {
+fn session_entry(ctx: *mut core::ffi::c_void, pid_tgid: u64, record: Option<*mut InFlight>) -> u32 {
     let ctx = ProbeContext::new(ctx);
     let (ip, _) = regs::at_entry(&ctx);
     let slot = slot_by_page_offset(ip).unwrap_or_else(|| cookie_slot(&ctx));
-    u32::from(!on_entry(&ctx, slot, pid_tgid))
+    u32::from(!on_entry(&ctx, slot, pid_tgid, record))
 }
 
 /// [`entry_session`] at a return.
@@ -429,11 +451,11 @@ pub fn process_exec(_ctx: RawTracePointContext) -> i32 {
 /// has cleared it, else from the helper, which then fills the cache. A helper call is
 /// a run's dearest step (about 19 ns as its first call); the current task changes only
 /// through a switch, which [`thread_on_cpu_reset`] sees. The cache is used only once
-/// the daemon has attached that program (`CONTROL_THREAD_CACHE`), and filled only
-/// once the programs are armed, after it.
+/// the daemon has attached that program (`Control::thread_cache`, `cache_on`), and
+/// filled only by armed programs, after it.
 #[inline(always)]
-fn current_thread() -> u64 {
-    if !thread_cache_on() {
+fn current_thread(cache_on: bool) -> u64 {
+    if !cache_on {
         return bpf_get_current_pid_tgid();
     }
     let Some(cached) = THREAD_ON_CPU.get_ptr_mut(0) else {
@@ -446,10 +468,8 @@ fn current_thread() -> u64 {
         return known;
     }
     let pid_tgid = bpf_get_current_pid_tgid();
-    if armed() {
-        // SAFETY: as above.
-        unsafe { *cached = pid_tgid };
-    }
+    // SAFETY: as above.
+    unsafe { *cached = pid_tgid };
     pid_tgid
 }
 

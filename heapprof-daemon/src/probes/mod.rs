@@ -16,8 +16,7 @@ use aya::{
     sys::UProbeMultiFeature,
 };
 use heapprof_common::{
-    CONTROL_ARMED, CONTROL_THREAD_CACHE, Config, kernel::names as kernel_names, live, names,
-    unwind::UnwindMode,
+    Config, Control, kernel::names as kernel_names, live, names, unwind::UnwindMode,
 };
 
 pub use self::ldso_hook::DynamicLoader;
@@ -319,24 +318,27 @@ pub fn attach_thread_switch(ebpf: &mut Ebpf) -> Result<()> {
 
 /// Sessions with uprobe session links: attaches the program that clears each CPU's
 /// cached thread id at every context switch, then lets the session program use the
-/// cache (`CONTROL_THREAD_CACHE`; see `heapprof-ebpf`'s `current_thread`).
+/// cache (`Control::thread_cache`; see `heapprof-ebpf`'s `current_thread`).
 pub fn cache_thread_on_cpu(ebpf: &mut Ebpf) -> Result<()> {
     raw_tracepoint(
         ebpf,
         names::PROG_THREAD_ON_CPU_RESET,
         names::SWITCH_TRACEPOINT,
     )?;
-    set_control(ebpf, CONTROL_THREAD_CACHE).context("turning the per-CPU thread id on")
+    set_control(ebpf, |control| control.thread_cache = 1)
+        .context("turning the per-CPU thread id on")
 }
 
-/// Sets flag `slot` of `CONTROL` to 1.
-fn set_control(ebpf: &mut Ebpf, slot: u32) -> Result<()> {
-    let mut control: Array<_, u32> = ebpf
+/// Sets a switch of `CONTROL` (`set` changes its value; the daemon alone writes it).
+fn set_control(ebpf: &mut Ebpf, set: impl FnOnce(&mut Control)) -> Result<()> {
+    let mut control: Array<_, Control> = ebpf
         .map_mut(names::CONTROL)
         .with_context(|| format!("BPF map {} missing from the object", names::CONTROL))?
         .try_into()
         .with_context(|| format!("BPF map {} has an unexpected type", names::CONTROL))?;
-    control.set(slot, &1, 0)?;
+    let mut value = control.get(&0, 0)?;
+    set(&mut value);
+    control.set(0, &value, 0)?;
     Ok(())
 }
 
@@ -364,5 +366,5 @@ fn syscall_tracepoints(ebpf: &mut Ebpf, program: &str, tracepoints: &[&str]) -> 
 /// later (a new process's allocator) count from their attachment: their specs are in
 /// place before them.
 pub fn arm(ebpf: &mut Ebpf) -> Result<()> {
-    set_control(ebpf, CONTROL_ARMED).context("arming the BPF programs")
+    set_control(ebpf, |control| control.armed = 1).context("arming the BPF programs")
 }
