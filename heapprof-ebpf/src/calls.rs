@@ -58,7 +58,7 @@
 //! thread's last block is cleared at the entry, as an unsampled call's return did.
 //!
 //! Besides, the programs stay inert until the daemon has attached every probe (the
-//! `CONTROL` flag), so that attaching to a busy process starts with whole calls only,
+//! `Control::armed` switch), so that attaching to a busy process starts with whole calls only,
 //! and a thread's record is removed when the thread exits.
 
 use aya_ebpf::programs::{ProbeContext, RetProbeContext};
