@@ -383,80 +383,145 @@ fn write(
     limits: Limits,
     shared_size: usize,
 ) -> Result<Vec<Vec<u8>>, ProfileError> {
-    let by_pid: HashMap<Option<i64>, usize> = batch
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (pid_of(&p.labels, pid_keys), i))
-        .collect();
-    let mut sinks: Vec<Sink> = batch
-        .iter()
-        .map(|p| Sink::new(shared_size + p.size, limits))
-        .collect();
+    let mut writer = BatchWriter::new(batch, pid_keys, limits, shared_size);
     let mut fields = Fields::new(pprof_gz);
     let mut buffer = Vec::new();
-    let mut scratch = Vec::new();
+    let mut copied = Vec::new();
     while let Some(key) = fields.next_key()? {
         match key {
             (SAMPLE, LEN) => {
                 fields.bytes(&mut buffer)?;
-                let mut sample = Sample::decode(buffer.as_slice())?;
-                let Some(&i) = by_pid.get(&pid_of(&sample.label, pid_keys)) else {
-                    continue;
-                };
-                for id in &mut sample.location_id {
-                    *id = batch[i].locations.get(*id);
-                }
-                sinks[i].message(SAMPLE, &sample, &mut scratch);
+                writer.sample(&buffer)?;
             }
             (MAPPING, LEN) => {
                 fields.bytes(&mut buffer)?;
-                let mut mapping = Mapping::decode(buffer.as_slice())?;
-                let old = mapping.id;
-                for (process, sink) in batch.iter().zip(&mut sinks) {
-                    if let Some(&id) = process.mappings.ids.get(&old) {
-                        mapping.id = id;
-                        sink.message(MAPPING, &mapping, &mut scratch);
-                    }
-                }
+                writer.mapping(&buffer)?;
             }
             (LOCATION, LEN) => {
                 fields.bytes(&mut buffer)?;
-                let location = Location::decode(buffer.as_slice())?;
-                for (process, sink) in batch.iter().zip(&mut sinks) {
-                    let Some(&id) = process.locations.ids.get(&location.id) else {
-                        continue;
-                    };
-                    let mut renumbered = location.clone();
-                    renumbered.id = id;
-                    renumbered.mapping_id = process.mappings.get(location.mapping_id);
-                    for line in &mut renumbered.line {
-                        line.function_id = process.functions.get(line.function_id);
-                    }
-                    sink.message(LOCATION, &renumbered, &mut scratch);
-                }
+                writer.location(&buffer)?;
             }
             (FUNCTION, LEN) => {
                 fields.bytes(&mut buffer)?;
-                let mut function = Function::decode(buffer.as_slice())?;
-                let old = function.id;
-                for (process, sink) in batch.iter().zip(&mut sinks) {
-                    if let Some(&id) = process.functions.ids.get(&old) {
-                        function.id = id;
-                        sink.message(FUNCTION, &function, &mut scratch);
-                    }
-                }
+                writer.function(&buffer)?;
             }
             (field, wire_type) if field > LAST_FIELD => fields.skip(wire_type)?,
             key => {
-                scratch.clear();
-                fields.copy(key, &mut buffer, &mut scratch)?;
-                for sink in &mut sinks {
-                    sink.write(&scratch);
-                }
+                copied.clear();
+                fields.copy(key, &mut buffer, &mut copied)?;
+                writer.shared(&copied);
             }
         }
     }
-    Ok(sinks.into_iter().map(Sink::finish).collect())
+    Ok(writer.finish())
+}
+
+/// The profiles of one batch as [`write`] builds them, field by field: each table's
+/// entries go to the processes that use them, renumbered for each.
+struct BatchWriter<'a> {
+    batch: &'a [Process],
+    pid_keys: &'a HashSet<i64>,
+    /// The batch's index of each process, by its pid label.
+    by_pid: HashMap<Option<i64>, usize>,
+    /// Each process's profile, in the batch's order.
+    sinks: Vec<Sink>,
+    /// Where each message is encoded before it is written.
+    scratch: Vec<u8>,
+}
+
+impl<'a> BatchWriter<'a> {
+    fn new(
+        batch: &'a [Process],
+        pid_keys: &'a HashSet<i64>,
+        limits: Limits,
+        shared_size: usize,
+    ) -> Self {
+        Self {
+            batch,
+            pid_keys,
+            by_pid: batch
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (pid_of(&p.labels, pid_keys), i))
+                .collect(),
+            sinks: batch
+                .iter()
+                .map(|p| Sink::new(shared_size + p.size, limits))
+                .collect(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// A sample goes to its process's profile (none outside the batch), with its
+    /// locations renumbered there.
+    fn sample(&mut self, bytes: &[u8]) -> Result<(), ProfileError> {
+        let mut sample = Sample::decode(bytes)?;
+        let Some(&i) = self.by_pid.get(&pid_of(&sample.label, self.pid_keys)) else {
+            return Ok(());
+        };
+        for id in &mut sample.location_id {
+            *id = self.batch[i].locations.get(*id);
+        }
+        self.sinks[i].message(SAMPLE, &sample, &mut self.scratch);
+        Ok(())
+    }
+
+    /// A mapping goes to each process that uses it, with that process's id.
+    fn mapping(&mut self, bytes: &[u8]) -> Result<(), ProfileError> {
+        let mut mapping = Mapping::decode(bytes)?;
+        let old = mapping.id;
+        for (process, sink) in self.batch.iter().zip(&mut self.sinks) {
+            if let Some(&id) = process.mappings.ids.get(&old) {
+                mapping.id = id;
+                sink.message(MAPPING, &mapping, &mut self.scratch);
+            }
+        }
+        Ok(())
+    }
+
+    /// A location goes to each process that uses it, with that process's ids for it,
+    /// its mapping and its lines' functions.
+    fn location(&mut self, bytes: &[u8]) -> Result<(), ProfileError> {
+        let location = Location::decode(bytes)?;
+        for (process, sink) in self.batch.iter().zip(&mut self.sinks) {
+            let Some(&id) = process.locations.ids.get(&location.id) else {
+                continue;
+            };
+            let mut renumbered = location.clone();
+            renumbered.id = id;
+            renumbered.mapping_id = process.mappings.get(location.mapping_id);
+            for line in &mut renumbered.line {
+                line.function_id = process.functions.get(line.function_id);
+            }
+            sink.message(LOCATION, &renumbered, &mut self.scratch);
+        }
+        Ok(())
+    }
+
+    /// A function goes to each process that uses it, with that process's id.
+    fn function(&mut self, bytes: &[u8]) -> Result<(), ProfileError> {
+        let mut function = Function::decode(bytes)?;
+        let old = function.id;
+        for (process, sink) in self.batch.iter().zip(&mut self.sinks) {
+            if let Some(&id) = process.functions.ids.get(&old) {
+                function.id = id;
+                sink.message(FUNCTION, &function, &mut self.scratch);
+            }
+        }
+        Ok(())
+    }
+
+    /// A field every profile holds as it is (the string table, the sample types...).
+    fn shared(&mut self, field: &[u8]) {
+        for sink in &mut self.sinks {
+            sink.write(field);
+        }
+    }
+
+    /// The profiles, gzip'd, in the batch's order.
+    fn finish(self) -> Vec<Vec<u8>> {
+        self.sinks.into_iter().map(Sink::finish).collect()
+    }
 }
 
 /// About the bytes a field of `length` bytes takes with its key and length.
