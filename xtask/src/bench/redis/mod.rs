@@ -13,9 +13,12 @@
 //! redis on a loopback port, warms it, attaches heapprofd (waiting for its probes),
 //! then times one `redis-benchmark` pass. Figures per mode: requests per second over the
 //! whole pass, redis's own CPU per request, and ratios to bare of the medians.
+//! After the timed rounds, one pass each of the sampled floor and sampled on the probes
+//! under `--bpf-stats` gives the entry program's time per call (`program_time`).
 
 pub(super) mod fleet;
 mod keys;
+mod program_time;
 mod server;
 
 use std::{
@@ -389,6 +392,7 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         json.insert(mode.key().to_owned(), mode_json);
     }
     write_costs(text, &medians);
+    let bpf_per_run = program_time::section(bench, requests, text);
     let _ = writeln!(text, "how --pid joined redis: {}", how_joined(&passes));
     let (goal_line, goal_json) = launch_goal(medians.rate(RedisMode::LaunchSampled));
     let _ = writeln!(text, "goal: {goal_line}");
@@ -407,6 +411,7 @@ pub fn section(bench: &Bench, runs: usize, quick: bool, text: &mut String) -> Re
         }
     };
     json.insert("launch_sampled_goal".to_owned(), goal_json);
+    json.insert("bpf_entry_per_run".to_owned(), bpf_per_run);
     json.insert(
         "stacks_through_zmalloc".to_owned(),
         json!({
