@@ -84,11 +84,12 @@ fn preload_call(ctx: &ProbeContext, spec: &ProbeSpec, pid_tgid: u64) -> bool {
     spec.in_library != 0 && offset >= spec.text_start && offset < spec.text_end
 }
 
-/// The entry probe of the function in `slot`, once the programs are armed: free's
-/// accounting, or the call matching. `pid_tgid` is the thread's id and `record` its
-/// call record, which the caller reads once (the id's read is a helper call, and the
-/// record's a table lookup the session program makes anyway). Returns whether the
-/// call's return probe has anything to do (see [`calls::enter`]).
+/// The entry probe of the function in `slot`, once the programs are armed, in a thread
+/// that is not ignored: free's accounting, or the call matching. `pid_tgid` is the
+/// thread's id and `record` its call record, which the caller reads once (the id's
+/// read is a helper call, and the record's a table lookup the session program makes
+/// anyway). Returns whether the call's return probe has anything to do (see
+/// [`calls::enter`]).
 #[inline(always)]
 fn on_entry(
     ctx: &ProbeContext,
@@ -96,9 +97,6 @@ fn on_entry(
     pid_tgid: u64,
     record: Option<*mut InFlight>,
 ) -> bool {
-    if ignored(pid_tgid) {
-        return false;
-    }
     let Some(spec) = probe_spec(slot) else {
         return false;
     };
@@ -252,6 +250,9 @@ fn classic_entry(ctx: &ProbeContext) {
         return;
     }
     let pid_tgid = bpf_get_current_pid_tgid();
+    if ignored(pid_tgid) {
+        return;
+    }
     on_entry(ctx, cookie_slot(ctx), pid_tgid, threads::record(pid_tgid));
 }
 
@@ -322,6 +323,9 @@ pub fn entry_session(ctx: *mut core::ffi::c_void) -> u32 {
 /// before 6.18 ("combined stack size of 3 calls is 560" on 6.12).
 #[inline(never)]
 fn session_entry(ctx: *mut core::ffi::c_void, pid_tgid: u64, record: Option<*mut InFlight>) -> u32 {
+    if ignored(pid_tgid) {
+        return 1;
+    }
     let ctx = ProbeContext::new(ctx);
     let (ip, _) = regs::at_entry(&ctx);
     let slot = slot_by_page_offset(ip).unwrap_or_else(|| cookie_slot(&ctx));
