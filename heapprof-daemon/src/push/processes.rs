@@ -468,14 +468,8 @@ impl<'a> BatchWriter<'a> {
 
     /// A mapping goes to each process that uses it, with that process's id.
     fn mapping(&mut self, bytes: &[u8]) -> Result<(), ProfileError> {
-        let mut mapping = Mapping::decode(bytes)?;
-        let old = mapping.id;
-        for (process, sink) in self.batch.iter().zip(&mut self.sinks) {
-            if let Some(&id) = process.mappings.ids.get(&old) {
-                mapping.id = id;
-                sink.message(MAPPING, &mapping, &mut self.scratch);
-            }
-        }
+        let mapping = Mapping::decode(bytes)?;
+        self.send_to_users(MAPPING, mapping, |p| &p.mappings, |m| &mut m.id);
         Ok(())
     }
 
@@ -500,15 +494,27 @@ impl<'a> BatchWriter<'a> {
 
     /// A function goes to each process that uses it, with that process's id.
     fn function(&mut self, bytes: &[u8]) -> Result<(), ProfileError> {
-        let mut function = Function::decode(bytes)?;
-        let old = function.id;
+        let function = Function::decode(bytes)?;
+        self.send_to_users(FUNCTION, function, |p| &p.functions, |f| &mut f.id);
+        Ok(())
+    }
+
+    /// An entry of a table that refers to nothing else by id (a mapping, a function),
+    /// in field `tag`: to each process whose `table` has its id, renumbered there.
+    fn send_to_users<M: prost::Message>(
+        &mut self,
+        tag: u64,
+        mut entry: M,
+        table: fn(&Process) -> &Renumbering,
+        id: fn(&mut M) -> &mut u64,
+    ) {
+        let old = *id(&mut entry);
         for (process, sink) in self.batch.iter().zip(&mut self.sinks) {
-            if let Some(&id) = process.functions.ids.get(&old) {
-                function.id = id;
-                sink.message(FUNCTION, &function, &mut self.scratch);
+            if let Some(&new) = table(process).ids.get(&old) {
+                *id(&mut entry) = new;
+                sink.message(tag, &entry, &mut self.scratch);
             }
         }
-        Ok(())
     }
 
     /// A field every profile holds as it is (the string table, the sample types...).
