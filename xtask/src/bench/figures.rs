@@ -13,6 +13,8 @@ use anyhow::{Context as _, Result};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use super::process::{Daemon, interrupt};
+
 /// What a heapprofd run wrote with `--stats-json` at its exit (the daemon's
 /// `stats_file.rs`): only the figures the benchmark reads.
 #[derive(Debug, Deserialize)]
@@ -84,6 +86,14 @@ pub(super) struct ProgramRunTime {
 }
 
 impl DaemonStats {
+    /// Stops `daemon` with SIGINT, as a person would, and reads what it wrote at exit.
+    pub(super) fn at_stop(daemon: Daemon) -> Result<Self> {
+        interrupt(&daemon.child);
+        let mut child = daemon.child;
+        child.wait()?;
+        Self::read(&daemon.stats)
+    }
+
     /// Reads the file heapprofd wrote at `path` (it exists once heapprofd has exited).
     pub(super) fn read(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)

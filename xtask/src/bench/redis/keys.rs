@@ -10,7 +10,7 @@ use anyhow::{Context as _, Result, bail};
 use serde_json::{Value, json};
 
 use super::server::{PORT, Redis};
-use crate::bench::{Bench, figures::DaemonStats, process::interrupt, summary::number};
+use crate::bench::{Bench, figures::DaemonStats, summary::number};
 
 /// What one filling of redis gave.
 struct Filled {
@@ -23,7 +23,7 @@ struct Filled {
 /// Fills a fresh redis with `keys` random keys under `heapprofd --pid` (default flags).
 fn fill(bench: &Bench, keys: u32) -> Result<Filled> {
     let redis = Redis::start()?;
-    let mut daemon = bench.start_heapprofd(&["--interval", "1h"], redis.pid())?;
+    let daemon = bench.start_heapprofd(&["--interval", "1h"], redis.pid())?;
     let status = Command::new("taskset")
         .args(["-c", "1", "redis-benchmark", "-p", PORT])
         .args(["-t", "set", "-P", "32", "-q"])
@@ -43,9 +43,7 @@ fn fill(bench: &Bench, keys: u32) -> Result<Filled> {
         .trim()
         .parse()
         .context("redis-cli dbsize gave no number")?;
-    interrupt(&daemon.child);
-    daemon.child.wait()?;
-    let stats = DaemonStats::read(&daemon.stats)?;
+    let stats = DaemonStats::at_stop(daemon)?;
     Ok(Filled {
         keys,
         live_blocks: stats.final_profile.inuse_blocks,

@@ -36,7 +36,7 @@ use crate::{
     bench::{
         Bench,
         figures::{DaemonStats, joined_answer},
-        process::{cpu_seconds, interrupt, rotated_rounds},
+        process::{cpu_seconds, rotated_rounds},
         summary::{Spread, number, spread},
     },
     step,
@@ -252,10 +252,7 @@ fn pass(bench: &Bench, mode: RedisMode, requests: u32) -> Result<Pass> {
     let cpu = cpu_seconds(redis.pid())? - cpu_before;
     let (single_stepped, through_zmalloc, joined) = match daemon {
         Some(daemon) => {
-            interrupt(&daemon.child);
-            let mut child = daemon.child;
-            child.wait()?;
-            let stats = DaemonStats::read(&daemon.stats)?;
+            let stats = DaemonStats::at_stop(daemon)?;
             let joined = stats.joined.map(|j| (j.how, j.reason));
             (Some(stats.single_stepped_probes), None, joined)
         }

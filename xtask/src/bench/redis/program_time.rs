@@ -14,7 +14,6 @@ use super::{RedisMode, TESTS, client, server::Redis};
 use crate::bench::{
     Bench,
     figures::{DaemonStats, ProgramRunTime},
-    process::interrupt,
     summary::number,
 };
 
@@ -60,10 +59,7 @@ fn per_run(bench: &Bench, mode: RedisMode, requests: u32) -> Result<PerRun> {
     flags.push("--bpf-stats");
     let daemon = bench.start_heapprofd(&flags, redis.pid())?;
     client(TESTS, requests)?;
-    interrupt(&daemon.child);
-    let mut child = daemon.child;
-    child.wait()?;
-    let run_time = DaemonStats::read(&daemon.stats)?
+    let run_time = DaemonStats::at_stop(daemon)?
         .bpf_run_time
         .context("heapprofd --bpf-stats wrote no BPF run time")?;
     entry_program(&run_time.programs)
